@@ -1,0 +1,1 @@
+"""Events, codec, sockets and config shared by every ledgerserve process."""

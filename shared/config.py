@@ -1,0 +1,64 @@
+"""Engine configuration: one frozen dataclass, built by the launcher from the CLI,
+written into the run directory, read by every child and logged in the event-log header.
+
+Facts found at start-up (KV capacity, vocab size) travel in WorkerReady, never here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import msgspec
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: str
+    served_model_name: str
+    max_model_len: int
+    host: str = "127.0.0.1"
+    port: int = 8000
+    dtype: str = "float32"  # resolved: float32 | bfloat16 | float16
+    device: str = "cpu"  # resolved: cpu | cuda
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: size the pool from gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9
+    load_format: str = "auto"  # auto | safetensors | dummy
+    seed: int = 0
+    event_log_dir: str = ""
+    shutdown_timeout_s: float = 30.0
+    tensor_parallel_size: int = 1
+    run_dir: str = ""  # the 0700 directory holding the ipc sockets
+    is_demo_model: bool = False
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    def to_json(self) -> bytes:
+        return msgspec.json.encode(dataclasses.asdict(self))
+
+    @staticmethod
+    def from_json(data: bytes) -> "EngineConfig":
+        return msgspec.json.decode(data, type=EngineConfig)
+
+
+def _validate(cfg: EngineConfig) -> None:
+    checks = [
+        (cfg.max_model_len > 0, "max_model_len must be > 0"),
+        (cfg.max_num_seqs > 0, "max_num_seqs must be > 0"),
+        (cfg.max_num_batched_tokens > 0, "max_num_batched_tokens must be > 0"),
+        (cfg.block_size > 0, "block_size must be > 0"),
+        (cfg.num_kv_blocks is None or cfg.num_kv_blocks > 0, "num_kv_blocks must be > 0"),
+        (0.0 < cfg.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]"),
+        (cfg.dtype in ("float32", "bfloat16", "float16"), f"unknown dtype {cfg.dtype!r}"),
+        (cfg.device in ("cpu", "cuda"), f"unknown device {cfg.device!r}"),
+        (cfg.load_format in ("auto", "safetensors", "dummy"), f"unknown load format {cfg.load_format!r}"),
+        (cfg.shutdown_timeout_s >= 0, "shutdown_timeout must be >= 0"),
+        (cfg.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)

@@ -1,0 +1,220 @@
+"""Every message between processes, and every record in the event log.
+
+One tagged union per channel (DESIGN.md §2). Structs are frozen, tagged by class name and
+encoded as msgpack arrays. New fields go at the end with a default; fields are never
+reordered or removed, so old logs still decode.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+from shared.sampling import SamplingParams
+
+
+class Event(msgspec.Struct, frozen=True, tag=True, array_like=True, omit_defaults=True):
+    """Base of every event; the tag is the class name."""
+
+
+# ---------------------------------------------------------------- tokenizer -> scheduler
+
+
+class RequestArrived(Event):
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time_s: float = 0.0  # wall clock, stamped by the tokenizer process
+    lora_name: str | None = None  # None: the base model
+
+
+class RequestAborted(Event):
+    """The client went away (`reason="abort"`) or a stop string matched (`"stop"`)."""
+
+    req_id: str
+    reason: str = "abort"
+
+
+# ---------------------------------------------------------------- scheduler -> tokenizer
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+    logprob: float  # of the sampled token
+    top_token_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
+class TokensEmitted(Event):
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    logprobs: list[TokenLogprobs] | None = None  # one per new token when asked for
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    stop_token_id: int | None = None  # the stop/EOS id that finished it, if any
+
+
+class RequestRejected(Event):
+    """The core refuses a request it can never serve (e.g. it can't fit in the KV pool)."""
+
+    req_id: str
+    message: str
+    code: int = 400
+    param: str | None = None
+
+
+class EngineFailed(Event):
+    """The engine can't go on; every in-flight request gets this error."""
+
+    message: str
+
+
+# ---------------------------------------------------------------- scheduler -> workers
+
+
+class NewReq(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+    """A request the worker has not seen (or saw before a preemption), sent in full."""
+
+    req_id: str
+    token_ids: list[int]  # prompt + outputs so far (outputs exist after a preemption)
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # tokens whose KV is already in block_ids (prefix cache)
+    num_scheduled_tokens: int  # tokens to compute this step, from num_computed_tokens
+    lora_slot: int = -1  # adapter GPU slot; -1 = base model
+
+
+class CachedReq(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+    """A request the worker already holds, as a delta since the previous step."""
+
+    req_id: str
+    new_token_ids: list[int]  # tokens sampled since the worker last saw it
+    new_block_ids: list[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    lora_slot: int = -1
+
+
+class StepPlan(Event):
+    """One forward pass. A request samples a token when its scheduled tokens reach the
+    end of its known tokens (prefill complete, or decode)."""
+
+    step: int
+    new_reqs: list[NewReq] = []
+    cached_reqs: list[CachedReq] = []
+    finished_req_ids: list[str] = []  # drop their state (finished or aborted)
+    preempted_req_ids: list[str] = []  # drop their state; they come back as NewReq
+
+
+class Shutdown(Event):
+    reason: str = ""
+
+
+# ---------------------------------------------------------------- workers -> scheduler
+
+
+class WorkerReady(Event):
+    rank: int
+    num_kv_blocks: int  # capacity found at start-up
+    vocab_size: int
+    eos_token_ids: list[int]
+    device: str
+    dtype: str
+
+
+class SampledToken(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+    req_id: str
+    token_id: int
+    logprobs: TokenLogprobs | None = None
+
+
+class StepCompleted(Event):
+    step: int
+    rank: int
+    sampled: list[SampledToken] = []  # rank 0 only
+    failed: list[FailedReq] = []  # requests that failed alone (isolated faults)
+
+
+class FailedReq(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+    req_id: str
+    message: str
+
+
+class RankDigest(Event):
+    """xxhash64 of what one rank applied after a step (its block tables and slot table)."""
+
+    step: int
+    rank: int
+    digest: int
+
+
+class WorkerFailed(Event):
+    rank: int
+    message: str
+
+
+# ---------------------------------------------------------------- core decisions (logged)
+
+
+class RequestFinished(Event):
+    req_id: str
+    finish_reason: str
+    num_output_tokens: int
+
+
+class RequestPreempted(Event):
+    req_id: str
+    step: int
+
+
+class StateDigest(Event):
+    """xxhash64 of a canonical encoding of the core's state after a step."""
+
+    step: int
+    digest: int
+
+
+class LogClosed(Event):
+    """Last record of a log that was shut down cleanly."""
+
+    reason: str = ""
+
+
+# ---------------------------------------------------------------- channel unions
+
+ToScheduler = Union[RequestArrived, RequestAborted]
+FromScheduler = Union[TokensEmitted, RequestRejected, EngineFailed]
+ToWorker = Union[StepPlan, Shutdown]
+FromWorker = Union[WorkerReady, StepCompleted, RankDigest, WorkerFailed]
+Decision = Union[
+    StepPlan,
+    TokensEmitted,
+    RequestRejected,
+    EngineFailed,
+    RequestFinished,
+    RequestPreempted,
+    StateDigest,
+    Shutdown,
+]
+CoreInput = Union[RequestArrived, RequestAborted, WorkerReady, StepCompleted, RankDigest, WorkerFailed]
+LogEvent = Union[
+    RequestArrived,
+    RequestAborted,
+    WorkerReady,
+    StepCompleted,
+    RankDigest,
+    WorkerFailed,
+    StepPlan,
+    TokensEmitted,
+    RequestRejected,
+    EngineFailed,
+    RequestFinished,
+    RequestPreempted,
+    StateDigest,
+    Shutdown,
+    LogClosed,
+]
+
+INPUT_TYPES: tuple[type, ...] = (RequestArrived, RequestAborted, WorkerReady, StepCompleted, RankDigest, WorkerFailed)
