@@ -64,6 +64,13 @@ class RequestRejected(Event):
     param: str | None = None
 
 
+class EngineReady(Event):
+    """Every worker rank is up; the engine can serve."""
+
+    num_kv_blocks: int
+    vocab_size: int
+
+
 class EngineFailed(Event):
     """The engine can't go on; every in-flight request gets this error."""
 
@@ -185,7 +192,7 @@ class LogClosed(Event):
 # ---------------------------------------------------------------- channel unions
 
 ToScheduler = Union[RequestArrived, RequestAborted]
-FromScheduler = Union[TokensEmitted, RequestRejected, EngineFailed]
+FromScheduler = Union[TokensEmitted, RequestRejected, EngineFailed, EngineReady]
 ToWorker = Union[StepPlan, Shutdown]
 FromWorker = Union[WorkerReady, StepCompleted, RankDigest, WorkerFailed]
 Decision = Union[

@@ -1,0 +1,109 @@
+"""The scheduler's shell: all of its IO. Receive an input, log it, apply it to the
+sans-IO core, log the decisions, then send them. Log first, then act (DESIGN.md §3)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import msgspec
+import zmq
+
+from scheduler_proc.core.core import Core, CoreConfig
+from shared import codec, events, ipc
+from shared.config import EngineConfig
+from shared.eventlog import EventLogWriter
+from shared.proc import send_ready
+
+log = logging.getLogger("scheduler")
+
+POLL_MS = 100
+TO_TOKENIZER_TYPES = (events.TokensEmitted, events.RequestRejected, events.EngineFailed, events.EngineReady)
+
+
+class SchedulerShell:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        ctx = zmq.Context.instance()
+        self.from_tokenizer = ipc.bind(ctx, zmq.PULL, config.run_dir, ipc.SCHED_IN)
+        self.from_workers = ipc.bind(ctx, zmq.PULL, config.run_dir, ipc.SCHED_FROM_WORKERS)
+        self.to_tokenizer = ipc.bind(ctx, zmq.PUSH, config.run_dir, ipc.TO_TOKENIZER)
+        self.to_workers = [
+            ipc.bind(ctx, zmq.PUSH, config.run_dir, ipc.to_worker(rank))
+            for rank in range(config.tensor_parallel_size)
+        ]
+        self.tokenizer_decoder = codec.to_scheduler_decoder()
+        self.worker_decoder = codec.from_worker_decoder()
+        self.core = Core(CoreConfig.from_engine(config))
+        os.makedirs(config.event_log_dir, exist_ok=True)
+        run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
+        self.log = EventLogWriter(config.event_log_dir, config.to_json(), run_id)
+        self.ready_ranks: set[int] = set()
+        self.num_dropped_frames = 0
+        self.stop_reason: str | None = None
+        self.failed = False
+
+    def request_stop(self, reason: str) -> None:
+        self.stop_reason = reason
+
+    def run(self) -> int:
+        poller = zmq.Poller()
+        poller.register(self.from_tokenizer, zmq.POLLIN)
+        poller.register(self.from_workers, zmq.POLLIN)
+        log.info("event log: %s", self.log.path)
+        try:
+            while self.stop_reason is None and not self.failed:
+                for sock, _ in poller.poll(POLL_MS):
+                    self._receive(sock)
+        finally:
+            self._close()
+        return 1 if self.failed else 0
+
+    def _receive(self, sock: zmq.Socket) -> None:
+        frame = sock.recv()
+        decoder = self.tokenizer_decoder if sock is self.from_tokenizer else self.worker_decoder
+        try:
+            event = decoder.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            self.num_dropped_frames += 1
+            log.warning("dropped an undecodable frame (%d so far)", self.num_dropped_frames)
+            return
+        self.handle(event)
+
+    def handle(self, event: events.Event) -> None:
+        self.log.append(event)
+        decisions = self.core.apply(event)
+        for decision in decisions:
+            self.log.append(decision)
+        self.log.flush(fsync=any(isinstance(d, events.StepPlan) for d in decisions))
+        for decision in decisions:
+            self._route(decision)
+        if isinstance(event, events.WorkerReady):
+            self._on_worker_ready(event)
+
+    def _route(self, decision: events.Event) -> None:
+        if isinstance(decision, events.StepPlan):
+            frame = codec.encode(decision)
+            for sock in self.to_workers:
+                sock.send(frame)
+        elif isinstance(decision, TO_TOKENIZER_TYPES):
+            self.to_tokenizer.send(codec.encode(decision))
+        if isinstance(decision, events.EngineFailed):
+            log.error("engine failed: %s", decision.message)
+            self.failed = True
+
+    def _on_worker_ready(self, ready: events.WorkerReady) -> None:
+        self.ready_ranks.add(ready.rank)
+        if len(self.ready_ranks) == self.config.tensor_parallel_size:
+            self.to_tokenizer.send(codec.encode(events.EngineReady(ready.num_kv_blocks, ready.vocab_size)))
+            send_ready(self.config.run_dir, "scheduler")
+
+    def _close(self) -> None:
+        shutdown = codec.encode(events.Shutdown(self.stop_reason or "engine failed"))
+        for sock in self.to_workers:
+            sock.send(shutdown, zmq.NOBLOCK)
+        self.log.append(events.LogClosed(self.stop_reason or "engine failed"))
+        self.log.flush(fsync=True)
+        self.log.close()
+        log.info("closed the event log after %d dropped frames", self.num_dropped_frames)

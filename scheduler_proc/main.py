@@ -1,0 +1,28 @@
+"""Scheduler process entry: `python -m scheduler_proc.main --config PATH`."""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+from scheduler_proc.loop import SchedulerShell
+from shared.proc import child_args, exit_with_parent, load_config, setup_logging
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = child_args(argv)
+    log = setup_logging("scheduler")
+    exit_with_parent()
+    config = load_config(args.config)
+    shell = SchedulerShell(config)
+    signal.signal(signal.SIGTERM, lambda *_: shell.request_stop("SIGTERM"))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return shell.run()
+    except Exception:
+        log.exception("scheduler failed")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

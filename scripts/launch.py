@@ -1,0 +1,9 @@
+#!/usr/bin/env python3
+"""Start the ledgerserve process group: same as `ledgerserve serve`."""
+
+import sys
+
+from shared.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(["serve", *sys.argv[1:]]))

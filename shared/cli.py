@@ -1,0 +1,52 @@
+"""`ledgerserve serve` and `ledgerserve replay`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("model_dir", nargs="?", default=None, help="local HF checkpoint directory (default: the demo model)")
+    add("--host", default="127.0.0.1")
+    add("--port", type=int, default=8000)
+    add("--served-model-name", default=None, help="model id in the API (default: the directory's name)")
+    add("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+        help="auto: float32 on CPU, bfloat16 on CUDA")
+    add("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    add("--max-model-len", type=int, default=None, help="default: the model's max_position_embeddings")
+    add("--max-num-seqs", type=int, default=None, help="requests per step (default 256 on CUDA, 64 on CPU)")
+    add("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (chunked-prefill budget)")
+    add("--block-size", type=int, default=16, help="tokens per KV block")
+    add("--num-kv-blocks", type=int, default=None, help="KV pool size; overrides --gpu-memory-utilization")
+    add("--gpu-memory-utilization", type=float, default=0.9)
+    add("--load-format", choices=["auto", "safetensors", "dummy"], default="auto")
+    add("--seed", type=int, default=0)
+    add("--event-log-dir", default=None, help="default: ~/.cache/ledgerserve/events")
+    add("--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
+    add("--tensor-parallel-size", type=int, default=1)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ledgerserve")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_args(sub.add_parser("serve", help="start the server (launcher, tokenizer, scheduler, workers)"))
+    sub.add_parser("replay", help="replay and verify an event log", add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "replay":
+        from scheduler_proc.replay import main as replay_main
+
+        return replay_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    from shared.launcher import serve
+
+    return serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

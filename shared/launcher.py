@@ -1,0 +1,103 @@
+"""The launcher: resolve the config, start the process group, wait for every ready
+handshake, supervise, and stop the whole group on a signal or on any child's death."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+from shared import ipc
+from shared.config import EngineConfig
+from shared.process_group import Child, ProcessGroup
+
+log = logging.getLogger("launcher")
+
+
+def serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=os.environ.get("LEDGERSERVE_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s launcher %(levelname)s %(message)s")
+    started = time.monotonic()
+    try:
+        config = resolve_config(args, ipc.make_run_dir())
+    except (ValueError, FileNotFoundError) as e:
+        print(f"ledgerserve: error: {e}", file=sys.stderr)
+        return 2
+    if config.is_demo_model:
+        log.warning("serving the DEMO model: its weights are RANDOM, its output is gibberish (%s)", config.model_dir)
+    group = ProcessGroup(config, children(config))
+    return group.run(started)
+
+
+def children(config: EngineConfig) -> list[Child]:
+    cfg_path = os.path.join(config.run_dir, "config.json")
+    with open(cfg_path, "wb") as f:
+        f.write(config.to_json())
+    py = sys.executable
+    procs = [Child("scheduler", [py, "-m", "scheduler_proc.main", "--config", cfg_path])]
+    for rank in range(config.tensor_parallel_size):
+        procs.append(Child(f"worker-{rank}", [py, "-m", "worker_proc.main", "--config", cfg_path, "--rank", str(rank)]))
+    procs.append(Child("tokenizer", [py, "-m", "tokenizer_proc.main", "--config", cfg_path]))
+    return procs
+
+
+def resolve_config(args: argparse.Namespace, run_dir: str) -> EngineConfig:
+    is_demo = args.model_dir is None
+    model_dir = _demo_model_dir() if is_demo else os.path.abspath(args.model_dir)
+    hf_config = _read_hf_config(model_dir)
+    device = _resolve_device(args.device)
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    max_pos = int(hf_config.get("max_position_embeddings", 2048))
+    max_model_len = args.max_model_len or max_pos
+    if max_model_len > max_pos:
+        raise ValueError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings {max_pos}")
+    return EngineConfig(
+        model_dir=model_dir,
+        served_model_name=args.served_model_name or os.path.basename(model_dir.rstrip("/")),
+        max_model_len=max_model_len,
+        host=args.host,
+        port=args.port,
+        dtype=dtype,
+        device=device,
+        max_num_seqs=args.max_num_seqs or (256 if device == "cuda" else 64),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        load_format=args.load_format,
+        seed=args.seed,
+        event_log_dir=os.path.abspath(args.event_log_dir or _default_log_dir()),
+        shutdown_timeout_s=args.shutdown_timeout,
+        tensor_parallel_size=args.tensor_parallel_size,
+        run_dir=run_dir,
+        is_demo_model=is_demo,
+    )
+
+
+def _demo_model_dir() -> str:
+    from shared.demo_model import ensure_demo_model
+
+    return ensure_demo_model()
+
+
+def _read_hf_config(model_dir: str) -> dict:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no config.json in model directory {model_dir}")
+    with open(path) as f:
+        return json.load(f)
+
+
+def _resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _default_log_dir() -> str:
+    return os.path.join(os.path.expanduser("~"), ".cache", "ledgerserve", "events")
