@@ -71,6 +71,17 @@ class EngineReady(Event):
     vocab_size: int
 
 
+class EngineStats(Event):
+    """Gauges of the core's state, sent after each step and when the engine goes idle.
+    Derived from logged state, so not logged itself."""
+
+    step: int
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+
+
 class EngineFailed(Event):
     """The engine can't go on; every in-flight request gets this error."""
 
@@ -192,7 +203,7 @@ class LogClosed(Event):
 # ---------------------------------------------------------------- channel unions
 
 ToScheduler = Union[RequestArrived, RequestAborted]
-FromScheduler = Union[TokensEmitted, RequestRejected, EngineFailed, EngineReady]
+FromScheduler = Union[TokensEmitted, RequestRejected, EngineFailed, EngineReady, EngineStats]
 ToWorker = Union[StepPlan, Shutdown]
 FromWorker = Union[WorkerReady, StepCompleted, RankDigest, WorkerFailed]
 Decision = Union[
