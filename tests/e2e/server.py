@@ -1,0 +1,112 @@
+"""Start the real process group (`ledgerserve serve`) for HTTP tests, and inspect it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import psutil
+
+START_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    model_dir: str | None
+    log_dir: str
+    extra_args: list[str] = field(default_factory=list)
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+    output_path: str = ""
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "Server":
+        args = [sys.executable, "-m", "shared.cli", "serve"]
+        args += [self.model_dir] if self.model_dir else []
+        args += ["--port", str(self.port), "--event-log-dir", self.log_dir, *self.extra_args]
+        self.output_path = os.path.join(self.log_dir, f"server-{self.port}.out")
+        out = open(self.output_path, "wb")
+        self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+        self.wait_healthy()
+        return self
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not healthy in {START_TIMEOUT_S} s:\n{self.output()}")
+
+    def output(self) -> str:
+        with open(self.output_path, errors="replace") as f:
+            return f.read()
+
+    def children(self) -> list[psutil.Process]:
+        return psutil.Process(self.proc.pid).children(recursive=True)
+
+    def run_dirs(self) -> list[str]:
+        """The launcher's ipc run directory, found from a child's --config argument."""
+        dirs = []
+        for child in self.children():
+            cmd = child.cmdline()
+            if "--config" in cmd:
+                dirs.append(os.path.dirname(cmd[cmd.index("--config") + 1]))
+        return sorted(set(dirs))
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=timeout_s)
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.base_url + "/metrics", timeout=5.0).text
+        values = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                values[name] = float(value)
+        return values
+
+    def wait_idle(self, timeout_s: float = 20.0) -> dict[str, float]:
+        """Until no request runs or waits and every KV block is free again."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            m = self.metrics()
+            idle = m.get("ledgerserve_num_requests_running") == 0 and m.get("ledgerserve_num_requests_waiting") == 0
+            if idle and m.get("ledgerserve_kv_blocks_free") == m.get("ledgerserve_kv_blocks_total"):
+                return m
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine not idle: {m}")
+            time.sleep(0.1)
+
+
+def assert_all_gone(pids: list[int], run_dirs: list[str], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        left = [d for d in run_dirs if os.path.exists(d)]
+        if not alive and not left:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"left behind: processes {alive}, run dirs {left}")
