@@ -1,0 +1,48 @@
+"""Run the scheduler core and one model runner in-process, with no IPC: the same events
+the processes exchange, passed by hand. For parity tests against transformers/PEFT."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from scheduler_proc.core.core import Core, CoreConfig
+from shared import events
+from shared.config import EngineConfig
+from worker_proc.runner import ModelRunner
+
+
+@dataclass
+class EngineRun:
+    outputs: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
+    finish_reasons: dict[str, str] = field(default_factory=dict)
+    decisions: list[events.Event] = field(default_factory=list)
+
+    def count(self, kind: type) -> int:
+        return sum(isinstance(d, kind) for d in self.decisions)
+
+
+def run_engine(config: EngineConfig, arrivals: list[events.RequestArrived], max_steps: int = 10_000) -> tuple[EngineRun, Core]:
+    core = Core(CoreConfig.from_engine(config))
+    runner = ModelRunner(config, rank=0)
+    run = EngineRun()
+    pending = core.apply(runner.ready())
+    for arrived in arrivals:
+        pending += core.apply(arrived)
+    for _ in range(max_steps):
+        _collect(run, pending)
+        plans = [d for d in pending if isinstance(d, events.StepPlan)]
+        if not plans:
+            return run, core
+        completed, digest = runner.execute(plans[0])
+        pending = core.apply(completed) + core.apply(digest)
+    raise RuntimeError(f"engine did not finish in {max_steps} steps")
+
+
+def _collect(run: EngineRun, decisions: list[events.Event]) -> None:
+    run.decisions.extend(decisions)
+    for d in decisions:
+        if isinstance(d, events.TokensEmitted):
+            run.outputs[d.req_id].extend(d.new_token_ids)
+            if d.finish_reason is not None:
+                run.finish_reasons[d.req_id] = d.finish_reason
