@@ -72,6 +72,7 @@ class Driver:
         tensor_parallel_size: int = 1,
         eos_token_ids: tuple[int, ...] = (EOS,),
         ready: bool = True,
+        log: Any = None,
     ) -> None:
         self.config = CoreConfig(max_num_seqs, max_num_batched_tokens, block_size, max_model_len, tensor_parallel_size)
         self.core = Core(self.config)
@@ -86,6 +87,7 @@ class Driver:
         self.emitted: list[ev.TokensEmitted] = []
         self._scripts: dict[str, deque[int]] = {}
         self._pending_plan: ev.StepPlan | None = None
+        self.log = log  # an EventLogWriter: inputs then decisions, as the shell logs them
         if ready:
             self.ready()
 
@@ -93,8 +95,13 @@ class Driver:
 
     def send(self, event: Any) -> list[Any]:
         self.inputs.append(event)
+        if self.log is not None:
+            self.log.append(event)
         decisions = self.core.apply(event)
         self.decisions += decisions
+        if self.log is not None:
+            for decision in decisions:
+                self.log.append(decision)
         for decision in decisions:
             self._observe(decision)
         self.core.check_integrity()
