@@ -53,6 +53,9 @@ class Core:
         if self.scheduler.is_ready:
             tables = [(req.req_id, req.block_ids) for req in self._live_requests()]
             self.scheduler.block_manager.check_integrity(tables)
+        for req in self.scheduler.running:
+            if len(req.block_ids) * self.config.block_size < req.num_computed_tokens:
+                raise RuntimeError(f"{req.req_id!r} holds {len(req.block_ids)} blocks for {req.num_computed_tokens} computed tokens")
         queued = list(self.scheduler.waiting) + self.scheduler.running
         if len(queued) != len(self.requests) or any(self.requests.get(r.req_id) is not r for r in queued):
             raise RuntimeError("queues and the request table disagree")

@@ -80,3 +80,31 @@ def test_non_input_event_raises():
     d = Driver()
     with pytest.raises(TypeError):
         d.core.apply(ev.StateDigest(1, 2))
+
+
+def test_core_imports_nothing_nondeterministic_or_io():
+    import ast
+    import pathlib
+
+    core_dir = pathlib.Path(__file__).parents[2] / "scheduler_proc" / "core"
+    forbidden = {"zmq", "torch", "time", "random", "os", "datetime", "uuid", "threading", "asyncio"}
+    for path in sorted(core_dir.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            assert not {n.split(".")[0] for n in names} & forbidden, f"{path.name} imports {names}"
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                assert node.func.id not in ("hash", "set", "frozenset"), f"{path.name} calls {node.func.id}()"
+
+
+def test_snapshot_and_integrity_helpers():
+    d = Driver(num_kv_blocks=8, block_size=4)
+    d.arrive("a", 6)
+    snap = d.core.snapshot()
+    assert snap["running"] == ["a"] and snap["requests"][0]["block_ids"] == [0, 1]
+    assert d.core.num_free_blocks == 6 and d.core.has_unfinished()
+    d.core.scheduler.block_manager.pool.free_block_ids.append(0)  # corrupt: block 0 twice
+    with pytest.raises(RuntimeError, match="block 0"):
+        d.core.check_integrity()
