@@ -1,0 +1,258 @@
+"""The sans-IO scheduler core: `Core.apply(event) -> list[Decision]`.
+
+Deterministic by construction: no clock, no randomness, no set iteration, no `hash()`;
+dicts are only used for lookups; every order comes from the input sequence or from
+`arrival_order`. The shell logs each input, applies it here, logs the decisions, sends them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shared import events as ev
+
+from scheduler_proc.core import digest
+from scheduler_proc.core.block_manager import BlockManager
+from scheduler_proc.core.config import CoreConfig
+from scheduler_proc.core.finish import admission_error, check_stop
+from scheduler_proc.core.plan import InFlightStep, build_plan
+from scheduler_proc.core.request import FINISH_REASON_TO_STATUS, Request, RequestStatus, transition
+from scheduler_proc.core.scheduler import Scheduler
+
+Decisions = list[Any]  # list[events.Decision]
+
+
+class Core:
+    def __init__(self, config: CoreConfig) -> None:
+        self.config = config
+        self.scheduler = Scheduler(config)
+        self.requests: dict[str, Request] = {}  # live requests, lookups only
+        self.ready: dict[int, ev.WorkerReady] = {}  # by rank, lookups only
+        self.eos_token_ids: list[int] = []
+        self.step = 0
+        self.in_flight: InFlightStep | None = None
+        self.finished_req_ids: list[str] = []  # to tell workers in the next plan
+        self.rank_digests: dict[int, dict[int, int]] = {}  # step -> rank -> digest
+        self.failure: str | None = None
+        self._num_arrived = 0
+
+    # ------------------------------------------------------------------ read-only views
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.scheduler.block_manager.num_total_blocks if self.scheduler.is_ready else 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.scheduler.block_manager.num_free_blocks if self.scheduler.is_ready else 0
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def check_integrity(self) -> None:
+        if self.scheduler.is_ready:
+            tables = [(req.req_id, req.block_ids) for req in self._live_requests()]
+            self.scheduler.block_manager.check_integrity(tables)
+        for req in self.scheduler.running:
+            if len(req.block_ids) * self.config.block_size < req.num_computed_tokens:
+                raise RuntimeError(f"{req.req_id!r} holds {len(req.block_ids)} blocks for {req.num_computed_tokens} computed tokens")
+        queued = list(self.scheduler.waiting) + self.scheduler.running
+        if len(queued) != len(self.requests) or any(self.requests.get(r.req_id) is not r for r in queued):
+            raise RuntimeError("queues and the request table disagree")
+
+    def snapshot(self) -> dict[str, Any]:
+        in_flight_step = self.in_flight.step if self.in_flight else None
+        return digest.snapshot(self.step, in_flight_step, self.scheduler, self._live_requests())
+
+    # ------------------------------------------------------------------ dispatch
+
+    def apply(self, event: Any) -> Decisions:
+        handler = _HANDLERS.get(type(event))
+        if handler is None:
+            raise TypeError(f"Core.apply: not a core input: {type(event).__name__}")
+        if self.failure is not None:
+            return self._after_failure(event)
+        decisions = handler(self, event)
+        if self.failure is None:
+            decisions += self._maybe_plan()
+        return decisions
+
+    def _after_failure(self, event: Any) -> Decisions:
+        if isinstance(event, ev.RequestArrived):
+            return [ev.RequestRejected(event.req_id, f"The engine has failed: {self.failure}", code=503)]
+        return []
+
+    def _fail(self, message: str) -> Decisions:
+        self.failure = message
+        return [ev.EngineFailed(message)]
+
+    # ------------------------------------------------------------------ inputs
+
+    def _on_worker_ready(self, event: ev.WorkerReady) -> Decisions:
+        if not 0 <= event.rank < self.config.tensor_parallel_size:
+            return self._fail(f"WorkerReady from rank {event.rank}, but tensor_parallel_size is {self.config.tensor_parallel_size}")
+        if event.rank in self.ready:
+            return self._fail(f"rank {event.rank} reported ready twice")
+        self.ready[event.rank] = event
+        if len(self.ready) < self.config.tensor_parallel_size:
+            return []
+        ranks = [self.ready[rank] for rank in range(self.config.tensor_parallel_size)]
+        num_blocks = min(r.num_kv_blocks for r in ranks)
+        if num_blocks <= 0:
+            return self._fail(f"the workers found no room for KV blocks (num_kv_blocks={num_blocks})")
+        self.eos_token_ids = list(ranks[0].eos_token_ids)
+        self.scheduler.attach(BlockManager(num_blocks, self.config.block_size))
+        decisions: Decisions = []
+        for req in list(self.scheduler.waiting):  # those that arrived before capacity was known
+            decisions += self._reject_if_unservable(req)
+        return decisions
+
+    def _on_request_arrived(self, event: ev.RequestArrived) -> Decisions:
+        if event.req_id in self.requests or event.req_id in self.finished_req_ids:
+            return [ev.RequestRejected(event.req_id, f"Request id {event.req_id!r} is already in use.", param="request_id")]
+        if event.lora_name is not None:
+            message = f"The model `{event.lora_name}` does not exist (LoRA adapters are not served yet)."
+            return [ev.RequestRejected(event.req_id, message, code=404, param="model")]
+        self._num_arrived += 1
+        req = Request(event.req_id, event.prompt_token_ids, event.sampling, self._num_arrived, event.lora_name)
+        self.requests[req.req_id] = req
+        self.scheduler.add(req)
+        return self._reject_if_unservable(req)
+
+    def _on_request_aborted(self, event: ev.RequestAborted) -> Decisions:
+        req = self.requests.get(event.req_id)
+        if req is None:
+            return []  # already finished, or never known: nothing to do
+        reason = event.reason if event.reason in ("abort", "stop") else "abort"
+        return self._finish(req, reason, [], None, None)
+
+    def _on_step_completed(self, event: ev.StepCompleted) -> Decisions:
+        if event.rank != 0:
+            return []  # only rank 0 reports sampled tokens
+        if self.in_flight is None or event.step != self.in_flight.step:
+            expected = self.in_flight.step if self.in_flight else None
+            return self._fail(f"StepCompleted for step {event.step}, but the step in flight is {expected}")
+        sampled = {token.req_id: token for token in event.sampled}
+        failed = {item.req_id: item.message for item in event.failed}
+        decisions: Decisions = []
+        for item in self.in_flight.reqs:
+            req = self.requests.get(item.req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            if item.req_id in failed:
+                decisions += self._fail_request(req, failed[item.req_id])
+                continue
+            req.num_computed_tokens += item.num_tokens
+            if not item.samples:
+                continue  # a prefill chunk that does not reach the end of the prompt
+            token = sampled.get(item.req_id)
+            if token is None:
+                return decisions + self._fail(f"step {event.step}: rank 0 sampled no token for request {item.req_id!r}")
+            decisions += self._append_token(req, token)
+        self.in_flight = None
+        return decisions
+
+    def _on_rank_digest(self, event: ev.RankDigest) -> Decisions:
+        tp = self.config.tensor_parallel_size
+        if not 0 <= event.rank < tp:
+            return self._fail(f"RankDigest from rank {event.rank}, but tensor_parallel_size is {tp}")
+        digests = self.rank_digests.setdefault(event.step, {})
+        digests[event.rank] = event.digest
+        if len(digests) < tp:
+            return []
+        del self.rank_digests[event.step]
+        values = [digests[rank] for rank in range(tp)]
+        odd_ranks = [rank for rank in range(tp) if values[rank] != values[0]]
+        if not odd_ranks:
+            return []
+        listing = ", ".join(f"rank {rank}={values[rank]:#018x}" for rank in range(tp))
+        return self._fail(f"tensor-parallel ranks disagree after step {event.step}: ranks {odd_ranks} differ from rank 0 ({listing})")
+
+    def _on_worker_failed(self, event: ev.WorkerFailed) -> Decisions:
+        return self._fail(f"worker rank {event.rank} failed: {event.message}")
+
+    # ------------------------------------------------------------------ request endings
+
+    def _append_token(self, req: Request, token: ev.SampledToken) -> Decisions:
+        req.output_token_ids.append(token.token_id)
+        reason, stop_token_id = check_stop(
+            token.token_id,
+            req.num_output_tokens,
+            req.num_tokens,
+            req.sampling,
+            self.eos_token_ids,
+            self.config.max_model_len,
+        )
+        logprobs = [token.logprobs] if token.logprobs is not None else None
+        if reason is not None:
+            return self._finish(req, reason, [token.token_id], logprobs, stop_token_id)
+        return [self._emitted(req, [token.token_id], logprobs, None, None)]
+
+    def _finish(self, req: Request, reason: str, token_ids: list[int], logprobs: Any, stop_token_id: int | None) -> Decisions:
+        self._retire(req, FINISH_REASON_TO_STATUS[reason])
+        return [
+            self._emitted(req, token_ids, logprobs, reason, stop_token_id),
+            ev.RequestFinished(req.req_id, reason, req.num_output_tokens),
+        ]
+
+    def _fail_request(self, req: Request, message: str) -> Decisions:
+        self._retire(req, RequestStatus.FINISHED_ERROR)
+        return [
+            ev.RequestFinished(req.req_id, "error", req.num_output_tokens),
+            ev.RequestRejected(req.req_id, f"The worker failed this request: {message}", code=500),
+        ]
+
+    def _reject_if_unservable(self, req: Request) -> Decisions:
+        num_total_blocks = self.num_total_blocks if self.scheduler.is_ready else None
+        message = admission_error(req.num_prompt_tokens, req.sampling, self.config.max_model_len, self.config.block_size, num_total_blocks)
+        if message is None:
+            return []
+        self._retire(req, RequestStatus.FINISHED_ERROR)
+        return [ev.RequestRejected(req.req_id, message, code=400)]
+
+    def _retire(self, req: Request, status: RequestStatus) -> None:
+        self.scheduler.remove(req)
+        transition(req, status)
+        del self.requests[req.req_id]
+        if req.on_worker:
+            self.finished_req_ids.append(req.req_id)
+
+    def _emitted(self, req: Request, token_ids: list[int], logprobs: Any, reason: str | None, stop_token_id: int | None) -> ev.TokensEmitted:
+        return ev.TokensEmitted(
+            req_id=req.req_id,
+            new_token_ids=token_ids,
+            finish_reason=reason,
+            logprobs=logprobs,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            stop_token_id=stop_token_id,
+        )
+
+    # ------------------------------------------------------------------ planning
+
+    def _maybe_plan(self) -> Decisions:
+        if self.in_flight is not None or not self.scheduler.is_ready or not self.has_unfinished():
+            return []
+        scheduled, preempted = self.scheduler.schedule()
+        if not scheduled:
+            return self._fail(f"the scheduler can make no progress: {len(self.scheduler.waiting)} waiting, nothing fits")
+        self.step += 1
+        preempted_ids = [req.req_id for req in preempted]
+        plan, self.in_flight = build_plan(self.step, scheduled, self.finished_req_ids, preempted_ids)
+        self.finished_req_ids = []
+        decisions: Decisions = [ev.RequestPreempted(req_id, self.step) for req_id in preempted_ids]
+        state = digest.state_digest(self.step, self.scheduler, self._live_requests())
+        return decisions + [plan, ev.StateDigest(self.step, state)]
+
+    def _live_requests(self) -> list[Request]:
+        return list(self.scheduler.waiting) + self.scheduler.running
+
+
+_HANDLERS = {
+    ev.WorkerReady: Core._on_worker_ready,
+    ev.RequestArrived: Core._on_request_arrived,
+    ev.RequestAborted: Core._on_request_aborted,
+    ev.StepCompleted: Core._on_step_completed,
+    ev.RankDigest: Core._on_rank_digest,
+    ev.WorkerFailed: Core._on_worker_failed,
+}

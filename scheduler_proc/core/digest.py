@@ -1,0 +1,57 @@
+"""Canonical state encoding: the StateDigest hash and the plain-data snapshot."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import xxhash
+
+from scheduler_proc.core.request import Request
+from scheduler_proc.core.scheduler import Scheduler
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def request_rows(requests: list[Request]) -> list[list[Any]]:
+    return [
+        [req.req_id, req.status.value, req.num_prompt_tokens, req.num_output_tokens, req.num_computed_tokens, list(req.block_ids)]
+        for req in sorted(requests, key=lambda r: (r.arrival_order, r.req_id))
+    ]
+
+
+def state_digest(step: int, scheduler: Scheduler, requests: list[Request]) -> int:
+    rows = [
+        step,
+        [req.req_id for req in scheduler.waiting],
+        [req.req_id for req in scheduler.running],
+        request_rows(requests),
+        list(scheduler.block_manager.pool.free_block_ids) if scheduler.is_ready else [],
+    ]
+    return xxhash.xxh64_intdigest(_encoder.encode(rows))
+
+
+def snapshot(step: int, in_flight_step: int | None, scheduler: Scheduler, requests: list[Request]) -> dict[str, Any]:
+    ready = scheduler.is_ready
+    return {
+        "step": step,
+        "in_flight_step": in_flight_step,
+        "num_total_blocks": scheduler.block_manager.num_total_blocks if ready else None,
+        "num_free_blocks": scheduler.block_manager.num_free_blocks if ready else None,
+        "waiting": [req.req_id for req in scheduler.waiting],
+        "running": [req.req_id for req in scheduler.running],
+        "requests": [
+            {
+                "req_id": req.req_id,
+                "status": req.status.name,
+                "lora_name": req.lora_name,
+                "num_prompt_tokens": req.num_prompt_tokens,
+                "num_output_tokens": req.num_output_tokens,
+                "num_computed_tokens": req.num_computed_tokens,
+                "num_preemptions": req.num_preemptions,
+                "block_ids": list(req.block_ids),
+            }
+            for req in sorted(requests, key=lambda r: (r.arrival_order, r.req_id))
+        ],
+        "free_block_ids": list(scheduler.block_manager.pool.free_block_ids) if ready else [],
+    }

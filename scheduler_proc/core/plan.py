@@ -1,0 +1,79 @@
+"""Turn the scheduler's choice into a StepPlan: new requests in full, running ones as
+deltas of what the workers were last sent."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.events import CachedReq, NewReq, StepPlan
+
+from scheduler_proc.core.request import Request
+from scheduler_proc.core.scheduler import ScheduledReq
+
+
+@dataclass(frozen=True)
+class InFlightReq:
+    req_id: str
+    num_tokens: int
+    samples: bool  # the scheduled tokens reach the end of the known tokens
+
+
+@dataclass(frozen=True)
+class InFlightStep:
+    step: int
+    reqs: list[InFlightReq]
+
+
+def new_req(req: Request, num_tokens: int) -> NewReq:
+    return NewReq(
+        req_id=req.req_id,
+        token_ids=req.token_ids,
+        num_prompt_tokens=req.num_prompt_tokens,
+        sampling=req.sampling,
+        block_ids=list(req.block_ids),
+        num_computed_tokens=req.num_computed_tokens,
+        num_scheduled_tokens=num_tokens,
+        lora_slot=req.lora_slot,
+    )
+
+
+def cached_req(req: Request, num_tokens: int) -> CachedReq:
+    return CachedReq(
+        req_id=req.req_id,
+        new_token_ids=req.token_ids[req.num_tokens_on_worker :],
+        new_block_ids=req.block_ids[req.num_blocks_on_worker :],
+        num_computed_tokens=req.num_computed_tokens,
+        num_scheduled_tokens=num_tokens,
+        lora_slot=req.lora_slot,
+    )
+
+
+def build_plan(
+    step: int,
+    scheduled: list[ScheduledReq],
+    finished_req_ids: list[str],
+    preempted_req_ids: list[str],
+) -> tuple[StepPlan, InFlightStep]:
+    """The plan for `step`; records on each request what the workers now hold."""
+    new_reqs: list[NewReq] = []
+    cached_reqs: list[CachedReq] = []
+    in_flight: list[InFlightReq] = []
+    for item in scheduled:
+        req = item.req
+        if req.on_worker:
+            cached_reqs.append(cached_req(req, item.num_tokens))
+        else:
+            new_reqs.append(new_req(req, item.num_tokens))
+        req.on_worker = True
+        req.num_tokens_on_worker = req.num_tokens
+        req.num_blocks_on_worker = len(req.block_ids)
+        samples = req.num_computed_tokens + item.num_tokens == req.num_tokens
+        in_flight.append(InFlightReq(req.req_id, item.num_tokens, samples))
+    plan = StepPlan(
+        step=step,
+        new_reqs=new_reqs,
+        cached_reqs=cached_reqs,
+        finished_req_ids=list(finished_req_ids),
+        preempted_req_ids=list(preempted_req_ids),
+    )
+    return plan, InFlightStep(step, in_flight)

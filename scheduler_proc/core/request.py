@@ -1,0 +1,118 @@
+"""A request's state inside the core, and its one lifecycle transition function."""
+
+from __future__ import annotations
+
+import enum
+
+from shared.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # transient: blocks freed, goes straight back to WAITING
+    FINISHED_STOPPED = "finished_stopped"  # EOS or a stop token / stop string
+    FINISHED_LENGTH = "finished_length"  # max_tokens or max_model_len
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"  # the worker failed this request alone
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = (
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
+)
+
+_LEGAL_EDGES: dict[RequestStatus, tuple[RequestStatus, ...]] = {
+    # a waiting request can end without running: an abort, a stop string matched on outputs
+    # it had before a preemption, or a rejection (FINISHED_ERROR)
+    RequestStatus.WAITING: (
+        RequestStatus.RUNNING,
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_ERROR,
+    ),
+    RequestStatus.RUNNING: (RequestStatus.PREEMPTED,) + _FINISHED,
+    RequestStatus.PREEMPTED: (RequestStatus.WAITING,),
+    RequestStatus.FINISHED_STOPPED: (),
+    RequestStatus.FINISHED_LENGTH: (),
+    RequestStatus.FINISHED_ABORTED: (),
+    RequestStatus.FINISHED_ERROR: (),
+}
+
+FINISH_REASON_TO_STATUS: dict[str, RequestStatus] = {
+    "stop": RequestStatus.FINISHED_STOPPED,
+    "length": RequestStatus.FINISHED_LENGTH,
+    "abort": RequestStatus.FINISHED_ABORTED,
+    "error": RequestStatus.FINISHED_ERROR,
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+class Request:
+    """One request. `num_computed_tokens` counts tokens whose KV the workers hold;
+    `num_tokens_on_worker` / `num_blocks_on_worker` say what the workers were last sent,
+    so a plan can send a running request as a delta."""
+
+    def __init__(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        arrival_order: int,
+        lora_name: str | None = None,
+    ) -> None:
+        self.req_id = req_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.sampling = sampling
+        self.arrival_order = arrival_order  # explicit tie-break for every ordering
+        self.lora_name = lora_name
+        self.namespace = 0  # prefix-cache namespace; 0 = base model (adapters: a later issue)
+        self.lora_slot = -1  # adapter GPU slot; -1 = base model (adapters: a later issue)
+        self.status = RequestStatus.WAITING
+        self.block_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.on_worker = False
+        self.num_tokens_on_worker = 0
+        self.num_blocks_on_worker = 0
+        self.num_preemptions = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def __repr__(self) -> str:
+        return f"Request({self.req_id!r}, {self.status.name}, tokens={self.num_tokens}, computed={self.num_computed_tokens})"
+
+
+def transition(req: Request, new_status: RequestStatus) -> None:
+    """The only place a request's status changes; raises on an illegal edge."""
+    if new_status not in _LEGAL_EDGES[req.status]:
+        raise IllegalTransition(f"request {req.req_id!r}: illegal transition {req.status.name} -> {new_status.name}")
+    req.status = new_status

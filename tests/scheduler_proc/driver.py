@@ -1,0 +1,177 @@
+"""A fake worker group that drives the core with events, so scheduler tests read simply.
+
+    d = Driver(num_kv_blocks=8)
+    d.arrive("a", 5, max_tokens=3)
+    d.script("a", [11, 12, 2])       # tokens rank 0 samples for "a", in order
+    d.run()                          # complete steps until nothing is left
+    assert d.outputs["a"] == [11, 12, 2] and d.finish_reasons["a"] == "stop"
+
+The fake worker keeps what a real one would (each request's known tokens and block
+table), checks every plan against it, and samples only for requests whose scheduled
+tokens reach the end of their known tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from shared import events as ev
+from shared.sampling import SamplingParams
+
+from scheduler_proc.core import Core, CoreConfig
+
+EOS = 2
+FILLER = 7  # sampled when a request has no scripted tokens left
+
+
+class FakeWorker:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.num_tokens: dict[str, int] = {}
+        self.block_ids: dict[str, list[int]] = {}
+
+    def apply(self, plan: ev.StepPlan) -> list[str]:
+        """Apply a plan; returns the ids of requests that sample this step, in plan order."""
+        for req_id in plan.finished_req_ids + plan.preempted_req_ids:
+            self.num_tokens.pop(req_id, None)
+            self.block_ids.pop(req_id, None)
+        samplers = []
+        for new in plan.new_reqs:
+            if new.req_id in self.num_tokens:
+                raise AssertionError(f"NewReq for {new.req_id!r}, which the worker already holds")
+            self.num_tokens[new.req_id] = len(new.token_ids)
+            self.block_ids[new.req_id] = list(new.block_ids)
+            samplers += self._check(new.req_id, new.num_computed_tokens, new.num_scheduled_tokens)
+        for cached in plan.cached_reqs:
+            if cached.req_id not in self.num_tokens:
+                raise AssertionError(f"CachedReq for {cached.req_id!r}, which the worker does not hold")
+            self.num_tokens[cached.req_id] += len(cached.new_token_ids)
+            self.block_ids[cached.req_id] += cached.new_block_ids
+            samplers += self._check(cached.req_id, cached.num_computed_tokens, cached.num_scheduled_tokens)
+        return samplers
+
+    def _check(self, req_id: str, num_computed: int, num_scheduled: int) -> list[str]:
+        end = num_computed + num_scheduled
+        if num_scheduled <= 0 or end > self.num_tokens[req_id]:
+            raise AssertionError(f"{req_id!r}: scheduled {num_computed}+{num_scheduled} of {self.num_tokens[req_id]} tokens")
+        if len(self.block_ids[req_id]) * self.block_size < end:
+            raise AssertionError(f"{req_id!r}: {len(self.block_ids[req_id])} blocks cannot hold {end} tokens")
+        return [req_id] if end == self.num_tokens[req_id] else []
+
+
+class Driver:
+    def __init__(
+        self,
+        num_kv_blocks: int = 64,
+        *,
+        max_num_seqs: int = 8,
+        max_num_batched_tokens: int = 64,
+        block_size: int = 4,
+        max_model_len: int = 256,
+        tensor_parallel_size: int = 1,
+        eos_token_ids: tuple[int, ...] = (EOS,),
+        ready: bool = True,
+        log: Any = None,
+    ) -> None:
+        self.config = CoreConfig(max_num_seqs, max_num_batched_tokens, block_size, max_model_len, tensor_parallel_size)
+        self.core = Core(self.config)
+        self.worker = FakeWorker(block_size)
+        self.num_kv_blocks = num_kv_blocks
+        self.eos_token_ids = list(eos_token_ids)
+        self.inputs: list[Any] = []
+        self.decisions: list[Any] = []
+        self.plans: list[ev.StepPlan] = []
+        self.outputs: dict[str, list[int]] = {}
+        self.finish_reasons: dict[str, str] = {}
+        self.emitted: list[ev.TokensEmitted] = []
+        self._scripts: dict[str, deque[int]] = {}
+        self._pending_plan: ev.StepPlan | None = None
+        self.log = log  # an EventLogWriter: inputs then decisions, as the shell logs them
+        if ready:
+            self.ready()
+
+    # ---------------------------------------------------------------- inputs
+
+    def send(self, event: Any) -> list[Any]:
+        self.inputs.append(event)
+        if self.log is not None:
+            self.log.append(event)
+        decisions = self.core.apply(event)
+        self.decisions += decisions
+        if self.log is not None:
+            for decision in decisions:
+                self.log.append(decision)
+        for decision in decisions:
+            self._observe(decision)
+        self.core.check_integrity()
+        return decisions
+
+    def ready(self, rank: int | None = None) -> list[Any]:
+        ranks = range(self.config.tensor_parallel_size) if rank is None else [rank]
+        out: list[Any] = []
+        for r in ranks:
+            out += self.send(ev.WorkerReady(r, self.num_kv_blocks, 1000, self.eos_token_ids, "cpu", "float32"))
+        return out
+
+    def arrive(self, req_id: str, prompt: int | list[int], **sampling: Any) -> list[Any]:
+        tokens = list(range(100, 100 + prompt)) if isinstance(prompt, int) else list(prompt)
+        return self.send(ev.RequestArrived(req_id, tokens, SamplingParams(**sampling)))
+
+    def abort(self, req_id: str, reason: str = "abort") -> list[Any]:
+        return self.send(ev.RequestAborted(req_id, reason))
+
+    def script(self, req_id: str, token_ids: list[int]) -> None:
+        self._scripts.setdefault(req_id, deque()).extend(token_ids)
+
+    # ---------------------------------------------------------------- fake worker side
+
+    @property
+    def in_flight(self) -> ev.StepPlan | None:
+        return self._pending_plan
+
+    def complete(self, failed: dict[str, str] | None = None) -> list[Any]:
+        """Run the plan in flight on the fake worker and report rank 0's StepCompleted."""
+        plan = self._pending_plan
+        if plan is None:
+            raise AssertionError("no step in flight")
+        self._pending_plan = None
+        samplers = self.worker.apply(plan)
+        failed = failed or {}
+        sampled = [ev.SampledToken(req_id, self._next_token(req_id)) for req_id in samplers if req_id not in failed]
+        failed_reqs = [ev.FailedReq(req_id, message) for req_id, message in failed.items()]
+        return self.send(ev.StepCompleted(plan.step, 0, sampled, failed_reqs))
+
+    def run(self, max_steps: int = 10_000) -> None:
+        for _ in range(max_steps):
+            if self._pending_plan is None:
+                return
+            self.complete()
+        raise AssertionError(f"still running after {max_steps} steps")
+
+    def _next_token(self, req_id: str) -> int:
+        script = self._scripts.get(req_id)
+        return script.popleft() if script else FILLER
+
+    def _observe(self, decision: Any) -> None:
+        if isinstance(decision, ev.StepPlan):
+            if self._pending_plan is not None:
+                raise AssertionError("a second step was planned while one is in flight")
+            self._pending_plan = decision
+            self.plans.append(decision)
+        elif isinstance(decision, ev.TokensEmitted):
+            self.emitted.append(decision)
+            self.outputs.setdefault(decision.req_id, []).extend(decision.new_token_ids)
+            if decision.finish_reason is not None:
+                self.finish_reasons[decision.req_id] = decision.finish_reason
+
+    # ---------------------------------------------------------------- queries
+
+    def of_type(self, kind: type) -> list[Any]:
+        return [d for d in self.decisions if isinstance(d, kind)]
+
+    @staticmethod
+    def scheduled_tokens(plan: ev.StepPlan) -> dict[str, int]:
+        out = {r.req_id: r.num_scheduled_tokens for r in plan.new_reqs}
+        out.update({r.req_id: r.num_scheduled_tokens for r in plan.cached_reqs})
+        return out

@@ -1,0 +1,25 @@
+"""A seeded random workload over the driver: arrivals, aborts, scripted EOS, a small pool
+so preemption happens. Used by the integrity, determinism and replay tests."""
+
+from __future__ import annotations
+
+import random
+
+from tests.scheduler_proc.driver import EOS, Driver
+
+
+def run_workload(d: Driver, seed: int, num_events: int = 60) -> None:
+    rng = random.Random(seed)
+    num_reqs = 0
+    for _ in range(num_events):
+        roll = rng.random()
+        if roll < 0.35:
+            num_reqs += 1
+            req_id = f"req-{rng.choice('abcdefgh')}{num_reqs}"
+            d.script(req_id, [rng.choice([5, 6, 9, EOS]) for _ in range(rng.randint(0, 6))])
+            d.arrive(req_id, rng.randint(1, 20), max_tokens=rng.randint(1, 12), min_tokens=rng.randint(0, 2), stop_token_ids=(9,) if rng.random() < 0.3 else ())
+        elif roll < 0.45 and num_reqs:
+            d.abort(f"req-{rng.choice('abcdefgh')}{rng.randint(1, num_reqs)}")
+        elif d.in_flight is not None:
+            d.complete()
+    d.run()
