@@ -1,0 +1,16 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.model_factory import ARCHS, make_tiny_checkpoint
+
+
+@pytest.fixture(scope="session", params=ARCHS)
+def tiny_checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One tiny random checkpoint per architecture, shared by the whole session."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    path: Path = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    return make_tiny_checkpoint(request.param, path)
