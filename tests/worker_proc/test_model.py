@@ -82,3 +82,14 @@ def test_missing_weight_raises(tiny_checkpoint: str, tmp_path) -> None:
     cfg = load_model_config(str(tmp_path))
     with pytest.raises(ValueError, match="lacks weights"):
         build_model(cfg, str(tmp_path), "safetensors", torch.float32, torch.device("cpu"), seed=0)
+
+
+def test_half_precision_keeps_fp32_rope(tiny_checkpoint: str) -> None:
+    cfg = load_model_config(tiny_checkpoint)
+    model = build_model(cfg, tiny_checkpoint, "auto", torch.bfloat16, torch.device("cpu"), seed=0)
+    assert model.model.rotary.inv_freq.dtype == torch.float32
+    assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
+    shape = (2, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
+    caches = [(torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16))] * cfg.num_layers
+    hidden = model(torch.tensor([1, 2, 3]), torch.arange(3), caches, _chunk_meta([1], 0, 3))
+    assert torch.isfinite(model.compute_logits(hidden)).all()

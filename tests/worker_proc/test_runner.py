@@ -135,3 +135,16 @@ def test_ready_and_dummy_load(tiny_checkpoint: str) -> None:
 def test_bad_config_raises(tmp_path) -> None:
     with pytest.raises(FileNotFoundError):
         ModelRunner(_config(str(tmp_path)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_runner_matches_cpu(tiny_checkpoint: str) -> None:
+    outputs = {}
+    for device in ("cpu", "cuda"):
+        runner = ModelRunner(_config(tiny_checkpoint, device=device, num_kv_blocks=None, max_num_seqs=4))
+        sched = FakeScheduler(BLOCK_SIZE, NUM_BLOCKS)
+        for i, prompt in enumerate(_prompts(256)):
+            sched.add(f"req-{i}", prompt, GREEDY, chunk=5)
+        outputs[device] = {k: v.outputs for k, v in run_to_completion(runner, sched).items()}
+    assert outputs["cuda"] == outputs["cpu"]

@@ -32,7 +32,6 @@ def build_model(
     with torch.device(device):
         model = LlamaForCausalLM(cfg)
     model.to(dtype=dtype)
-    model.model.rotary.inv_freq = model.model.rotary.inv_freq.float()  # RoPE frequencies stay fp32
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     elif load_format in ("auto", "safetensors"):

@@ -32,7 +32,8 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 class RotaryEmbedding(torch.nn.Module):
     def __init__(self, rope: RopeConfig, head_dim: int) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(rope, head_dim), persistent=False)
+        # a plain attribute, not a buffer: Module.to(dtype) must not round it to bf16/fp16
+        self.inv_freq = rope_inv_freq(rope, head_dim)  # [head_dim // 2] float32
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [num_tokens] -> cos, sin: [num_tokens, 1, head_dim] float32."""
