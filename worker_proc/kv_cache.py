@@ -42,6 +42,7 @@ def num_kv_blocks(config: EngineConfig, model_cfg: ModelConfig, dtype: torch.dty
     per_block = bytes_per_block(model_cfg, config.block_size, dtype)
     blocks_per_seq = -(-config.max_model_len // config.block_size)
     if device.type == "cuda":
+        torch.cuda.empty_cache()  # blocks the caching allocator holds but no tensor uses count as free
         free_bytes, total_bytes = torch.cuda.mem_get_info(device)
         budget = free_bytes - int(total_bytes * (1.0 - config.gpu_memory_utilization))
         num_blocks = max(budget, 0) // per_block

@@ -142,7 +142,7 @@ def test_bad_config_raises(tmp_path) -> None:
 def test_cuda_runner_matches_cpu(tiny_checkpoint: str) -> None:
     outputs = {}
     for device in ("cpu", "cuda"):
-        runner = ModelRunner(_config(tiny_checkpoint, device=device, num_kv_blocks=None, max_num_seqs=4))
+        runner = ModelRunner(_config(tiny_checkpoint, device=device))
         sched = FakeScheduler(BLOCK_SIZE, NUM_BLOCKS)
         for i, prompt in enumerate(_prompts(256)):
             sched.add(f"req-{i}", prompt, GREEDY, chunk=5)
