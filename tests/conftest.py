@@ -1,10 +1,24 @@
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
+
+from tests.model_factory import ARCHS, make_tiny_checkpoint
+
+
+@pytest.fixture(scope="session", params=ARCHS)
+def tiny_checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One tiny random checkpoint per architecture, shared by the whole session."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    path: Path = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    return make_tiny_checkpoint(request.param, path)
 
 
 @pytest.fixture(scope="session")
-def demo_model_dir(tmp_path_factory) -> str:
+def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The demo model, built once into the session's temp dir (not the user's cache)."""
     from shared.demo_model import ensure_demo_model
 
     return ensure_demo_model(str(tmp_path_factory.mktemp("demo") / "demo-model"))

@@ -1,0 +1,105 @@
+"""Per-request worker state and the flat forward batch built from it each step."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kernels.attention_ref import PagedAttentionMetadata
+from shared.events import CachedReq, NewReq
+from shared.sampling import SamplingParams
+
+
+@dataclass
+class ReqState:
+    """What the worker holds for one request between steps (mirrors the scheduler's view)."""
+
+    req_id: str
+    token_ids: list[int]  # prompt + outputs known so far
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    lora_slot: int
+
+    @staticmethod
+    def from_new(req: NewReq) -> "ReqState":
+        return ReqState(
+            req.req_id, list(req.token_ids), req.num_prompt_tokens, req.sampling, list(req.block_ids),
+            req.num_computed_tokens, req.num_scheduled_tokens, req.lora_slot,
+        )
+
+    def apply_delta(self, delta: CachedReq) -> None:
+        self.token_ids.extend(delta.new_token_ids)
+        self.block_ids.extend(delta.new_block_ids)
+        self.num_computed_tokens = delta.num_computed_tokens
+        self.num_scheduled_tokens = delta.num_scheduled_tokens
+        self.lora_slot = delta.lora_slot
+
+    @property
+    def num_tokens_after_step(self) -> int:
+        return self.num_computed_tokens + self.num_scheduled_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the end of the known tokens (prefill done, or decode)."""
+        return self.num_scheduled_tokens > 0 and self.num_tokens_after_step == len(self.token_ids)
+
+
+def validate_req(req: ReqState, block_size: int, num_blocks: int, max_model_len: int) -> None:
+    """Raise ValueError if this request's step can't be run; it fails alone."""
+    end = req.num_tokens_after_step
+    if req.num_computed_tokens < 0 or req.num_scheduled_tokens < 0:
+        raise ValueError("negative token counts")
+    if not 0 < req.num_prompt_tokens <= len(req.token_ids):
+        raise ValueError(f"num_prompt_tokens {req.num_prompt_tokens} out of range for {len(req.token_ids)} tokens")
+    if end > len(req.token_ids):
+        raise ValueError(f"scheduled up to token {end} but only {len(req.token_ids)} tokens are known")
+    if end > max_model_len:
+        raise ValueError(f"{end} tokens exceed max_model_len {max_model_len}")
+    if len(req.block_ids) * block_size < end:
+        raise ValueError(f"{len(req.block_ids)} blocks can't hold {end} tokens")
+    if any(not 0 <= b < num_blocks for b in req.block_ids):
+        raise ValueError(f"block id out of range [0, {num_blocks})")
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    lora_slots: torch.Tensor  # [num_tokens] int64, -1 = base model
+    meta: PagedAttentionMetadata
+    sample_indices: torch.Tensor  # [num_sampling] int64, last token of each sampling req
+    sampling_reqs: list[ReqState]
+
+
+def build_batch(reqs: Sequence[ReqState], block_size: int, device: torch.device) -> ForwardBatch:
+    """One flat batch of every scheduled token, in the given request order."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    lora_slots: list[int] = []
+    slots: list[int] = []
+    starts, seq_lens, tables, sample_indices, sampling_reqs = [0], [], [], [], []
+    for req in reqs:
+        start, end = req.num_computed_tokens, req.num_tokens_after_step
+        input_ids += req.token_ids[start:end]
+        positions += range(start, end)
+        lora_slots += [req.lora_slot] * (end - start)
+        slots += [req.block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        starts.append(len(input_ids))
+        seq_lens.append(end)
+        tables.append(req.block_ids)
+        if req.samples:
+            sample_indices.append(len(input_ids) - 1)
+            sampling_reqs.append(req)
+
+    def as_tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    meta = PagedAttentionMetadata(starts, seq_lens, tables, as_tensor(slots))
+    return ForwardBatch(
+        as_tensor(input_ids), as_tensor(positions), as_tensor(lora_slots), meta, as_tensor(sample_indices), sampling_reqs
+    )

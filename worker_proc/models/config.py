@@ -1,0 +1,131 @@
+"""Model hyper-parameters read from a HF `config.json` (transformers 4.x or 5.x layout)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MistralForCausalLM",
+)
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"  # default | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    qkv_bias: bool  # bias on q/k/v projections (Qwen2, Llama attention_bias)
+    o_bias: bool  # bias on o_proj (Llama attention_bias only)
+    mlp_bias: bool
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    sliding_window: int | None  # None: full attention
+    max_position_embeddings: int
+
+
+def load_model_config(model_dir: str) -> ModelConfig:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no config.json in {model_dir!r}")
+    with open(path, encoding="utf-8") as f:
+        return parse_model_config(json.load(f))
+
+
+def parse_model_config(cfg: dict[str, Any]) -> ModelConfig:
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(f"unsupported architectures {archs!r}; supported: {SUPPORTED_ARCHITECTURES}")
+    num_heads = int(cfg["num_attention_heads"])
+    hidden_size = int(cfg["hidden_size"])
+    num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_attention_heads {num_heads} not a multiple of num_key_value_heads {num_kv_heads}")
+    is_qwen2 = arch == "Qwen2ForCausalLM"
+    llama_bias = bool(cfg.get("attention_bias", False)) and not is_qwen2
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden_size,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=int(cfg.get("head_dim") or hidden_size // num_heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope=parse_rope(cfg),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=is_qwen2 or llama_bias,
+        o_bias=llama_bias,
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qk_norm=arch == "Qwen3ForCausalLM",
+        sliding_window=_sliding_window(cfg, arch),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+    )
+
+
+def parse_rope(cfg: dict[str, Any]) -> RopeConfig:
+    """transformers 5 stores `rope_parameters` (theta inside); 4.x `rope_theta` + `rope_scaling`."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+    if rope_type == "default":
+        return RopeConfig(theta=theta)
+    return RopeConfig(
+        theta=theta,
+        rope_type=rope_type,
+        factor=float(params["factor"]),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def load_eos_token_ids(model_dir: str) -> list[int]:
+    """EOS ids from generation_config.json, else config.json (int or list); sorted, unique."""
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(model_dir, name)
+        if not os.path.isfile(path):
+            continue
+        with open(path, encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token_id")
+        if eos is None:
+            continue
+        ids = [eos] if isinstance(eos, int) else list(eos)
+        return sorted({int(i) for i in ids})
+    return []
+
+
+def _sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
+    window = cfg.get("sliding_window")
+    if window is None:
+        return None
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
+        return None
+    return int(window)

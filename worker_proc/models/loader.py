@@ -1,0 +1,113 @@
+"""Build a model from a HF checkpoint directory: safetensors weights, or dummy random ones."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from worker_proc.models.config import ModelConfig
+from worker_proc.models.layers import RMSNorm, SlotLinear
+from worker_proc.models.llama import LlamaForCausalLM
+
+# HF module name suffix -> (our fused module suffix, shard index)
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+WeightKey = tuple[str, str, int]  # (module name, 'weight' | 'bias', shard)
+
+
+def build_model(
+    cfg: ModelConfig, model_dir: str, load_format: str, dtype: torch.dtype, device: torch.device, seed: int
+) -> LlamaForCausalLM:
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg)
+    model.to(dtype=dtype)
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+    elif load_format in ("auto", "safetensors"):
+        load_safetensors(model, model_dir)
+    else:
+        raise ValueError(f"unknown load format {load_format!r}")
+    return model.eval()
+
+
+def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
+    """Random weights of the checkpoint's shapes: N(0, 0.02) matrices, unit norms, zero bias."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.weight.data.fill_(1.0)
+        elif isinstance(module, (SlotLinear, nn.Embedding)):
+            if isinstance(module, SlotLinear) and module.bias is not None:
+                module.bias.data.zero_()
+            w = torch.randn(module.weight.shape, generator=gen) * 0.02
+            module.weight.data.copy_(w)
+
+
+def load_safetensors(model: LlamaForCausalLM, model_dir: str) -> None:
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir!r}")
+    modules = dict(model.named_modules())
+    loaded: set[WeightKey] = set()
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                key = _load_one(model, modules, name, f.get_tensor(name))
+                if key is not None:
+                    loaded.add(key)
+    missing = sorted(expected_weight_keys(model) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint in {model_dir!r} lacks weights: {missing[:8]}")
+
+
+def _load_one(
+    model: LlamaForCausalLM, modules: dict[str, nn.Module], name: str, tensor: torch.Tensor
+) -> WeightKey | None:
+    if name.endswith(_IGNORED_SUFFIXES):
+        return None
+    if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
+        return None  # tied: the embedding is the head
+    module_name, _, attr = name.rpartition(".")
+    module_name, shard = _map_module(module_name)
+    module = modules.get(module_name)
+    if module is None:
+        raise ValueError(f"unexpected checkpoint tensor {name!r}")
+    if isinstance(module, SlotLinear):
+        module.load_shard(attr, shard, tensor)
+        return (module_name, attr, shard)
+    param = getattr(module, attr, None)
+    if not isinstance(param, torch.Tensor) or param.shape != tensor.shape:
+        raise ValueError(f"checkpoint tensor {name!r} {tuple(tensor.shape)} does not fit the model")
+    param.data.copy_(tensor)
+    return (module_name, attr, 0)
+
+
+def _map_module(module_name: str) -> tuple[str, int]:
+    prefix, _, tail = module_name.rpartition(".")
+    prefix2, _, tail2 = prefix.rpartition(".")
+    fused = _FUSED.get(f"{tail2}.{tail}")
+    if fused is None:
+        return module_name, 0
+    return f"{prefix2}.{fused[0]}", fused[1]
+
+
+def expected_weight_keys(model: LlamaForCausalLM) -> set[WeightKey]:
+    keys: set[WeightKey] = set()
+    for module_name, module in model.named_modules():
+        if module_name == "lm_head" and model.cfg.tie_word_embeddings:
+            continue
+        for attr, param in module.named_parameters(recurse=False):
+            num_shards = len(module.output_sizes) if isinstance(module, SlotLinear) else 1
+            keys.update((module_name, attr, shard) for shard in range(num_shards))
+    return keys

@@ -1,0 +1,109 @@
+"""ModelRunner: the worker's compute core. Holds per-request state across steps, runs one
+forward pass per StepPlan over a flat batch, samples, and digests what it applied."""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+import xxhash
+
+from shared.config import EngineConfig
+from shared.events import (
+    CachedReq, FailedReq, NewReq, RankDigest, SampledToken, StepCompleted, StepPlan, WorkerReady,
+)
+from worker_proc.batch import ReqState, build_batch, validate_req
+from worker_proc.kv_cache import KVCache, num_kv_blocks
+from worker_proc.models import build_model, load_eos_token_ids, load_model_config
+from worker_proc.sampler import Sampler, SamplingReq
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+        self.config = config
+        self.rank = rank
+        self.device = torch.device(f"cuda:{rank}" if config.device == "cuda" else "cpu")
+        self.dtype = DTYPES[config.dtype]
+        torch.manual_seed(config.seed)
+        self.model_cfg = load_model_config(config.model_dir)
+        window = self.model_cfg.sliding_window
+        if window is not None and config.max_model_len > window:
+            raise ValueError(f"sliding-window attention ({window}) is not supported; use max_model_len <= {window}")
+        self.eos_token_ids = load_eos_token_ids(config.model_dir)
+        self.model = build_model(
+            self.model_cfg, config.model_dir, config.load_format, self.dtype, self.device, config.seed
+        )
+        num_blocks = num_kv_blocks(config, self.model_cfg, self.dtype, self.device)
+        self.kv_cache = KVCache(self.model_cfg, num_blocks, config.block_size, self.dtype, self.device)
+        self.sampler = Sampler(self.eos_token_ids, config.seed, self.device)
+        self.reqs: dict[str, ReqState] = {}
+
+    def ready(self) -> WorkerReady:
+        return WorkerReady(
+            rank=self.rank,
+            num_kv_blocks=self.kv_cache.num_blocks,
+            vocab_size=self.model_cfg.vocab_size,
+            eos_token_ids=list(self.eos_token_ids),
+            device=str(self.device),
+            dtype=self.config.dtype,
+        )
+
+    def execute(self, plan: StepPlan) -> tuple[StepCompleted, RankDigest]:
+        for req_id in [*plan.finished_req_ids, *plan.preempted_req_ids]:
+            self.reqs.pop(req_id, None)
+        scheduled, failed = self._apply_plan(plan)
+        sampled = self._run(scheduled) if scheduled else []
+        completed = StepCompleted(plan.step, self.rank, sampled if self.rank == 0 else [], failed)
+        return completed, RankDigest(plan.step, self.rank, self.digest())
+
+    def digest(self) -> int:
+        """xxhash64 of the block tables, sorted by req_id (canonical msgpack)."""
+        tables = [[req_id, self.reqs[req_id].block_ids] for req_id in sorted(self.reqs)]
+        return xxhash.xxh64_intdigest(msgspec.msgpack.encode(tables))
+
+    def _apply_plan(self, plan: StepPlan) -> tuple[list[ReqState], list[FailedReq]]:
+        """Update held state from the plan; a request whose update is invalid fails alone."""
+        scheduled: list[ReqState] = []
+        failed: list[FailedReq] = []
+        updates: list[NewReq | CachedReq] = [*plan.new_reqs, *plan.cached_reqs]
+        for update in updates:
+            req_id = update.req_id
+            try:
+                req = self._update_req(update)
+                validate_req(req, self.config.block_size, self.kv_cache.num_blocks, self.config.max_model_len)
+            except ValueError as e:
+                self.reqs.pop(req_id, None)
+                failed.append(FailedReq(req_id, str(e)))
+                continue
+            if req.num_scheduled_tokens > 0:
+                scheduled.append(req)
+        return scheduled, failed
+
+    def _update_req(self, update: NewReq | CachedReq) -> ReqState:
+        if isinstance(update, NewReq):
+            if update.req_id in self.reqs:
+                raise ValueError(f"request {update.req_id!r} sent as new but already held")
+            req = ReqState.from_new(update)
+            self.reqs[req.req_id] = req
+            return req
+        req = self.reqs.get(update.req_id)
+        if req is None:
+            raise ValueError(f"request {update.req_id!r} sent as cached but not held")
+        req.apply_delta(update)
+        return req
+
+    def _run(self, scheduled: list[ReqState]) -> list[SampledToken]:
+        batch = build_batch(scheduled, self.config.block_size, self.device)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.layers, batch.meta, batch.lora_slots)
+        if not batch.sampling_reqs:
+            return []
+        logits = self.model.compute_logits(
+            hidden[batch.sample_indices], batch.lora_slots[batch.sample_indices]
+        )  # [num_sampling, vocab]
+        sampling = [
+            SamplingReq(r.sampling, r.token_ids[: r.num_prompt_tokens], r.token_ids[r.num_prompt_tokens :])
+            for r in batch.sampling_reqs
+        ]
+        results = self.sampler.sample(logits, sampling)
+        return [SampledToken(r.req_id, s.token_id, s.logprobs) for r, s in zip(batch.sampling_reqs, results)]

@@ -1,0 +1,142 @@
+"""Per-request sampling over a batch of logits, with vLLM semantics.
+
+Order: raw logprobs (log_softmax of the model's logits) -> penalties -> min_tokens stop
+masking -> greedy argmax, or temperature -> min_p -> top_k -> top_p -> draw.
+A seeded request draws with a generator derived from (seed, output position), so its
+tokens do not depend on the rest of the batch and survive a preemption unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgspec
+import torch
+import xxhash
+
+from shared.events import TokenLogprobs
+from shared.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class SamplingReq:
+    """What the sampler needs to know about one request at this step."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]  # outputs so far; len() is the position being sampled
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    token_id: int
+    logprobs: TokenLogprobs | None
+
+
+def token_seed(seed: int, output_pos: int) -> int:
+    """A generator seed that depends only on the request's seed and output position."""
+    return xxhash.xxh64_intdigest(msgspec.msgpack.encode([seed, output_pos])) & ((1 << 63) - 1)
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: Sequence[int], seed: int, device: torch.device) -> None:
+        self.eos_token_ids = list(eos_token_ids)
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)  # for unseeded requests
+
+    def sample(self, logits: torch.Tensor, reqs: Sequence[SamplingReq]) -> list[SampleResult]:
+        """logits: [num_reqs, vocab] float32 (not modified)."""
+        if logits.shape[0] != len(reqs):
+            raise ValueError(f"{logits.shape[0]} logits rows for {len(reqs)} requests")
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(r.params.logprobs is not None for r in reqs) else None
+        logits = apply_penalties(logits.clone(), reqs)
+        mask_stop_tokens(logits, reqs, self.eos_token_ids)
+        token_ids = self._choose(logits, reqs)  # [num_reqs]
+        results = []
+        for i, req in enumerate(reqs):
+            token_id = int(token_ids[i])
+            lp = None if raw_logprobs is None else token_logprobs(raw_logprobs[i], token_id, req.params.logprobs)
+            results.append(SampleResult(token_id, lp))
+        return results
+
+    def _choose(self, logits: torch.Tensor, reqs: Sequence[SamplingReq]) -> torch.Tensor:  # [num_reqs]
+        token_ids = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            probs = filtered_probs(logits[rows], [reqs[i].params for i in random_rows])  # [num_random, vocab]
+            noise = torch.stack([self._exponential(reqs[i], logits.shape[1]) for i in random_rows])
+            token_ids[rows] = (probs / noise).argmax(dim=-1)
+        return token_ids
+
+    def _exponential(self, req: SamplingReq, vocab_size: int) -> torch.Tensor:  # [vocab]
+        gen = self.generator
+        if req.params.seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(token_seed(req.params.seed, len(req.output_token_ids)))
+        return torch.empty(vocab_size, device=self.device).exponential_(generator=gen)
+
+
+def apply_penalties(logits: torch.Tensor, reqs: Sequence[SamplingReq]) -> torch.Tensor:
+    """vLLM penalties, in place: repetition over prompt+output tokens, presence/frequency over outputs."""
+    for i, req in enumerate(reqs):
+        p = req.params
+        if p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0:
+            continue
+        vocab_size = logits.shape[1]
+        out_ids = torch.tensor(list(req.output_token_ids), dtype=torch.long, device=logits.device)
+        out_counts = torch.bincount(out_ids, minlength=vocab_size)[:vocab_size].to(logits.dtype)  # [vocab]
+        if p.repetition_penalty != 1.0:
+            prompt_ids = torch.tensor(list(req.prompt_token_ids), dtype=torch.long, device=logits.device)
+            seen = torch.bincount(prompt_ids, minlength=vocab_size)[:vocab_size] > 0
+            seen |= out_counts > 0
+            row = logits[i]
+            penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            logits[i] = torch.where(seen, penalised, row)
+        logits[i] -= p.frequency_penalty * out_counts + p.presence_penalty * (out_counts > 0).to(logits.dtype)
+    return logits
+
+
+def mask_stop_tokens(logits: torch.Tensor, reqs: Sequence[SamplingReq], eos_token_ids: Sequence[int]) -> None:
+    """Until a request has min_tokens outputs, its EOS (unless ignore_eos) and stop ids can't be drawn."""
+    for i, req in enumerate(reqs):
+        p = req.params
+        if len(req.output_token_ids) >= p.min_tokens:
+            continue
+        stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
+        stop_ids = [t for t in stop_ids if 0 <= t < logits.shape[1]]
+        if stop_ids:
+            logits[i, stop_ids] = float("-inf")
+
+
+def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """logits: [num_reqs, vocab] -> probabilities after temperature, min_p, top_k, top_p."""
+    device, vocab_size = logits.device, logits.shape[1]
+    temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
+    logits = logits / temperature
+    min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
+    probs = torch.softmax(logits, dim=-1)
+    logits = logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], device=device)
+    sorted_desc = logits.sort(dim=-1, descending=True).values
+    kth = sorted_desc.gather(1, (top_k - 1)[:, None])  # [num_reqs, 1]
+    logits = logits.masked_fill(logits < kth, float("-inf"))
+    top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
+    return torch.softmax(apply_top_p(logits, top_p), dim=-1)
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of tokens whose probability sums to at least top_p (always >= 1 token)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)  # [num_reqs, vocab]
+    drop = cum <= 1 - top_p
+    drop[:, -1] = False
+    return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def token_logprobs(raw: torch.Tensor, token_id: int, num_top: int | None) -> TokenLogprobs:
+    """raw: [vocab] log_softmax of the unmodified logits."""
+    if not num_top:
+        return TokenLogprobs(logprob=float(raw[token_id]))
+    values, ids = raw.topk(min(num_top, raw.shape[0]))
+    return TokenLogprobs(float(raw[token_id]), [int(t) for t in ids], [float(v) for v in values])
