@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
-from typing import Any
+import signal
+from typing import Any, Iterator
 
 import msgspec
 import uvicorn
@@ -25,6 +27,22 @@ from tokenizer_proc.engine_client import EngineClient
 
 logger = logging.getLogger("tokenizer_proc")
 PARENT_POLL_S = 0.5
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, but SIGINT/SIGTERM end in a clean exit (status 0) instead of
+    being re-raised after the graceful shutdown."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.handle_exit, sig, None)
+        try:
+            yield
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -88,7 +106,7 @@ async def serve(config: EngineConfig, parent_pid: int) -> None:
         log_level="info",
         timeout_graceful_shutdown=config.shutdown_timeout_s,  # type: ignore[arg-type]
     )
-    server = uvicorn.Server(uv_config)
+    server = Server(uv_config)
     helpers = [
         asyncio.create_task(announce_when_listening(server, config.run_dir)),
         asyncio.create_task(watch_parent(server, parent_pid)),
