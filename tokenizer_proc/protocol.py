@@ -28,7 +28,6 @@ Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
-    continuous_usage_stats: StrictBool = False
 
 
 class SamplingFields(BaseModel):

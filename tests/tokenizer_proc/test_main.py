@@ -15,7 +15,6 @@ from types import SimpleNamespace
 
 import httpx
 import msgspec
-import pytest
 import zmq
 
 from shared import codec, ipc
