@@ -1,0 +1,26 @@
+"""Build the demo model (random weights, tiny Qwen3) and print its directory.
+
+Usage: python scripts/make_demo_model.py [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from shared.demo_model import ensure_demo_model  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="target directory (default: ~/.cache/ledgerserve/demo-model-v1)")
+    args = parser.parse_args(argv)
+    print(ensure_demo_model(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,121 @@
+"""EngineClient over real ipc sockets, with the test playing the scheduler."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from typing import AsyncIterator
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from shared import codec, ipc
+from shared.events import EngineFailed, RequestAborted, RequestArrived, RequestRejected, TokensEmitted
+from shared.sampling import SamplingParams
+from tokenizer_proc.engine_client import EngineClient, EngineDeadError, RequestRejectedError
+
+pytestmark = pytest.mark.anyio
+
+
+class Scheduler:
+    def __init__(self, run_dir: str) -> None:
+        ctx = zmq.asyncio.Context.instance()
+        self.pull = ipc.bind(ctx, zmq.PULL, run_dir, ipc.SCHED_IN)
+        self.push = ipc.bind(ctx, zmq.PUSH, run_dir, ipc.TO_TOKENIZER)
+        self.decoder = codec.to_scheduler_decoder()
+
+    async def recv(self):
+        return self.decoder.decode(await asyncio.wait_for(self.pull.recv(), 5))
+
+    async def send(self, event) -> None:
+        await self.push.send(codec.encode(event))
+
+    def close(self) -> None:
+        self.pull.close()
+        self.push.close()
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[tuple[EngineClient, Scheduler]]:
+    run_dir = ipc.make_run_dir()
+    scheduler = Scheduler(run_dir)
+    client = EngineClient(run_dir)
+    await client.start()
+    yield client, scheduler
+    await client.close()
+    scheduler.close()
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _arrived(req_id: str) -> RequestArrived:
+    return RequestArrived(req_id, [1, 2, 3], SamplingParams(max_tokens=2))
+
+
+async def test_stream_and_garbage_frames(pair) -> None:
+    client, scheduler = pair
+    stream = client.generate(_arrived("r1"))
+    first = asyncio.ensure_future(stream.__anext__())
+    assert (await scheduler.recv()).req_id == "r1"
+    await scheduler.push.send(b"\x93garbage")  # dropped and counted, never executed
+    await scheduler.send(RequestAborted("r1"))  # decodes, but not a FromScheduler event
+    await scheduler.send(TokensEmitted("other", [9]))  # unknown request: dropped
+    await scheduler.send(TokensEmitted("r1", [7]))
+    await scheduler.send(TokensEmitted("r1", [8], finish_reason="length"))
+    assert (await first).new_token_ids == [7]
+    rest = [out async for out in stream]
+    assert [o.new_token_ids for o in rest] == [[8]] and rest[0].finish_reason == "length"
+    assert client.num_bad_frames == 2
+    assert client.num_in_flight == 0
+
+
+async def test_rejected_raises_typed_error(pair) -> None:
+    client, scheduler = pair
+    task = asyncio.ensure_future(_drain(client, "r2"))
+    await scheduler.recv()
+    await scheduler.send(RequestRejected("r2", "cannot fit", 400, "max_tokens"))
+    with pytest.raises(RequestRejectedError) as info:
+        await task
+    assert info.value.status_code == 400 and info.value.param == "max_tokens"
+
+
+async def test_early_exit_sends_abort(pair) -> None:
+    client, scheduler = pair
+    stream = client.generate(_arrived("r3"))
+    first = asyncio.ensure_future(stream.__anext__())
+    await scheduler.recv()
+    await scheduler.send(TokensEmitted("r3", [5]))
+    await first
+    await stream.aclose()
+    aborted = await scheduler.recv()
+    assert aborted == RequestAborted("r3", "abort")
+
+
+async def test_explicit_abort_is_sent_once(pair) -> None:
+    client, scheduler = pair
+    stream = client.generate(_arrived("r4"))
+    first = asyncio.ensure_future(stream.__anext__())
+    await scheduler.recv()
+    await scheduler.send(TokensEmitted("r4", [5]))
+    await first
+    await client.abort("r4", "stop")
+    await stream.aclose()
+    assert await scheduler.recv() == RequestAborted("r4", "stop")
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(scheduler.pull.recv(), 0.2)
+
+
+async def test_engine_failed_fails_everyone(pair) -> None:
+    client, scheduler = pair
+    task = asyncio.ensure_future(_drain(client, "r5"))
+    await scheduler.recv()
+    await scheduler.send(EngineFailed("rank 1 died"))
+    with pytest.raises(EngineDeadError, match="rank 1 died"):
+        await task
+    assert not client.is_healthy
+    with pytest.raises(EngineDeadError):
+        await _drain(client, "r6")
+
+
+async def _drain(client: EngineClient, req_id: str) -> list[TokensEmitted]:
+    return [out async for out in client.generate(_arrived(req_id))]

@@ -1,0 +1,91 @@
+"""The model's chat template, rendered in a jinja2 immutable sandbox.
+
+Only the template shipped with the model (tokenizer_config.json, or chat_template.jinja
+beside it) is ever rendered; templates supplied by a request are refused upstream.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from jinja2 import TemplateError
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+RESERVED_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"})
+
+
+class ChatTemplateError(ValueError):
+    """The messages could not be rendered (bad content, or the template raised)."""
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False) -> str:
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
+
+
+class ChatTemplate:
+    def __init__(self, source: str, bos_token: str | None = None, eos_token: str | None = None) -> None:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.globals["raise_exception"] = _raise_exception
+        env.filters["tojson"] = _tojson
+        self._template = env.from_string(source)
+        self._bos_token = bos_token or ""
+        self._eos_token = eos_token or ""
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str) -> "ChatTemplate | None":
+        config = _read_tokenizer_config(Path(model_dir))
+        source = _template_source(Path(model_dir), config)
+        if source is None:
+            return None
+        return cls(source, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        extra: Mapping[str, Any] | None = None,
+    ) -> str:
+        variables = {k: v for k, v in (extra or {}).items() if k not in RESERVED_VARIABLES}
+        try:
+            return self._template.render(
+                messages=[dict(m) for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self._bos_token,
+                eos_token=self._eos_token,
+                **variables,
+            )
+        except ChatTemplateError:
+            raise
+        except TemplateError as exc:  # includes SecurityError from the sandbox
+            raise ChatTemplateError(f"chat template failed: {exc}") from exc
+
+
+def _read_tokenizer_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "tokenizer_config.json"
+    if not path.exists():
+        return {}
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _template_source(model_dir: Path, config: Mapping[str, Any]) -> str | None:
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.exists():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _token_text(token: Any) -> str | None:
+    if isinstance(token, dict):  # AddedToken serialised as a dict
+        return token.get("content")
+    return token if isinstance(token, str) else None

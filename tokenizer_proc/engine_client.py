@@ -1,0 +1,184 @@
+"""The tokenizer process's view of the engine: send requests, stream their tokens back.
+
+`EngineClientBase` holds the per-request queues and the dispatch of scheduler events;
+subclasses only send events (`_send`) and feed what they receive to `_dispatch`.
+`EngineClient` does that over ZeroMQ (PUSH to the scheduler, PULL from it); tests use an
+in-process fake built on the same base.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+from typing import AsyncIterator
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from shared import codec, ipc
+from shared.events import EngineFailed, Event, RequestAborted, RequestArrived, RequestRejected, TokensEmitted
+
+logger = logging.getLogger(__name__)
+
+
+class EngineError(Exception):
+    """A request failed in the engine; carries an HTTP status and OpenAI error fields."""
+
+    status_code = 500
+    error_type = "InternalServerError"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class RequestRejectedError(EngineError):
+    error_type = "BadRequestError"
+
+    def __init__(self, message: str, code: int = 400, param: str | None = None) -> None:
+        super().__init__(message, param)
+        self.status_code = code
+
+
+class EngineDeadError(EngineError):
+    status_code = 503
+    error_type = "ServiceUnavailableError"
+
+
+_Item = TokensEmitted | EngineError
+
+
+class EngineClientBase(abc.ABC):
+    def __init__(self) -> None:
+        self._queues: dict[str, asyncio.Queue[_Item]] = {}
+        self._pending_aborts: set[asyncio.Task[None]] = set()
+        self.is_healthy = True
+        self.failure_message: str | None = None
+        self.num_bad_frames = 0
+
+    @abc.abstractmethod
+    async def _send(self, event: Event) -> None:
+        """Deliver one event to the scheduler."""
+
+    async def start(self) -> None:
+        """Start background work (readers); idempotent."""
+
+    async def close(self) -> None:
+        """Stop background work and release sockets."""
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    async def generate(self, arrived: RequestArrived) -> AsyncIterator[TokensEmitted]:
+        """Send `arrived`, then yield its TokensEmitted until one carries a finish reason.
+
+        Leaving early (the consumer stops iterating, or is cancelled) aborts the request."""
+        if not self.is_healthy:
+            raise EngineDeadError(self.failure_message or "engine is not healthy")
+        if arrived.req_id in self._queues:
+            raise EngineError(f"duplicate request id {arrived.req_id!r}")
+        queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._queues[arrived.req_id] = queue
+        try:
+            await self._send(arrived)
+            while True:
+                item = await queue.get()
+                if isinstance(item, EngineError):
+                    self._queues.pop(arrived.req_id, None)
+                    raise item
+                if item.finish_reason is not None:
+                    self._queues.pop(arrived.req_id, None)
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            if self._queues.pop(arrived.req_id, None) is not None:
+                self._abort_soon(arrived.req_id, "abort")
+
+    async def abort(self, req_id: str, reason: str = "abort") -> None:
+        """Tell the engine to stop `req_id`; its stream gets nothing more."""
+        self._queues.pop(req_id, None)
+        await self._send(RequestAborted(req_id=req_id, reason=reason))
+
+    def release(self, req_id: str) -> None:
+        """Synchronous cleanup for a consumer that is going away (safe under cancellation):
+        if `req_id` is still in flight, forget it and abort it in the engine."""
+        if self._queues.pop(req_id, None) is not None:
+            self._abort_soon(req_id, "abort")
+
+    def _abort_soon(self, req_id: str, reason: str) -> None:
+        # Called from a finally block that may be running under cancellation: send from
+        # a task of its own so the abort still goes out.
+        task = asyncio.get_running_loop().create_task(self._send_quietly(RequestAborted(req_id, reason)))
+        self._pending_aborts.add(task)
+        task.add_done_callback(self._pending_aborts.discard)
+
+    async def _send_quietly(self, event: Event) -> None:
+        try:
+            await self._send(event)
+        except Exception:  # the socket is gone; nothing left to abort
+            logger.exception("could not send %s", type(event).__name__)
+
+    def _dispatch(self, event: Event) -> None:
+        """Route one event from the scheduler to the stream waiting for it."""
+        if isinstance(event, EngineFailed):
+            self._fail_all(event.message)
+            return
+        if isinstance(event, (TokensEmitted, RequestRejected)):
+            queue = self._queues.get(event.req_id)
+            if queue is None:
+                return  # aborted or unknown: drop
+            if isinstance(event, RequestRejected):
+                queue.put_nowait(RequestRejectedError(event.message, event.code, event.param))
+            else:
+                queue.put_nowait(event)
+            return
+        self.num_bad_frames += 1  # decodes, but has no business on this channel
+
+    def _fail_all(self, message: str) -> None:
+        self.is_healthy = False
+        self.failure_message = message
+        for queue in self._queues.values():
+            queue.put_nowait(EngineDeadError(f"engine failed: {message}"))
+
+
+class EngineClient(EngineClientBase):
+    """PUSH to the scheduler's SCHED_IN, PULL from TO_TOKENIZER; both connect."""
+
+    def __init__(self, run_dir: str, context: zmq.asyncio.Context | None = None) -> None:
+        super().__init__()
+        self._ctx = context or zmq.asyncio.Context.instance()
+        self._push = ipc.connect(self._ctx, zmq.PUSH, run_dir, ipc.SCHED_IN)
+        self._pull = ipc.connect(self._ctx, zmq.PULL, run_dir, ipc.TO_TOKENIZER)
+        self._decoder = codec.from_scheduler_decoder()
+        self._reader: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+            self._reader = None
+        self._push.close(linger=0)
+        self._pull.close(linger=0)
+
+    async def _send(self, event: Event) -> None:
+        await self._push.send(codec.encode(event))
+
+    async def _read_loop(self) -> None:
+        while True:
+            frame = await self._pull.recv()
+            try:
+                event = self._decoder.decode(frame)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                self.num_bad_frames += 1
+                logger.warning("dropped an undecodable frame (%d so far)", self.num_bad_frames)
+                continue
+            self._dispatch(event)

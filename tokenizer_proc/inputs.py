@@ -1,0 +1,90 @@
+"""Turn a validated request into prompt token ids and SamplingParams (raising 400s)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from shared.sampling import SamplingParams
+from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError
+from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest, InvalidParam, SamplingFields
+
+
+def completion_prompt_ids(req: CompletionRequest, tokenizer: Any) -> list[int]:
+    prompt = req.single_prompt()
+    if isinstance(prompt, str):
+        return list(tokenizer.encode(prompt, add_special_tokens=True))
+    check_token_ids(prompt, len(tokenizer), "prompt")
+    return list(prompt)
+
+
+def chat_prompt_ids(req: ChatCompletionRequest, tokenizer: Any, template: ChatTemplate | None) -> list[int]:
+    if template is None:
+        raise InvalidParam("this model has no chat template; use /v1/completions", "messages")
+    messages = [_message_dict(m) for m in req.messages]
+    try:
+        text = template.render(messages, req.add_generation_prompt, req.chat_template_kwargs)
+    except ChatTemplateError as exc:
+        raise InvalidParam(str(exc), "messages") from exc
+    # The template already wrote any BOS/special tokens as text.
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _message_dict(message: Any) -> dict[str, Any]:
+    data = message.model_dump(exclude_none=True)
+    data["content"] = message.text()
+    return data
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> None:
+    for token_id in token_ids:
+        if token_id < 0 or token_id >= vocab_size:
+            raise InvalidParam(f"token id {token_id} is out of range [0, {vocab_size})", param)
+
+
+def sampling_params(
+    req: SamplingFields,
+    max_tokens: int | None,
+    num_logprobs: int | None,
+    num_prompt_tokens: int,
+    max_model_len: int,
+    vocab_size: int,
+) -> SamplingParams:
+    prompt_param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+    if num_prompt_tokens >= max_model_len:
+        raise InvalidParam(
+            f"This model's maximum context length is {max_model_len} tokens, "
+            f"but the prompt has {num_prompt_tokens} tokens.",
+            prompt_param,
+        )
+    room = max_model_len - num_prompt_tokens
+    if max_tokens is not None and max_tokens > room:
+        raise InvalidParam(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
+            f"{max_tokens} in the completion).",
+            "max_tokens",
+        )
+    stop_token_ids = tuple(req.stop_token_ids or ())
+    check_token_ids(stop_token_ids, vocab_size, "stop_token_ids")
+    resolved_max = max_tokens if max_tokens is not None else room
+    if req.min_tokens > resolved_max:
+        raise InvalidParam("min_tokens must not exceed max_tokens", "min_tokens")
+    return SamplingParams(
+        max_tokens=resolved_max,
+        temperature=_or(req.temperature, 1.0),
+        top_p=_or(req.top_p, 1.0),
+        top_k=max(_or(req.top_k, 0), 0),  # -1 (vLLM) and 0 both disable top-k
+        min_p=_or(req.min_p, 0.0),
+        seed=req.seed,
+        presence_penalty=_or(req.presence_penalty, 0.0),
+        frequency_penalty=_or(req.frequency_penalty, 0.0),
+        repetition_penalty=_or(req.repetition_penalty, 1.0),
+        stop_token_ids=stop_token_ids,
+        ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
+        logprobs=num_logprobs,
+    )
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value

@@ -1,0 +1,144 @@
+"""OpenAI (and vLLM-extension) request schemas for completions and chat completions.
+
+Responses are plain dicts built in `responses.py`; requests are validated here. Field
+constraints produce pydantic errors that the app turns into 400s naming the `param`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+
+
+class InvalidParam(ValueError):
+    """A request that parses but makes no sense; becomes a 400 naming `param`."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+PositiveInt = Annotated[StrictInt, Field(ge=1)]
+Probability = Annotated[float, Field(ge=0.0, le=1.0)]
+
+
+class StreamOptions(BaseModel):
+    include_usage: StrictBool = False
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by both endpoints."""
+
+    model_config = ConfigDict(allow_inf_nan=False, extra="ignore")
+
+    model: str
+    max_tokens: PositiveInt | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=100.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
+    min_p: Probability | None = None
+    seed: StrictInt | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=100.0)] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
+    ignore_eos: StrictBool = False
+    min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
+    n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    return_token_ids: StrictBool = False
+    skip_special_tokens: StrictBool = True
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def check(self) -> None:
+        """Cross-field checks that pydantic's per-field constraints can't express."""
+        if self.stream_options is not None and not self.stream:
+            raise InvalidParam("stream_options is only allowed when stream is true", "stream_options")
+        if len(self.stop_list()) > MAX_STOP_STRINGS:
+            raise InvalidParam(f"at most {MAX_STOP_STRINGS} stop strings are allowed", "stop")
+
+
+TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | TokenIds | list[str] | list[TokenIds]
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: StrictBool = False
+    suffix: str | None = None
+    best_of: Annotated[StrictInt, Field(ge=1, le=1)] | None = None
+
+    def check(self) -> None:
+        super().check()
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) and len(prompt) != 1:
+            raise InvalidParam("only one prompt per request is supported", "prompt")
+        if self.single_prompt() in ("", []):
+            raise InvalidParam("prompt must not be empty", "prompt")
+        if self.echo:
+            raise InvalidParam("echo is not supported", "echo")
+        if self.suffix:
+            raise InvalidParam("suffix is not supported", "suffix")
+
+    def single_prompt(self) -> str | list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            return prompt[0]  # type: ignore[return-value]
+        return prompt  # type: ignore[return-value]
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    add_generation_prompt: StrictBool = True
+    chat_template: str | None = None  # request-supplied templates are refused
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        super().check()
+        if self.chat_template is not None:
+            raise InvalidParam("request-supplied chat templates are not allowed", "chat_template")
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidParam("top_logprobs requires logprobs to be true", "top_logprobs")
+
+    def max_output_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
