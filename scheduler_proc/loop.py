@@ -43,6 +43,7 @@ class SchedulerShell:
         self.num_dropped_frames = 0
         self.stop_reason: str | None = None
         self.failed = False
+        self.last_stats: events.EngineStats | None = None
 
     def request_stop(self, reason: str) -> None:
         self.stop_reason = reason
@@ -81,6 +82,16 @@ class SchedulerShell:
             self._route(decision)
         if isinstance(event, events.WorkerReady):
             self._on_worker_ready(event)
+        self._send_stats()
+
+    def _send_stats(self) -> None:
+        """Gauges for /metrics, sent when they change (not logged: derived from logged state)."""
+        sched = self.core.scheduler
+        stats = events.EngineStats(self.core.step, len(sched.running), len(sched.waiting),
+                                   self.core.num_free_blocks, self.core.num_total_blocks)
+        if stats != self.last_stats:
+            self.to_tokenizer.send(codec.encode(stats))
+            self.last_stats = stats
 
     def _route(self, decision: events.Event) -> None:
         if isinstance(decision, events.StepPlan):

@@ -19,6 +19,7 @@ from tokenizer_proc.disconnect import ClientGone, until_disconnect
 from tokenizer_proc.engine_client import EngineClientBase, EngineDeadError
 from tokenizer_proc.errors import ApiError, error_response, install_error_handlers
 from tokenizer_proc.generation import RequestRun, collect
+from tokenizer_proc.metrics import CONTENT_TYPE_LATEST, Metrics
 from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from tokenizer_proc.responses import chat_choice, chat_logprobs, completion_choice, completion_logprobs, envelope
 
@@ -33,13 +34,14 @@ class Served:
     chat_template: ChatTemplate | None
     vocab_size: int
     created: int
+    metrics: Metrics
 
 
 def build_app(
     engine: EngineClientBase, tokenizer: Any, config: EngineConfig, chat_template: ChatTemplate | None = None
 ) -> FastAPI:
     template = chat_template if chat_template is not None else ChatTemplate.from_model_dir(config.model_dir)
-    served = Served(engine, tokenizer, config, template, len(tokenizer), int(time.time()))
+    served = Served(engine, tokenizer, config, template, len(tokenizer), int(time.time()), Metrics())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -57,9 +59,13 @@ def build_app(
 def _add_info_routes(app: FastAPI, served: Served) -> None:
     @app.get("/health")
     async def health() -> Response:
-        if served.engine.is_healthy:
+        if served.engine.is_healthy and served.engine.is_ready:
             return Response(status_code=200)
-        return error_response(503, served.engine.failure_message or "engine is not healthy")
+        return error_response(503, served.engine.failure_message or "the engine is not ready")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(served.metrics.render(served.engine), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -18,7 +18,16 @@ import zmq
 import zmq.asyncio
 
 from shared import codec, ipc
-from shared.events import EngineFailed, Event, RequestAborted, RequestArrived, RequestRejected, TokensEmitted
+from shared.events import (
+    EngineFailed,
+    EngineReady,
+    EngineStats,
+    Event,
+    RequestAborted,
+    RequestArrived,
+    RequestRejected,
+    TokensEmitted,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +64,9 @@ class EngineClientBase(abc.ABC):
     def __init__(self) -> None:
         self._queues: dict[str, asyncio.Queue[_Item]] = {}
         self._pending_aborts: set[asyncio.Task[None]] = set()
-        self.is_healthy = True
+        self.is_healthy = True  # False once the engine has failed
+        self.is_ready = False  # True once every worker rank is up (EngineReady)
+        self.stats: EngineStats | None = None  # the scheduler's latest gauges
         self.failure_message: str | None = None
         self.num_bad_frames = 0
 
@@ -127,6 +138,12 @@ class EngineClientBase(abc.ABC):
         """Route one event from the scheduler to the stream waiting for it."""
         if isinstance(event, EngineFailed):
             self._fail_all(event.message)
+            return
+        if isinstance(event, EngineReady):
+            self.is_ready = True
+            return
+        if isinstance(event, EngineStats):
+            self.stats = event
             return
         if isinstance(event, (TokensEmitted, RequestRejected)):
             queue = self._queues.get(event.req_id)

@@ -23,6 +23,7 @@ from tokenizer_proc.engine_client import EngineClientBase
 class FakeEngine(EngineClientBase):
     def __init__(self, delay_s: float = 0.0, num_cached_tokens: int = 0) -> None:
         super().__init__()
+        self.is_ready = True
         self.delay_s = delay_s
         self.num_cached_tokens = num_cached_tokens
         self.received: list[Event] = []

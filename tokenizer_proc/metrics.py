@@ -1,0 +1,35 @@
+"""`/metrics` in the Prometheus text format: the scheduler's gauges as last reported in
+EngineStats, plus this process's own counters."""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
+
+__all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        gauge = lambda name, doc: Gauge(name, doc, registry=self.registry)  # noqa: E731
+        self.running = gauge("ledgerserve_num_requests_running", "requests the scheduler is running")
+        self.waiting = gauge("ledgerserve_num_requests_waiting", "requests waiting in the scheduler")
+        self.blocks_free = gauge("ledgerserve_kv_blocks_free", "free KV blocks")
+        self.blocks_total = gauge("ledgerserve_kv_blocks_total", "KV blocks in the pool")
+        self.step = gauge("ledgerserve_engine_step", "last step the scheduler reported")
+        self.in_flight = gauge("ledgerserve_http_requests_in_flight", "requests this HTTP process is serving")
+        self.bad_frames = gauge("ledgerserve_ipc_frames_dropped", "undecodable IPC frames dropped")
+        self.healthy = gauge("ledgerserve_engine_healthy", "1 when the engine is up and ready")
+
+    def render(self, engine) -> bytes:
+        stats = engine.stats
+        if stats is not None:
+            self.running.set(stats.num_running)
+            self.waiting.set(stats.num_waiting)
+            self.blocks_free.set(stats.num_free_blocks)
+            self.blocks_total.set(stats.num_total_blocks)
+            self.step.set(stats.step)
+        self.in_flight.set(engine.num_in_flight)
+        self.bad_frames.set(engine.num_bad_frames)
+        self.healthy.set(1 if engine.is_healthy and engine.is_ready else 0)
+        return generate_latest(self.registry)
