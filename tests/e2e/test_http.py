@@ -158,6 +158,30 @@ def test_error_shapes(server, client, model_name):
     assert client.completions.create(model=model_name, prompt="ok", max_tokens=2).choices[0].text is not None
 
 
+def test_seeded_sampling_is_reproducible(client, model_name):
+    kwargs = {"model": model_name, "prompt": PROMPTS[5], "max_tokens": 16, "temperature": 1.0, "top_p": 0.9,
+              "extra_body": {"top_k": 50, "min_p": 0.01, "ignore_eos": True}}
+    first = client.completions.create(seed=7, **kwargs).choices[0].text
+    assert client.completions.create(seed=7, **kwargs).choices[0].text == first
+    others = {client.completions.create(seed=s, **kwargs).choices[0].text for s in (8, 9, 10)}
+    assert others != {first}
+
+
+def test_stop_token_ids_and_logprobs(client, model_name):
+    greedy = client.completions.create(model=model_name, prompt=PROMPTS[6], logprobs=3, **GREEDY)
+    ids = greedy.choices[0].model_extra["token_ids"]
+    lp = greedy.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(ids) and all(len(t) == 3 for t in lp.top_logprobs)
+    assert all(v <= 0 for v in lp.token_logprobs)
+    assert all(lp.token_logprobs[i] == pytest.approx(max(lp.top_logprobs[i].values())) for i in range(len(ids)))
+    stop_id = ids[5]
+    body = {**GREEDY["extra_body"], "stop_token_ids": [stop_id]}
+    stopped = client.completions.create(model=model_name, prompt=PROMPTS[6], temperature=0.0, max_tokens=24,
+                                        extra_body=body)
+    got = stopped.choices[0].model_extra["token_ids"]
+    assert got == ids[: ids.index(stop_id) + 1] and stopped.choices[0].finish_reason == "stop"
+
+
 def test_health_and_version(server):
     assert httpx.get(server.base_url + "/health").status_code == 200
     assert "version" in httpx.get(server.base_url + "/version").json()
@@ -167,8 +191,12 @@ def test_replay_verifies_the_log_under_two_hash_seeds(server, log_dir):
     assert server.stop() == 0
     logs = glob.glob(os.path.join(log_dir, "*.log"))
     assert len(logs) == 1
+    outputs = []
     for seed in ("0", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        done = subprocess.run([sys.executable, "-m", "shared.cli", "replay", "--verify", log_dir],
+        done = subprocess.run([sys.executable, "-m", "shared.cli", "replay", "--verify", "--show", log_dir],
                               env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stdout + done.stderr
+        assert "decisions match" in done.stdout
+        outputs.append(done.stdout)
+    assert outputs[0] == outputs[1]

@@ -10,6 +10,8 @@ import time
 import openai
 import pytest
 
+from shared import events
+from shared.eventlog import EventLogReader, newest_log
 from tests.e2e.server import Server, assert_all_gone
 
 pytestmark = pytest.mark.slow
@@ -53,3 +55,5 @@ def test_signal_drains_in_flight_request_then_exits_clean(sig, tmp_path):
     assert chunks[-1].choices[0].finish_reason == "length"
     assert server.proc.wait(timeout=60) == 0
     assert_all_gone(pids, run_dirs)
+    records = list(EventLogReader(newest_log(str(tmp_path))))
+    assert isinstance(records[-1][1], events.LogClosed)
