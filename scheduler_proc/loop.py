@@ -19,7 +19,14 @@ from shared.proc import send_ready
 log = logging.getLogger("scheduler")
 
 POLL_MS = 100
-TO_TOKENIZER_TYPES = (events.TokensEmitted, events.RequestRejected, events.EngineFailed, events.EngineReady)
+TO_TOKENIZER_TYPES = (
+    events.TokensEmitted,
+    events.RequestRejected,
+    events.EngineFailed,
+    events.EngineReady,
+    events.AdapterOpReplied,
+)
+TO_WORKER_TYPES = (events.StepPlan, events.AdapterSlotAssigned, events.AdapterEvicted, events.AdapterCpuEvicted)
 
 
 class SchedulerShell:
@@ -94,7 +101,7 @@ class SchedulerShell:
             self.last_stats = stats
 
     def _route(self, decision: events.Event) -> None:
-        if isinstance(decision, events.StepPlan):
+        if isinstance(decision, TO_WORKER_TYPES):
             frame = codec.encode(decision)
             for sock in self.to_workers:
                 sock.send(frame)

@@ -33,6 +33,12 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     run_dir: str = ""  # the 0700 directory holding the ipc sockets
     is_demo_model: bool = False
+    enable_lora: bool = False
+    max_loras: int = 8  # GPU slots = distinct adapters per step
+    max_lora_rank: int = 64
+    max_cpu_loras: int = 32  # adapter versions kept in (pinned) CPU memory
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) loaded at start-up, trusted
+    lora_allowed_dirs: tuple[str, ...] = ()  # roots for adapters loaded at run time
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -58,6 +64,9 @@ def _validate(cfg: EngineConfig) -> None:
         (cfg.load_format in ("auto", "safetensors", "dummy"), f"unknown load format {cfg.load_format!r}"),
         (cfg.shutdown_timeout_s >= 0, "shutdown_timeout must be >= 0"),
         (cfg.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
+        (cfg.max_loras >= 1, "max_loras must be >= 1"),
+        (cfg.max_lora_rank >= 1, "max_lora_rank must be >= 1"),
+        (cfg.max_cpu_loras >= cfg.max_loras, "max_cpu_loras must be >= max_loras"),
     ]
     for ok, message in checks:
         if not ok:

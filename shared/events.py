@@ -36,6 +36,23 @@ class RequestAborted(Event):
     reason: str = "abort"
 
 
+class AdapterLoadRequested(Event):
+    """Register a new version of adapter `name`, already validated by the HTTP process
+    (`shared.adapter_format.read_manifest`). The core assigns the version id."""
+
+    op_id: str
+    name: str
+    path: str  # real path of the adapter directory
+    max_rank: int
+    num_bytes: int
+    load_inplace: bool = False
+
+
+class AdapterUnloadRequested(Event):
+    op_id: str
+    name: str
+
+
 # ---------------------------------------------------------------- scheduler -> tokenizer
 
 
@@ -62,6 +79,23 @@ class RequestRejected(Event):
     message: str
     code: int = 400
     param: str | None = None
+
+
+class AdapterOpReplied(Event):
+    """The core's answer to an adapter load/unload: `code` 200 on success, else an HTTP
+    status with `message`. The registry as it stands after the op travels with it."""
+
+    op_id: str
+    code: int
+    message: str = ""
+    version_id: int = 0
+    adapters: list[AdapterInfo] = []
+
+
+class AdapterInfo(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+    name: str
+    version_id: int
+    path: str
 
 
 class EngineReady(Event):
@@ -126,6 +160,28 @@ class StepPlan(Event):
     preempted_req_ids: list[str] = []  # drop their state; they come back as NewReq
 
 
+class AdapterSlotAssigned(Event):
+    """Load adapter `version_id` (from `path`, or from the worker's CPU copy) into GPU
+    `slot`, replacing whatever was there. Sent before the StepPlan that first uses it."""
+
+    slot: int
+    version_id: int
+    path: str
+
+
+class AdapterEvicted(Event):
+    """Free GPU `slot` (it held `version_id`)."""
+
+    slot: int
+    version_id: int
+
+
+class AdapterCpuEvicted(Event):
+    """Drop the worker's CPU copy of `version_id` (CPU tier LRU)."""
+
+    version_id: int
+
+
 class Shutdown(Event):
     reason: str = ""
 
@@ -140,6 +196,21 @@ class WorkerReady(Event):
     eos_token_ids: list[int]
     device: str
     dtype: str
+
+
+class AdapterLoadCompleted(Event):
+    rank: int
+    slot: int
+    version_id: int
+
+
+class AdapterLoadFailed(Event):
+    """A worker could not load an adapter version (file gone, truncated, ...)."""
+
+    rank: int
+    slot: int
+    version_id: int
+    message: str
 
 
 class SampledToken(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
@@ -194,6 +265,27 @@ class StateDigest(Event):
     digest: int
 
 
+class AdapterRegistered(Event):
+    name: str
+    version_id: int
+    path: str
+    replaced_version_id: int = 0  # the version a load_inplace superseded, 0 if none
+
+
+class AdapterUnloaded(Event):
+    name: str
+    version_id: int
+
+
+class AdapterEvictionDeferred(Event):
+    """`version_id` was unloaded while requests still use its slot; the slot is freed
+    (AdapterEvicted) when the last of them ends."""
+
+    version_id: int
+    slot: int
+    num_reqs: int
+
+
 class LogClosed(Event):
     """Last record of a log that was shut down cleanly."""
 
@@ -202,10 +294,10 @@ class LogClosed(Event):
 
 # ---------------------------------------------------------------- channel unions
 
-ToScheduler = Union[RequestArrived, RequestAborted]
-FromScheduler = Union[TokensEmitted, RequestRejected, EngineFailed, EngineReady, EngineStats]
-ToWorker = Union[StepPlan, Shutdown]
-FromWorker = Union[WorkerReady, StepCompleted, RankDigest, WorkerFailed]
+ToScheduler = Union[RequestArrived, RequestAborted, AdapterLoadRequested, AdapterUnloadRequested]
+FromScheduler = Union[TokensEmitted, RequestRejected, EngineFailed, EngineReady, EngineStats, AdapterOpReplied]
+ToWorker = Union[StepPlan, Shutdown, AdapterSlotAssigned, AdapterEvicted, AdapterCpuEvicted]
+FromWorker = Union[WorkerReady, StepCompleted, RankDigest, WorkerFailed, AdapterLoadCompleted, AdapterLoadFailed]
 Decision = Union[
     StepPlan,
     TokensEmitted,
@@ -215,8 +307,26 @@ Decision = Union[
     RequestPreempted,
     StateDigest,
     Shutdown,
+    AdapterOpReplied,
+    AdapterRegistered,
+    AdapterUnloaded,
+    AdapterSlotAssigned,
+    AdapterEvicted,
+    AdapterEvictionDeferred,
+    AdapterCpuEvicted,
 ]
-CoreInput = Union[RequestArrived, RequestAborted, WorkerReady, StepCompleted, RankDigest, WorkerFailed]
+CoreInput = Union[
+    RequestArrived,
+    RequestAborted,
+    WorkerReady,
+    StepCompleted,
+    RankDigest,
+    WorkerFailed,
+    AdapterLoadRequested,
+    AdapterUnloadRequested,
+    AdapterLoadCompleted,
+    AdapterLoadFailed,
+]
 LogEvent = Union[
     RequestArrived,
     RequestAborted,
@@ -233,6 +343,28 @@ LogEvent = Union[
     StateDigest,
     Shutdown,
     LogClosed,
+    AdapterLoadRequested,
+    AdapterUnloadRequested,
+    AdapterLoadCompleted,
+    AdapterLoadFailed,
+    AdapterOpReplied,
+    AdapterRegistered,
+    AdapterUnloaded,
+    AdapterSlotAssigned,
+    AdapterEvicted,
+    AdapterEvictionDeferred,
+    AdapterCpuEvicted,
 ]
 
-INPUT_TYPES: tuple[type, ...] = (RequestArrived, RequestAborted, WorkerReady, StepCompleted, RankDigest, WorkerFailed)
+INPUT_TYPES: tuple[type, ...] = (
+    RequestArrived,
+    RequestAborted,
+    WorkerReady,
+    StepCompleted,
+    RankDigest,
+    WorkerFailed,
+    AdapterLoadRequested,
+    AdapterUnloadRequested,
+    AdapterLoadCompleted,
+    AdapterLoadFailed,
+)
