@@ -26,6 +26,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add("--event-log-dir", default=None, help="default: ~/.cache/ledgerserve/events")
     add("--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
     add("--tensor-parallel-size", type=int, default=1)
+    add("--event-log-fsync", choices=["never", "step", "always"], default="step",
+        help="step: at most one fsync per step, after its records")
+    add("--event-log-max-bytes", type=int, default=256 * 1024 * 1024, help="rotate log segments past this size")
+    add("--enable-lora", action="store_true", help="serve LoRA adapters")
+    add("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+        help='adapters loaded at start-up (trusted): NAME=PATH or JSON {"name": ..., "path": ...}')
+    add("--max-loras", type=int, default=8, help="GPU adapter slots = distinct adapters per step")
+    add("--max-lora-rank", type=int, default=64)
+    add("--max-cpu-loras", type=int, default=None, help="adapter versions kept in CPU memory (default: max(32, --max-loras))")
+    add("--lora-allowed-dir", action="append", default=[], metavar="DIR",
+        help="root that adapters loaded at run time must resolve inside (repeatable); none: runtime loading is refused")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -39,6 +39,8 @@ class EngineConfig:
     max_cpu_loras: int = 32  # adapter versions kept in (pinned) CPU memory
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) loaded at start-up, trusted
     lora_allowed_dirs: tuple[str, ...] = ()  # roots for adapters loaded at run time
+    event_log_fsync: str = "step"  # never | step | always
+    event_log_max_bytes: int = 256 * 1024 * 1024  # rotate segments past this size
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -67,6 +69,8 @@ def _validate(cfg: EngineConfig) -> None:
         (cfg.max_loras >= 1, "max_loras must be >= 1"),
         (cfg.max_lora_rank >= 1, "max_lora_rank must be >= 1"),
         (cfg.max_cpu_loras >= cfg.max_loras, "max_cpu_loras must be >= max_loras"),
+        (cfg.event_log_fsync in ("never", "step", "always"), f"unknown event_log_fsync {cfg.event_log_fsync!r}"),
+        (cfg.event_log_max_bytes >= 4096, "event_log_max_bytes must be >= 4096"),
     ]
     for ok, message in checks:
         if not ok:

@@ -286,6 +286,14 @@ class AdapterEvictionDeferred(Event):
     num_reqs: int
 
 
+class DigestMismatch(Event):
+    """Tensor-parallel ranks applied different state after `step`; the engine stops."""
+
+    step: int
+    digests: list[int]  # by rank
+    odd_ranks: list[int]  # ranks that differ from rank 0
+
+
 class LogClosed(Event):
     """Last record of a log that was shut down cleanly."""
 
@@ -314,6 +322,7 @@ Decision = Union[
     AdapterEvicted,
     AdapterEvictionDeferred,
     AdapterCpuEvicted,
+    DigestMismatch,
 ]
 CoreInput = Union[
     RequestArrived,
@@ -354,6 +363,7 @@ LogEvent = Union[
     AdapterEvicted,
     AdapterEvictionDeferred,
     AdapterCpuEvicted,
+    DigestMismatch,
 ]
 
 INPUT_TYPES: tuple[type, ...] = (

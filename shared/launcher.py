@@ -74,7 +74,32 @@ def resolve_config(args: argparse.Namespace, run_dir: str) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size,
         run_dir=run_dir,
         is_demo_model=is_demo,
+        event_log_fsync=args.event_log_fsync,
+        event_log_max_bytes=args.event_log_max_bytes,
+        enable_lora=args.enable_lora or bool(args.lora_modules),
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras or max(32, args.max_loras),
+        lora_modules=tuple(parse_lora_module(spec) for spec in args.lora_modules),
+        lora_allowed_dirs=tuple(os.path.realpath(d) for d in args.lora_allowed_dir),
     )
+
+
+def parse_lora_module(spec: str) -> tuple[str, str]:
+    """`NAME=PATH` or JSON `{"name": NAME, "path": PATH}` -> (name, absolute path)."""
+    if spec.lstrip().startswith("{"):
+        try:
+            obj = json.loads(spec)
+            name, path = obj["name"], obj["path"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(f'--lora-modules: {spec!r} is not JSON of the form {{"name": ..., "path": ...}}') from None
+    else:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            raise ValueError(f"--lora-modules: {spec!r} is not NAME=PATH")
+    if not name or not path:
+        raise ValueError(f"--lora-modules: {spec!r} needs a name and a path")
+    return str(name), os.path.abspath(str(path))
 
 
 def _demo_model_dir() -> str:

@@ -1,10 +1,12 @@
 """Worker process entry: `python -m worker_proc.main --config PATH --rank R`.
 
-Receives the StepPlan stream, runs each step, returns sampled tokens (rank 0) and a
-digest of what it applied (every rank)."""
+Receives the StepPlan and adapter-op stream, applies each in order, returns sampled
+tokens (rank 0), adapter load results and a digest of what it applied (every rank)."""
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
 import sys
 
@@ -14,6 +16,10 @@ import zmq
 from shared import codec, events, ipc
 from shared.proc import child_args, exit_with_parent, load_config, send_ready, setup_logging
 from worker_proc.runner import ModelRunner
+
+# Test-only fault switch: this rank reports a wrong digest from this step on.
+FAULT_DIGEST_RANK_ENV = "LEDGERSERVE_TEST_FAULT_DIGEST_RANK"
+FAULT_DIGEST_STEP_ENV = "LEDGERSERVE_TEST_FAULT_DIGEST_STEP"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     return serve(runner, args.rank, from_scheduler, to_scheduler, log)
 
 
-def serve(runner: ModelRunner, rank: int, inbox: zmq.Socket, outbox: zmq.Socket, log) -> int:
+def serve(runner: ModelRunner, rank: int, inbox: zmq.Socket, outbox: zmq.Socket, log: logging.Logger) -> int:
     decoder = codec.to_worker_decoder()
     while True:
         frame = inbox.recv()
@@ -51,14 +57,36 @@ def serve(runner: ModelRunner, rank: int, inbox: zmq.Socket, outbox: zmq.Socket,
             log.info("shutdown: %s", cmd.reason)
             return 0
         try:
-            completed, digest = runner.execute(cmd)
+            replies = apply(runner, rank, cmd)
         except Exception as e:
-            log.exception("step %d failed", cmd.step)
-            outbox.send(codec.encode(events.WorkerFailed(rank, f"step {cmd.step} failed: {e}")))
+            log.exception("%s failed", type(cmd).__name__)
+            outbox.send(codec.encode(events.WorkerFailed(rank, f"{type(cmd).__name__} failed: {e}")))
             return 1
-        if rank == 0:
-            outbox.send(codec.encode(completed))
-        outbox.send(codec.encode(digest))
+        for reply in replies:
+            outbox.send(codec.encode(reply))
+
+
+def apply(runner: ModelRunner, rank: int, cmd: events.Event) -> list[events.Event]:
+    """One command from the scheduler -> the events to send back."""
+    if isinstance(cmd, events.AdapterSlotAssigned):
+        return [runner.load_adapter(cmd)]
+    if isinstance(cmd, events.AdapterEvicted):
+        runner.evict_adapter(cmd)
+        return []
+    if isinstance(cmd, events.AdapterCpuEvicted):
+        runner.drop_cpu_copy(cmd)
+        return []
+    completed, digest = runner.execute(cmd)
+    digest = _maybe_fault(digest)
+    return [completed, digest] if rank == 0 else [digest]
+
+
+def _maybe_fault(digest: events.RankDigest) -> events.RankDigest:
+    if os.environ.get(FAULT_DIGEST_RANK_ENV) != str(digest.rank):
+        return digest
+    if digest.step < int(os.environ.get(FAULT_DIGEST_STEP_ENV, "1")):
+        return digest
+    return events.RankDigest(digest.step, digest.rank, digest.digest ^ 0x5A5A)
 
 
 if __name__ == "__main__":
