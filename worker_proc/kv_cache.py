@@ -34,8 +34,9 @@ def num_kv_blocks(config: EngineConfig, model_cfg: ModelConfig, dtype: torch.dty
     """How many blocks to allocate: config.num_kv_blocks if set, else sized from memory.
 
     CUDA: what is left of `gpu_memory_utilization * total` after what is in use now (call
-    it after the weights are loaded). CPU: enough for max_num_seqs full-length requests,
-    capped at a 2 GiB budget. Raises if not even one max_model_len request fits.
+    it after the weights are loaded). CPU: a 2 GiB budget. Either way no more than
+    max_num_seqs full-length requests can use, so a small model does not get millions of
+    blocks the scheduler would have to track. Raises if not even one max_model_len request fits.
     """
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
@@ -45,7 +46,7 @@ def num_kv_blocks(config: EngineConfig, model_cfg: ModelConfig, dtype: torch.dty
         torch.cuda.empty_cache()  # blocks the caching allocator holds but no tensor uses count as free
         free_bytes, total_bytes = torch.cuda.mem_get_info(device)
         budget = free_bytes - int(total_bytes * (1.0 - config.gpu_memory_utilization))
-        num_blocks = max(budget, 0) // per_block
+        num_blocks = min(config.max_num_seqs * blocks_per_seq, max(budget, 0) // per_block)
     else:
         num_blocks = min(config.max_num_seqs * blocks_per_seq, CPU_KV_BUDGET_BYTES // per_block)
     if num_blocks < blocks_per_seq:
