@@ -114,6 +114,8 @@ class EngineStats(Event):
     num_waiting: int
     num_free_blocks: int
     num_total_blocks: int
+    num_pinned_slots: int = 0
+    num_deferred_evictions: int = 0
 
 
 class EngineFailed(Event):
