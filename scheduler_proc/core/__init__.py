@@ -5,24 +5,25 @@ from scheduler_proc.core.block_manager import BlockAccountingError, BlockManager
 from scheduler_proc.core.config import CoreConfig
 from scheduler_proc.core.core import Core
 from scheduler_proc.core.request import IllegalTransition, Request, RequestStatus, transition
-from scheduler_proc.core.slots import IllegalSlotTransition, Slot, SlotState, SlotTable, transition_slot
+from scheduler_proc.core.slots import IllegalSlotTransition, Slot, SlotAction, SlotState, SlotTable, transition_slot
 
 __all__ = [
     "AdapterManager",
     "AdapterVersion",
-    "IllegalSlotTransition",
-    "Slot",
-    "SlotState",
-    "SlotTable",
-    "transition_slot",
     "BlockAccountingError",
     "BlockManager",
     "BlockPool",
     "Core",
     "CoreConfig",
+    "IllegalSlotTransition",
     "IllegalTransition",
     "PrefixMatch",
     "Request",
     "RequestStatus",
+    "Slot",
+    "SlotAction",
+    "SlotState",
+    "SlotTable",
     "transition",
+    "transition_slot",
 ]

@@ -91,6 +91,8 @@ class Core:
     def _after_failure(self, event: Any) -> Decisions:
         if isinstance(event, ev.RequestArrived):
             return [ev.RequestRejected(event.req_id, f"The engine has failed: {self.failure}", code=503)]
+        if isinstance(event, (ev.AdapterLoadRequested, ev.AdapterUnloadRequested)):
+            return [ev.AdapterOpReplied(event.op_id, 503, f"The engine has failed: {self.failure}")]
         return []
 
     def _fail(self, message: str) -> Decisions:

@@ -16,10 +16,19 @@ class SlotState(enum.Enum):
     PINNED = "pinned"
 
 
-_LEGAL_EDGES: dict[SlotState, tuple[SlotState, ...]] = {
-    SlotState.FREE: (SlotState.LOADED,),  # assign
-    SlotState.LOADED: (SlotState.PINNED, SlotState.FREE),  # first pin, evict
-    SlotState.PINNED: (SlotState.LOADED,),  # last unpin
+class SlotAction(enum.Enum):
+    ASSIGN = "assign"  # load a version into a free slot
+    PIN = "pin"  # a request starts running on it
+    UNPIN = "unpin"  # a running request leaves it (finish, abort, preemption)
+    EVICT = "evict"  # free it
+
+
+_LEGAL_EDGES: dict[tuple[SlotState, SlotAction], SlotState] = {
+    (SlotState.FREE, SlotAction.ASSIGN): SlotState.LOADED,
+    (SlotState.LOADED, SlotAction.PIN): SlotState.PINNED,
+    (SlotState.PINNED, SlotAction.PIN): SlotState.PINNED,
+    (SlotState.PINNED, SlotAction.UNPIN): SlotState.PINNED,  # LOADED once the last pin goes
+    (SlotState.LOADED, SlotAction.EVICT): SlotState.FREE,
 }
 
 
@@ -36,10 +45,16 @@ class Slot:
     last_used_step: int = 0
 
 
-def transition_slot(slot: Slot, new_state: SlotState) -> None:
-    """The only place a slot's state changes; raises on an illegal edge."""
-    if new_state not in _LEGAL_EDGES[slot.state]:
-        raise IllegalSlotTransition(f"slot {slot.index}: illegal transition {slot.state.name} -> {new_state.name}")
+def transition_slot(slot: Slot, action: SlotAction) -> None:
+    """The only place a slot's state and pin count change; raises on an illegal edge."""
+    new_state = _LEGAL_EDGES.get((slot.state, action))
+    if new_state is None:
+        raise IllegalSlotTransition(f"slot {slot.index}: illegal {action.name} on a {slot.state.name} slot")
+    if action == SlotAction.PIN:
+        slot.num_pins += 1
+    elif action == SlotAction.UNPIN:
+        slot.num_pins -= 1
+        new_state = SlotState.PINNED if slot.num_pins else SlotState.LOADED
     slot.state = new_state
 
 
@@ -72,32 +87,22 @@ class SlotTable:
 
     def assign(self, index: int, version_id: int, step: int) -> None:
         slot = self.slots[index]
-        transition_slot(slot, SlotState.LOADED)
+        transition_slot(slot, SlotAction.ASSIGN)
         slot.version_id = version_id
         slot.last_used_step = step
 
     def evict(self, index: int) -> int:
         """Free a LOADED slot; returns the version it held."""
         slot = self.slots[index]
-        transition_slot(slot, SlotState.FREE)
+        transition_slot(slot, SlotAction.EVICT)
         version_id, slot.version_id, slot.last_used_step = slot.version_id, 0, 0
         return version_id
 
     def pin(self, index: int) -> None:
-        slot = self.slots[index]
-        if slot.state == SlotState.LOADED:
-            transition_slot(slot, SlotState.PINNED)
-        elif slot.state != SlotState.PINNED:
-            raise IllegalSlotTransition(f"slot {index}: cannot pin a {slot.state.name} slot")
-        slot.num_pins += 1
+        transition_slot(self.slots[index], SlotAction.PIN)
 
     def unpin(self, index: int) -> None:
-        slot = self.slots[index]
-        if slot.state != SlotState.PINNED or slot.num_pins <= 0:
-            raise IllegalSlotTransition(f"slot {index}: cannot unpin a {slot.state.name} slot with {slot.num_pins} pins")
-        slot.num_pins -= 1
-        if slot.num_pins == 0:
-            transition_slot(slot, SlotState.LOADED)
+        transition_slot(self.slots[index], SlotAction.UNPIN)
 
     def touch(self, index: int, step: int) -> None:
         self.slots[index].last_used_step = step

@@ -1,7 +1,11 @@
 """Adapters in the core: registry replies, the per-step cap, pinning, promotion order, LRU
 tie-breaks, deferred evictions, in-place reloads, failed loads, the CPU tier."""
 
+import pytest
+
 from shared import events as ev
+
+from scheduler_proc.core import IllegalSlotTransition, SlotAction, SlotState, SlotTable, transition_slot
 
 from tests.scheduler_proc.driver import Driver
 
@@ -232,3 +236,28 @@ def test_snapshot_shows_registry_slots_and_deferred():
     assert snap["slots"][0] == {"slot": 0, "state": "PINNED", "version_id": 1, "num_pins": 1, "last_used_step": 1}
     assert d.core.snapshot()["requests"][0]["lora_slot"] == 0
     d.run()
+
+
+def test_slot_lifecycle_rejects_illegal_edges():
+    table = SlotTable(2)
+    with pytest.raises(IllegalSlotTransition):
+        table.pin(0)  # FREE -> PINNED
+    table.assign(0, 7, step=1)
+    table.pin(0)
+    with pytest.raises(IllegalSlotTransition):
+        table.evict(0)  # PINNED -> FREE
+    with pytest.raises(IllegalSlotTransition):
+        table.assign(0, 8, step=2)  # PINNED -> LOADED by assignment
+    table.pin(0)
+    table.unpin(0)
+    assert table.slots[0].state == SlotState.PINNED and table.num_pinned == 1
+    table.unpin(0)
+    assert table.evict(0) == 7 and table.slots[0].state == SlotState.FREE
+    with pytest.raises(IllegalSlotTransition):
+        transition_slot(table.slots[1], SlotAction.UNPIN)
+
+
+def test_adapter_ops_after_engine_failure_get_503():
+    d = lora_driver()
+    d.send(ev.WorkerFailed(0, "gone"))
+    assert d.load("a").code == 503 and d.unload("a").code == 503
