@@ -1,19 +1,29 @@
 """Sans-IO deterministic scheduler core (DESIGN.md §3, §4)."""
 
+from scheduler_proc.core.adapters import AdapterManager, AdapterVersion
 from scheduler_proc.core.block_manager import BlockAccountingError, BlockManager, BlockPool, PrefixMatch
 from scheduler_proc.core.config import CoreConfig
 from scheduler_proc.core.core import Core
 from scheduler_proc.core.request import IllegalTransition, Request, RequestStatus, transition
+from scheduler_proc.core.slots import IllegalSlotTransition, Slot, SlotAction, SlotState, SlotTable, transition_slot
 
 __all__ = [
+    "AdapterManager",
+    "AdapterVersion",
     "BlockAccountingError",
     "BlockManager",
     "BlockPool",
     "Core",
     "CoreConfig",
+    "IllegalSlotTransition",
     "IllegalTransition",
     "PrefixMatch",
     "Request",
     "RequestStatus",
+    "Slot",
+    "SlotAction",
+    "SlotState",
+    "SlotTable",
     "transition",
+    "transition_slot",
 ]

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from shared.config import EngineConfig
 
+_POSITIVE = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "tensor_parallel_size", "max_loras", "max_cpu_loras", "lora_aging_steps")
+
 
 @dataclass(frozen=True)
 class CoreConfig:
@@ -14,12 +16,20 @@ class CoreConfig:
     block_size: int
     max_model_len: int
     tensor_parallel_size: int = 1
+    max_loras: int = 8  # GPU slots = distinct adapters per step
+    max_cpu_loras: int = 32  # adapter versions kept in the workers' CPU tier
+    enable_lora: bool = False
+    lora_aging_steps: int = 16  # steps a cap-blocked request waits before nothing may overtake it
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "tensor_parallel_size"):
+        for name in _POSITIVE:
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"CoreConfig.{name} must be a positive int, got {value!r}")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"CoreConfig.max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"CoreConfig.enable_lora must be a bool, got {self.enable_lora!r}")
 
     @staticmethod
     def from_engine(cfg: EngineConfig) -> "CoreConfig":
@@ -29,4 +39,7 @@ class CoreConfig:
             block_size=cfg.block_size,
             max_model_len=cfg.max_model_len,
             tensor_parallel_size=cfg.tensor_parallel_size,
+            max_loras=cfg.max_loras,
+            max_cpu_loras=cfg.max_cpu_loras,
+            enable_lora=cfg.enable_lora,
         )

@@ -12,6 +12,7 @@ from typing import Any
 from shared import events as ev
 
 from scheduler_proc.core import digest
+from scheduler_proc.core.adapters import AdapterManager
 from scheduler_proc.core.block_manager import BlockManager
 from scheduler_proc.core.config import CoreConfig
 from scheduler_proc.core.finish import admission_error, check_stop
@@ -26,6 +27,7 @@ class Core:
     def __init__(self, config: CoreConfig) -> None:
         self.config = config
         self.scheduler = Scheduler(config)
+        self.adapters = AdapterManager(config)
         self.requests: dict[str, Request] = {}  # live requests, lookups only
         self.ready: dict[int, ev.WorkerReady] = {}  # by rank, lookups only
         self.eos_token_ids: list[int] = []
@@ -46,6 +48,14 @@ class Core:
     def num_free_blocks(self) -> int:
         return self.scheduler.block_manager.num_free_blocks if self.scheduler.is_ready else 0
 
+    @property
+    def num_deferred_evictions(self) -> int:
+        return self.adapters.num_deferred_evictions
+
+    @property
+    def num_pinned_slots(self) -> int:
+        return self.adapters.num_pinned_slots
+
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
 
@@ -59,10 +69,11 @@ class Core:
         queued = list(self.scheduler.waiting) + self.scheduler.running
         if len(queued) != len(self.requests) or any(self.requests.get(r.req_id) is not r for r in queued):
             raise RuntimeError("queues and the request table disagree")
+        self.adapters.check_integrity(queued)
 
     def snapshot(self) -> dict[str, Any]:
         in_flight_step = self.in_flight.step if self.in_flight else None
-        return digest.snapshot(self.step, in_flight_step, self.scheduler, self._live_requests())
+        return digest.snapshot(self.step, in_flight_step, self.scheduler, self._live_requests(), self.adapters)
 
     # ------------------------------------------------------------------ dispatch
 
@@ -80,6 +91,8 @@ class Core:
     def _after_failure(self, event: Any) -> Decisions:
         if isinstance(event, ev.RequestArrived):
             return [ev.RequestRejected(event.req_id, f"The engine has failed: {self.failure}", code=503)]
+        if isinstance(event, (ev.AdapterLoadRequested, ev.AdapterUnloadRequested)):
+            return [ev.AdapterOpReplied(event.op_id, 503, f"The engine has failed: {self.failure}")]
         return []
 
     def _fail(self, message: str) -> Decisions:
@@ -110,12 +123,13 @@ class Core:
     def _on_request_arrived(self, event: ev.RequestArrived) -> Decisions:
         if event.req_id in self.requests or event.req_id in self.finished_req_ids:
             return [ev.RequestRejected(event.req_id, f"Request id {event.req_id!r} is already in use.", param="request_id")]
-        if event.lora_name is not None:
-            message = f"The model `{event.lora_name}` does not exist (LoRA adapters are not served yet)."
-            return [ev.RequestRejected(event.req_id, message, code=404, param="model")]
+        version_id = 0 if event.lora_name is None else self.adapters.resolve(event.lora_name)
+        if version_id is None:
+            return [ev.RequestRejected(event.req_id, f"The model `{event.lora_name}` does not exist.", code=404, param="model")]
         self._num_arrived += 1
-        req = Request(event.req_id, event.prompt_token_ids, event.sampling, self._num_arrived, event.lora_name)
+        req = Request(event.req_id, event.prompt_token_ids, event.sampling, self._num_arrived, event.lora_name, version_id, self.step)
         self.requests[req.req_id] = req
+        self.adapters.hold(req)
         self.scheduler.add(req)
         return self._reject_if_unservable(req)
 
@@ -171,6 +185,27 @@ class Core:
     def _on_worker_failed(self, event: ev.WorkerFailed) -> Decisions:
         return self._fail(f"worker rank {event.rank} failed: {event.message}")
 
+    def _on_adapter_load_requested(self, event: ev.AdapterLoadRequested) -> Decisions:
+        return self.adapters.load(event)
+
+    def _on_adapter_unload_requested(self, event: ev.AdapterUnloadRequested) -> Decisions:
+        return self.adapters.unload(event)
+
+    def _on_adapter_load_completed(self, event: ev.AdapterLoadCompleted) -> Decisions:
+        return []  # logged only: a step's plan already waits on the worker side
+
+    def _on_adapter_load_failed(self, event: ev.AdapterLoadFailed) -> Decisions:
+        """Fail every request of the version, then free its slot and unregister it."""
+        version = self.adapters.versions.get(event.version_id)
+        if version is None:
+            return []  # already dropped (another rank reported it first)
+        message = f"adapter {version.name!r} (version {version.version_id}) failed to load on rank {event.rank}: {event.message}"
+        decisions: Decisions = []
+        for req in sorted(self._live_requests(), key=lambda r: r.arrival_order):
+            if req.version_id == event.version_id:
+                decisions += self._fail_request(req, message)
+        return decisions + self.adapters.fail(event.version_id)
+
     # ------------------------------------------------------------------ request endings
 
     def _append_token(self, req: Request, token: ev.SampledToken) -> Decisions:
@@ -189,33 +224,36 @@ class Core:
         return [self._emitted(req, [token.token_id], logprobs, None, None)]
 
     def _finish(self, req: Request, reason: str, token_ids: list[int], logprobs: Any, stop_token_id: int | None) -> Decisions:
-        self._retire(req, FINISH_REASON_TO_STATUS[reason])
+        released = self._retire(req, FINISH_REASON_TO_STATUS[reason])
         return [
             self._emitted(req, token_ids, logprobs, reason, stop_token_id),
             ev.RequestFinished(req.req_id, reason, req.num_output_tokens),
-        ]
+        ] + released
 
     def _fail_request(self, req: Request, message: str) -> Decisions:
-        self._retire(req, RequestStatus.FINISHED_ERROR)
+        released = self._retire(req, RequestStatus.FINISHED_ERROR)
         return [
             ev.RequestFinished(req.req_id, "error", req.num_output_tokens),
             ev.RequestRejected(req.req_id, f"The worker failed this request: {message}", code=500),
-        ]
+        ] + released
 
     def _reject_if_unservable(self, req: Request) -> Decisions:
         num_total_blocks = self.num_total_blocks if self.scheduler.is_ready else None
         message = admission_error(req.num_prompt_tokens, req.sampling, self.config.max_model_len, self.config.block_size, num_total_blocks)
         if message is None:
             return []
-        self._retire(req, RequestStatus.FINISHED_ERROR)
-        return [ev.RequestRejected(req.req_id, message, code=400)]
+        released = self._retire(req, RequestStatus.FINISHED_ERROR)
+        return [ev.RequestRejected(req.req_id, message, code=400)] + released
 
-    def _retire(self, req: Request, status: RequestStatus) -> None:
+    def _retire(self, req: Request, status: RequestStatus) -> Decisions:
+        """Take a request out for good; returns the adapter decisions its end triggers."""
+        released = self.adapters.release(req)
         self.scheduler.remove(req)
         transition(req, status)
         del self.requests[req.req_id]
         if req.on_worker:
             self.finished_req_ids.append(req.req_id)
+        return released
 
     def _emitted(self, req: Request, token_ids: list[int], logprobs: Any, reason: str | None, stop_token_id: int | None) -> ev.TokensEmitted:
         return ev.TokensEmitted(
@@ -233,15 +271,16 @@ class Core:
     def _maybe_plan(self) -> Decisions:
         if self.in_flight is not None or not self.scheduler.is_ready or not self.has_unfinished():
             return []
-        scheduled, preempted = self.scheduler.schedule()
+        scheduled, preempted = self.scheduler.schedule(self.step + 1)
         if not scheduled:
             return self._fail(f"the scheduler can make no progress: {len(self.scheduler.waiting)} waiting, nothing fits")
         self.step += 1
         preempted_ids = [req.req_id for req in preempted]
+        decisions: Decisions = [ev.RequestPreempted(req_id, self.step) for req_id in preempted_ids]
+        decisions += self.adapters.bind_step([item.req for item in scheduled], preempted, self.step)
         plan, self.in_flight = build_plan(self.step, scheduled, self.finished_req_ids, preempted_ids)
         self.finished_req_ids = []
-        decisions: Decisions = [ev.RequestPreempted(req_id, self.step) for req_id in preempted_ids]
-        state = digest.state_digest(self.step, self.scheduler, self._live_requests())
+        state = digest.state_digest(self.step, self.scheduler, self._live_requests(), self.adapters)
         return decisions + [plan, ev.StateDigest(self.step, state)]
 
     def _live_requests(self) -> list[Request]:
@@ -255,4 +294,8 @@ _HANDLERS = {
     ev.StepCompleted: Core._on_step_completed,
     ev.RankDigest: Core._on_rank_digest,
     ev.WorkerFailed: Core._on_worker_failed,
+    ev.AdapterLoadRequested: Core._on_adapter_load_requested,
+    ev.AdapterUnloadRequested: Core._on_adapter_unload_requested,
+    ev.AdapterLoadCompleted: Core._on_adapter_load_completed,
+    ev.AdapterLoadFailed: Core._on_adapter_load_failed,
 }

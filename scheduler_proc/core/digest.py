@@ -7,6 +7,7 @@ from typing import Any
 import msgspec
 import xxhash
 
+from scheduler_proc.core.adapters import AdapterManager
 from scheduler_proc.core.request import Request
 from scheduler_proc.core.scheduler import Scheduler
 
@@ -15,23 +16,24 @@ _encoder = msgspec.msgpack.Encoder()
 
 def request_rows(requests: list[Request]) -> list[list[Any]]:
     return [
-        [req.req_id, req.status.value, req.num_prompt_tokens, req.num_output_tokens, req.num_computed_tokens, list(req.block_ids)]
+        [req.req_id, req.status.value, req.num_prompt_tokens, req.num_output_tokens, req.num_computed_tokens, list(req.block_ids), req.version_id, req.lora_slot]
         for req in sorted(requests, key=lambda r: (r.arrival_order, r.req_id))
     ]
 
 
-def state_digest(step: int, scheduler: Scheduler, requests: list[Request]) -> int:
+def state_digest(step: int, scheduler: Scheduler, requests: list[Request], adapters: AdapterManager) -> int:
     rows = [
         step,
         [req.req_id for req in scheduler.waiting],
         [req.req_id for req in scheduler.running],
         request_rows(requests),
         list(scheduler.block_manager.pool.free_block_ids) if scheduler.is_ready else [],
+        adapters.rows(),
     ]
     return xxhash.xxh64_intdigest(_encoder.encode(rows))
 
 
-def snapshot(step: int, in_flight_step: int | None, scheduler: Scheduler, requests: list[Request]) -> dict[str, Any]:
+def snapshot(step: int, in_flight_step: int | None, scheduler: Scheduler, requests: list[Request], adapters: AdapterManager) -> dict[str, Any]:
     ready = scheduler.is_ready
     return {
         "step": step,
@@ -45,6 +47,8 @@ def snapshot(step: int, in_flight_step: int | None, scheduler: Scheduler, reques
                 "req_id": req.req_id,
                 "status": req.status.name,
                 "lora_name": req.lora_name,
+                "version_id": req.version_id,
+                "lora_slot": req.lora_slot,
                 "num_prompt_tokens": req.num_prompt_tokens,
                 "num_output_tokens": req.num_output_tokens,
                 "num_computed_tokens": req.num_computed_tokens,
@@ -54,4 +58,5 @@ def snapshot(step: int, in_flight_step: int | None, scheduler: Scheduler, reques
             for req in sorted(requests, key=lambda r: (r.arrival_order, r.req_id))
         ],
         "free_block_ids": list(scheduler.block_manager.pool.free_block_ids) if ready else [],
+        "adapters": adapters.snapshot(),
     }

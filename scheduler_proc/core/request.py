@@ -69,6 +69,8 @@ class Request:
         sampling: SamplingParams,
         arrival_order: int,
         lora_name: str | None = None,
+        version_id: int = 0,
+        arrival_step: int = 0,
     ) -> None:
         self.req_id = req_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -76,8 +78,10 @@ class Request:
         self.sampling = sampling
         self.arrival_order = arrival_order  # explicit tie-break for every ordering
         self.lora_name = lora_name
-        self.namespace = 0  # prefix-cache namespace; 0 = base model (adapters: a later issue)
-        self.lora_slot = -1  # adapter GPU slot; -1 = base model (adapters: a later issue)
+        self.version_id = version_id  # adapter version, resolved at arrival; 0 = base model
+        self.arrival_step = arrival_step  # the core's step counter at arrival (aging)
+        self.namespace = version_id  # prefix-cache namespace: one per adapter version
+        self.lora_slot = -1  # adapter GPU slot while running; -1 = base model or not running
         self.status = RequestStatus.WAITING
         self.block_ids: list[int] = []
         self.num_computed_tokens = 0

@@ -1,5 +1,14 @@
 """Continuous batching with chunked prefill: which requests run in the next step, and
-how many tokens each computes. Preemption by recompute when KV blocks run out."""
+how many tokens each computes. Preemption by recompute when KV blocks run out.
+
+Adapters: a step holds at most `max_loras` distinct adapter versions, counting those of
+every running request (their slots are pinned) and those admitted this step. Waiting
+requests go FCFS with adapter affinity: one whose adapter would exceed the cap is skipped
+(it keeps its place) and later requests of adapters already in the step, or of the base
+model, go ahead. Aging bounds this: once a skipped request has waited
+`lora_aging_steps` steps since arrival, no adapter request behind it may overtake it, so
+the running adapters drain and it gets a slot. Only admitted requests count toward the cap.
+"""
 
 from __future__ import annotations
 
@@ -52,9 +61,10 @@ class Scheduler:
         if req.block_ids:
             self.block_manager.release(req.namespace, req.req_id, req.block_ids)
 
-    def schedule(self) -> tuple[list[ScheduledReq], list[Request]]:
+    def schedule(self, step: int) -> tuple[list[ScheduledReq], list[Request]]:
         """Running requests first (a decode token or their next prefill chunk), then
-        waiting ones FCFS. Returns the scheduled requests and the ones preempted."""
+        waiting ones FCFS under the adapter cap. `step` is the step being built (aging).
+        Returns the scheduled requests and the ones preempted."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledReq] = []
         preempted: list[Request] = []
@@ -72,7 +82,7 @@ class Scheduler:
             budget -= num_tokens
             i += 1
         if not preempted or not scheduled:
-            self._admit_waiting(budget, scheduled)
+            self._admit_waiting(budget, scheduled, step)
         return scheduled, preempted
 
     def _make_room(self, req: Request, num_tokens: int, preempted: list[Request]) -> bool:
@@ -97,20 +107,31 @@ class Scheduler:
         transition(req, RequestStatus.WAITING)
         self.waiting.appendleft(req)
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledReq]) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledReq], step: int) -> None:
+        version_ids = distinct([req.version_id for req in self.running if req.version_id])
+        is_barred = False  # an aged, cap-blocked request: no adapter request overtakes it
+        for req in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if req.version_id and (is_barred or not self._fits_cap(req.version_id, version_ids)):
+                is_barred = is_barred or step - req.arrival_step >= self.config.lora_aging_steps
+                continue
             if not req.block_ids:
                 self._match_prefix(req)
             num_tokens = min(req.num_uncomputed_tokens, budget)
             if not self.block_manager.can_grow(req.block_ids, req.num_computed_tokens + num_tokens):
-                break  # FCFS: nothing overtakes the head of the queue
-            self.waiting.popleft()
+                break  # FCFS: nothing overtakes a request short of blocks
+            self.waiting.remove(req)
             self.block_manager.grow(req.namespace, req.req_id, req.block_ids, req.num_computed_tokens + num_tokens)
             transition(req, RequestStatus.RUNNING)
             bisect.insort(self.running, req, key=_arrival_order)
             scheduled.append(ScheduledReq(req, num_tokens))
             budget -= num_tokens
+            if req.version_id and req.version_id not in version_ids:
+                version_ids.append(req.version_id)
+
+    def _fits_cap(self, version_id: int, version_ids: list[int]) -> bool:
+        return version_id in version_ids or len(version_ids) < self.config.max_loras
 
     def _match_prefix(self, req: Request) -> None:
         match = self.block_manager.match_prefix(req.namespace, req.token_ids)
@@ -121,3 +142,11 @@ class Scheduler:
 
 def _arrival_order(req: Request) -> int:
     return req.arrival_order
+
+
+def distinct(ids: list[int]) -> list[int]:
+    out: list[int] = []
+    for i in ids:
+        if i not in out:
+            out.append(i)
+    return out

@@ -8,7 +8,10 @@
 
 The fake worker keeps what a real one would (each request's known tokens and block
 table), checks every plan against it, and samples only for requests whose scheduled
-tokens reach the end of their known tokens.
+tokens reach the end of their known tokens. It also keeps the adapter slot table (from
+AdapterSlotAssigned / AdapterEvicted) and checks that every request's `lora_slot` holds
+that request's version, and that no slot is loaded or evicted while a running request
+uses it.
 """
 
 from __future__ import annotations
@@ -25,11 +28,50 @@ EOS = 2
 FILLER = 7  # sampled when a request has no scripted tokens left
 
 
+class FakeSlots:
+    """The worker's adapter slot table and the slots pinned by running requests."""
+
+    def __init__(self) -> None:
+        self.versions: dict[int, int] = {}  # slot -> version id
+        self.req_slot: dict[str, int] = {}  # running adapter request -> its slot
+
+    def pinned(self, slot: int) -> bool:
+        return slot in self.req_slot.values()
+
+    def apply(self, decision: Any) -> None:
+        if isinstance(decision, ev.AdapterSlotAssigned):
+            if self.pinned(decision.slot) or decision.slot in self.versions:
+                raise AssertionError(f"slot {decision.slot} assigned while pinned or loaded ({self.versions.get(decision.slot)})")
+            if decision.version_id in self.versions.values():
+                raise AssertionError(f"version {decision.version_id} assigned to a second slot")
+            self.versions[decision.slot] = decision.version_id
+        elif isinstance(decision, ev.AdapterEvicted):
+            if self.pinned(decision.slot) or self.versions.get(decision.slot) != decision.version_id:
+                raise AssertionError(f"bad eviction of slot {decision.slot}: holds {self.versions.get(decision.slot)}, pinned={self.pinned(decision.slot)}")
+            del self.versions[decision.slot]
+
+    def check_req(self, req_id: str, lora_slot: int, version_id: int) -> None:
+        if version_id == 0:
+            if lora_slot != -1:
+                raise AssertionError(f"base request {req_id!r} in slot {lora_slot}")
+            return
+        if self.versions.get(lora_slot) != version_id:
+            raise AssertionError(f"{req_id!r} of version {version_id} points to slot {lora_slot} holding {self.versions.get(lora_slot)}")
+        if self.req_slot.get(req_id, lora_slot) != lora_slot:
+            raise AssertionError(f"{req_id!r} moved from slot {self.req_slot[req_id]} to {lora_slot} while running")
+        self.req_slot[req_id] = lora_slot
+
+    def end(self, req_id: str) -> None:
+        self.req_slot.pop(req_id, None)
+
+
 class FakeWorker:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.num_tokens: dict[str, int] = {}
         self.block_ids: dict[str, list[int]] = {}
+        self.slots = FakeSlots()
+        self.req_versions: dict[str, int] = {}  # what the client asked for, resolved at arrival
 
     def apply(self, plan: ev.StepPlan) -> list[str]:
         """Apply a plan; returns the ids of requests that sample this step, in plan order."""
@@ -59,6 +101,12 @@ class FakeWorker:
             raise AssertionError(f"{req_id!r}: {len(self.block_ids[req_id])} blocks cannot hold {end} tokens")
         return [req_id] if end == self.num_tokens[req_id] else []
 
+    def check_slots(self, plan: ev.StepPlan) -> None:
+        """Slots are checked in stream order, when the plan is sent (a later eviction
+        reaches the worker after the step it follows)."""
+        for req in list(plan.new_reqs) + list(plan.cached_reqs):
+            self.slots.check_req(req.req_id, req.lora_slot, self.req_versions.get(req.req_id, 0))
+
 
 class Driver:
     def __init__(
@@ -73,8 +121,15 @@ class Driver:
         eos_token_ids: tuple[int, ...] = (EOS,),
         ready: bool = True,
         log: Any = None,
+        enable_lora: bool = False,
+        max_loras: int = 8,
+        max_cpu_loras: int = 32,
+        lora_aging_steps: int = 16,
     ) -> None:
-        self.config = CoreConfig(max_num_seqs, max_num_batched_tokens, block_size, max_model_len, tensor_parallel_size)
+        self.config = CoreConfig(
+            max_num_seqs, max_num_batched_tokens, block_size, max_model_len, tensor_parallel_size,
+            max_loras=max_loras, max_cpu_loras=max_cpu_loras, enable_lora=enable_lora, lora_aging_steps=lora_aging_steps,
+        )
         self.core = Core(self.config)
         self.worker = FakeWorker(block_size)
         self.num_kv_blocks = num_kv_blocks
@@ -87,6 +142,9 @@ class Driver:
         self.emitted: list[ev.TokensEmitted] = []
         self._scripts: dict[str, deque[int]] = {}
         self._pending_plan: ev.StepPlan | None = None
+        self.registry: dict[str, int] = {}  # name -> version, from the core's decisions
+        self.replies: dict[str, ev.AdapterOpReplied] = {}
+        self._num_ops = 0
         self.log = log  # an EventLogWriter: inputs then decisions, as the shell logs them
         if ready:
             self.ready()
@@ -114,9 +172,23 @@ class Driver:
             out += self.send(ev.WorkerReady(r, self.num_kv_blocks, 1000, self.eos_token_ids, "cpu", "float32"))
         return out
 
-    def arrive(self, req_id: str, prompt: int | list[int], **sampling: Any) -> list[Any]:
+    def arrive(self, req_id: str, prompt: int | list[int], lora: str | None = None, **sampling: Any) -> list[Any]:
         tokens = list(range(100, 100 + prompt)) if isinstance(prompt, int) else list(prompt)
-        return self.send(ev.RequestArrived(req_id, tokens, SamplingParams(**sampling)))
+        if lora in self.registry:
+            self.worker.req_versions[req_id] = self.registry[lora]
+        return self.send(ev.RequestArrived(req_id, tokens, SamplingParams(**sampling), lora_name=lora))
+
+    def load(self, name: str, path: str | None = None, inplace: bool = False) -> ev.AdapterOpReplied:
+        self._num_ops += 1
+        op_id = f"op-{self._num_ops}"
+        self.send(ev.AdapterLoadRequested(op_id, name, path or f"/adapters/{name}", 8, 1000, inplace))
+        return self.replies[op_id]
+
+    def unload(self, name: str) -> ev.AdapterOpReplied:
+        self._num_ops += 1
+        op_id = f"op-{self._num_ops}"
+        self.send(ev.AdapterUnloadRequested(op_id, name))
+        return self.replies[op_id]
 
     def abort(self, req_id: str, reason: str = "abort") -> list[Any]:
         return self.send(ev.RequestAborted(req_id, reason))
@@ -159,16 +231,31 @@ class Driver:
                 raise AssertionError("a second step was planned while one is in flight")
             self._pending_plan = decision
             self.plans.append(decision)
+            self.worker.check_slots(decision)
         elif isinstance(decision, ev.TokensEmitted):
             self.emitted.append(decision)
             self.outputs.setdefault(decision.req_id, []).extend(decision.new_token_ids)
             if decision.finish_reason is not None:
                 self.finish_reasons[decision.req_id] = decision.finish_reason
+        elif isinstance(decision, (ev.RequestFinished, ev.RequestPreempted)):
+            self.worker.slots.end(decision.req_id)
+        elif isinstance(decision, ev.AdapterOpReplied):
+            self.replies[decision.op_id] = decision
+        elif isinstance(decision, ev.AdapterRegistered):
+            self.registry[decision.name] = decision.version_id
+        elif isinstance(decision, ev.AdapterUnloaded) and self.registry.get(decision.name) == decision.version_id:
+            del self.registry[decision.name]
+        self.worker.slots.apply(decision)
 
     # ---------------------------------------------------------------- queries
 
     def of_type(self, kind: type) -> list[Any]:
         return [d for d in self.decisions if isinstance(d, kind)]
+
+    def plan_versions(self, plan: ev.StepPlan) -> list[int]:
+        """The distinct adapter versions a plan uses (base excluded)."""
+        req_ids = [r.req_id for r in plan.new_reqs] + [r.req_id for r in plan.cached_reqs]
+        return sorted({self.worker.req_versions.get(req_id, 0) for req_id in req_ids} - {0})
 
     @staticmethod
     def scheduled_tokens(plan: ev.StepPlan) -> dict[str, int]:

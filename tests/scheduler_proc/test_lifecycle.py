@@ -70,7 +70,7 @@ def test_worker_failed_and_protocol_errors():
     assert "twice" in d.ready()[0].message
 
 
-def test_lora_requests_rejected_until_adapters_exist():
+def test_unknown_adapter_is_rejected_404():
     d = Driver()
     d.send(ev.RequestArrived("a", [1, 2], SamplingParams(), lora_name="sql"))
     assert d.of_type(ev.RequestRejected)[0].code == 404

@@ -1,9 +1,11 @@
-"""A seeded random workload over the driver: arrivals, aborts, scripted EOS, a small pool
-so preemption happens. Used by the integrity, determinism and replay tests."""
+"""Seeded random workloads over the driver: arrivals, aborts, scripted EOS, a small pool
+so preemption happens; adapter loads, unloads and reloads. Used by the integrity, determinism and replay tests."""
 
 from __future__ import annotations
 
 import random
+
+from shared import events as ev
 
 from tests.scheduler_proc.driver import EOS, Driver
 
@@ -20,6 +22,36 @@ def run_workload(d: Driver, seed: int, num_events: int = 60) -> None:
             d.arrive(req_id, rng.randint(1, 20), max_tokens=rng.randint(1, 12), min_tokens=rng.randint(0, 2), stop_token_ids=(9,) if rng.random() < 0.3 else ())
         elif roll < 0.45 and num_reqs:
             d.abort(f"req-{rng.choice('abcdefgh')}{rng.randint(1, num_reqs)}")
+        elif d.in_flight is not None:
+            d.complete()
+    d.run()
+
+
+ADAPTERS = ("a", "b", "c", "d")
+
+
+def run_adapter_workload(d: Driver, seed: int, num_events: int = 80) -> None:
+    """Base and adapter requests (some for unknown names), aborts, loads, unloads, in-place
+    reloads and the odd failed load, over a small pool and few slots."""
+    rng = random.Random(seed)
+    num_reqs = 0
+    for _ in range(num_events):
+        roll = rng.random()
+        if roll < 0.35:
+            num_reqs += 1
+            req_id = f"req-{num_reqs}"
+            lora = rng.choice((None, None) + ADAPTERS + ("nope",))
+            d.script(req_id, [rng.choice([5, 6, EOS]) for _ in range(rng.randint(0, 5))])
+            d.arrive(req_id, rng.randint(1, 16), lora=lora, max_tokens=rng.randint(1, 10))
+        elif roll < 0.42 and num_reqs:
+            d.abort(f"req-{rng.randint(1, num_reqs)}")
+        elif roll < 0.52:
+            d.load(rng.choice(ADAPTERS), inplace=rng.random() < 0.6)
+        elif roll < 0.57:
+            d.unload(rng.choice(ADAPTERS))
+        elif roll < 0.59 and d.registry:
+            name = rng.choice(sorted(d.registry))
+            d.send(ev.AdapterLoadFailed(0, -1, d.registry[name], "safetensors header truncated"))
         elif d.in_flight is not None:
             d.complete()
     d.run()

@@ -1,0 +1,111 @@
+"""Adapter GPU slots: a fixed table, one lifecycle transition function, LRU victims.
+
+A slot is FREE, LOADED (holds a version, no running request uses it) or PINNED (running
+requests use it). Pins count the running requests; only a LOADED slot can be evicted.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class SlotState(enum.Enum):
+    FREE = "free"
+    LOADED = "loaded"
+    PINNED = "pinned"
+
+
+class SlotAction(enum.Enum):
+    ASSIGN = "assign"  # load a version into a free slot
+    PIN = "pin"  # a request starts running on it
+    UNPIN = "unpin"  # a running request leaves it (finish, abort, preemption)
+    EVICT = "evict"  # free it
+
+
+_LEGAL_EDGES: dict[tuple[SlotState, SlotAction], SlotState] = {
+    (SlotState.FREE, SlotAction.ASSIGN): SlotState.LOADED,
+    (SlotState.LOADED, SlotAction.PIN): SlotState.PINNED,
+    (SlotState.PINNED, SlotAction.PIN): SlotState.PINNED,
+    (SlotState.PINNED, SlotAction.UNPIN): SlotState.PINNED,  # LOADED once the last pin goes
+    (SlotState.LOADED, SlotAction.EVICT): SlotState.FREE,
+}
+
+
+class IllegalSlotTransition(RuntimeError):
+    pass
+
+
+@dataclass
+class Slot:
+    index: int
+    state: SlotState = SlotState.FREE
+    version_id: int = 0  # 0 while FREE
+    num_pins: int = 0  # running requests using the slot
+    last_used_step: int = 0
+
+
+def transition_slot(slot: Slot, action: SlotAction) -> None:
+    """The only place a slot's state and pin count change; raises on an illegal edge."""
+    new_state = _LEGAL_EDGES.get((slot.state, action))
+    if new_state is None:
+        raise IllegalSlotTransition(f"slot {slot.index}: illegal {action.name} on a {slot.state.name} slot")
+    if action == SlotAction.PIN:
+        slot.num_pins += 1
+    elif action == SlotAction.UNPIN:
+        slot.num_pins -= 1
+        new_state = SlotState.PINNED if slot.num_pins else SlotState.LOADED
+    slot.state = new_state
+
+
+def lru_victim(slots: list[Slot], needed_version_ids: list[int]) -> Slot | None:
+    """The slot to load into: the lowest FREE one, else the LOADED one least recently used
+    (tie-break: lowest index) whose version this step does not need. None if there is none."""
+    for slot in slots:
+        if slot.state == SlotState.FREE:
+            return slot
+    candidates = [s for s in slots if s.state == SlotState.LOADED and s.version_id not in needed_version_ids]
+    if not candidates:
+        return None
+    return min(candidates, key=lambda s: (s.last_used_step, s.index))
+
+
+class SlotTable:
+    def __init__(self, num_slots: int) -> None:
+        self.slots = [Slot(i) for i in range(num_slots)]
+
+    def find(self, version_id: int) -> int:
+        """The slot holding `version_id`, or -1."""
+        for slot in self.slots:
+            if slot.state != SlotState.FREE and slot.version_id == version_id:
+                return slot.index
+        return -1
+
+    @property
+    def num_pinned(self) -> int:
+        return sum(1 for slot in self.slots if slot.state == SlotState.PINNED)
+
+    def assign(self, index: int, version_id: int, step: int) -> None:
+        slot = self.slots[index]
+        transition_slot(slot, SlotAction.ASSIGN)
+        slot.version_id = version_id
+        slot.last_used_step = step
+
+    def evict(self, index: int) -> int:
+        """Free a LOADED slot; returns the version it held."""
+        slot = self.slots[index]
+        transition_slot(slot, SlotAction.EVICT)
+        version_id, slot.version_id, slot.last_used_step = slot.version_id, 0, 0
+        return version_id
+
+    def pin(self, index: int) -> None:
+        transition_slot(self.slots[index], SlotAction.PIN)
+
+    def unpin(self, index: int) -> None:
+        transition_slot(self.slots[index], SlotAction.UNPIN)
+
+    def touch(self, index: int, step: int) -> None:
+        self.slots[index].last_used_step = step
+
+    def rows(self) -> list[list[object]]:
+        return [[s.index, s.state.value, s.version_id, s.num_pins, s.last_used_step] for s in self.slots]
