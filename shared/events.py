@@ -288,6 +288,26 @@ class AdapterEvictionDeferred(Event):
     num_reqs: int
 
 
+class PrefixCached(Event):
+    """Full KV blocks of `req_id` entered its namespace's radix tree. Each hash is
+    chained from the namespace seed (the adapter version id; 0 = base) through the
+    block's tokens, so equal tokens under different namespaces hash differently."""
+
+    req_id: str
+    namespace: int
+    block_ids: list[int]
+    block_hashes: list[int]
+
+
+class NamespaceEvicted(Event):
+    """An unloaded adapter version's cached blocks left the prefix cache: `num_blocks`
+    at once; `num_locked` more are freed as their requests finish."""
+
+    namespace: int
+    num_blocks: int
+    num_locked: int = 0
+
+
 class DigestMismatch(Event):
     """Tensor-parallel ranks applied different state after `step`; the engine stops."""
 
@@ -325,6 +345,8 @@ Decision = Union[
     AdapterEvictionDeferred,
     AdapterCpuEvicted,
     DigestMismatch,
+    PrefixCached,
+    NamespaceEvicted,
 ]
 CoreInput = Union[
     RequestArrived,
@@ -366,6 +388,8 @@ LogEvent = Union[
     AdapterEvictionDeferred,
     AdapterCpuEvicted,
     DigestMismatch,
+    PrefixCached,
+    NamespaceEvicted,
 ]
 
 INPUT_TYPES: tuple[type, ...] = (
