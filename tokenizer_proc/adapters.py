@@ -79,6 +79,8 @@ def validate(path: str, base: BaseShapes, max_lora_rank: int) -> AdapterManifest
         return read_manifest(path, base, max_lora_rank)
     except AdapterError as e:
         raise ApiError(e.code, e.message, e.param) from None
+    except OSError as e:  # e.g. permission denied: say what, never how
+        raise ApiError(400, f"The adapter at `{path}` cannot be read ({type(e).__name__}).", "lora_path") from None
 
 
 def resolve_lora(model: str, lora_path: str | None, config: EngineConfig, registry: AdapterRegistry) -> str | None:
