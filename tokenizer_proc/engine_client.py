@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import msgspec
 import zmq
@@ -19,6 +19,10 @@ import zmq.asyncio
 
 from shared import codec, ipc
 from shared.events import (
+    AdapterInfo,
+    AdapterLoadRequested,
+    AdapterOpReplied,
+    AdapterUnloadRequested,
     EngineFailed,
     EngineReady,
     EngineStats,
@@ -69,6 +73,9 @@ class EngineClientBase(abc.ABC):
         self.stats: EngineStats | None = None  # the scheduler's latest gauges
         self.failure_message: str | None = None
         self.num_bad_frames = 0
+        self._ops: dict[str, asyncio.Future[AdapterOpReplied]] = {}
+        # Called with the core's adapter registry from every AdapterOpReplied.
+        self.on_adapters: Callable[[list[AdapterInfo]], None] | None = None
 
     @abc.abstractmethod
     async def _send(self, event: Event) -> None:
@@ -110,6 +117,20 @@ class EngineClientBase(abc.ABC):
             if self._queues.pop(arrived.req_id, None) is not None:
                 self._abort_soon(arrived.req_id, "abort")
 
+    async def adapter_op(self, op: AdapterLoadRequested | AdapterUnloadRequested) -> AdapterOpReplied:
+        """Send an adapter load/unload and wait for the core's reply to its op_id."""
+        if not self.is_healthy:
+            raise EngineDeadError(self.failure_message or "engine is not healthy")
+        if op.op_id in self._ops:
+            raise EngineError(f"duplicate adapter op id {op.op_id!r}")
+        future: asyncio.Future[AdapterOpReplied] = asyncio.get_running_loop().create_future()
+        self._ops[op.op_id] = future
+        try:
+            await self._send(op)
+            return await future
+        finally:
+            self._ops.pop(op.op_id, None)
+
     async def abort(self, req_id: str, reason: str = "abort") -> None:
         """Tell the engine to stop `req_id`; its stream gets nothing more."""
         self._queues.pop(req_id, None)
@@ -145,6 +166,9 @@ class EngineClientBase(abc.ABC):
         if isinstance(event, EngineStats):
             self.stats = event
             return
+        if isinstance(event, AdapterOpReplied):
+            self._on_op_replied(event)
+            return
         if isinstance(event, (TokensEmitted, RequestRejected)):
             queue = self._queues.get(event.req_id)
             if queue is None:
@@ -156,11 +180,22 @@ class EngineClientBase(abc.ABC):
             return
         self.num_bad_frames += 1  # decodes, but has no business on this channel
 
+    def _on_op_replied(self, reply: AdapterOpReplied) -> None:
+        # Refresh the mirror first, so whoever awaits the op sees the new registry.
+        if self.on_adapters is not None:
+            self.on_adapters(list(reply.adapters))
+        future = self._ops.get(reply.op_id)
+        if future is not None and not future.done():
+            future.set_result(reply)
+
     def _fail_all(self, message: str) -> None:
         self.is_healthy = False
         self.failure_message = message
         for queue in self._queues.values():
             queue.put_nowait(EngineDeadError(f"engine failed: {message}"))
+        for future in self._ops.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(f"engine failed: {message}"))
 
 
 class EngineClient(EngineClientBase):

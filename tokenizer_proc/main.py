@@ -22,6 +22,7 @@ import zmq
 
 from shared import ipc
 from shared.config import EngineConfig
+from tokenizer_proc.adapter_routes import StartupAdapterError
 from tokenizer_proc.app import build_app
 from tokenizer_proc.engine_client import EngineClient
 
@@ -96,7 +97,10 @@ async def announce_when_listening(server: uvicorn.Server, run_dir: str) -> None:
 async def serve(config: EngineConfig, parent_pid: int) -> None:
     tokenizer = load_tokenizer(config.model_dir)
     engine = EngineClient(config.run_dir)
-    app = build_app(engine, tokenizer, config)  # its lifespan starts and closes the engine
+    try:
+        app = build_app(engine, tokenizer, config)  # its lifespan starts and closes the engine
+    except StartupAdapterError as e:
+        raise SystemExit(f"tokenizer: {e}") from None
     uv_config = uvicorn.Config(
         app,
         host=config.host,
@@ -118,7 +122,8 @@ async def serve(config: EngineConfig, parent_pid: int) -> None:
             task.cancel()
         await asyncio.gather(*helpers, return_exceptions=True)
     if not server.started:
-        raise SystemExit("tokenizer: HTTP server failed to start")
+        raise SystemExit("tokenizer: HTTP server failed to start (see the log above; a refused "
+                         "start-up adapter is named there)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,6 +55,7 @@ class SamplingFields(BaseModel):
     user: str | None = None
     return_token_ids: StrictBool = False
     skip_special_tokens: StrictBool = True
+    lora_path: str | None = None  # extension: a loaded adapter's name or path
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

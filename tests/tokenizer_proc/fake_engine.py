@@ -1,5 +1,9 @@
 """An in-process fake engine: it echoes each request's prompt tokens back, one per event.
 
+It answers adapter ops like the core: a registry of name -> version, 400 for a duplicate
+load (unless load_inplace), 404 for unloading an unknown name, and a 404 RequestRejected
+for a request naming an adapter that is not registered (e.g. unloaded in between).
+
 Built on EngineClientBase, so the per-request queues and dispatch are the real ones; only
 the transport is replaced. Records every event it receives, for assertions.
 """
@@ -9,6 +13,10 @@ from __future__ import annotations
 import asyncio
 
 from shared.events import (
+    AdapterInfo,
+    AdapterLoadRequested,
+    AdapterOpReplied,
+    AdapterUnloadRequested,
     EngineFailed,
     Event,
     RequestAborted,
@@ -21,8 +29,13 @@ from tokenizer_proc.engine_client import EngineClientBase
 
 
 class FakeEngine(EngineClientBase):
-    def __init__(self, delay_s: float = 0.0, num_cached_tokens: int = 0) -> None:
+    def __init__(self, delay_s: float = 0.0, num_cached_tokens: int = 0, op_delay_s: float = 0.0) -> None:
         super().__init__()
+        self.op_delay_s = op_delay_s  # time the "core" takes to answer an adapter op
+        self.registry: dict[str, AdapterInfo] = {}
+        self.refuse_loads: str | None = None  # answer every load with this 400
+        self._next_version = 1
+        self._op_lock = asyncio.Lock()
         self.is_ready = True
         self.delay_s = delay_s
         self.num_cached_tokens = num_cached_tokens
@@ -43,9 +56,15 @@ class FakeEngine(EngineClientBase):
 
     async def _send(self, event: Event) -> None:
         self.received.append(event)
-        if isinstance(event, RequestArrived):
+        if isinstance(event, (AdapterLoadRequested, AdapterUnloadRequested)):
+            self._tasks[event.op_id] = asyncio.get_running_loop().create_task(self._answer_op(event))
+        elif isinstance(event, RequestArrived):
             if self.reject_all is not None:
                 self._dispatch(RequestRejected(event.req_id, self.reject_all, 400, "prompt"))
+                return
+            if event.lora_name is not None and event.lora_name not in self.registry:
+                message = f"The lora adapter '{event.lora_name}' cannot be found."
+                self._dispatch(RequestRejected(event.req_id, message, 404, "model"))
                 return
             self._tasks[event.req_id] = asyncio.get_running_loop().create_task(self._emit(event))
         elif isinstance(event, RequestAborted):
@@ -53,6 +72,27 @@ class FakeEngine(EngineClientBase):
             if task is not None:
                 task.cancel()
             self.aborted.set()
+
+    async def _answer_op(self, op: AdapterLoadRequested | AdapterUnloadRequested) -> None:
+        async with self._op_lock:  # the core handles ops one at a time, in arrival order
+            if self.op_delay_s:
+                await asyncio.sleep(self.op_delay_s)
+            code, message, version_id = self._apply_op(op)
+            self._dispatch(AdapterOpReplied(op.op_id, code, message, version_id, list(self.registry.values())))
+        self._tasks.pop(op.op_id, None)
+
+    def _apply_op(self, op: AdapterLoadRequested | AdapterUnloadRequested) -> tuple[int, str, int]:
+        if isinstance(op, AdapterUnloadRequested):
+            if self.registry.pop(op.name, None) is None:
+                return 404, f"The lora adapter '{op.name}' cannot be found.", 0
+            return 200, "", 0
+        if self.refuse_loads is not None:
+            return 400, self.refuse_loads, 0
+        if op.name in self.registry and not op.load_inplace:
+            return 400, f"The lora adapter '{op.name}' has already been loaded.", 0
+        version_id, self._next_version = self._next_version, self._next_version + 1
+        self.registry[op.name] = AdapterInfo(op.name, version_id, op.path)
+        return 200, "", version_id
 
     def fail(self, message: str) -> None:
         self._dispatch(EngineFailed(message))

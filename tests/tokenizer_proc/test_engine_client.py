@@ -11,7 +11,17 @@ import zmq
 import zmq.asyncio
 
 from shared import codec, ipc
-from shared.events import EngineFailed, RequestAborted, RequestArrived, RequestRejected, TokensEmitted
+from shared.events import (
+    AdapterInfo,
+    AdapterLoadRequested,
+    AdapterOpReplied,
+    AdapterUnloadRequested,
+    EngineFailed,
+    RequestAborted,
+    RequestArrived,
+    RequestRejected,
+    TokensEmitted,
+)
 from shared.sampling import SamplingParams
 from tokenizer_proc.engine_client import EngineClient, EngineDeadError, RequestRejectedError
 
@@ -119,3 +129,25 @@ async def test_engine_failed_fails_everyone(pair) -> None:
 
 async def _drain(client: EngineClient, req_id: str) -> list[TokensEmitted]:
     return [out async for out in client.generate(_arrived(req_id))]
+
+
+async def test_adapter_ops_get_their_own_replies(pair) -> None:
+    client, scheduler = pair
+    seen: list[list[AdapterInfo]] = []
+    client.on_adapters = seen.append
+    load = asyncio.ensure_future(client.adapter_op(AdapterLoadRequested("op1", "a", "/p/a", 8, 100)))
+    unload = asyncio.ensure_future(client.adapter_op(AdapterUnloadRequested("op2", "b")))
+    assert {(await scheduler.recv()).op_id, (await scheduler.recv()).op_id} == {"op1", "op2"}
+    registry = [AdapterInfo("a", 1, "/p/a")]
+    await scheduler.send(AdapterOpReplied("op2", 404, "The lora adapter 'b' cannot be found.", 0, registry))
+    await scheduler.send(AdapterOpReplied("op-unknown", 200, "", 3, registry))  # refreshes, answers no one
+    await scheduler.send(AdapterOpReplied("op1", 200, "", 1, registry))
+    assert (await unload).code == 404 and (await load).version_id == 1
+    assert seen == [registry, registry, registry]
+    pending = asyncio.ensure_future(client.adapter_op(AdapterUnloadRequested("op3", "a")))
+    await scheduler.recv()
+    await scheduler.send(EngineFailed("boom"))
+    with pytest.raises(EngineDeadError):
+        await pending
+    with pytest.raises(EngineDeadError):
+        await client.adapter_op(AdapterUnloadRequested("op4", "a"))

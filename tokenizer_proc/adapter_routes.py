@@ -1,0 +1,106 @@
+"""`/v1/load_lora_adapter`, `/v1/unload_lora_adapter` and the start-up adapters.
+
+Each op is validated here, sent to the core with a fresh op_id, and answered from the
+core's `AdapterOpReplied` (duplicates: the core's 400; unknown unloads: its 404).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+from fastapi import FastAPI
+from fastapi.responses import PlainTextResponse, Response
+from pydantic import BaseModel, ConfigDict, StrictBool
+
+from shared.adapter_format import AdapterError, AdapterManifest, BaseShapes, read_manifest
+from shared.config import EngineConfig
+from shared.events import AdapterLoadRequested, AdapterUnloadRequested
+from tokenizer_proc import adapters
+from tokenizer_proc.engine_client import EngineClientBase
+from tokenizer_proc.errors import error_response
+
+logger = logging.getLogger(__name__)
+
+
+class StartupAdapterError(RuntimeError):
+    """A `--lora-modules` adapter was refused: start-up stops."""
+
+
+class LoadLoraRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str
+    lora_path: str
+    load_inplace: StrictBool = False
+
+
+class UnloadLoraRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str
+
+
+def add_adapter_routes(app: FastAPI, engine: EngineClientBase, config: EngineConfig, base: BaseShapes | None) -> None:
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(req: LoadLoraRequest) -> Response:
+        adapters.require_lora(config)
+        adapters.check_name(req.lora_name, config)
+        real = adapters.allowed_real_path(req.lora_path, config.lora_allowed_dirs)
+        if base is None:  # enable_lora implies base shapes; kept for the type checker
+            raise RuntimeError("LoRA is enabled but the base shapes are unknown")
+        manifest = await asyncio.to_thread(adapters.validate, real, base, config.max_lora_rank)
+        reply = await engine.adapter_op(_load_event(req.lora_name, manifest, req.load_inplace))
+        if reply.code != 200:
+            return error_response(reply.code, reply.message, "lora_name")
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(req: UnloadLoraRequest) -> Response:
+        adapters.require_lora(config)
+        reply = await engine.adapter_op(AdapterUnloadRequested(op_id=_op_id(), name=req.lora_name))
+        if reply.code != 200:
+            return error_response(reply.code, reply.message, "lora_name")
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
+
+def validate_startup_adapters(config: EngineConfig, base: BaseShapes | None) -> list[tuple[str, AdapterManifest]]:
+    """Check every `--lora-modules` adapter (trusted: no allowed-dir check) before serving."""
+    if config.lora_modules and not config.enable_lora:
+        raise StartupAdapterError("--lora-modules needs --enable-lora")
+    checked = []
+    for name, path in config.lora_modules:
+        if base is None:
+            raise StartupAdapterError("LoRA is enabled but the base shapes are unknown")
+        try:
+            checked.append((name, read_manifest(path, base, config.max_lora_rank)))
+        except AdapterError as e:
+            raise StartupAdapterError(f"start-up adapter '{name}' at {path}: {e.message}") from None
+    return checked
+
+
+async def load_startup_adapters(engine: EngineClientBase, checked: list[tuple[str, AdapterManifest]]) -> None:
+    """Register the start-up adapters with the core, one at a time, before serving."""
+    for name, manifest in checked:
+        reply = await engine.adapter_op(_load_event(name, manifest, load_inplace=False))
+        if reply.code != 200:
+            raise StartupAdapterError(f"start-up adapter '{name}' at {manifest.path}: the engine refused it "
+                                      f"({reply.code}): {reply.message}")
+        logger.info("adapter '%s' loaded from %s (version %d)", name, manifest.path, reply.version_id)
+
+
+def _load_event(name: str, manifest: AdapterManifest, load_inplace: bool) -> AdapterLoadRequested:
+    return AdapterLoadRequested(
+        op_id=_op_id(),
+        name=name,
+        path=manifest.path,
+        max_rank=manifest.max_rank,
+        num_bytes=manifest.num_bytes,
+        load_inplace=load_inplace,
+    )
+
+
+def _op_id() -> str:
+    return f"lora-op-{uuid.uuid4().hex}"
+

@@ -1,0 +1,120 @@
+"""The HTTP side's view of LoRA adapters: a mirror of the core's registry, the allowed-dir
+policy for run-time loads, validation with `read_manifest`, and request routing.
+
+The core owns the registry; `AdapterRegistry.refresh` replaces the mirror with the list
+that travels in every `AdapterOpReplied`. Refusals raise `ApiError` (OpenAI error shape).
+A path outside every `--lora-allowed-dir` root is refused with 400 (what vLLM users get
+for a bad `lora_path`), never 403, and before the path is looked at, so the answer does
+not reveal whether something exists outside the roots.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from shared.adapter_format import AdapterError, AdapterManifest, BaseShapes, read_manifest
+from shared.config import EngineConfig
+from shared.events import AdapterInfo
+from tokenizer_proc.errors import ApiError
+
+
+class AdapterRegistry:
+    """name -> AdapterInfo, as the core last reported it."""
+
+    def __init__(self) -> None:
+        self._by_name: dict[str, AdapterInfo] = {}
+
+    def refresh(self, adapters: list[AdapterInfo]) -> None:
+        self._by_name = {a.name: a for a in adapters}
+
+    def get(self, name: str) -> AdapterInfo | None:
+        return self._by_name.get(name)
+
+    def by_path(self, path: str) -> AdapterInfo | None:
+        real = os.path.realpath(path)
+        matches = sorted((a for a in self._by_name.values() if a.path == real), key=lambda a: a.name)
+        return matches[0] if matches else None
+
+    def all(self) -> list[AdapterInfo]:
+        return sorted(self._by_name.values(), key=lambda a: a.name)
+
+
+def load_base_shapes(model_dir: str) -> BaseShapes:
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        return BaseShapes.from_hf_config(json.load(f))
+
+
+def require_lora(config: EngineConfig) -> None:
+    if not config.enable_lora:
+        raise ApiError(400, "LoRA is not enabled; start the server with --enable-lora.", "lora_name")
+
+
+def check_name(name: str, config: EngineConfig) -> None:
+    if not name or name != name.strip():
+        raise ApiError(400, "lora_name must be a non-empty name without surrounding spaces.", "lora_name")
+    if name == config.served_model_name:
+        raise ApiError(400, f"lora_name `{name}` is the base model's name.", "lora_name")
+
+
+def allowed_real_path(path: str, roots: tuple[str, ...]) -> str:
+    """The real path of `path` (symlinks followed) if it lies inside one of `roots`."""
+    if not roots:
+        raise ApiError(400, "Loading adapters at run time is disabled; start the server with "
+                       "--lora-allowed-dir DIR to allow adapters under DIR.", "lora_path")
+    if not path or "\x00" in path:
+        raise ApiError(400, "lora_path must be a non-empty path.", "lora_path")
+    real = os.path.realpath(path)
+    for root in roots:
+        real_root = os.path.realpath(root)
+        if os.path.commonpath([real, real_root]) == real_root:
+            return real
+    raise ApiError(400, f"lora_path `{path}` is not inside any --lora-allowed-dir.", "lora_path")
+
+
+def validate(path: str, base: BaseShapes, max_lora_rank: int) -> AdapterManifest:
+    """read_manifest, its refusals turned into OpenAI-shaped errors."""
+    try:
+        return read_manifest(path, base, max_lora_rank)
+    except AdapterError as e:
+        raise ApiError(e.code, e.message, e.param) from None
+    except OSError as e:  # e.g. permission denied: say what, never how
+        raise ApiError(400, f"The adapter at `{path}` cannot be read ({type(e).__name__}).", "lora_path") from None
+
+
+def resolve_lora(model: str, lora_path: str | None, config: EngineConfig, registry: AdapterRegistry) -> str | None:
+    """The adapter a request asks for (None: the base model), or a 404 model-not-found."""
+    by_model = None
+    if model != config.served_model_name:
+        info = registry.get(model) if config.enable_lora else None
+        if info is None:
+            raise ApiError(404, f"The model `{model}` does not exist.", "model")
+        by_model = info.name
+    if lora_path is None:
+        return by_model
+    require_lora(config)
+    info = registry.get(lora_path) or registry.by_path(lora_path)
+    if info is None:
+        raise ApiError(404, f"The LoRA adapter `{lora_path}` is not loaded.", "lora_path")
+    if by_model is not None and by_model != info.name:
+        raise ApiError(400, f"model `{model}` and lora_path `{lora_path}` name different adapters.", "lora_path")
+    return info.name
+
+
+def model_cards(config: EngineConfig, registry: AdapterRegistry, created: int) -> list[dict[str, Any]]:
+    base = _card(config.served_model_name, config.model_dir, None, config, created)
+    return [base] + [_card(a.name, a.path, config.served_model_name, config, created) for a in registry.all()]
+
+
+def _card(name: str, root: str, parent: str | None, config: EngineConfig, created: int) -> dict[str, Any]:
+    return {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "ledgerserve",
+        "root": root,
+        "parent": parent,
+        "max_model_len": config.max_model_len,
+        "permission": [],
+    }
