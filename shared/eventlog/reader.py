@@ -92,6 +92,8 @@ def _scan(data: bytes, offset: int, path: str, state: list[int], is_last: bool, 
         if length < 0 or stop > end:
             if not is_last:
                 raise LogCorruption("segment ends in a torn record, but it is not the run's last segment", seq + 1, offset, path)
+            if _whole_record_after(data, offset + 1):
+                raise LogCorruption(f"record length {length} runs past the end, but whole records follow", seq + 1, offset, path)
             on_torn(path, data, offset)
             break
         payload = view[offset + 8 : stop]
@@ -102,7 +104,7 @@ def _scan(data: bytes, offset: int, path: str, state: list[int], is_last: bool, 
         except msgspec.DecodeError as exc:
             raise LogCorruption(f"record does not decode: {exc}", seq + 1, offset, path) from None
         if got_seq != seq + 1:
-            raise LogCorruption(f"record has seq {got_seq}, expected {seq + 1}", seq + 1, offset, path)
+            raise LogCorruption(f"broken chain: record has seq {got_seq}, expected {seq + 1}", seq + 1, offset, path)
         if chained != prev_hash:
             raise LogCorruption("broken hash chain: prev_record_hash does not match the previous record", got_seq, offset, path)
         seq = got_seq
@@ -110,6 +112,17 @@ def _scan(data: bytes, offset: int, path: str, state: list[int], is_last: bool, 
         state[0], state[1] = seq, prev_hash
         yield seq, raw
         offset = stop
+
+
+def _whole_record_after(data: bytes, start: int) -> bool:
+    """Whether a checksummed record starts anywhere in data[start:]: then a record that
+    seems to run past the end has a damaged length, and is no torn tail."""
+    end = len(data)
+    for offset in range(start, end - 8):
+        length, crc = RECORD_HEAD.unpack_from(data, offset)
+        if 0 < length <= end - offset - 8 and zlib.crc32(data[offset + 8 : offset + 8 + length]) == crc:
+            return True
+    return False
 
 
 class EventLogReader:
