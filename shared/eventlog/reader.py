@@ -49,12 +49,27 @@ class RunScanner:
         last = len(self.segments) - 1
         for index, path in enumerate(self.segments):
             data = _read(path)
+            if index == last and index > 0 and self._is_torn_header(data):
+                self._on_torn_segment(path, data)
+                return
             header = parse_header(data, path)
             if header.config_json != self.header.config_json:
                 raise LogCorruption("segment header carries a different engine config than segment 1", seq + 1, 0, path)
             state = [seq, prev_hash]
             yield from _scan(data, header.size, path, state, is_last=index == last, on_torn=self._on_torn)
             seq, prev_hash = state
+
+    def _is_torn_header(self, data: bytes) -> bool:
+        """A segment cut while its header was written: a strict prefix of segment 1's header."""
+        with open(self.path, "rb") as f:
+            first = f.read(self.header.size)
+        return len(data) < len(first) and first.startswith(data)
+
+    def _on_torn_segment(self, path: str, data: bytes) -> None:
+        warnings.warn(f"{path}: torn segment header ({len(data)} bytes) dropped", stacklevel=3)
+        self.torn_tail = (path, 0)
+        if self.repair:
+            os.rename(path, f"{path}.torn-0")
 
     def _on_torn(self, path: str, data: bytes, offset: int) -> None:
         warnings.warn(f"{path}: torn last record at byte {offset} ({len(data) - offset} bytes) dropped", stacklevel=3)

@@ -69,3 +69,16 @@ def test_segments_swapped_break_the_chain(tmp_path, capsys):
     os.rename(second + ".tmp", third)
     assert main([writer.path]) == 2
     assert "broken chain" in capsys.readouterr().err
+
+
+def test_last_segment_torn_in_its_header(tmp_path):
+    writer = _rotated(tmp_path)
+    last = writer.segment_paths[-1]
+    with open(last, "r+b") as f:
+        f.truncate(12)
+    with pytest.warns(UserWarning, match="torn segment header"):
+        result = replay(writer.path)
+    assert result.ok and result.segments == writer.segment_paths
+    with pytest.warns(UserWarning):
+        EventLogReader(writer.path)  # the repairing reader sets the stub aside
+    assert run_segments(writer.path) == writer.segment_paths[:-1]
