@@ -13,7 +13,7 @@ import zmq
 from scheduler_proc.core.core import Core, CoreConfig
 from shared import codec, events, ipc
 from shared.config import EngineConfig
-from shared.eventlog import EventLogWriter
+from shared.eventlog import EventLogWriter, LogWriteError
 from shared.proc import send_ready
 
 log = logging.getLogger("scheduler")
@@ -45,7 +45,13 @@ class SchedulerShell:
         self.core = Core(CoreConfig.from_engine(config))
         os.makedirs(config.event_log_dir, exist_ok=True)
         run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
-        self.log = EventLogWriter(config.event_log_dir, config.to_json(), run_id)
+        self.log = EventLogWriter(
+            config.event_log_dir,
+            config.to_json(),
+            run_id,
+            fsync=config.event_log_fsync,
+            max_bytes=config.event_log_max_bytes,
+        )
         self.ready_ranks: set[int] = set()
         self.num_dropped_frames = 0
         self.stop_reason: str | None = None
@@ -80,16 +86,34 @@ class SchedulerShell:
         self.handle(event)
 
     def handle(self, event: events.Event) -> None:
-        self.log.append(event)
-        decisions = self.core.apply(event)
-        for decision in decisions:
-            self.log.append(decision)
-        self.log.flush(fsync=any(isinstance(d, events.StepPlan) for d in decisions))
+        if self.failed:
+            return
+        try:
+            decisions = self._log_and_apply(event)
+        except LogWriteError as exc:
+            self._stop_unlogged(exc)
+            return
         for decision in decisions:
             self._route(decision)
         if isinstance(event, events.WorkerReady):
             self._on_worker_ready(event)
         self._send_stats()
+
+    def _log_and_apply(self, event: events.Event) -> list[events.Event]:
+        """Log the input, apply it, log the decisions, commit (fsync per policy)."""
+        self.log.append(event)
+        decisions = self.core.apply(event)
+        for decision in decisions:
+            self.log.append(decision)
+        self.log.commit(step_planned=any(isinstance(d, events.StepPlan) for d in decisions))
+        return decisions
+
+    def _stop_unlogged(self, exc: LogWriteError) -> None:
+        """Never serve what is not logged: fail every request and stop the engine."""
+        message = f"stopping the engine: cannot write the event log ({exc})"
+        log.error(message)
+        self.to_tokenizer.send(codec.encode(events.EngineFailed(message)))
+        self.failed = True
 
     def _send_stats(self) -> None:
         """Gauges for /metrics, sent when they change (not logged: derived from logged state)."""
@@ -122,7 +146,10 @@ class SchedulerShell:
         shutdown = codec.encode(events.Shutdown(self.stop_reason or "engine failed"))
         for sock in self.to_workers:
             sock.send(shutdown, zmq.NOBLOCK)
-        self.log.append(events.LogClosed(self.stop_reason or "engine failed"))
-        self.log.flush(fsync=True)
-        self.log.close()
+        try:
+            self.log.append(events.LogClosed(self.stop_reason or "engine failed"))
+            self.log.close()
+        except (LogWriteError, ValueError) as exc:
+            log.error("could not close the event log cleanly: %s", exc)
+            self.failed = True
         log.info("closed the event log after %d dropped frames", self.num_dropped_frames)

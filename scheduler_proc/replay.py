@@ -1,131 +1,120 @@
 """Replay an event log: re-feed its inputs into a fresh core and check every decision.
 
-    ledgerserve replay LOG_OR_DIR [--verify] [--show] [--step N]
+    ledgerserve replay LOG_OR_DIR [--verify] [--until SEQ | --at-step N]
+                       [--show queues,slots,namespaces,requests,adapters] [--json]
+                       [--diff OTHER_LOG]
 
-Exit status: 0 all decisions match, 1 divergence, 2 the log is corrupt or unreadable.
+LOG_OR_DIR is any segment of a run (the whole run is read) or a directory (its newest run).
+Exit status: 0 all decisions match (or the logs agree), 1 divergence (or a difference),
+2 the log is corrupt or unreadable. Replay is read-only: a torn tail is skipped, not cut.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-from collections import deque
-from dataclasses import dataclass
+import warnings
 from typing import Any
 
 import msgspec
 
-from shared import codec
-from shared import events as ev
-from shared.config import EngineConfig
-from shared.eventlog import EventLogReader, LogCorruption, newest_log
+from shared.eventlog import LogCorruption
+from scheduler_proc.replay_diff import LogDiff, diff_logs
+from scheduler_proc.replay_state import SECTIONS, parse_sections, render, sections
+from scheduler_proc.replay_verify import Divergence, ReplayResult, replay
 
-from scheduler_proc.core import Core, CoreConfig
+__all__ = ["Divergence", "ReplayResult", "main", "replay"]
 
-SHELL_ONLY = (ev.LogClosed, ev.Shutdown)  # logged by the shell, never produced by the core
-
-
-@dataclass(frozen=True)
-class Divergence:
-    seq: int  # the logged record that disagrees (or the next input, when one is missing)
-    input_seq: int  # the input whose decisions disagree
-    logged: Any | None
-    recomputed: Any | None
-
-    def describe(self) -> str:
-        lines = [f"divergence at seq {self.seq} (decisions of input seq {self.input_seq}):"]
-        lines.append(f"  logged:     {_show(self.logged)}")
-        lines.append(f"  recomputed: {_show(self.recomputed)}")
-        lines += [f"    {line}" for line in field_diff(self.logged, self.recomputed)]
-        return "\n".join(lines)
+OK, DIFFERENT, CORRUPT = 0, 1, 2
 
 
-@dataclass
-class ReplayResult:
-    path: str
-    core: Core
-    num_inputs: int = 0
-    num_decisions: int = 0  # logged decisions checked against the core
-    divergence: Divergence | None = None
-    truncated_tail: bool = False  # the log ends before the last input's decisions
-
-    @property
-    def ok(self) -> bool:
-        return self.divergence is None
-
-
-def replay(path: str, verify: bool = True, until_step: int | None = None) -> ReplayResult:
-    """Raises LogCorruption for a damaged log; returns at the first divergence."""
-    reader = EventLogReader(path)
-    core = Core(CoreConfig.from_engine(EngineConfig.from_json(reader.config_json)))
-    result = ReplayResult(path, core)
-    pending: deque[Any] = deque()
-    input_seq = 0
-    for seq, event in reader:
-        if isinstance(event, ev.INPUT_TYPES):
-            if verify and pending:
-                result.divergence = Divergence(seq, input_seq, None, pending[0])
-                return result
-            if until_step is not None and core.step >= until_step:
-                return result
-            pending = deque(core.apply(event))
-            input_seq = seq
-            result.num_inputs += 1
-        elif verify and not isinstance(event, SHELL_ONLY):
-            expected = pending.popleft() if pending else None
-            if expected is None or codec.encode(expected) != codec.encode(event):
-                result.divergence = Divergence(seq, input_seq, event, expected)
-                return result
-            result.num_decisions += 1
-    result.truncated_tail = verify and bool(pending)
-    return result
-
-
-def field_diff(logged: Any, recomputed: Any) -> list[str]:
-    if logged is None or recomputed is None or type(logged) is not type(recomputed):
-        return []
-    return [
-        f"{name}: logged {getattr(logged, name)!r}, recomputed {getattr(recomputed, name)!r}"
-        for name in logged.__struct_fields__
-        if getattr(logged, name) != getattr(recomputed, name)
-    ]
-
-
-def _show(event: Any) -> str:
-    if event is None:
-        return "(nothing)"
-    text = repr(event)
-    return text if len(text) <= 400 else text[:400] + "..."
-
-
-# ---------------------------------------------------------------------- CLI
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ledgerserve replay", description="Replay and verify a scheduler event log.")
+    add = parser.add_argument
+    add("log", help="an events-*.log file (any segment of its run), or a directory: its newest run")
+    add("--verify", action="store_true", help="check every logged decision (the default unless --show)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--until", type=int, default=None, metavar="SEQ", help="stop after record SEQ")
+    where.add_argument("--at-step", type=int, default=None, metavar="N", help="stop once the core has planned step N")
+    where.add_argument("--step", type=int, default=None, dest="at_step", help=argparse.SUPPRESS)  # old spelling
+    add("--show", nargs="?", const=",".join(SECTIONS), default=None, metavar="SECTIONS",
+        help=f"print the state where the replay stops: comma-separated of {', '.join(SECTIONS)} (default: all)")
+    add("--json", action="store_true", help="machine-readable output on stdout")
+    add("--diff", default=None, metavar="OTHER_LOG", help="report the first decision where this log and OTHER_LOG differ")
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ledgerserve replay", description="Replay and verify a scheduler event log.")
-    parser.add_argument("log", help="an events-*.log file, or a directory (its newest log is used)")
-    parser.add_argument("--verify", action="store_true", help="check every logged decision (the default unless --show)")
-    parser.add_argument("--show", action="store_true", help="print the core's state where the replay stops")
-    parser.add_argument("--step", type=int, default=None, help="stop once the core has planned this step")
+    parser = build_parser()
     args = parser.parse_args(argv)
-    verify = args.verify or not args.show
     try:
-        path = newest_log(args.log) if os.path.isdir(args.log) else args.log
-        result = replay(path, verify=verify, until_step=args.step)
-    except (LogCorruption, OSError, msgspec.DecodeError) as exc:
-        print(f"ledgerserve replay: {exc}", file=sys.stderr)
-        return 2
-    if args.show:
-        print(json.dumps(result.core.snapshot(), indent=2))
+        names = parse_sections(args.show) if args.show is not None else []
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            outcome = _diff(args) if args.diff else _replay(args, names)
+    except (LogCorruption, OSError, msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+        return _report_corrupt(args.json, str(exc))
+    for warning in caught:
+        print(f"ledgerserve replay: warning: {warning.message}", file=sys.stderr)
+    return outcome
+
+
+def _replay(args: argparse.Namespace, names: list[str]) -> int:
+    verify = args.verify or not names
+    result = replay(args.log, verify=verify, until_seq=args.until, until_step=args.at_step)
+    state = sections(result.core.snapshot(), names)
+    code = DIFFERENT if result.divergence is not None else OK
+    if args.json:
+        print(json.dumps(_result_json(result, verify, state, code)))
+        return code
+    if names:
+        print("\n".join(render(state)))
     if result.divergence is not None:
         print(result.divergence.describe())
-        return 1
-    if verify:
+    elif verify:
         tail = " (log ends before the last input's decisions)" if result.truncated_tail else ""
-        print(f"OK {path}: {result.num_inputs} inputs, {result.num_decisions} decisions match, step {result.core.step}{tail}")
-    return 0
+        print(f"OK {result.path}: {result.num_inputs} inputs, {result.num_decisions} decisions match, "
+              f"step {result.core.step}, {len(result.segments)} segment(s), last seq {result.last_seq}{tail}")
+    return code
+
+
+def _result_json(result: ReplayResult, verify: bool, state: dict[str, Any], code: int) -> dict[str, Any]:
+    return {
+        "status": "divergence" if code else "ok",
+        "exit_code": code,
+        "path": result.path,
+        "segments": result.segments,
+        "verified": verify,
+        "last_seq": result.last_seq,
+        "step": result.core.step,
+        "num_inputs": result.num_inputs,
+        "num_decisions": result.num_decisions,
+        "truncated_tail": result.truncated_tail,
+        "torn_tail": list(result.torn_tail) if result.torn_tail else None,
+        "divergence": result.divergence.to_json() if result.divergence else None,
+        "state": state,
+    }
+
+
+def _diff(args: argparse.Namespace) -> int:
+    found: LogDiff = diff_logs(args.log, args.diff)
+    code = OK if found.same else DIFFERENT
+    if args.json:
+        print(json.dumps({"status": "same" if found.same else "different", "exit_code": code, **found.to_json()}))
+    else:
+        print("\n".join(found.describe()))
+    return code
+
+
+def _report_corrupt(as_json: bool, message: str) -> int:
+    if as_json:
+        print(json.dumps({"status": "corrupt", "exit_code": CORRUPT, "error": message}))
+    print(f"ledgerserve replay: {message}", file=sys.stderr)
+    return CORRUPT
 
 
 if __name__ == "__main__":

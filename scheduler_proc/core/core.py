@@ -180,7 +180,9 @@ class Core:
         if not odd_ranks:
             return []
         listing = ", ".join(f"rank {rank}={values[rank]:#018x}" for rank in range(tp))
-        return self._fail(f"tensor-parallel ranks disagree after step {event.step}: ranks {odd_ranks} differ from rank 0 ({listing})")
+        mismatch = ev.DigestMismatch(event.step, values, odd_ranks)
+        message = f"tensor-parallel ranks disagree after step {event.step}: ranks {odd_ranks} differ from rank 0 ({listing})"
+        return [mismatch] + self._fail(message)
 
     def _on_worker_failed(self, event: ev.WorkerFailed) -> Decisions:
         return self._fail(f"worker rank {event.rank} failed: {event.message}")

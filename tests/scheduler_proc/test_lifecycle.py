@@ -45,7 +45,8 @@ def test_rank_digests_disagree_fails_engine():
     d = Driver(tensor_parallel_size=2)
     d.arrive("a", 3)
     assert d.send(ev.RankDigest(1, 0, 0xAA)) == []
-    (failed,) = d.send(ev.RankDigest(1, 1, 0xBB))
+    mismatch, failed = d.send(ev.RankDigest(1, 1, 0xBB))
+    assert mismatch == ev.DigestMismatch(1, [0xAA, 0xBB], [1])
     assert isinstance(failed, ev.EngineFailed)
     assert "after step 1" in failed.message and "ranks [1]" in failed.message
     assert d.complete() == []  # a failed engine plans nothing more

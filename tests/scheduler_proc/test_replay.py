@@ -53,7 +53,10 @@ def test_tampered_decision_is_found_with_a_readable_diff(tmp_path):
     result = replay(_rewrite(path, tmp_path / "b", change))
     assert not result.ok and result.divergence.seq == target
     text = result.divergence.describe()
-    assert f"divergence at seq {target}" in text and "step: logged" in text
+    assert f"divergence at seq {target}" in text and "differing fields: step" in text
+    step_row = next(line for line in text.splitlines() if line.split()[:2] == ["*", "step"])
+    assert str(6 + 100) in step_row and " 6" in step_row  # logged, then recomputed, side by side
+    print(text)
 
 
 def test_missing_and_extra_decisions(tmp_path):
@@ -80,9 +83,13 @@ def test_cli_exit_codes_and_show(tmp_path, capsys):
     path = _record(tmp_path / "a")
     assert main([str(tmp_path / "a"), "--verify"]) == 0  # a directory: its newest log
     assert "OK" in capsys.readouterr().out
-    assert main([path, "--show", "--step", "3"]) == 0
-    state = json.loads(capsys.readouterr().out)
-    assert state["step"] == 3 and set(state) >= {"waiting", "running", "requests", "free_block_ids"}
+    assert main([path, "--show", "queues,requests", "--at-step", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["status"] == "ok" and out["step"] == 3 and set(out["state"]) == {"queues", "requests"}
+    assert out["state"]["queues"]["step"] == 3 and set(out["state"]["queues"]) >= {"waiting", "running"}
+    assert main([path, "--show", "--at-step", "3"]) == 0  # every section, as text
+    text = capsys.readouterr().out
+    assert all(f"== {name} ==" in text for name in ("queues", "slots", "namespaces", "requests", "adapters"))
     target = [seq for seq, e in EventLogReader(path) if isinstance(e, ev.TokensEmitted)][4]
     bad = _rewrite(path, tmp_path / "b", lambda seq, e: ev.TokensEmitted(e.req_id, [123]) if seq == target else e)
     assert main([bad]) == 1

@@ -1,0 +1,139 @@
+"""Re-feed a log's inputs into a fresh core and check every logged decision against it.
+
+Speed: records are checked by the scanner without decoding the event; only inputs are
+decoded (the tag is peeked from the msgpack bytes), and a logged decision is compared by
+bytes with the core's freshly encoded one. Decoding happens only to describe a divergence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from shared import codec
+from shared import events as ev
+from shared.config import EngineConfig
+from shared.eventlog import RunScanner
+
+from scheduler_proc.core import Core, CoreConfig
+from scheduler_proc.replay_format import differing_fields, side_by_side
+
+INPUT, DECISION, SHELL_ONLY = 0, 1, 2
+_SHELL_ONLY_TYPES = (ev.LogClosed, ev.Shutdown)  # logged by the shell, never by the core
+KIND_BY_TAG: dict[bytes, int] = {cls.__name__.encode(): INPUT for cls in ev.INPUT_TYPES}
+KIND_BY_TAG.update({cls.__name__.encode(): SHELL_ONLY for cls in _SHELL_ONLY_TYPES})
+_input_decoder = msgspec.msgpack.Decoder(ev.CoreInput)
+_log_decoder = codec.log_event_decoder()
+
+
+def tag_of(data: bytes) -> bytes:
+    """The class-name tag of an encoded event: an array whose first item is a str."""
+    first = data[0]
+    start = 1 if 0x90 <= first <= 0x9F else 3 if first == 0xDC else 5
+    head = data[start]
+    if 0xA0 <= head <= 0xBF:
+        return data[start + 1 : start + 1 + (head & 0x1F)]
+    if head == 0xD9:
+        return data[start + 2 : start + 2 + data[start + 1]]
+    return b""
+
+
+def decode_event(data: bytes) -> Any:
+    return _log_decoder.decode(data)
+
+
+@dataclass(frozen=True)
+class Divergence:
+    seq: int  # the logged record that disagrees (or the next input, when one is missing)
+    input_seq: int  # the input whose decisions disagree
+    logged: Any | None
+    recomputed: Any | None
+
+    def describe(self) -> str:
+        lines = [f"divergence at seq {self.seq} (decisions of input seq {self.input_seq}):"]
+        lines += side_by_side(self.logged, self.recomputed)
+        lines.append(f"  differing fields: {', '.join(differing_fields(self.logged, self.recomputed))}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "seq": self.seq,
+            "input_seq": self.input_seq,
+            "logged": msgspec.to_builtins(self.logged) if self.logged is not None else None,
+            "logged_type": type(self.logged).__name__ if self.logged is not None else None,
+            "recomputed": msgspec.to_builtins(self.recomputed) if self.recomputed is not None else None,
+            "recomputed_type": type(self.recomputed).__name__ if self.recomputed is not None else None,
+            "differing_fields": differing_fields(self.logged, self.recomputed),
+        }
+
+
+@dataclass
+class ReplayResult:
+    path: str
+    core: Core
+    segments: list[str] = field(default_factory=list)
+    num_records: int = 0
+    num_inputs: int = 0
+    num_decisions: int = 0  # logged decisions checked against the core
+    last_seq: int = 0  # the last record the replay took in
+    divergence: Divergence | None = None
+    truncated_tail: bool = False  # the log ends before the last input's decisions
+    torn_tail: tuple[str, int] | None = None  # a dropped torn record: (segment, offset)
+
+    @property
+    def ok(self) -> bool:
+        return self.divergence is None
+
+
+def replay(path: str, verify: bool = True, until_seq: int | None = None, until_step: int | None = None) -> ReplayResult:
+    """Raises LogCorruption for a damaged log (FileNotFoundError for a missing one); returns
+    at the first divergence, after record `until_seq`, or before the first input once the
+    core has planned step `until_step`. Read-only: a torn tail is skipped, not cut off."""
+    scanner = RunScanner(path, repair=False)
+    core = Core(CoreConfig.from_engine(EngineConfig.from_json(scanner.config_json)))
+    result = ReplayResult(scanner.path, core, scanner.segments)
+    _run(scanner, result, verify, until_seq, until_step)
+    result.torn_tail = scanner.torn_tail
+    return result
+
+
+def _run(scanner: RunScanner, result: ReplayResult, verify: bool, until_seq: int | None, until_step: int | None) -> None:
+    core = result.core
+    kinds = KIND_BY_TAG
+    encode = codec.encode
+    decode_input = _input_decoder.decode
+    pending: list[bytes] = []
+    made: list[Any] = []
+    index = num_inputs = num_decisions = input_seq = 0
+    last = 0
+    reached_end = False
+    for seq, raw in scanner:
+        if until_seq is not None and seq > until_seq:
+            break
+        data = bytes(raw)
+        kind = kinds.get(tag_of(data), DECISION)
+        if kind == INPUT:
+            if verify and index < len(pending):
+                result.divergence = Divergence(seq, input_seq, None, made[index])
+                break
+            if until_step is not None and core.step >= until_step:
+                break
+            made = core.apply(decode_input(data))
+            pending = [encode(d) for d in made] if verify else []
+            index, input_seq = 0, seq
+            num_inputs += 1
+        elif kind == DECISION and verify:
+            if index >= len(pending) or pending[index] != data:
+                recomputed = made[index] if index < len(pending) else None
+                result.divergence = Divergence(seq, input_seq, decode_event(data), recomputed)
+                break
+            index += 1
+            num_decisions += 1
+        last = seq
+    else:
+        reached_end = True
+    result.num_inputs, result.num_decisions, result.last_seq = num_inputs, num_decisions, last
+    result.num_records = last
+    result.truncated_tail = reached_end and verify and index < len(pending)

@@ -1,0 +1,135 @@
+"""fsync policy and write errors, in the writer and in the shell (SchedulerShell.handle)."""
+
+import errno
+import os
+
+import pytest
+
+from shared import codec
+from shared import events as ev
+from shared.eventlog import EventLogReader, EventLogWriter, LogWriteError
+from shared.sampling import SamplingParams
+
+from scheduler_proc.core import Core, CoreConfig
+from scheduler_proc.loop import SchedulerShell
+from tests.scheduler_proc.driver import FakeWorker
+from tests.scheduler_proc.logtools import ENGINE
+
+
+class FailingFile:
+    """A real file whose writes fail with ENOSPC once `armed`."""
+
+    def __init__(self, path, mode):
+        self._file = open(path, mode)
+        self.armed = False
+        self.closed = False
+
+    def write(self, data):
+        if self.armed:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self._file.write(data)
+
+    def flush(self):
+        self._file.flush()
+
+    def fileno(self):
+        return self._file.fileno()
+
+    def close(self):
+        self.closed = True
+        self._file.close()
+
+
+class FakeSocket:
+    def __init__(self, decoder):
+        self.decoder = decoder
+        self.sent = []
+
+    def send(self, frame, flags=0):
+        self.sent.append(self.decoder.decode(frame))
+
+
+def make_shell(tmp_path, fsync="step", opener=open):
+    shell = SchedulerShell.__new__(SchedulerShell)  # no sockets: the IO is faked below
+    shell.config = ENGINE
+    shell.core = Core(CoreConfig.from_engine(ENGINE))
+    shell.log = EventLogWriter(str(tmp_path), ENGINE.to_json(), "shell", fsync=fsync, opener=opener)
+    shell.to_tokenizer = FakeSocket(codec.from_scheduler_decoder())
+    shell.to_workers = [FakeSocket(codec.to_worker_decoder())]
+    shell.ready_ranks, shell.num_dropped_frames = set(), 0
+    shell.stop_reason, shell.failed, shell.last_stats = None, False, None
+    return shell
+
+
+def drive(shell, num_reqs=3):
+    """Arrivals, then a fake worker completes every step; returns the number of inputs."""
+    worker, inputs = FakeWorker(ENGINE.block_size), [ev.WorkerReady(0, 32, 1000, [2], "cpu", "float32")]
+    inputs += [ev.RequestArrived(f"r{i}", [5] * (3 + i), SamplingParams(max_tokens=4)) for i in range(num_reqs)]
+    for event in inputs:
+        shell.handle(event)
+    handled = len(inputs)
+    while shell.core.in_flight is not None:
+        plan = shell.to_workers[0].sent[-1]
+        sampled = [ev.SampledToken(r, 7) for r in worker.apply(plan)]
+        shell.handle(ev.StepCompleted(plan.step, 0, sampled))
+        handled += 1
+    return handled
+
+
+@pytest.fixture
+def fsyncs(monkeypatch):
+    calls = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(fd), real(fd)))
+    return calls
+
+
+@pytest.mark.parametrize("policy", ["never", "step", "always"])
+def test_fsync_policy_counts(tmp_path, fsyncs, policy):
+    shell = make_shell(tmp_path, fsync=policy)
+    handled = drive(shell)
+    steps = shell.core.step
+    assert steps >= 3
+    expected = {"never": 0, "step": steps, "always": handled}[policy]  # step: one per step
+    assert len(fsyncs) == expected
+    shell.log.close()
+    assert len(fsyncs) == expected + (policy != "never")  # the close syncs unless never
+
+
+def test_writer_write_error_names_the_log_and_sticks(tmp_path):
+    files = []
+    writer = EventLogWriter(str(tmp_path), b"{}", "w", opener=lambda p, m: files.append(FailingFile(p, m)) or files[-1])
+    writer.append(ev.LogClosed("one"))
+    files[-1].armed = True
+    with pytest.raises(LogWriteError, match=r"event log .*events-000001-w\.log: write failed: .*No space") as info:
+        writer.append(ev.LogClosed("two"))
+    assert isinstance(info.value.cause, OSError)
+    with pytest.raises(LogWriteError):
+        writer.append(ev.LogClosed("three"))  # broken for good: no silent gaps
+    writer.close()  # does not raise
+    assert [seq for seq, _ in EventLogReader(writer.path)] == [1]
+
+
+def test_writer_fsync_error(tmp_path, monkeypatch):
+    writer = EventLogWriter(str(tmp_path), b"{}", "w")
+    writer.append(ev.LogClosed("one"))
+    monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
+    writer.commit(step_planned=False)  # no fsync asked: fine
+    with pytest.raises(LogWriteError, match="fsync failed"):
+        writer.commit(step_planned=True)
+
+
+def test_shell_stops_with_engine_failed_on_a_write_error(tmp_path):
+    files = []
+    shell = make_shell(tmp_path, opener=lambda p, m: files.append(FailingFile(p, m)) or files[-1])
+    shell.handle(ev.WorkerReady(0, 32, 1000, [2], "cpu", "float32"))
+    files[-1].armed = True
+    shell.handle(ev.RequestArrived("a", [5, 5, 5], SamplingParams(max_tokens=2)))
+    assert shell.failed
+    failed = [m for m in shell.to_tokenizer.sent if isinstance(m, ev.EngineFailed)]
+    assert len(failed) == 1 and shell.log.path in failed[0].message and "cannot write the event log" in failed[0].message
+    assert not shell.core.requests  # the input was never applied: nothing served unlogged
+    shell.handle(ev.RequestArrived("b", [5], SamplingParams()))
+    assert not shell.core.requests
+    shell._close()  # no exception: it logs the error and leaves the engine failed
+    assert shell.failed

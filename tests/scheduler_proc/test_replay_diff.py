@@ -1,0 +1,58 @@
+"""`replay --diff`: the first differing decision of two runs, wall-clock fields ignored."""
+
+import json
+
+from shared import events as ev
+from shared.eventlog import EventLogReader, EventLogWriter
+
+from scheduler_proc.replay import main
+from scheduler_proc.replay_diff import diff_logs
+from tests.scheduler_proc.driver import Driver
+from tests.scheduler_proc.logtools import ENGINE, rewrite
+
+
+def _run(directory, max_tokens_of_b=4, clock=0.0):
+    writer = EventLogWriter(str(directory), ENGINE.to_json(), run_id="run")
+    d = Driver(10, max_num_seqs=4, max_num_batched_tokens=16, block_size=4, max_model_len=32, log=writer)
+    for req_id, prompt, max_tokens in [("a", 5, 4), ("b", 6, max_tokens_of_b), ("c", 3, 5)]:
+        d.send(ev.RequestArrived(req_id, list(range(100, 100 + prompt)), ev.SamplingParams(max_tokens=max_tokens), clock))
+        clock += 0.25
+    d.run()
+    writer.append(ev.LogClosed("done"))
+    writer.close()
+    return writer.path
+
+
+def test_same_workload_different_wall_clock_is_the_same(tmp_path, capsys):
+    a, b = _run(tmp_path / "a", clock=1000.0), _run(tmp_path / "b", clock=2000.5)
+    assert main([a, "--diff", b]) == 0
+    assert "no decision differs" in capsys.readouterr().out
+    assert diff_logs(a, b).input is None  # arrival_time_s is not a difference
+
+
+def test_one_request_differs(tmp_path, capsys):
+    a, b = _run(tmp_path / "a"), _run(tmp_path / "b", max_tokens_of_b=2)
+    found = diff_logs(a, b)
+    this, other = found.decision
+    assert this.seq is not None and other.seq is not None
+    assert isinstance(this.event, ev.StepPlan) and isinstance(other.event, ev.StepPlan)  # b's NewReq carries its sampling
+    assert [r.sampling.max_tokens for r in this.event.new_reqs if r.req_id == "b"] == [4]
+    assert [r.sampling.max_tokens for r in other.event.new_reqs if r.req_id == "b"] == [2]
+    this_input, other_input = found.input
+    assert this_input.event.sampling.max_tokens == 4 and other_input.event.sampling.max_tokens == 2
+    assert main([a, "--diff", b]) == 1
+    out = capsys.readouterr().out
+    assert f"first differing decision: seq {this.seq}" in out and "* new_reqs" in out
+    assert main([a, "--diff", b, "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["status"] == "different" and report["first_decision"]["this"]["seq"] == this.seq
+    assert report["first_decision"]["differing_fields"] == ["new_reqs"]
+
+
+def test_a_missing_decision_is_the_difference(tmp_path):
+    a = _run(tmp_path / "a")
+    last_emitted = max(seq for seq, e in EventLogReader(a) if isinstance(e, ev.TokensEmitted))
+    b = rewrite(a, tmp_path / "b", lambda seq, e: ev.LogClosed("gone") if seq == last_emitted else e)
+    this, other = diff_logs(a, b).decision
+    assert this.seq == last_emitted and isinstance(this.event, ev.TokensEmitted)
+    assert other.seq != last_emitted
