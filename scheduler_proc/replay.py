@@ -38,8 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--until", type=int, default=None, metavar="SEQ", help="stop after record SEQ")
     where.add_argument("--at-step", type=int, default=None, metavar="N", help="stop once the core has planned step N")
     where.add_argument("--step", type=int, default=None, dest="at_step", help=argparse.SUPPRESS)  # old spelling
-    add("--show", nargs="?", const=",".join(SECTIONS), default=None, metavar="SECTIONS",
-        help=f"print the state where the replay stops: comma-separated of {', '.join(SECTIONS)} (default: all)")
+    add("--show", default=None, metavar="SECTIONS",
+        help=f"print the state where the replay stops: 'all', or comma-separated of {', '.join(SECTIONS)}")
     add("--json", action="store_true", help="machine-readable output on stdout")
     add("--diff", default=None, metavar="OTHER_LOG", help="report the first decision where this log and OTHER_LOG differ")
     return parser

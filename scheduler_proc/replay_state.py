@@ -11,6 +11,8 @@ _QUEUE_KEYS = ("step", "in_flight_step", "waiting", "running", "num_free_blocks"
 
 
 def parse_sections(text: str) -> list[str]:
+    if text.strip() == "all":
+        return list(SECTIONS)
     names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in SECTIONS]
     if unknown or not names:

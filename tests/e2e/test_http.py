@@ -194,7 +194,7 @@ def test_replay_verifies_the_log_under_two_hash_seeds(server, log_dir):
     outputs = []
     for seed in ("0", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        done = subprocess.run([sys.executable, "-m", "shared.cli", "replay", "--verify", "--show", log_dir],
+        done = subprocess.run([sys.executable, "-m", "shared.cli", "replay", "--verify", "--show", "all", log_dir],
                               env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stdout + done.stderr
         assert "decisions match" in done.stdout

@@ -87,7 +87,7 @@ def test_cli_exit_codes_and_show(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["status"] == "ok" and out["step"] == 3 and set(out["state"]) == {"queues", "requests"}
     assert out["state"]["queues"]["step"] == 3 and set(out["state"]["queues"]) >= {"waiting", "running"}
-    assert main([path, "--show", "--at-step", "3"]) == 0  # every section, as text
+    assert main([path, "--show", "all", "--at-step", "3"]) == 0  # every section, as text
     text = capsys.readouterr().out
     assert all(f"== {name} ==" in text for name in ("queues", "slots", "namespaces", "requests", "adapters"))
     target = [seq for seq, e in EventLogReader(path) if isinstance(e, ev.TokensEmitted)][4]
