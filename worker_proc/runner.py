@@ -41,11 +41,11 @@ class ModelRunner:
         self.model = build_model(
             self.model_cfg, config.model_dir, config.load_format, self.dtype, self.device, config.seed
         )
+        self.lora = self._build_lora() if config.enable_lora else None  # before KV sizing: its buffers count
         num_blocks = num_kv_blocks(config, self.model_cfg, self.dtype, self.device)
         self.kv_cache = KVCache(self.model_cfg, num_blocks, config.block_size, self.dtype, self.device)
         self.sampler = Sampler(self.eos_token_ids, config.seed, self.device)
         self.reqs: dict[str, ReqState] = {}
-        self.lora = self._build_lora() if config.enable_lora else None
 
     def _build_lora(self) -> LoraManager:
         with open(os.path.join(self.config.model_dir, "config.json"), encoding="utf-8") as f:
