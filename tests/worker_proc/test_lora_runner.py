@@ -3,6 +3,9 @@ prefill, then decode) against PEFT greedy generation; evicting and reloading a s
 
 from __future__ import annotations
 
+import pytest
+import torch
+
 from shared.events import AdapterEvicted, AdapterLoadCompleted, AdapterSlotAssigned
 from tests.reference import assert_greedy_matches
 from tests.worker_proc.fake_scheduler import FakeScheduler, run_to_completion
@@ -22,20 +25,33 @@ def _load_all(runner: ModelRunner, setup: LoraSetup) -> dict[str, int]:
     return slots
 
 
-def test_mixed_adapters_in_one_batch_match_peft(lora_setup: LoraSetup) -> None:
-    runner = ModelRunner(lora_config(lora_setup.base_dir))
-    slots = _load_all(runner, lora_setup)
+def _run_mixed(runner: ModelRunner, setup: LoraSetup) -> None:
+    """Base requests and every adapter (one twice) in the same steps, checked against PEFT."""
+    slots = _load_all(runner, setup)
     sched = FakeScheduler(BLOCK_SIZE, NUM_BLOCKS)
-    for name, prompt in lora_setup.prompts.items():
+    for name, prompt in setup.prompts.items():
         sched.add(name, prompt, GREEDY, chunk=CHUNKS[name], lora_slot=slots.get(name, -1))
-    sched.add("all-twin", lora_setup.prompts["all"], GREEDY, chunk=2, lora_slot=slots["all"])
+    sched.add("all-twin", setup.prompts["all"], GREEDY, chunk=2, lora_slot=slots["all"])
     done = run_to_completion(runner, sched)
     results = {name: req.outputs for name, req in done.items()}
-    refs = {**lora_setup.refs, "all-twin": lora_setup.refs["all"]}
-    notes = assert_greedy_matches(results, refs)
+    notes = assert_greedy_matches(results, {**setup.refs, "all-twin": setup.refs["all"]})
     print("\n".join(notes))
+
+
+def test_mixed_adapters_in_one_batch_match_peft(lora_setup: LoraSetup) -> None:
+    runner = ModelRunner(lora_config(lora_setup.base_dir))
+    _run_mixed(runner, lora_setup)
     for name in ADAPTERS:  # every adapter really changes the output
         assert lora_setup.refs[name].token_ids != _base_output(runner, lora_setup.prompts[name])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_mixed_adapters_match_peft(lora_setup: LoraSetup) -> None:
+    runner = ModelRunner(lora_config(lora_setup.base_dir, device="cuda"))
+    _run_mixed(runner, lora_setup)
+    a, b, _ = next(iter(runner.lora.cpu.adapters[100].tensors.values()))
+    assert a.is_pinned() and b.is_pinned()
 
 
 def test_evict_and_reload_slot_with_another_adapter(lora_setup: LoraSetup) -> None:
