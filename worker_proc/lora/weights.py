@@ -42,13 +42,15 @@ class LoraWeights:
     def check_slice(self, s: int, weights: SliceWeights) -> None:
         """Raise ValueError if one slice's tensors do not fit this layer's buffers."""
         a, b, _ = weights
-        rank, in_features = self.a.shape[2], self.a.shape[3]
-        want_a, want_b = (a.shape[0], in_features), (self.output_sizes[s], a.shape[0])
-        if a.dim() != 2 or tuple(a.shape) != want_a or tuple(b.shape) != want_b:
+        if a.dim() != 2:
+            raise ValueError(f"LoRA A must be 2-D, got shape {tuple(a.shape)}")
+        rank = a.shape[0]
+        want_a, want_b = (rank, self.a.shape[3]), (self.output_sizes[s], rank)
+        if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
             raise ValueError(f"LoRA tensors of shapes A {tuple(a.shape)}, B {tuple(b.shape)} do not fit "
                              f"slice {s} (A {want_a}, B {want_b})")
-        if not 0 < a.shape[0] <= rank:
-            raise ValueError(f"LoRA rank {a.shape[0]} is outside [1, {rank}]")
+        if not 0 < rank <= self.max_rank:
+            raise ValueError(f"LoRA rank {rank} is outside [1, {self.max_rank}]")
 
     def load_slot(self, slot: int, slices: list[SliceWeights | None]) -> None:
         """Copy one adapter's slices into `slot`, zeroing the rest of the slot first."""
