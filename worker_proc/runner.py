@@ -1,18 +1,25 @@
 """ModelRunner: the worker's compute core. Holds per-request state across steps, runs one
-forward pass per StepPlan over a flat batch, samples, and digests what it applied."""
+forward pass per StepPlan over a flat batch, samples, loads adapters into LoRA slots as
+told, and digests what it applied (block tables and slot table)."""
 
 from __future__ import annotations
+
+import json
+import os
 
 import msgspec
 import torch
 import xxhash
 
 from shared.config import EngineConfig
+from shared.adapter_format import AdapterError, BaseShapes
 from shared.events import (
-    CachedReq, FailedReq, NewReq, RankDigest, SampledToken, StepCompleted, StepPlan, WorkerReady,
+    AdapterCpuEvicted, AdapterEvicted, AdapterLoadCompleted, AdapterLoadFailed, AdapterSlotAssigned, CachedReq,
+    FailedReq, NewReq, RankDigest, SampledToken, StepCompleted, StepPlan, WorkerReady,
 )
 from worker_proc.batch import ReqState, build_batch, validate_req
 from worker_proc.kv_cache import KVCache, num_kv_blocks
+from worker_proc.lora.manager import LoraManager
 from worker_proc.models import build_model, load_eos_token_ids, load_model_config
 from worker_proc.sampler import Sampler, SamplingReq
 
@@ -34,10 +41,16 @@ class ModelRunner:
         self.model = build_model(
             self.model_cfg, config.model_dir, config.load_format, self.dtype, self.device, config.seed
         )
+        self.lora = self._build_lora() if config.enable_lora else None  # before KV sizing: its buffers count
         num_blocks = num_kv_blocks(config, self.model_cfg, self.dtype, self.device)
         self.kv_cache = KVCache(self.model_cfg, num_blocks, config.block_size, self.dtype, self.device)
         self.sampler = Sampler(self.eos_token_ids, config.seed, self.device)
         self.reqs: dict[str, ReqState] = {}
+
+    def _build_lora(self) -> LoraManager:
+        with open(os.path.join(self.config.model_dir, "config.json"), encoding="utf-8") as f:
+            base = BaseShapes.from_hf_config(json.load(f))
+        return LoraManager(self.model, self.config, base, self.dtype, self.device)
 
     def ready(self) -> WorkerReady:
         return WorkerReady(
@@ -58,9 +71,34 @@ class ModelRunner:
         return completed, RankDigest(plan.step, self.rank, self.digest())
 
     def digest(self) -> int:
-        """xxhash64 of the block tables, sorted by req_id (canonical msgpack)."""
+        """xxhash64 of the block tables (sorted by req_id) and the slot table (slot -> version_id,
+        sorted by slot), as canonical msgpack."""
         tables = [[req_id, self.reqs[req_id].block_ids] for req_id in sorted(self.reqs)]
-        return xxhash.xxh64_intdigest(msgspec.msgpack.encode(tables))
+        slots = self.lora.slot_table() if self.lora is not None else []
+        return xxhash.xxh64_intdigest(msgspec.msgpack.encode([tables, slots]))
+
+    def load_adapter(self, ev: AdapterSlotAssigned) -> AdapterLoadCompleted | AdapterLoadFailed:
+        """Load `ev.version_id` into `ev.slot`; a bad adapter fails the load, never the worker,
+        and leaves the slot empty."""
+        name = os.path.basename(os.path.normpath(ev.path)) or ev.path
+        if self.lora is None:
+            return AdapterLoadFailed(self.rank, ev.slot, ev.version_id, f"adapter {name}: LoRA is not enabled (--enable-lora)")
+        try:
+            self.lora.load(ev.slot, ev.version_id, ev.path)
+        except Exception as e:  # any bad adapter (unreadable, malformed, wrong shapes) fails only its load
+            if 0 <= ev.slot < self.config.max_loras:
+                self.lora.clear(ev.slot)
+            message = e.message if isinstance(e, AdapterError) else str(e)
+            return AdapterLoadFailed(self.rank, ev.slot, ev.version_id, f"adapter {name}: {message}")
+        return AdapterLoadCompleted(self.rank, ev.slot, ev.version_id)
+
+    def evict_adapter(self, ev: AdapterEvicted) -> None:
+        if self.lora is not None and 0 <= ev.slot < self.config.max_loras:
+            self.lora.evict(ev.slot, ev.version_id)
+
+    def drop_cpu_copy(self, ev: AdapterCpuEvicted) -> None:
+        if self.lora is not None:
+            self.lora.cpu.drop(ev.version_id)
 
     def _apply_plan(self, plan: StepPlan) -> tuple[list[ReqState], list[FailedReq]]:
         """Update held state from the plan; a request whose update is invalid fails alone."""
@@ -72,6 +110,7 @@ class ModelRunner:
             try:
                 req = self._update_req(update)
                 validate_req(req, self.config.block_size, self.kv_cache.num_blocks, self.config.max_model_len)
+                self._check_slot(req.lora_slot)
             except ValueError as e:
                 self.reqs.pop(req_id, None)
                 failed.append(FailedReq(req_id, str(e)))
@@ -79,6 +118,15 @@ class ModelRunner:
             if req.num_scheduled_tokens > 0:
                 scheduled.append(req)
         return scheduled, failed
+
+    def _check_slot(self, slot: int) -> None:
+        """Raise ValueError unless `slot` is the base model (-1) or holds a loaded adapter."""
+        if slot == -1:
+            return
+        if self.lora is None:
+            raise ValueError(f"LoRA slot {slot} requested but LoRA is not enabled")
+        if slot not in self.lora.slots:
+            raise ValueError(f"LoRA slot {slot} holds no loaded adapter")
 
     def _update_req(self, update: NewReq | CachedReq) -> ReqState:
         if isinstance(update, NewReq):

@@ -15,6 +15,7 @@ class FakeReq:
     prompt: list[int]
     sampling: SamplingParams
     chunk: int  # max tokens scheduled per step
+    lora_slot: int = -1
     outputs: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
@@ -41,9 +42,9 @@ class FakeScheduler:
         self._preempted: list[str] = []
 
     def add(self, req_id: str, prompt: list[int], sampling: SamplingParams, chunk: int = 4,
-            prefix_blocks: list[int] | None = None) -> None:
+            prefix_blocks: list[int] | None = None, lora_slot: int = -1) -> None:
         """prefix_blocks: blocks already holding this prompt's first full blocks (prefix cache)."""
-        req = FakeReq(req_id, list(prompt), sampling, chunk)
+        req = FakeReq(req_id, list(prompt), sampling, chunk, lora_slot)
         if prefix_blocks:
             req.block_ids = list(prefix_blocks)
             for block in prefix_blocks:
@@ -64,11 +65,12 @@ class FakeScheduler:
             self._allocate(req, req.num_computed + req.num_scheduled)
             if not req.sent:
                 new_reqs.append(NewReq(req.req_id, req.tokens, len(req.prompt), req.sampling, list(req.block_ids),
-                                       req.num_computed, req.num_scheduled))
+                                       req.num_computed, req.num_scheduled, req.lora_slot))
                 req.sent = True
             else:
                 cached_reqs.append(CachedReq(req.req_id, req.tokens[req.num_tokens_sent:],
-                                             req.block_ids[req.num_blocks_sent:], req.num_computed, req.num_scheduled))
+                                             req.block_ids[req.num_blocks_sent:], req.num_computed, req.num_scheduled,
+                                             req.lora_slot))
             req.num_tokens_sent, req.num_blocks_sent = len(req.tokens), len(req.block_ids)
         plan = StepPlan(self.step, new_reqs, cached_reqs, self._finished, self._preempted)
         self._finished, self._preempted = [], []

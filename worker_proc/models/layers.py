@@ -1,8 +1,8 @@
 """Building blocks of the Llama-family decoder.
 
-Every projection is a `SlotLinear`: its forward takes the per-token adapter slot tensor
-(`lora_slots`, -1 = base model). It is ignored today; the LoRA layer adds its per-slot
-delta there, for fused qkv, o, gate_up, down and lm_head alike.
+Every projection is a `SlotLinear`: its forward takes the batch's `LoraMapping` (each
+token's adapter slot, -1 = base model) and, when LoRA is enabled, adds each slot's delta
+from its stacked buffers (`self.lora`), for fused qkv, o, gate_up, down and lm_head alike.
 """
 
 from __future__ import annotations
@@ -10,6 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from worker_proc.lora.mapping import LoraMapping
+from worker_proc.lora.weights import LoraWeights
 
 
 class SlotLinear(nn.Module):
@@ -26,10 +29,14 @@ class SlotLinear(nn.Module):
         out_features = sum(output_sizes)
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.lora: LoraWeights | None = None  # set by LoraManager when LoRA is enabled
 
-    def forward(self, x: torch.Tensor, lora_slots: torch.Tensor | None = None) -> torch.Tensor:
-        # x: [num_tokens, in_features] -> [num_tokens, out_features]; lora_slots: [num_tokens]
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, lora: LoraMapping | None = None) -> torch.Tensor:
+        # x: [num_tokens, in_features] -> [num_tokens, out_features]
+        y = F.linear(x, self.weight, self.bias)
+        if self.lora is not None and lora is not None:
+            self.lora.apply(x, y, lora)
+        return y
 
     def load_shard(self, name: str, shard: int, tensor: torch.Tensor) -> None:
         """Copy a checkpoint tensor (`name` is 'weight' or 'bias') into shard `shard`'s rows."""
@@ -63,7 +70,7 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = SlotLinear(hidden_size, [intermediate_size, intermediate_size], bias)
         self.down_proj = SlotLinear(intermediate_size, [hidden_size], bias)
 
-    def forward(self, x: torch.Tensor, lora_slots: torch.Tensor | None) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x, lora_slots)  # [num_tokens, 2 * intermediate]
+    def forward(self, x: torch.Tensor, lora: LoraMapping | None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x, lora)  # [num_tokens, 2 * intermediate]
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up, lora_slots)  # [num_tokens, hidden]
+        return self.down_proj(F.silu(gate) * up, lora)  # [num_tokens, hidden]

@@ -1,8 +1,9 @@
 """Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) over a paged KV cache.
 
 One forward takes a flat batch of tokens from many requests; attention finds each
-request's keys through `PagedAttentionMetadata`. Every projection receives the
-per-token `lora_slots` so adapters can be added without touching this file's shape.
+request's keys through `PagedAttentionMetadata`. Each token carries its adapter slot
+(`lora_slots`, -1 = base model); every projection, lm_head included, receives the
+batch's `LoraMapping` and adds its slot's LoRA delta.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 from kernels.attention_ref import PagedAttentionMetadata, paged_attention_ref
+from worker_proc.lora.mapping import LoraMapping
 from worker_proc.models.config import ModelConfig
 from worker_proc.models.layers import GatedMLP, RMSNorm, SlotLinear
 from worker_proc.models.rope import RotaryEmbedding, apply_rope
@@ -35,10 +37,10 @@ class Attention(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],  # each [num_tokens, 1, head_dim]
         kv_cache: KVCacheLayer,
         meta: PagedAttentionMetadata,
-        lora_slots: torch.Tensor | None,
+        lora: LoraMapping | None,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x, lora_slots)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+        qkv = self.qkv_proj(x, lora)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
         q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -47,7 +49,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
         out = paged_attention_ref(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [num_tokens, num_heads, head_dim]
-        return self.o_proj(out.reshape(num_tokens, -1), lora_slots)
+        return self.o_proj(out.reshape(num_tokens, -1), lora)
 
 
 class DecoderLayer(nn.Module):
@@ -64,10 +66,10 @@ class DecoderLayer(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: KVCacheLayer,
         meta: PagedAttentionMetadata,
-        lora_slots: torch.Tensor | None,
+        lora: LoraMapping | None,
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        h = h + self.self_attn(self.input_layernorm(h), cos_sin, kv_cache, meta, lora_slots)
-        return h + self.mlp(self.post_attention_layernorm(h), lora_slots)
+        h = h + self.self_attn(self.input_layernorm(h), cos_sin, kv_cache, meta, lora)
+        return h + self.mlp(self.post_attention_layernorm(h), lora)
 
 
 class LlamaModel(nn.Module):
@@ -98,14 +100,15 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [num_tokens] int64
         kv_caches: list[KVCacheLayer],  # one per layer
         meta: PagedAttentionMetadata,
-        lora_slots: torch.Tensor | None = None,  # [num_tokens] int, -1 = base; unused until LoRA lands
+        lora_slots: torch.Tensor | None = None,  # [num_tokens] int, -1 = base model
     ) -> torch.Tensor:  # [num_tokens, hidden]
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"{len(kv_caches)} KV cache layers for {len(self.model.layers)} model layers")
         h = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
         cos_sin = self.model.rotary.cos_sin(positions)
+        lora = LoraMapping.from_slots(lora_slots) if lora_slots is not None else None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            h = layer(h, cos_sin, kv_cache, meta, lora_slots)
+            h = layer(h, cos_sin, kv_cache, meta, lora)
         return self.model.norm(h)
 
     @torch.inference_mode()
@@ -114,4 +117,5 @@ class LlamaForCausalLM(nn.Module):
         hidden: torch.Tensor,  # [num_sampled, hidden]
         lora_slots: torch.Tensor | None = None,  # [num_sampled]
     ) -> torch.Tensor:  # [num_sampled, vocab] float32
-        return self.lm_head(hidden, lora_slots).float()
+        lora = LoraMapping.from_slots(lora_slots) if lora_slots is not None else None
+        return self.lm_head(hidden, lora).float()

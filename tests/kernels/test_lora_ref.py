@@ -1,0 +1,92 @@
+"""The reference LoRA ops against a naive per-token loop, at odd sizes, with mixed slots
+(including -1), rank-0 slices and garbage in the padding past each rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.lora_ref import lora_expand_segments, lora_expand_tokens, lora_shrink_segments, lora_shrink_tokens
+
+MAX_LORAS, MAX_RANK, IN = 5, 13, 37
+
+
+def _buffers(output_sizes: list[int], gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    num_slices, max_out = len(output_sizes), max(output_sizes)
+    a = torch.randn(MAX_LORAS, num_slices, MAX_RANK, IN, generator=gen, dtype=torch.float64)
+    b = torch.randn(MAX_LORAS, num_slices, max_out, MAX_RANK, generator=gen, dtype=torch.float64)
+    ranks = torch.randint(1, MAX_RANK + 1, (MAX_LORAS, num_slices), generator=gen)
+    ranks[1, 0] = 0  # slot 1 does not target slice 0
+    ranks[3] = 0  # slot 3 targets nothing
+    ranks[2, -1] = MAX_RANK
+    scalings = torch.rand(MAX_LORAS, num_slices, generator=gen, dtype=torch.float64) * 3
+    return a, b, ranks, scalings
+
+
+def _naive(x, a, b, ranks, scalings, output_sizes, token_slots) -> torch.Tensor:
+    y = torch.zeros(x.shape[0], sum(output_sizes), dtype=x.dtype)
+    for t, slot in enumerate(token_slots.tolist()):
+        if slot < 0:
+            continue
+        lo = 0
+        for s, size in enumerate(output_sizes):
+            r = int(ranks[slot, s])
+            if r > 0:
+                h = a[slot, s, :r] @ x[t]  # [r]
+                y[t, lo : lo + size] = (b[slot, s, :size, :r] @ h) * scalings[slot, s]
+            lo += size
+    return y
+
+
+def _segment_layout(seg_lens: list[int], seg_slots: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    starts = [0]
+    for n in seg_lens:
+        starts.append(starts[-1] + n)
+    token_slots = torch.tensor([s for n, s in zip(seg_lens, seg_slots) for _ in range(n)], dtype=torch.long)
+    return torch.tensor(starts), torch.tensor(seg_slots), token_slots
+
+
+OUTPUT_SIZES = [[29], [23, 11, 11], [19, 19]]
+
+
+@pytest.mark.parametrize("output_sizes", OUTPUT_SIZES, ids=["single", "qkv", "gate_up"])
+def test_segments_match_naive(output_sizes: list[int]) -> None:
+    gen = torch.Generator().manual_seed(len(output_sizes))
+    a, b, ranks, scalings = _buffers(output_sizes, gen)
+    seg_starts, seg_slots, token_slots = _segment_layout([7, 3, 0, 5, 1, 9, 4], [2, -1, 4, 1, 0, 3, 2])
+    x = torch.randn(len(token_slots), IN, generator=gen, dtype=torch.float64)
+    base = torch.randn(len(token_slots), sum(output_sizes), generator=gen, dtype=torch.float64)
+    y = base.clone()
+    buf = lora_shrink_segments(x, a, ranks, seg_starts, seg_slots)
+    lora_expand_segments(y, buf, b, ranks, scalings, output_sizes, seg_starts, seg_slots)
+    torch.testing.assert_close(y, base + _naive(x, a, b, ranks, scalings, output_sizes, token_slots))
+    assert torch.equal(y[7:10], base[7:10])  # base-model segment untouched
+
+
+@pytest.mark.parametrize("output_sizes", OUTPUT_SIZES, ids=["single", "qkv", "gate_up"])
+def test_tokens_match_naive(output_sizes: list[int]) -> None:
+    gen = torch.Generator().manual_seed(10 + len(output_sizes))
+    a, b, ranks, scalings = _buffers(output_sizes, gen)
+    token_slots = torch.tensor([0, -1, 4, 1, 1, 3, -1, 2, 0, 4, 2])
+    x = torch.randn(len(token_slots), IN, generator=gen, dtype=torch.float64)
+    base = torch.randn(len(token_slots), sum(output_sizes), generator=gen, dtype=torch.float64)
+    y = base.clone()
+    buf = lora_shrink_tokens(x, a, ranks, token_slots)
+    lora_expand_tokens(y, buf, b, ranks, scalings, output_sizes, token_slots)
+    torch.testing.assert_close(y, base + _naive(x, a, b, ranks, scalings, output_sizes, token_slots))
+    assert torch.equal(y[1], base[1]) and torch.equal(y[5], base[5])  # base token, rank-0 slot
+
+
+def test_layouts_agree_and_all_base_is_a_no_op() -> None:
+    gen = torch.Generator().manual_seed(7)
+    output_sizes = [23, 11, 11]
+    a, b, ranks, scalings = _buffers(output_sizes, gen)
+    seg_starts, seg_slots, token_slots = _segment_layout([3, 4, 2], [4, 0, 2])
+    x = torch.randn(len(token_slots), IN, generator=gen, dtype=torch.float64)
+    buf_seg = lora_shrink_segments(x, a, ranks, seg_starts, seg_slots)
+    buf_tok = lora_shrink_tokens(x, a, ranks, token_slots)
+    torch.testing.assert_close(buf_seg, buf_tok)
+    y = torch.zeros(len(token_slots), sum(output_sizes), dtype=torch.float64)
+    base_slots = torch.full_like(token_slots, -1)
+    lora_expand_tokens(y, lora_shrink_tokens(x, a, ranks, base_slots), b, ranks, scalings, output_sizes, base_slots)
+    assert not y.any()

@@ -1,0 +1,54 @@
+"""LoraMapping's segments and kernel choice; LoraWeights slot loading, checks and apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker_proc.lora.mapping import LoraMapping
+from worker_proc.lora.weights import LoraWeights
+
+
+def test_mapping_runs_and_kernel_choice() -> None:
+    assert LoraMapping.from_slots(torch.tensor([-1, -1, -1])) is None
+    prefill = LoraMapping.from_slots(torch.tensor([2, 2, 2, -1, -1, 0, 0, 0, 2]))
+    assert prefill.seg_starts.tolist() == [0, 3, 5, 8, 9] and prefill.seg_slots.tolist() == [2, -1, 0, 2]
+    assert prefill.use_segments
+    decode = LoraMapping.from_slots(torch.tensor([1, 0, -1, 1]))
+    assert decode.seg_slots.tolist() == [1, 0, -1, 1] and not decode.use_segments
+
+
+def _weights() -> LoraWeights:
+    return LoraWeights(max_loras=3, max_rank=8, in_features=6, output_sizes=[5, 3], dtype=torch.float64,
+                       device=torch.device("cpu"))
+
+
+def test_load_slot_zeroes_the_rest_and_apply_matches_dense() -> None:
+    w = _weights()
+    gen = torch.Generator().manual_seed(0)
+    w.a.normal_(generator=gen)  # stale weights everywhere
+    w.b.normal_(generator=gen)
+    a, b = torch.randn(4, 6, generator=gen, dtype=torch.float64), torch.randn(3, 4, generator=gen, dtype=torch.float64)
+    w.load_slot(1, [None, (a, b, 0.5)])
+    assert w.ranks[1].tolist() == [0, 4] and not w.a[1, 0].any() and not w.a[1, 1, 4:].any()
+    assert not w.b[1, 1, 3:].any() and not w.b[1, 1, :, 4:].any()
+    x = torch.randn(5, 6, generator=gen, dtype=torch.float64)
+    for slots in ([1, 1, 1, -1, -1], [1, -1, 1, -1, 1]):  # segment and per-token layouts
+        y = torch.zeros(5, 8, dtype=torch.float64)
+        w.apply(x, y, LoraMapping.from_slots(torch.tensor(slots)))
+        on = torch.tensor(slots) == 1
+        torch.testing.assert_close(y[on, 5:], x[on] @ a.T @ b.T * 0.5)
+        assert not y[:, :5].any() and not y[~on].any()
+
+
+def test_load_slot_refuses_misfits_and_leaves_slot_untouched() -> None:
+    w = _weights()
+    good = (torch.ones(2, 6, dtype=torch.float64), torch.ones(5, 2, dtype=torch.float64), 1.0)
+    w.load_slot(0, [good, None])
+    with pytest.raises(ValueError, match="do not fit"):
+        w.load_slot(0, [(torch.ones(2, 7), torch.ones(5, 2), 1.0), None])
+    with pytest.raises(ValueError, match="outside"):
+        w.load_slot(0, [(torch.ones(9, 6), torch.ones(5, 9), 1.0), None])
+    with pytest.raises(ValueError, match="slices"):
+        w.load_slot(0, [good])
+    assert w.ranks[0].tolist() == [2, 0]

@@ -1,0 +1,81 @@
+"""The worker's LoRA state: stacked buffers hung on every SlotLinear, the slot table
+(slot -> version_id) and the CPU tier behind it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shared.adapter_format import BaseShapes
+from shared.config import EngineConfig
+from worker_proc.lora.cpu_tier import CpuAdapter, CpuTier
+from worker_proc.lora.weights import LoraWeights, SliceWeights
+from worker_proc.models.layers import SlotLinear
+
+# PEFT module kind -> (our module path under a decoder layer, slice of that fused module)
+_SLICES = {
+    "q_proj": ("self_attn.qkv_proj", 0),
+    "k_proj": ("self_attn.qkv_proj", 1),
+    "v_proj": ("self_attn.qkv_proj", 2),
+    "o_proj": ("self_attn.o_proj", 0),
+    "gate_proj": ("mlp.gate_up_proj", 0),
+    "up_proj": ("mlp.gate_up_proj", 1),
+    "down_proj": ("mlp.down_proj", 0),
+    "lm_head": ("lm_head", 0),
+}
+
+
+class LoraManager:
+    def __init__(self, model: nn.Module, config: EngineConfig, base: BaseShapes,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.max_loras = config.max_loras
+        self.weights: dict[str, LoraWeights] = {}  # module path -> its slot buffers
+        for name, module in model.named_modules():
+            if isinstance(module, SlotLinear):
+                module.lora = LoraWeights(config.max_loras, config.max_lora_rank, module.in_features,
+                                          module.output_sizes, dtype, device)
+                self.weights[name] = module.lora
+        self.cpu = CpuTier(base, config.max_lora_rank, dtype, pin_memory=device.type == "cuda")
+        self.slots: dict[int, int] = {}  # slot -> version_id
+
+    def load(self, slot: int, version_id: int, path: str) -> None:
+        """Load `version_id` into `slot` (from the CPU tier, or disk first). On any error the
+        slot is left empty and the error propagates (AdapterError / ValueError)."""
+        self.check_slot(slot)
+        self.clear(slot)
+        adapter = self.cpu.get_or_load(version_id, path)
+        per_module = self._slices(adapter)
+        for name, weights in self.weights.items():
+            weights.load_slot(slot, per_module.get(name, [None] * len(weights.output_sizes)))
+        self.slots[slot] = version_id
+
+    def evict(self, slot: int, version_id: int) -> None:
+        """Free `slot` if it holds `version_id` (a stale evict never wipes a newer version)."""
+        if self.slots.get(slot) == version_id:
+            self.clear(slot)
+
+    def clear(self, slot: int) -> None:
+        for weights in self.weights.values():
+            weights.clear_slot(slot)
+        self.slots.pop(slot, None)
+
+    def check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.max_loras:
+            raise ValueError(f"slot {slot} is outside [0, {self.max_loras})")
+
+    def slot_table(self) -> list[list[int]]:
+        """[[slot, version_id], ...] sorted by slot."""
+        return [[slot, self.slots[slot]] for slot in sorted(self.slots)]
+
+    def _slices(self, adapter: CpuAdapter) -> dict[str, list[SliceWeights | None]]:
+        """Module path -> per-slice weights of this adapter, every slice checked against the buffers."""
+        per_module: dict[str, list[SliceWeights | None]] = {}
+        for (layer, kind), weights in sorted(adapter.tensors.items()):
+            suffix, s = _SLICES[kind]
+            name = suffix if kind == "lm_head" else f"model.layers.{layer}.{suffix}"
+            buffers = self.weights.get(name)
+            if buffers is None:
+                raise ValueError(f"the model has no module {name} for this adapter")
+            buffers.check_slice(s, weights)
+            per_module.setdefault(name, [None] * len(buffers.output_sizes))[s] = weights
+        return per_module

@@ -1,0 +1,77 @@
+"""Stacked per-slot LoRA buffers of one (possibly fused) projection."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.lora_ref import lora_expand_segments, lora_expand_tokens, lora_shrink_segments, lora_shrink_tokens
+from worker_proc.lora.mapping import LoraMapping
+
+SliceWeights = tuple[torch.Tensor, torch.Tensor, float]  # A [rank, in], B [out_slice, rank], scaling
+
+
+class LoraWeights:
+    """A, B, ranks and scalings of every slot for one layer with `len(output_sizes)` slices.
+    Padding past a slot's rank is zero; a slice the slot's adapter does not target has rank 0."""
+
+    def __init__(
+        self, max_loras: int, max_rank: int, in_features: int, output_sizes: list[int],
+        dtype: torch.dtype, device: torch.device,
+    ) -> None:
+        num_slices = len(output_sizes)
+        self.output_sizes = list(output_sizes)
+        self.a = torch.zeros(max_loras, num_slices, max_rank, in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(max_loras, num_slices, max(output_sizes), max_rank, dtype=dtype, device=device)
+        self.ranks = torch.zeros(max_loras, num_slices, dtype=torch.long, device=device)
+        self.scalings = torch.zeros(max_loras, num_slices, dtype=torch.float32, device=device)
+
+    @property
+    def max_rank(self) -> int:
+        return self.a.shape[2]
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor, mapping: LoraMapping) -> None:
+        """y += LoRA delta of each token's slot. x: [num_tokens, in], y: [num_tokens, out]."""
+        if mapping.use_segments:
+            buf = lora_shrink_segments(x, self.a, self.ranks, mapping.seg_starts, mapping.seg_slots)
+            lora_expand_segments(y, buf, self.b, self.ranks, self.scalings, self.output_sizes,
+                                 mapping.seg_starts, mapping.seg_slots)
+        else:
+            buf = lora_shrink_tokens(x, self.a, self.ranks, mapping.token_slots)
+            lora_expand_tokens(y, buf, self.b, self.ranks, self.scalings, self.output_sizes, mapping.token_slots)
+
+    def check_slice(self, s: int, weights: SliceWeights) -> None:
+        """Raise ValueError if one slice's tensors do not fit this layer's buffers."""
+        a, b, _ = weights
+        if a.dim() != 2:
+            raise ValueError(f"LoRA A must be 2-D, got shape {tuple(a.shape)}")
+        rank = a.shape[0]
+        want_a, want_b = (rank, self.a.shape[3]), (self.output_sizes[s], rank)
+        if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
+            raise ValueError(f"LoRA tensors of shapes A {tuple(a.shape)}, B {tuple(b.shape)} do not fit "
+                             f"slice {s} (A {want_a}, B {want_b})")
+        if not 0 < rank <= self.max_rank:
+            raise ValueError(f"LoRA rank {rank} is outside [1, {self.max_rank}]")
+
+    def load_slot(self, slot: int, slices: list[SliceWeights | None]) -> None:
+        """Copy one adapter's slices into `slot`, zeroing the rest of the slot first."""
+        if len(slices) != len(self.output_sizes):
+            raise ValueError(f"{len(slices)} slices for a layer with {len(self.output_sizes)}")
+        for s, weights in enumerate(slices):
+            if weights is not None:
+                self.check_slice(s, weights)
+        self.clear_slot(slot)
+        for s, weights in enumerate(slices):
+            if weights is None:
+                continue
+            a, b, scaling = weights
+            rank = a.shape[0]
+            self.a[slot, s, :rank].copy_(a, non_blocking=True)  # [rank, in]
+            self.b[slot, s, : b.shape[0], :rank].copy_(b, non_blocking=True)  # [out_slice, rank]
+            self.ranks[slot, s] = rank
+            self.scalings[slot, s] = scaling
+
+    def clear_slot(self, slot: int) -> None:
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        self.ranks[slot].zero_()
+        self.scalings[slot].zero_()
