@@ -1,6 +1,6 @@
 """Triton decode attention over the paged KV cache, split-K (flash-decoding).
 
-Each program takes one (request, kv head, partition of PARTITION keys): the query heads
+Each program takes one (request, kv head, partition of `partition_size` keys): the query heads
 of that kv head's GQA group share every K/V tile it loads. It writes the partition's
 normalised output, running max and exp-sum; a reduce kernel merges the partitions.
 The grid is sized from the block table's width, never from seq_lens, so a launch needs
@@ -9,14 +9,29 @@ no host sync and can be captured in a CUDA graph. Reference: attention_ref.paged
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-PARTITION = 256  # keys per split-K partition
+MAX_PARTITION = 512  # keys per split-K partition, halved down to BLOCK_N for small batches
 BLOCK_N = 64  # keys per tile inside a partition
+PROGRAMS_PER_SM = 8  # enough programs in flight to keep the memory system busy
+
+
+@functools.lru_cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def partition_size(num_reqs: int, num_kv_heads: int, max_len: int, num_sms: int) -> int:
+    """The largest partition that still gives every SM PROGRAMS_PER_SM programs."""
+    partition = MAX_PARTITION
+    while partition > BLOCK_N and num_reqs * num_kv_heads * triton.cdiv(max_len, partition) < PROGRAMS_PER_SM * num_sms:
+        partition //= 2
+    return partition
 
 
 @triton.jit
@@ -130,7 +145,9 @@ def paged_decode_attention(
     assert num_heads % num_kv_heads == 0 and q.stride(-1) == 1
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and block_tables.stride(-1) == 1
     group = num_heads // num_kv_heads
-    num_parts = max(1, triton.cdiv(block_tables.shape[1] * block_size, PARTITION))
+    max_len = block_tables.shape[1] * block_size
+    partition = partition_size(num_reqs, num_kv_heads, max_len, _num_sms(q.device))
+    num_parts = max(1, triton.cdiv(max_len, partition))
     part_out = torch.empty(num_reqs, num_heads, num_parts, head_dim, dtype=torch.float32, device=q.device)
     part_max = torch.empty(num_reqs, num_heads, num_parts, dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
@@ -149,13 +166,13 @@ def paged_decode_attention(
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_max.stride(0), part_max.stride(1),
         HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        BLOCK_SIZE=block_size, PARTITION=PARTITION, BLOCK_N=BLOCK_N, num_warps=4,
+        BLOCK_SIZE=block_size, PARTITION=partition, BLOCK_N=BLOCK_N, num_warps=4,
     )  # fmt: skip
     _decode_reduce_kernel[(num_reqs, num_heads)](
         part_out, part_max, part_sum, seq_lens, out,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_max.stride(0), part_max.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, D_PAD=d_pad, PARTITION=PARTITION, num_warps=1,
+        HEAD_DIM=head_dim, D_PAD=d_pad, PARTITION=partition, num_warps=1,
     )  # fmt: skip
     return out

@@ -17,6 +17,36 @@ import triton.language as tl
 
 BLOCK_M = 64  # queries per program
 BLOCK_N = 64  # keys per tile
+NUM_WARPS = 4
+NUM_STAGES = 2
+
+
+@triton.jit
+def _attend_tile(
+    q, m, l, acc, n0, end, q_pos,
+    k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
+    scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step over keys [n0, n0 + BLOCK_N) read through the block table."""
+    toks = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+    t_mask = toks < end
+    blocks = tl.load(table_ptr + toks // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+    in_block = toks % BLOCK_SIZE
+    kv_mask = t_mask[:, None] & d_mask[None, :]
+    k_off = blocks * stride_kb + in_block * stride_ks + kv_head * stride_kh
+    k = tl.load(k_cache_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
+    s = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_M, BLOCK_N], log2 domain
+    if MASKED:
+        s = tl.where((toks[None, :] <= q_pos[:, None]) & t_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    v_off = blocks * stride_vb + in_block * stride_vs + kv_head * stride_vh
+    v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l, acc
 
 
 @triton.jit
@@ -56,25 +86,21 @@ def _prefill_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    for n0 in range(0, end, BLOCK_N):
-        toks = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
-        t_mask = toks < end
-        blocks = tl.load(block_tables_ptr + req * stride_bt + toks // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
-        in_block = toks % BLOCK_SIZE
-        kv_mask = t_mask[:, None] & d_mask[None, :]
-        k_off = blocks * stride_kb + in_block * stride_ks + kv_head * stride_kh
-        k = tl.load(k_cache_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
-        s = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_M, BLOCK_N], log2 domain
-        causal = (toks[None, :] <= q_pos[:, None]) & t_mask[None, :]
-        s = tl.where(causal, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        v_off = blocks * stride_vb + in_block * stride_vs + kv_head * stride_vh
-        v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+    kv_base = req * stride_bt
+    # keys below the tile's first query position are visible to every row: no mask
+    full_end = (seq_len - q_len + m0) // BLOCK_N * BLOCK_N
+    for n0 in range(0, full_end, BLOCK_N):
+        m, l, acc = _attend_tile(
+            q, m, l, acc, n0, end, q_pos, k_cache_ptr, v_cache_ptr, block_tables_ptr + kv_base, kv_head, offs_d, d_mask,
+            scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            BLOCK_SIZE, BLOCK_N, False,
+        )  # fmt: skip
+    for n0 in range(full_end, end, BLOCK_N):  # the diagonal: causal and length masks
+        m, l, acc = _attend_tile(
+            q, m, l, acc, n0, end, q_pos, k_cache_ptr, v_cache_ptr, block_tables_ptr + kv_base, kv_head, offs_d, d_mask,
+            scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            BLOCK_SIZE, BLOCK_N, True,
+        )  # fmt: skip
 
     out = acc / l[:, None]
     o_ptr = out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
@@ -110,6 +136,6 @@ def paged_prefill_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)), GROUP=num_heads // num_kv_heads,
-        BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=4,
+        BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
     return out

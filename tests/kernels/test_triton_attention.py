@@ -73,3 +73,15 @@ def test_decode_matches_prefill_on_last_token(dtype: torch.dtype) -> None:
     decode = paged_decode_attention(b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, scale)
     prefill = paged_prefill_attention(b.q, b.k_cache, b.v_cache, b.block_tables, b.query_start_loc, b.seq_lens, scale, 1)
     torch.testing.assert_close(decode.float(), prefill.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("programs_per_sm", [0, 10**6])  # the largest and the smallest partition
+def test_decode_partition_sizes(programs_per_sm: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kernels import paged_attention
+
+    monkeypatch.setattr(paged_attention, "PROGRAMS_PER_SM", programs_per_sm)
+    seq_lens = [1, 64, 65, 511, 512, 513, 1029]
+    b = make_paged_batch([1] * len(seq_lens), seq_lens, 28, 4, 128, 16, DOT_DTYPES[-1], DEVICE, seed=7)
+    out = paged_decode_attention(b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, 128**-0.5)
+    ref = paged_decode_attention_ref(*as_float(b.q, b.k_cache, b.v_cache), b.block_tables, b.seq_lens, 128**-0.5)
+    torch.testing.assert_close(out.float(), ref, atol=TOL[DOT_DTYPES[-1]], rtol=TOL[DOT_DTYPES[-1]])
