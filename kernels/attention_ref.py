@@ -108,3 +108,42 @@ def causal_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
     )  # [num_heads, num_new, head_dim]
     return out.transpose(0, 1)
+
+
+# Tensor-metadata forms of the same attention, with the signatures of kernels/ops.py. The
+# K/V of the new tokens must already be in the cache (`write_kv`).
+
+
+def paged_prefill_attention_ref(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks] int32, padded
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32, cached + new tokens
+    scale: float,
+    max_query_len: int | None = None,  # unused here; the Triton kernel sizes its grid by it
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Each request's new queries attend causally over its cached + new keys."""
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    starts, lens, tables = query_start_loc.tolist(), seq_lens.tolist(), block_tables.tolist()
+    for i, seq_len in enumerate(lens):
+        start, end = starts[i], starts[i + 1]
+        if end == start or seq_len == 0:
+            continue
+        keys = gather_kv(k_cache, tables[i], seq_len).to(q.dtype)  # [seq_len, num_kv_heads, head_dim]
+        values = gather_kv(v_cache, tables[i], seq_len).to(q.dtype)
+        out[start:end] = causal_attention(q[start:end], keys, values, scale)
+    return out
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,  # [num_reqs, num_heads, head_dim], one new token per request
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks] int32, padded
+    seq_lens: torch.Tensor,  # [num_reqs] int32, including the new token; 0 = padding row (zeros out)
+    scale: float,
+) -> torch.Tensor:  # [num_reqs, num_heads, head_dim]
+    query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+    return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)

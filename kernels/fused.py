@@ -1,0 +1,138 @@
+"""Triton fused elementwise kernels: RMSNorm (+ residual add), RoPE in place, SiLU-and-mul.
+
+References with the same signatures: kernels/fused_ref.py. Every kernel reads and
+writes in the tensors' dtype and computes in float32, rounding where the model rounds.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    stride_x, stride_res, stride_out, stride_res_out,
+    n_cols, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)  # rounded like `x + residual`
+        tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
+    x32 = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x32 * x32, axis=0) / n_cols + eps)
+    normed = (x32 * rstd).to(x.dtype).to(tl.float32)  # cast back before the weight, like HF
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rms_norm_launch(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    hidden = x.shape[-1]
+    x2 = x.reshape(-1, hidden)  # [rows, hidden]
+    out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    res2 = residual.reshape(-1, hidden) if residual is not None else x2
+    res_out = torch.empty_like(x2) if residual is not None else out
+    if x2.shape[0] > 0:
+        block = triton.next_power_of_2(hidden)
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2, res2, weight, out, res_out,
+            x2.stride(0), res2.stride(0), out.stride(0), res_out.stride(0),
+            hidden, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        )  # fmt: skip
+    new_res = res_out.view(x.shape) if residual is not None else None
+    return out.view(x.shape), new_res
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., hidden], weight: [hidden] -> [..., hidden]."""
+    assert x.stride(-1) == 1 and weight.is_contiguous()
+    return _rms_norm_launch(x, None, weight, eps)[0]
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual: [num_tokens, hidden] -> normed, new_residual = x + residual."""
+    assert x.shape == residual.shape and x.stride(-1) == 1 and residual.stride(-1) == 1
+    normed, new_residual = _rms_norm_launch(x, residual, weight, eps)
+    assert new_residual is not None
+    return normed, new_residual
+
+
+@triton.jit
+def _rope_heads(x_ptr, stride_t, stride_h, token, n_heads, cos, sin, HALF: tl.constexpr, HEADS_PAD: tl.constexpr):
+    heads = tl.arange(0, HEADS_PAD)
+    offs = tl.arange(0, HALF)
+    mask = (heads < n_heads)[:, None]
+    ptr1 = x_ptr + token * stride_t + heads[:, None] * stride_h + offs[None, :]  # [HEADS_PAD, HALF]
+    x1 = tl.load(ptr1, mask=mask, other=0.0)
+    x2 = tl.load(ptr1 + HALF, mask=mask, other=0.0)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(ptr1, (a * cos[None, :] - b * sin[None, :]).to(x1.dtype), mask=mask)
+    tl.store(ptr1 + HALF, (b * cos[None, :] + a * sin[None, :]).to(x1.dtype), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr, k_ptr, pos_ptr, cache_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
+    n_q_heads, n_k_heads,
+    HALF: tl.constexpr, Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    offs = tl.arange(0, HALF)
+    cos = tl.load(cache_ptr + pos * stride_cache + offs)  # [HALF] float32
+    sin = tl.load(cache_ptr + pos * stride_cache + HALF + offs)
+    _rope_heads(q_ptr, stride_qt, stride_qh, token, n_q_heads, cos, sin, HALF, Q_HEADS_PAD)
+    _rope_heads(k_ptr, stride_kt, stride_kh, token, n_k_heads, cos, sin, HALF, K_HEADS_PAD)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
+    """q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim], rotated in
+    place at positions [num_tokens]; cos_sin_cache: [max_position, head_dim] float32."""
+    head_dim = q.shape[-1]
+    half = head_dim // 2
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
+    assert cos_sin_cache.shape[-1] == head_dim and half == triton.next_power_of_2(half)
+    if q.shape[0] == 0:
+        return
+    _rope_kernel[(q.shape[0],)](
+        q, k, positions, cos_sin_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
+        q.shape[1], k.shape[1],
+        HALF=half, Q_HEADS_PAD=triton.next_power_of_2(q.shape[1]), K_HEADS_PAD=triton.next_power_of_2(k.shape[1]),
+    )  # fmt: skip
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, d, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0).to(tl.float32)
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)  # rounded like F.silu(gate)
+    tl.store(out_ptr + row * stride_out + cols, (silu * up).to(gate.dtype), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, 2 * d] -> silu(x[:, :d]) * x[:, d:]: [num_tokens, d]."""
+    assert x.stride(-1) == 1
+    d = x.shape[-1] // 2
+    out = torch.empty((x.shape[0], d), dtype=x.dtype, device=x.device)
+    block = 1024
+    if x.shape[0] > 0:
+        _silu_and_mul_kernel[(x.shape[0], triton.cdiv(d, block))](x, out, x.stride(0), out.stride(0), d, BLOCK=block)
+    return out

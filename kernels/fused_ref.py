@@ -1,0 +1,65 @@
+"""Torch references for the fused elementwise kernels in kernels/fused.py (CPU and CUDA).
+
+They round where the model's layers round (worker_proc/models/layers.py, rope.py), so
+switching the model to kernels/ops.py on CPU changes no output.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm_ref(
+    x: torch.Tensor,  # [..., hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> torch.Tensor:  # [..., hidden]
+    """Normalise in float32, cast back to x's dtype, then scale by the weight (as HF)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def fused_add_rms_norm_ref(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    residual: torch.Tensor,  # [num_tokens, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # normed, new_residual: [num_tokens, hidden] each
+    """new_residual = x + residual (in x's dtype); normed = rms_norm(new_residual)."""
+    new_residual = x + residual
+    return rms_norm_ref(new_residual, weight, eps), new_residual
+
+
+def rope_cos_sin_cache(
+    inv_freq: torch.Tensor,  # [head_dim // 2] float32
+    max_position: int,
+) -> torch.Tensor:  # [max_position, head_dim] float32: cos in the first half, sin in the second
+    """The same float32 values as RotaryEmbedding.cos_sin, precomputed for every position."""
+    positions = torch.arange(max_position, device=inv_freq.device).float()
+    freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim // 2]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+def apply_rope_ref(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated in place
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rotated in place
+    positions: torch.Tensor,  # [num_tokens] int
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim] float32 (rope_cos_sin_cache)
+) -> None:
+    """Rotate-half RoPE (HF Llama layout), computed in q/k's dtype like the model."""
+    half = cos_sin_cache.shape[-1] // 2
+    cos_sin = cos_sin_cache[positions.long()]  # [num_tokens, head_dim]
+    cos, sin = cos_sin[:, :half], cos_sin[:, half:]
+    cos = torch.cat((cos, cos), dim=-1)[:, None, :]  # [num_tokens, 1, head_dim]
+    sin = torch.cat((sin, sin), dim=-1)[:, None, :]
+    for x in (q, k):
+        c, s = cos.to(x.dtype), sin.to(x.dtype)
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        x.copy_(x * c + rotated * s)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, 2 * d] -> [num_tokens, d]
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

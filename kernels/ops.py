@@ -1,0 +1,88 @@
+"""One import for the model's hot ops: Triton on CUDA tensors, the torch references otherwise.
+
+Each op has the same signature on both paths (see kernels/attention_ref.py and
+kernels/fused_ref.py for the semantics). Triton is imported only if installed, so this
+module loads on CPU-only machines without it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.attention_ref import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv
+from kernels.fused_ref import (
+    apply_rope_ref,
+    fused_add_rms_norm_ref,
+    rms_norm_ref,
+    rope_cos_sin_cache,
+    silu_and_mul_ref,
+)
+
+__all__ = [
+    "apply_rope",
+    "fused_add_rms_norm",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "rms_norm",
+    "rope_cos_sin_cache",
+    "silu_and_mul",
+    "write_kv",
+]
+
+try:
+    from kernels import fused as _fused
+    from kernels import paged_attention as _decode
+    from kernels import prefill_attention as _prefill
+
+    HAS_TRITON = True
+except ImportError:  # no triton on this machine: the references serve every call
+    HAS_TRITON = False
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    return HAS_TRITON and x.is_cuda
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [num_reqs, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32
+    scale: float,
+) -> torch.Tensor:  # [num_reqs, num_heads, head_dim]
+    fn = _decode.paged_decode_attention if use_triton(q) else paged_decode_attention_ref
+    return fn(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32
+    scale: float,
+    max_query_len: int | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    fn = _prefill.paged_prefill_attention if use_triton(q) else paged_prefill_attention_ref
+    return fn(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [..., hidden]
+    return (_fused.rms_norm if use_triton(x) else rms_norm_ref)(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:  # normed, new_residual: [num_tokens, hidden]
+    return (_fused.fused_add_rms_norm if use_triton(x) else fused_add_rms_norm_ref)(x, residual, weight, eps)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
+    """In place; cos_sin_cache from fused_ref.rope_cos_sin_cache."""
+    (_fused.apply_rope if use_triton(q) else apply_rope_ref)(q, k, positions, cos_sin_cache)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * d] -> [num_tokens, d]
+    return (_fused.silu_and_mul if use_triton(x) else silu_and_mul_ref)(x)

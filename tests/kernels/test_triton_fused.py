@@ -1,0 +1,80 @@
+"""GPU: Triton RMSNorm (+ residual), RoPE and SiLU-and-mul against the torch references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.fused_ref import apply_rope_ref, fused_add_rms_norm_ref, rms_norm_ref, rope_cos_sin_cache, silu_and_mul_ref
+from tests.kernels.triton_device import DEVICE, DTYPES, TOL, requires_triton_device
+
+pytest.importorskip("triton")
+
+from kernels import fused  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, requires_triton_device]
+HIDDEN = [1000, 4096 + 8, 128]
+
+
+def randn(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("num_tokens", [1, 17, 333])
+def test_rms_norm(dtype: torch.dtype, hidden: int, num_tokens: int) -> None:
+    x, weight = randn(num_tokens, hidden, dtype=dtype), randn(hidden, dtype=dtype, seed=1)
+    out = fused.rms_norm(x, weight, 1e-6)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, rms_norm_ref(x, weight, 1e-6), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_per_head_on_strided_view(dtype: torch.dtype) -> None:
+    """Qwen3's q/k norm: [tokens, heads, head_dim] views out of the fused qkv output."""
+    qkv = randn(17, 9 * 128, dtype=dtype)
+    q = qkv[:, : 7 * 128].view(17, 7, 128)
+    weight = randn(128, dtype=dtype, seed=2)
+    out = fused.rms_norm(q, weight, 1e-6)
+    torch.testing.assert_close(out, rms_norm_ref(q, weight, 1e-6), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", HIDDEN)
+def test_fused_add_rms_norm(dtype: torch.dtype, hidden: int) -> None:
+    x, residual = randn(333, hidden, dtype=dtype), randn(333, hidden, dtype=dtype, seed=1)
+    weight = randn(hidden, dtype=dtype, seed=2)
+    normed, new_residual = fused.fused_add_rms_norm(x, residual, weight, 1e-5)
+    ref_normed, ref_residual = fused_add_rms_norm_ref(x, residual, weight, 1e-5)
+    torch.testing.assert_close(new_residual, ref_residual, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(normed, ref_normed, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(28, 4, 128), (7, 1, 64), (7, 7, 128)])
+def test_rope_in_place_on_qkv_views(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    num_tokens = 333
+    qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
+    q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    v_before = qkv[:, (num_heads + num_kv_heads) * head_dim :].clone()
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, head_dim, 2, device=DEVICE).float() / head_dim))
+    cache = rope_cos_sin_cache(inv_freq, 4096)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    q_ref, k_ref = q.clone(), k.clone()
+    apply_rope_ref(q_ref, k_ref, positions, cache)
+    fused.apply_rope(q, k, positions, cache)
+    torch.testing.assert_close(q, q_ref, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(k, k_ref, atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.equal(qkv[:, (num_heads + num_kv_heads) * head_dim :], v_before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [1000, 4096 + 8, 14336])
+@pytest.mark.parametrize("num_tokens", [1, 17, 333])
+def test_silu_and_mul(dtype: torch.dtype, d: int, num_tokens: int) -> None:
+    x = randn(num_tokens, 2 * d, dtype=dtype)
+    out = fused.silu_and_mul(x)
+    assert out.shape == (num_tokens, d) and out.dtype == dtype
+    torch.testing.assert_close(out, silu_and_mul_ref(x), atol=TOL[dtype], rtol=TOL[dtype])
