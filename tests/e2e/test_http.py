@@ -119,9 +119,9 @@ def test_sixteen_concurrent_requests_match_transformers(server, model_name, hf):
     model, tok = hf
 
     async def all_at_once():
-        aclient = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
-        calls = [aclient.completions.create(model=model_name, prompt=p, **GREEDY) for p in PROMPTS]
-        return await asyncio.gather(*calls)
+        async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as aclient:
+            calls = [aclient.completions.create(model=model_name, prompt=p, **GREEDY) for p in PROMPTS]
+            return await asyncio.gather(*calls)
 
     responses = asyncio.run(all_at_once())
     results = {str(i): r.choices[0].model_extra["token_ids"] for i, r in enumerate(responses)}

@@ -98,8 +98,8 @@ def test_mixed_batch_matches_peft_with_two_slots(server, client, hf, demo_model_
     assert len(jobs) >= 24
 
     async def all_at_once():
-        aclient = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
-        return await asyncio.gather(*[aclient.completions.create(model=m, prompt=p, **GREEDY) for m, p in jobs])
+        async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as aclient:
+            return await asyncio.gather(*[aclient.completions.create(model=m, prompt=p, **GREEDY) for m, p in jobs])
 
     responses = asyncio.run(all_at_once())
     results = {f"{m}|{p}": r.choices[0].model_extra["token_ids"] for (m, p), r in zip(jobs, responses)}
