@@ -136,6 +136,7 @@ class BlockManager:
         self.paths[req.req_id] = list(match.nodes)
         req.block_ids = list(match.block_ids)
         req.num_computed_tokens = match.num_cached_tokens
+        req.num_shared_blocks = len(match.nodes)
 
     # ------------------------------------------------------------------ growth
 

@@ -26,6 +26,7 @@ import xxhash
 
 _encoder = msgspec.msgpack.Encoder()
 _SEED_TAG = "ledgerserve-prefix"
+_MIN_LRU_ENTRIES = 16
 
 
 def namespace_seed(namespace: int) -> int:
@@ -193,8 +194,20 @@ class RadixCache:
             self._push_if_leaf(node.parent)
 
     def _push_if_leaf(self, node: Node) -> None:
-        if not node.children:
-            heapq.heappush(self._lru, (node.last_used_step, node.block_id))
+        if node.children:
+            return
+        heapq.heappush(self._lru, (node.last_used_step, node.block_id))
+        if len(self._lru) > 4 * max(len(self.nodes), _MIN_LRU_ENTRIES):
+            self._rebuild_lru()
+
+    def _rebuild_lru(self) -> None:
+        """Drop stale entries (each unlock pushes one), keeping the heap O(cached blocks)."""
+        self._lru = [
+            (node.last_used_step, node.block_id)
+            for node in (self.nodes[b] for b in sorted(self.nodes))
+            if not node.children and node.ref_count == 0
+        ]
+        heapq.heapify(self._lru)
 
     # ------------------------------------------------------------------ encoding
 

@@ -140,7 +140,6 @@ class Scheduler:
         admission sets num_cached_tokens (a resumed request recomputes, not re-prompts)."""
         self.waiting.remove(req)
         self.block_manager.admit(req, match, step)
-        req.num_shared_blocks = len(match.nodes)
         if req.num_preemptions == 0:
             req.num_cached_tokens = match.num_cached_tokens
 

@@ -129,6 +129,18 @@ def test_locked_blocks_are_never_evicted():
     assert (counts.num_free, counts.num_cached, counts.num_locked, counts.num_private) == (0, 2, 2, 2)
 
 
+def test_lru_heap_stays_bounded_under_repeated_hits():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a = _req("a", [1, 2, 3])
+    _compute(bm, a, 1)
+    bm.release(0, "a", a.block_ids, step=1)
+    for step in range(2, 500):  # each hit locks and unlocks block 0: one heap entry per unlock
+        hit = _req(f"h{step}", [1, 2, 3])
+        bm.admit(hit, bm.match_prefix(0, hit.token_ids), step)
+        bm.release(0, hit.req_id, hit.block_ids, step)
+    assert len(bm.cache._lru) <= 4 * 16 and bm.cache.evict_lru() == 0
+
+
 def test_preemption_only_when_neither_free_nor_evictable_blocks():
     d = Driver(num_kv_blocks=6, block_size=4, max_num_batched_tokens=64)
     _run_one(d, "old", list(range(500, 509)))  # leaves 2 cached unlocked blocks
