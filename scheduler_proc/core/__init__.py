@@ -1,15 +1,17 @@
 """Sans-IO deterministic scheduler core (DESIGN.md §3, §4)."""
 
 from scheduler_proc.core.adapters import AdapterManager, AdapterVersion
-from scheduler_proc.core.block_manager import BlockAccountingError, BlockManager, BlockPool, PrefixMatch
+from scheduler_proc.core.block_manager import BlockAccounting, BlockAccountingError, BlockManager, BlockPool, PrefixMatch
 from scheduler_proc.core.config import CoreConfig
 from scheduler_proc.core.core import Core
+from scheduler_proc.core.radix import RadixCache, block_hash, chain_hashes, namespace_seed
 from scheduler_proc.core.request import IllegalTransition, Request, RequestStatus, transition
 from scheduler_proc.core.slots import IllegalSlotTransition, Slot, SlotAction, SlotState, SlotTable, transition_slot
 
 __all__ = [
     "AdapterManager",
     "AdapterVersion",
+    "BlockAccounting",
     "BlockAccountingError",
     "BlockManager",
     "BlockPool",
@@ -18,12 +20,16 @@ __all__ = [
     "IllegalSlotTransition",
     "IllegalTransition",
     "PrefixMatch",
+    "RadixCache",
     "Request",
     "RequestStatus",
     "Slot",
     "SlotAction",
     "SlotState",
     "SlotTable",
+    "block_hash",
+    "chain_hashes",
+    "namespace_seed",
     "transition",
     "transition_slot",
 ]

@@ -11,9 +11,9 @@ from typing import Any
 
 from shared import events as ev
 
-from scheduler_proc.core import digest
+from scheduler_proc.core import digest, prefix
 from scheduler_proc.core.adapters import AdapterManager
-from scheduler_proc.core.block_manager import BlockManager
+from scheduler_proc.core.block_manager import BlockAccounting, BlockManager
 from scheduler_proc.core.config import CoreConfig
 from scheduler_proc.core.finish import admission_error, check_stop
 from scheduler_proc.core.plan import InFlightStep, build_plan
@@ -47,6 +47,17 @@ class Core:
     @property
     def num_free_blocks(self) -> int:
         return self.scheduler.block_manager.num_free_blocks if self.scheduler.is_ready else 0
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.scheduler.block_manager.num_cached_blocks if self.scheduler.is_ready else 0
+
+    def namespace_block_counts(self) -> list[tuple[int, int]]:
+        """(namespace, cached blocks) for every namespace holding any, by namespace."""
+        return self.scheduler.block_manager.namespace_block_counts() if self.scheduler.is_ready else []
+
+    def block_accounting(self) -> BlockAccounting:
+        return self.scheduler.block_manager.block_accounting()
 
     @property
     def num_deferred_evictions(self) -> int:
@@ -157,6 +168,7 @@ class Core:
                 decisions += self._fail_request(req, failed[item.req_id])
                 continue
             req.num_computed_tokens += item.num_tokens
+            decisions += prefix.cache_computed(self.scheduler.block_manager, req, self.step)
             if not item.samples:
                 continue  # a prefill chunk that does not reach the end of the prompt
             token = sampled.get(item.req_id)
@@ -188,10 +200,10 @@ class Core:
         return self._fail(f"worker rank {event.rank} failed: {event.message}")
 
     def _on_adapter_load_requested(self, event: ev.AdapterLoadRequested) -> Decisions:
-        return self.adapters.load(event)
+        return self._evict_unregistered(self.adapters.load(event))
 
     def _on_adapter_unload_requested(self, event: ev.AdapterUnloadRequested) -> Decisions:
-        return self.adapters.unload(event)
+        return self._evict_unregistered(self.adapters.unload(event))
 
     def _on_adapter_load_completed(self, event: ev.AdapterLoadCompleted) -> Decisions:
         return []  # logged only: a step's plan already waits on the worker side
@@ -206,7 +218,14 @@ class Core:
         for req in sorted(self._live_requests(), key=lambda r: r.arrival_order):
             if req.version_id == event.version_id:
                 decisions += self._fail_request(req, message)
-        return decisions + self.adapters.fail(event.version_id)
+        return decisions + self._evict_unregistered(self.adapters.fail(event.version_id))
+
+    def _evict_unregistered(self, decisions: Decisions) -> Decisions:
+        """An unregistered adapter version's namespace leaves the prefix cache."""
+        if not self.scheduler.is_ready:
+            return decisions
+        evicted = prefix.evict_namespaces(self.scheduler.block_manager, prefix.unregistered_versions(decisions))
+        return prefix.before_reply(decisions, evicted)
 
     # ------------------------------------------------------------------ request endings
 
@@ -250,7 +269,7 @@ class Core:
     def _retire(self, req: Request, status: RequestStatus) -> Decisions:
         """Take a request out for good; returns the adapter decisions its end triggers."""
         released = self.adapters.release(req)
-        self.scheduler.remove(req)
+        self.scheduler.remove(req, self.step)
         transition(req, status)
         del self.requests[req.req_id]
         if req.on_worker:

@@ -16,7 +16,10 @@ _encoder = msgspec.msgpack.Encoder()
 
 def request_rows(requests: list[Request]) -> list[list[Any]]:
     return [
-        [req.req_id, req.status.value, req.num_prompt_tokens, req.num_output_tokens, req.num_computed_tokens, list(req.block_ids), req.version_id, req.lora_slot]
+        [
+            req.req_id, req.status.value, req.num_prompt_tokens, req.num_output_tokens, req.num_computed_tokens,
+            list(req.block_ids), req.version_id, req.lora_slot, req.num_cached_tokens, req.num_shared_blocks,
+        ]
         for req in sorted(requests, key=lambda r: (r.arrival_order, r.req_id))
     ]
 
@@ -29,6 +32,7 @@ def state_digest(step: int, scheduler: Scheduler, requests: list[Request], adapt
         request_rows(requests),
         list(scheduler.block_manager.pool.free_block_ids) if scheduler.is_ready else [],
         adapters.rows(),
+        scheduler.block_manager.cache.rows() if scheduler.is_ready else [],
     ]
     return xxhash.xxh64_intdigest(_encoder.encode(rows))
 
@@ -52,6 +56,7 @@ def snapshot(step: int, in_flight_step: int | None, scheduler: Scheduler, reques
                 "num_prompt_tokens": req.num_prompt_tokens,
                 "num_output_tokens": req.num_output_tokens,
                 "num_computed_tokens": req.num_computed_tokens,
+                "num_cached_tokens": req.num_cached_tokens,
                 "num_preemptions": req.num_preemptions,
                 "block_ids": list(req.block_ids),
             }
@@ -59,4 +64,16 @@ def snapshot(step: int, in_flight_step: int | None, scheduler: Scheduler, reques
         ],
         "free_block_ids": list(scheduler.block_manager.pool.free_block_ids) if ready else [],
         "adapters": adapters.snapshot(),
+        "prefix_cache": prefix_snapshot(scheduler) if ready else None,
+    }
+
+
+def prefix_snapshot(scheduler: Scheduler) -> dict[str, Any]:
+    manager = scheduler.block_manager
+    accounting = manager.block_accounting()
+    return {
+        "num_cached_blocks": accounting.num_cached,
+        "num_locked_blocks": accounting.num_locked,
+        "namespaces": [{"namespace": ns, "num_blocks": n} for ns, n in manager.namespace_block_counts()],
+        "evicted_namespaces": sorted(manager.cache.evicted_namespaces),
     }

@@ -85,7 +85,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.block_ids: list[int] = []
         self.num_computed_tokens = 0
-        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        self.num_shared_blocks = 0  # leading blocks of block_ids that sit in the prefix cache
         self.on_worker = False
         self.num_tokens_on_worker = 0
         self.num_blocks_on_worker = 0

@@ -16,7 +16,7 @@ import bisect
 from collections import deque
 from dataclasses import dataclass
 
-from scheduler_proc.core.block_manager import BlockManager
+from scheduler_proc.core.block_manager import BlockManager, PrefixMatch
 from scheduler_proc.core.config import CoreConfig
 from scheduler_proc.core.request import Request, RequestStatus, transition
 
@@ -52,14 +52,16 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
-    def remove(self, req: Request) -> None:
-        """Take a request out of its queue and free its blocks (finish, abort, reject)."""
+    def remove(self, req: Request, step: int) -> None:
+        """Take a request out of its queue and free its blocks (finish, abort, reject);
+        `step` is the logical step its cached blocks were last used (LRU)."""
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status == RequestStatus.WAITING:
             self.waiting.remove(req)
         if req.block_ids:
-            self.block_manager.release(req.namespace, req.req_id, req.block_ids)
+            self.block_manager.release(req.namespace, req.req_id, req.block_ids, step)
+            req.num_shared_blocks = 0
 
     def schedule(self, step: int) -> tuple[list[ScheduledReq], list[Request]]:
         """Running requests first (a decode token or their next prefill chunk), then
@@ -75,7 +77,7 @@ class Scheduler:
             if num_tokens <= 0:
                 i += 1
                 continue
-            if not self._make_room(req, num_tokens, preempted):
+            if not self._make_room(req, num_tokens, preempted, step):
                 break  # req preempted itself: it was the newest running request
             self.block_manager.grow(req.namespace, req.req_id, req.block_ids, req.num_computed_tokens + num_tokens)
             scheduled.append(ScheduledReq(req, num_tokens))
@@ -85,23 +87,24 @@ class Scheduler:
             self._admit_waiting(budget, scheduled, step)
         return scheduled, preempted
 
-    def _make_room(self, req: Request, num_tokens: int, preempted: list[Request]) -> bool:
-        """Preempt the newest running requests until `req` can grow; False if that was req."""
+    def _make_room(self, req: Request, num_tokens: int, preempted: list[Request], step: int) -> bool:
+        """Preempt the newest running requests until `req` can grow (free blocks, then
+        evictable cached ones, are used first); False if req preempted itself."""
         num_needed = req.num_computed_tokens + num_tokens
         while not self.block_manager.can_grow(req.block_ids, num_needed):
             victim = self.running[-1]
-            self._preempt(victim)
+            self._preempt(victim, step)
             preempted.append(victim)
             if victim is req:
                 return False
         return True
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, step: int) -> None:
         self.running.remove(req)
-        self.block_manager.release(req.namespace, req.req_id, req.block_ids)
+        self.block_manager.release(req.namespace, req.req_id, req.block_ids, step)
         transition(req, RequestStatus.PREEMPTED)
         req.num_computed_tokens = 0
-        req.num_cached_tokens = 0
+        req.num_shared_blocks = 0
         req.on_worker = False
         req.num_preemptions += 1
         transition(req, RequestStatus.WAITING)
@@ -116,12 +119,11 @@ class Scheduler:
             if req.version_id and (is_barred or not self._fits_cap(req.version_id, version_ids)):
                 is_barred = is_barred or step - req.arrival_step >= self.config.lora_aging_steps
                 continue
-            if not req.block_ids:
-                self._match_prefix(req)
-            num_tokens = min(req.num_uncomputed_tokens, budget)
-            if not self.block_manager.can_grow(req.block_ids, req.num_computed_tokens + num_tokens):
+            match = self.block_manager.match_prefix(req.namespace, req.token_ids)
+            num_tokens = min(req.num_tokens - match.num_cached_tokens, budget)
+            if not self.block_manager.can_admit(match, match.num_cached_tokens + num_tokens):
                 break  # FCFS: nothing overtakes a request short of blocks
-            self.waiting.remove(req)
+            self._admit(req, match, step)
             self.block_manager.grow(req.namespace, req.req_id, req.block_ids, req.num_computed_tokens + num_tokens)
             transition(req, RequestStatus.RUNNING)
             bisect.insort(self.running, req, key=_arrival_order)
@@ -133,11 +135,13 @@ class Scheduler:
     def _fits_cap(self, version_id: int, version_ids: list[int]) -> bool:
         return version_id in version_ids or len(version_ids) < self.config.max_loras
 
-    def _match_prefix(self, req: Request) -> None:
-        match = self.block_manager.match_prefix(req.namespace, req.token_ids)
-        req.block_ids = list(match.block_ids)
-        req.num_computed_tokens = match.num_cached_tokens
-        req.num_cached_tokens = match.num_cached_tokens
+    def _admit(self, req: Request, match: PrefixMatch, step: int) -> None:
+        """Take `req` off the waiting queue holding its cached prefix; only the first
+        admission sets num_cached_tokens (a resumed request recomputes, not re-prompts)."""
+        self.waiting.remove(req)
+        self.block_manager.admit(req, match, step)
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = match.num_cached_tokens
 
 
 def _arrival_order(req: Request) -> int:

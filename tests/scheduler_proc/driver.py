@@ -12,6 +12,11 @@ tokens reach the end of their known tokens. It also keeps the adapter slot table
 AdapterSlotAssigned / AdapterEvicted) and checks that every request's `lora_slot` holds
 that request's version, and that no slot is loaded or evicted while a running request
 uses it.
+
+Prefix cache: the fake worker records, for every block it writes, the namespace and the
+whole token prefix whose KV the block ends (`kv`). A plan's already-computed blocks
+must hold exactly that request's own prefix in its own namespace, so stale KV (an
+evicted or reloaded version) or foreign KV (another namespace) fails the check.
 """
 
 from __future__ import annotations
@@ -69,7 +74,9 @@ class FakeWorker:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.num_tokens: dict[str, int] = {}
+        self.token_ids: dict[str, list[int]] = {}
         self.block_ids: dict[str, list[int]] = {}
+        self.kv: dict[int, tuple[int, tuple[int, ...]]] = {}  # block -> (namespace, prefix it ends)
         self.slots = FakeSlots()
         self.req_versions: dict[str, int] = {}  # what the client asked for, resolved at arrival
 
@@ -77,21 +84,49 @@ class FakeWorker:
         """Apply a plan; returns the ids of requests that sample this step, in plan order."""
         for req_id in plan.finished_req_ids + plan.preempted_req_ids:
             self.num_tokens.pop(req_id, None)
+            self.token_ids.pop(req_id, None)
             self.block_ids.pop(req_id, None)
         samplers = []
         for new in plan.new_reqs:
             if new.req_id in self.num_tokens:
                 raise AssertionError(f"NewReq for {new.req_id!r}, which the worker already holds")
             self.num_tokens[new.req_id] = len(new.token_ids)
+            self.token_ids[new.req_id] = list(new.token_ids)
             self.block_ids[new.req_id] = list(new.block_ids)
+            self.check_cached_kv(new.req_id, new.num_computed_tokens)
             samplers += self._check(new.req_id, new.num_computed_tokens, new.num_scheduled_tokens)
         for cached in plan.cached_reqs:
             if cached.req_id not in self.num_tokens:
                 raise AssertionError(f"CachedReq for {cached.req_id!r}, which the worker does not hold")
             self.num_tokens[cached.req_id] += len(cached.new_token_ids)
+            self.token_ids[cached.req_id] += cached.new_token_ids
             self.block_ids[cached.req_id] += cached.new_block_ids
+            self.check_cached_kv(cached.req_id, cached.num_computed_tokens)
             samplers += self._check(cached.req_id, cached.num_computed_tokens, cached.num_scheduled_tokens)
+        for req in list(plan.new_reqs) + list(plan.cached_reqs):
+            self._write_kv(req.req_id, req.num_computed_tokens, req.num_scheduled_tokens)
         return samplers
+
+    def namespace(self, req_id: str) -> int:
+        return self.req_versions.get(req_id, 0)
+
+    def check_cached_kv(self, req_id: str, num_computed: int) -> None:
+        """Every block before `num_computed` holds this request's own prefix, written
+        under its own namespace (full blocks; a partial one ends where computing stopped)."""
+        tokens = self.token_ids[req_id]
+        for k, block_id in enumerate(self.block_ids[req_id][: -(-num_computed // self.block_size)]):
+            end = min((k + 1) * self.block_size, num_computed)
+            want = (self.namespace(req_id), tuple(tokens[:end]))
+            got = self.kv.get(block_id, (-1, ()))
+            if got[0] != want[0] or len(got[1]) < end or got[1][:end] != want[1]:
+                raise AssertionError(f"{req_id!r}: block {block_id} holds KV of {got}, expected {want}")
+
+    def _write_kv(self, req_id: str, num_computed: int, num_scheduled: int) -> None:
+        tokens = self.token_ids[req_id]
+        end = num_computed + num_scheduled
+        for k in range(num_computed // self.block_size, -(-end // self.block_size)):
+            block_end = min((k + 1) * self.block_size, end)
+            self.kv[self.block_ids[req_id][k]] = (self.namespace(req_id), tuple(tokens[:block_end]))
 
     def _check(self, req_id: str, num_computed: int, num_scheduled: int) -> list[str]:
         end = num_computed + num_scheduled
@@ -248,6 +283,14 @@ class Driver:
         self.worker.slots.apply(decision)
 
     # ---------------------------------------------------------------- queries
+
+    def check_idle(self) -> None:
+        """Nothing live: every block is free or cached, and no cached block is locked."""
+        counts = self.core.block_accounting()
+        if self.core.has_unfinished() or counts.num_locked or counts.num_private:
+            raise AssertionError(f"not idle: {counts}")
+        if counts.num_free + counts.num_cached != counts.num_total:
+            raise AssertionError(f"blocks leaked: {counts}")
 
     def of_type(self, kind: type) -> list[Any]:
         return [d for d in self.decisions if isinstance(d, kind)]

@@ -31,7 +31,7 @@ def _driver(num_kv_blocks=8, max_num_seqs=4, max_num_batched_tokens=16, max_lora
 
 def _check_idle_end(d: Driver, max_loras: int) -> None:
     core = d.core
-    assert not core.has_unfinished() and core.num_free_blocks == core.num_total_blocks
+    assert not core.has_unfinished() and core.num_free_blocks + core.num_cached_blocks == core.num_total_blocks
     assert core.num_pinned_slots == 0 and core.num_deferred_evictions == 0
     assert not d.of_type(ev.EngineFailed)
     assert all(len(d.plan_versions(plan)) <= max_loras for plan in d.plans)

@@ -133,8 +133,9 @@ def test_unload_while_running_defers_until_finish():
     d.arrive("a1", 4, lora="a", max_tokens=4)
     d.complete()
     reply = d.unload("a")
-    assert _types(d.decisions[-3:]) == ["AdapterUnloaded", "AdapterEvictionDeferred", "AdapterOpReplied"]
-    assert d.decisions[-2] == ev.AdapterEvictionDeferred(1, 0, 1) and reply.code == 200
+    assert _types(d.decisions[-4:]) == ["AdapterUnloaded", "AdapterEvictionDeferred", "NamespaceEvicted", "AdapterOpReplied"]
+    assert d.decisions[-3] == ev.AdapterEvictionDeferred(1, 0, 1) and reply.code == 200
+    assert d.decisions[-2] == ev.NamespaceEvicted(1, 0, 1)  # a1's first block is locked
     assert d.core.num_deferred_evictions == 1 and d.of_type(ev.AdapterEvicted) == []
     assert d.arrive("a2", 3, lora="a")[0].code == 404
     d.run()
@@ -159,7 +160,7 @@ def test_unload_of_an_idle_or_waiting_adapter():
     d.load("a")
     _use(d, "a1", "a")
     d.unload("a")  # idle: evicted at once, its CPU copy too
-    assert _types(d.decisions[-4:]) == ["AdapterUnloaded", "AdapterEvicted", "AdapterCpuEvicted", "AdapterOpReplied"]
+    assert _types(d.decisions[-5:]) == ["AdapterUnloaded", "AdapterEvicted", "AdapterCpuEvicted", "NamespaceEvicted", "AdapterOpReplied"]
     d = lora_driver(ready=False)
     d.load("b")
     d.arrive("b1", 3, lora="b", max_tokens=2)

@@ -34,7 +34,7 @@ def test_chunked_prefill_under_token_budget():
     d = Driver(max_num_batched_tokens=10)
     d.arrive("a", 25, max_tokens=2)
     assert d.scheduled_tokens(d.in_flight) == {"a": 10}
-    d.arrive("b", 7, max_tokens=2)
+    d.arrive("b", list(range(300, 307)), max_tokens=2)  # no prefix shared with a
     d.complete()  # no sample: prefill chunk does not reach the end
     assert d.outputs == {}
     assert d.scheduled_tokens(d.in_flight) == {"a": 10}

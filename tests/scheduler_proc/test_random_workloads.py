@@ -28,8 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_integrity_after_random_workloads(seed, num_kv_blocks, max_num_seqs, max_num_batched_tokens):
     d = Driver(num_kv_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=4, max_model_len=32)
     run_workload(d, seed)  # the driver checks integrity after every event
-    assert not d.core.has_unfinished()
-    assert d.core.num_free_blocks == d.core.num_total_blocks
+    d.check_idle()
     assert not d.of_type(ev.EngineFailed)
     finished = {x.req_id for x in d.of_type(ev.RequestFinished)} | {x.req_id for x in d.of_type(ev.RequestRejected)}
     assert finished == {x.req_id for x in d.inputs if isinstance(x, ev.RequestArrived)}

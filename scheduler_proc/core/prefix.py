@@ -1,0 +1,46 @@
+"""The core's prefix-cache decisions: PrefixCached when a request's computed blocks
+enter its namespace's tree, NamespaceEvicted when an adapter version is unregistered."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shared import events as ev
+
+from scheduler_proc.core.block_manager import BlockManager
+from scheduler_proc.core.request import Request
+
+
+def cache_computed(block_manager: BlockManager, req: Request, step: int) -> list[Any]:
+    block_ids, block_hashes = block_manager.cache_computed(req, step)
+    if not block_ids:
+        return []
+    return [ev.PrefixCached(req.req_id, req.namespace, block_ids, block_hashes)]
+
+
+def unregistered_versions(decisions: list[Any]) -> list[int]:
+    """Adapter versions these adapter decisions unregister: an unload (or failed load),
+    or a load_inplace superseding the previous version under the name."""
+    out: list[int] = []
+    for decision in decisions:
+        if isinstance(decision, ev.AdapterUnloaded):
+            out.append(decision.version_id)
+        elif isinstance(decision, ev.AdapterRegistered) and decision.replaced_version_id:
+            out.append(decision.replaced_version_id)
+    return out
+
+
+def evict_namespaces(block_manager: BlockManager, version_ids: list[int]) -> list[Any]:
+    decisions: list[Any] = []
+    for version_id in version_ids:
+        num_blocks, num_locked = block_manager.evict_namespace(version_id)
+        decisions.append(ev.NamespaceEvicted(version_id, num_blocks, num_locked))
+    return decisions
+
+
+def before_reply(decisions: list[Any], inserted: list[Any]) -> list[Any]:
+    """`inserted` placed just before the op's AdapterOpReplied (or at the end)."""
+    for i, decision in enumerate(decisions):
+        if isinstance(decision, ev.AdapterOpReplied):
+            return decisions[:i] + inserted + decisions[i:]
+    return decisions + inserted
