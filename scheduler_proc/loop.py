@@ -120,7 +120,8 @@ class SchedulerShell:
         sched = self.core.scheduler
         stats = events.EngineStats(self.core.step, len(sched.running), len(sched.waiting),
                                    self.core.num_free_blocks, self.core.num_total_blocks,
-                                   self.core.num_pinned_slots, self.core.num_deferred_evictions)
+                                   self.core.num_pinned_slots, self.core.num_deferred_evictions,
+                                   self.core.num_cached_blocks)
         if stats != self.last_stats:
             self.to_tokenizer.send(codec.encode(stats))
             self.last_stats = stats

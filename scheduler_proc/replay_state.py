@@ -42,13 +42,6 @@ def render(state: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _first(snapshot: dict[str, Any], *keys: str) -> Any:
-    for key in keys:
-        if key in snapshot and snapshot[key] is not None:
-            return snapshot[key]
-    return None
-
-
 def _queues(snapshot: dict[str, Any]) -> dict[str, Any]:
     return {key: snapshot.get(key) for key in _QUEUE_KEYS}
 
@@ -58,36 +51,21 @@ def _requests(snapshot: dict[str, Any]) -> list[Any]:
 
 
 def _slots(snapshot: dict[str, Any]) -> list[Any]:
-    """Adapter GPU slots, each with its version and pins, as the core reports them."""
-    slots = _first(snapshot, "adapter_slots", "slots", "lora_slots")
-    if isinstance(slots, dict):
-        return [{"slot": key, **value} if isinstance(value, dict) else {"slot": key, "value": value} for key, value in slots.items()]
-    return list(slots or [])
+    """Adapter GPU slots, each with its version, state and pins."""
+    return list(snapshot["adapters"]["slots"])
 
 
-def _namespaces(snapshot: dict[str, Any]) -> dict[str, int]:
-    """Prefix-cache namespaces as block counts."""
-    found = _first(snapshot, "namespaces", "prefix_namespaces", "radix_namespaces")
-    if isinstance(found, dict):
-        return {str(name): _block_count(value) for name, value in found.items()}
-    rows = found or []
-    return {str(row.get("namespace", row.get("name", i))): _block_count(row) for i, row in enumerate(rows) if isinstance(row, dict)}
-
-
-def _block_count(value: Any) -> int:
-    if isinstance(value, int):
-        return value
-    if isinstance(value, (list, tuple)):
-        return len(value)
-    if isinstance(value, dict):
-        for key in ("num_blocks", "blocks", "block_ids"):
-            if key in value:
-                return _block_count(value[key])
-    return 0
+def _namespaces(snapshot: dict[str, Any]) -> dict[str, Any]:
+    """Prefix-cache namespaces (0 = base, else the adapter version id) as block counts."""
+    cache = snapshot["prefix_cache"]
+    counts = {str(row["namespace"]): row["num_blocks"] for row in cache["namespaces"]}
+    return {**counts, "cached": cache["num_cached_blocks"], "locked": cache["num_locked_blocks"]}
 
 
 def _adapters(snapshot: dict[str, Any]) -> list[Any]:
-    found = _first(snapshot, "adapters", "adapter_registry", "registry")
-    if isinstance(found, dict):
-        return [{"name": name, **value} if isinstance(value, dict) else {"name": name, "value": value} for name, value in found.items()]
-    return list(found or [])
+    """The registry (name -> current version) and every version the core still tracks."""
+    adapters = snapshot["adapters"]
+    current = adapters["registry"]
+    return [{**version, "current": current.get(version["name"]) == version["version_id"]}
+            for version in adapters["versions"]] + [{"deferred_evictions": adapters["deferred_evictions"],
+                                                     "cpu_tier": adapters["cpu_tier"]}]

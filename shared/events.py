@@ -116,6 +116,7 @@ class EngineStats(Event):
     num_total_blocks: int
     num_pinned_slots: int = 0
     num_deferred_evictions: int = 0
+    num_cached_blocks: int = 0  # in the prefix cache, reclaimable when unlocked
 
 
 class EngineFailed(Event):

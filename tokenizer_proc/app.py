@@ -53,6 +53,7 @@ def build_app(
     template = chat_template if chat_template is not None else ChatTemplate.from_model_dir(config.model_dir)
     registry = adapters.AdapterRegistry()
     served = Served(engine, tokenizer, config, template, len(tokenizer), int(time.time()), Metrics(), registry)
+    engine.finished_listeners.append(served.metrics.on_finished)
     engine.on_adapters = registry.refresh
     base = adapters.load_base_shapes(config.model_dir) if config.enable_lora else None
     startup = validate_startup_adapters(config, base)

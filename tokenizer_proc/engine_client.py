@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Callable
 
 import msgspec
 import zmq
@@ -71,6 +71,7 @@ class EngineClientBase(abc.ABC):
         self.is_healthy = True  # False once the engine has failed
         self.is_ready = False  # True once every worker rank is up (EngineReady)
         self.stats: EngineStats | None = None  # the scheduler's latest gauges
+        self.finished_listeners: list[Callable[[RequestArrived, TokensEmitted], None]] = []
         self.failure_message: str | None = None
         self.num_bad_frames = 0
         self._ops: dict[str, asyncio.Future[AdapterOpReplied]] = {}
@@ -110,6 +111,7 @@ class EngineClientBase(abc.ABC):
                     raise item
                 if item.finish_reason is not None:
                     self._queues.pop(arrived.req_id, None)
+                    self._notify_finished(arrived, item)
                 yield item
                 if item.finish_reason is not None:
                     return
@@ -130,6 +132,10 @@ class EngineClientBase(abc.ABC):
             return await future
         finally:
             self._ops.pop(op.op_id, None)
+
+    def _notify_finished(self, arrived: RequestArrived, last: TokensEmitted) -> None:
+        for listener in self.finished_listeners:
+            listener(arrived, last)
 
     async def abort(self, req_id: str, reason: str = "abort") -> None:
         """Tell the engine to stop `req_id`; its stream gets nothing more."""

@@ -3,7 +3,9 @@ EngineStats, plus this process's own counters."""
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+
+from shared.events import RequestArrived, TokensEmitted
 
 __all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
 
@@ -15,6 +17,7 @@ class Metrics:
         self.running = gauge("ledgerserve_num_requests_running", "requests the scheduler is running")
         self.waiting = gauge("ledgerserve_num_requests_waiting", "requests waiting in the scheduler")
         self.blocks_free = gauge("ledgerserve_kv_blocks_free", "free KV blocks")
+        self.blocks_cached = gauge("ledgerserve_kv_blocks_cached", "KV blocks held by the prefix cache")
         self.blocks_total = gauge("ledgerserve_kv_blocks_total", "KV blocks in the pool")
         self.pinned_slots = gauge("ledgerserve_lora_pinned_slots", "adapter slots pinned by running requests")
         self.deferred = gauge("ledgerserve_lora_deferred_evictions", "adapter evictions waiting for requests to end")
@@ -22,6 +25,15 @@ class Metrics:
         self.in_flight = gauge("ledgerserve_http_requests_in_flight", "requests this HTTP process is serving")
         self.bad_frames = gauge("ledgerserve_ipc_frames_dropped", "undecodable IPC frames dropped")
         self.healthy = gauge("ledgerserve_engine_healthy", "1 when the engine is up and ready")
+        counter = lambda name, doc: Counter(name, doc, ["namespace"], registry=self.registry)  # noqa: E731
+        self.prompt_tokens = counter("ledgerserve_prompt_tokens", "prompt tokens of finished requests")
+        self.prefix_hit_tokens = counter("ledgerserve_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache")
+
+    def on_finished(self, arrived: RequestArrived, last: TokensEmitted) -> None:
+        """Count a finished request under its namespace: `base`, or the adapter's name."""
+        namespace = arrived.lora_name or "base"
+        self.prompt_tokens.labels(namespace).inc(len(arrived.prompt_token_ids))
+        self.prefix_hit_tokens.labels(namespace).inc(last.num_cached_tokens)
 
     def render(self, engine) -> bytes:
         stats = engine.stats
@@ -30,6 +42,7 @@ class Metrics:
             self.waiting.set(stats.num_waiting)
             self.blocks_free.set(stats.num_free_blocks)
             self.blocks_total.set(stats.num_total_blocks)
+            self.blocks_cached.set(stats.num_cached_blocks)
             self.step.set(stats.step)
             self.pinned_slots.set(stats.num_pinned_slots)
             self.deferred.set(stats.num_deferred_evictions)

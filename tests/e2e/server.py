@@ -89,12 +89,13 @@ class Server:
         return values
 
     def wait_idle(self, timeout_s: float = 20.0) -> dict[str, float]:
-        """Until no request runs or waits and every KV block is free again."""
+        """Until no request runs or waits and every KV block is free or in the prefix cache."""
         deadline = time.monotonic() + timeout_s
         while True:
             m = self.metrics()
             idle = m.get("ledgerserve_num_requests_running") == 0 and m.get("ledgerserve_num_requests_waiting") == 0
-            if idle and m.get("ledgerserve_kv_blocks_free") == m.get("ledgerserve_kv_blocks_total"):
+            reclaimable = m.get("ledgerserve_kv_blocks_free", 0) + m.get("ledgerserve_kv_blocks_cached", 0)
+            if idle and reclaimable == m.get("ledgerserve_kv_blocks_total"):
                 return m
             if time.monotonic() > deadline:
                 raise TimeoutError(f"engine not idle: {m}")
