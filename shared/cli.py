@@ -26,6 +26,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add("--event-log-dir", default=None, help="default: ~/.cache/ledgerserve/events")
     add("--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
     add("--tensor-parallel-size", type=int, default=1)
+    add("--api-key", default=None, help="require this Bearer key on every /v1 route (or set LEDGERSERVE_API_KEY)")
+    add("--max-request-bytes", type=int, default=8 * 1024 * 1024, help="largest HTTP request body")
+    add("--max-n", type=int, default=16, help="most choices (n) per request")
+    add("--max-waiting-requests", type=int, default=1024, help="queue bound; past it, 503 with Retry-After")
     add("--event-log-fsync", choices=["never", "step", "always"], default="step",
         help="step: at most one fsync per step, after its records")
     add("--event-log-max-bytes", type=int, default=256 * 1024 * 1024, help="rotate log segments past this size")

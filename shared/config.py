@@ -39,6 +39,10 @@ class EngineConfig:
     max_cpu_loras: int = 32  # adapter versions kept in (pinned) CPU memory
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) loaded at start-up, trusted
     lora_allowed_dirs: tuple[str, ...] = ()  # roots for adapters loaded at run time
+    max_request_bytes: int = 8 * 1024 * 1024  # larger HTTP bodies get 413
+    max_n: int = 16  # most choices per request
+    max_waiting_requests: int = 1024  # past it, new requests get 503 with Retry-After
+    api_key_required: bool = False  # the key itself travels in LEDGERSERVE_API_KEY, never in config or logs
     event_log_fsync: str = "step"  # never | step | always
     event_log_max_bytes: int = 256 * 1024 * 1024  # rotate segments past this size
 
@@ -71,6 +75,9 @@ def _validate(cfg: EngineConfig) -> None:
         (cfg.max_cpu_loras >= cfg.max_loras, "max_cpu_loras must be >= max_loras"),
         (cfg.event_log_fsync in ("never", "step", "always"), f"unknown event_log_fsync {cfg.event_log_fsync!r}"),
         (cfg.event_log_max_bytes >= 4096, "event_log_max_bytes must be >= 4096"),
+        (cfg.max_request_bytes >= 1024, "max_request_bytes must be >= 1024"),
+        (cfg.max_n >= 1, "max_n must be >= 1"),
+        (cfg.max_waiting_requests >= 1, "max_waiting_requests must be >= 1"),
     ]
     for ok, message in checks:
         if not ok:

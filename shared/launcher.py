@@ -74,6 +74,10 @@ def resolve_config(args: argparse.Namespace, run_dir: str) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size,
         run_dir=run_dir,
         is_demo_model=is_demo,
+        max_request_bytes=args.max_request_bytes,
+        max_n=args.max_n,
+        max_waiting_requests=args.max_waiting_requests,
+        api_key_required=bool(_api_key(args)),
         event_log_fsync=args.event_log_fsync,
         event_log_max_bytes=args.event_log_max_bytes,
         enable_lora=args.enable_lora or bool(args.lora_modules),
@@ -83,6 +87,18 @@ def resolve_config(args: argparse.Namespace, run_dir: str) -> EngineConfig:
         lora_modules=tuple(parse_lora_module(spec) for spec in args.lora_modules),
         lora_allowed_dirs=tuple(os.path.realpath(d) for d in args.lora_allowed_dir),
     )
+
+
+API_KEY_ENV = "LEDGERSERVE_API_KEY"
+
+
+def _api_key(args: argparse.Namespace) -> str:
+    """--api-key, else LEDGERSERVE_API_KEY. The key reaches the HTTP process through its
+    environment only: it is never written to the config file or the event log."""
+    key = args.api_key or os.environ.get(API_KEY_ENV, "")
+    if key:
+        os.environ[API_KEY_ENV] = key
+    return key
 
 
 def parse_lora_module(spec: str) -> tuple[str, str]:
