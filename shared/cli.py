@@ -26,6 +26,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add("--event-log-dir", default=None, help="default: ~/.cache/ledgerserve/events")
     add("--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
     add("--tensor-parallel-size", type=int, default=1)
+    add("--enforce-eager", action="store_true", help="no CUDA graphs: run every decode step eagerly")
     add("--api-key", default=None, help="require this Bearer key on every /v1 route (or set LEDGERSERVE_API_KEY)")
     add("--max-request-bytes", type=int, default=8 * 1024 * 1024, help="largest HTTP request body")
     add("--max-n", type=int, default=16, help="most choices (n) per request")

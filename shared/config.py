@@ -39,6 +39,7 @@ class EngineConfig:
     max_cpu_loras: int = 32  # adapter versions kept in (pinned) CPU memory
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) loaded at start-up, trusted
     lora_allowed_dirs: tuple[str, ...] = ()  # roots for adapters loaded at run time
+    enforce_eager: bool = False  # True: no CUDA graphs
     max_request_bytes: int = 8 * 1024 * 1024  # larger HTTP bodies get 413
     max_n: int = 16  # most choices per request
     max_waiting_requests: int = 1024  # past it, new requests get 503 with Retry-After

@@ -74,6 +74,7 @@ def resolve_config(args: argparse.Namespace, run_dir: str) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size,
         run_dir=run_dir,
         is_demo_model=is_demo,
+        enforce_eager=args.enforce_eager,
         max_request_bytes=args.max_request_bytes,
         max_n=args.max_n,
         max_waiting_requests=args.max_waiting_requests,
