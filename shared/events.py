@@ -329,79 +329,17 @@ ToScheduler = Union[RequestArrived, RequestAborted, AdapterLoadRequested, Adapte
 FromScheduler = Union[TokensEmitted, RequestRejected, EngineFailed, EngineReady, EngineStats, AdapterOpReplied]
 ToWorker = Union[StepPlan, Shutdown, AdapterSlotAssigned, AdapterEvicted, AdapterCpuEvicted]
 FromWorker = Union[WorkerReady, StepCompleted, RankDigest, WorkerFailed, AdapterLoadCompleted, AdapterLoadFailed]
-Decision = Union[
-    StepPlan,
-    TokensEmitted,
-    RequestRejected,
-    EngineFailed,
-    RequestFinished,
-    RequestPreempted,
-    StateDigest,
-    Shutdown,
-    AdapterOpReplied,
-    AdapterRegistered,
-    AdapterUnloaded,
-    AdapterSlotAssigned,
-    AdapterEvicted,
-    AdapterEvictionDeferred,
-    AdapterCpuEvicted,
-    DigestMismatch,
-    PrefixCached,
-    NamespaceEvicted,
-]
-CoreInput = Union[
-    RequestArrived,
-    RequestAborted,
-    WorkerReady,
-    StepCompleted,
-    RankDigest,
-    WorkerFailed,
-    AdapterLoadRequested,
-    AdapterUnloadRequested,
-    AdapterLoadCompleted,
-    AdapterLoadFailed,
-]
-LogEvent = Union[
-    RequestArrived,
-    RequestAborted,
-    WorkerReady,
-    StepCompleted,
-    RankDigest,
-    WorkerFailed,
-    StepPlan,
-    TokensEmitted,
-    RequestRejected,
-    EngineFailed,
-    RequestFinished,
-    RequestPreempted,
-    StateDigest,
-    Shutdown,
-    LogClosed,
-    AdapterLoadRequested,
-    AdapterUnloadRequested,
-    AdapterLoadCompleted,
-    AdapterLoadFailed,
-    AdapterOpReplied,
-    AdapterRegistered,
-    AdapterUnloaded,
-    AdapterSlotAssigned,
-    AdapterEvicted,
-    AdapterEvictionDeferred,
-    AdapterCpuEvicted,
-    DigestMismatch,
-    PrefixCached,
-    NamespaceEvicted,
-]
-
+# What the core takes in, and what it decides; the log holds both, and LogClosed.
 INPUT_TYPES: tuple[type, ...] = (
-    RequestArrived,
-    RequestAborted,
-    WorkerReady,
-    StepCompleted,
-    RankDigest,
-    WorkerFailed,
-    AdapterLoadRequested,
-    AdapterUnloadRequested,
-    AdapterLoadCompleted,
-    AdapterLoadFailed,
+    RequestArrived, RequestAborted, WorkerReady, StepCompleted, RankDigest, WorkerFailed,
+    AdapterLoadRequested, AdapterUnloadRequested, AdapterLoadCompleted, AdapterLoadFailed,
 )
+DECISION_TYPES: tuple[type, ...] = (
+    StepPlan, TokensEmitted, RequestRejected, EngineFailed, RequestFinished, RequestPreempted,
+    StateDigest, Shutdown, AdapterOpReplied, AdapterRegistered, AdapterUnloaded,
+    AdapterSlotAssigned, AdapterEvicted, AdapterEvictionDeferred, AdapterCpuEvicted,
+    DigestMismatch, PrefixCached, NamespaceEvicted,
+)
+CoreInput = Union[INPUT_TYPES]  # type: ignore[valid-type]
+Decision = Union[DECISION_TYPES]  # type: ignore[valid-type]
+LogEvent = Union[INPUT_TYPES + DECISION_TYPES + (LogClosed,)]  # type: ignore[valid-type]
