@@ -75,6 +75,7 @@ class RadixCache:
         self.evicted_namespaces: dict[int, bool] = {}  # unloaded versions: no match, no insert
         self.num_unlocked = 0
         self._lru: list[tuple[int, int]] = []  # (last_used_step, block_id), lazily checked
+        self.membership = 0  # XOR of every node's _member_hash, kept as nodes come and go
 
     # ------------------------------------------------------------------ views
 
@@ -121,6 +122,7 @@ class RadixCache:
         node = Node(block_id, namespace, parent, key, block_hash(prev, token_ids), step, ref_count=1)
         children[key] = node
         self.nodes[block_id] = node
+        self.membership ^= _member_hash(node)
         root.num_blocks += 1
         return node
 
@@ -187,6 +189,7 @@ class RadixCache:
         siblings = root.children if node.parent is None else node.parent.children
         del siblings[node.token_ids]
         del self.nodes[node.block_id]
+        self.membership ^= _member_hash(node)
         root.num_blocks -= 1
         if root.num_blocks == 0:
             del self.roots[node.namespace]
@@ -212,17 +215,21 @@ class RadixCache:
     # ------------------------------------------------------------------ encoding
 
     def rows(self) -> list[Any]:
-        """Canonical encoding: namespaces, nodes by block id, evicted namespaces."""
+        """Canonical encoding for the StateDigest, O(namespaces) per step: block counts
+        per namespace, the set of nodes (block, namespace, parent, hash) as an order-free
+        XOR kept up to date on insert and evict, the lock count, evicted namespaces.
+        Recency is left out: it only matters through eviction choices, which are logged."""
         return [
             [[ns, self.roots[ns].num_blocks] for ns in sorted(self.roots)],
-            [_node_row(self.nodes[b]) for b in sorted(self.nodes)],
+            self.membership,
+            self.num_unlocked,
             sorted(self.evicted_namespaces),
         ]
 
 
-def _node_row(node: Node) -> list[Any]:
+def _member_hash(node: Node) -> int:
     parent = -1 if node.parent is None else node.parent.block_id
-    return [node.block_id, node.namespace, parent, node.block_hash, node.ref_count, node.last_used_step]
+    return xxhash.xxh64_intdigest(_encoder.encode([node.block_id, node.namespace, parent, node.block_hash]))
 
 
 def _subtree(children: dict[tuple[int, ...], Node]) -> list[Node]:
