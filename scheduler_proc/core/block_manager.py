@@ -12,12 +12,19 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from functools import reduce
+
+import xxhash
 
 from scheduler_proc.core.integrity import BlockAccountingError, check_blocks
 from scheduler_proc.core.radix import Node, RadixCache
 from scheduler_proc.core.request import Request
 
 __all__ = ["BlockAccounting", "BlockAccountingError", "BlockManager", "BlockPool", "PrefixMatch", "num_blocks_for"]
+
+
+def _id_hash(block_id: int) -> int:
+    return xxhash.xxh64_intdigest(block_id.to_bytes(8, "little"))
 
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:
@@ -35,6 +42,9 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.free_block_ids: deque[int] = deque(range(num_blocks))
         self.owner: list[str | None] = [None] * num_blocks
+        # XOR of _id_hash over the free list, kept up to date: the StateDigest's O(1)
+        # view of which blocks are free (their order shows in the logged block tables).
+        self.free_membership = reduce(lambda acc, b: acc ^ _id_hash(b), range(num_blocks), 0)
 
     @property
     def num_free(self) -> int:
@@ -49,6 +59,7 @@ class BlockPool:
         if not self.free_block_ids:
             raise BlockAccountingError("no free block")
         block_id = self.free_block_ids.popleft()
+        self.free_membership ^= _id_hash(block_id)
         self.take(block_id, owner)
         return block_id
 
@@ -64,6 +75,7 @@ class BlockPool:
             elif self.owner[block_id] is not None:
                 raise BlockAccountingError(f"cached block {block_id} is owned by {self.owner[block_id]!r}")
             self.free_block_ids.append(block_id)
+            self.free_membership ^= _id_hash(block_id)
 
 
 @dataclass(frozen=True)

@@ -30,11 +30,19 @@ def state_digest(step: int, scheduler: Scheduler, requests: list[Request], adapt
         [req.req_id for req in scheduler.waiting],
         [req.req_id for req in scheduler.running],
         request_rows(requests),
-        list(scheduler.block_manager.pool.free_block_ids) if scheduler.is_ready else [],
+        _free_rows(scheduler),
         adapters.rows(),
         scheduler.block_manager.cache.rows() if scheduler.is_ready else [],
     ]
     return xxhash.xxh64_intdigest(_encoder.encode(rows))
+
+
+def _free_rows(scheduler: Scheduler) -> list[int]:
+    """Which blocks are free, in O(1): their count and membership hash."""
+    if not scheduler.is_ready:
+        return []
+    pool = scheduler.block_manager.pool
+    return [pool.num_free, pool.free_membership]
 
 
 def snapshot(step: int, in_flight_step: int | None, scheduler: Scheduler, requests: list[Request], adapters: AdapterManager) -> dict[str, Any]:
