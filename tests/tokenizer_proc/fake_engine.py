@@ -45,6 +45,7 @@ class FakeEngine(EngineClientBase):
         self.eos_token_id: int | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.aborted = asyncio.Event()
+        self.hold: asyncio.Event | None = None  # when set: requests wait for it before emitting
 
     @property
     def aborts(self) -> list[RequestAborted]:
@@ -100,6 +101,8 @@ class FakeEngine(EngineClientBase):
     async def _emit(self, arrived: RequestArrived) -> None:
         ids = self._output_ids(arrived)
         params = arrived.sampling
+        if self.hold is not None:
+            await self.hold.wait()
         for index, token_id in enumerate(ids):
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
