@@ -7,12 +7,23 @@ beside it) is ever rendered; templates supplied by a request are refused upstrea
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from jinja2 import TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+RENDER_SECONDS = 2.0  # wall-clock budget for one render, checked between output chunks
+MIN_RENDER_CHARS = 1 << 20  # the size budget is max(this, 16 x max_model_len) characters
+CHARS_PER_TOKEN_BUDGET = 16
+
+
+def render_char_budget(max_model_len: int) -> int:
+    """Most characters a rendered prompt may have: far more than max_model_len tokens need."""
+    return max(MIN_RENDER_CHARS, CHARS_PER_TOKEN_BUDGET * max_model_len)
+
 
 RESERVED_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"})
 
@@ -51,20 +62,38 @@ class ChatTemplate:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         extra: Mapping[str, Any] | None = None,
+        max_chars: int = MIN_RENDER_CHARS,
+        max_seconds: float = RENDER_SECONDS,
     ) -> str:
+        """Render in the sandbox; ChatTemplateError past `max_chars` or `max_seconds`."""
         variables = {k: v for k, v in (extra or {}).items() if k not in RESERVED_VARIABLES}
         try:
-            return self._template.render(
+            chunks = self._template.generate(
                 messages=[dict(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._bos_token,
                 eos_token=self._eos_token,
                 **variables,
             )
+            return _within_budget(chunks, max_chars, max_seconds)
         except ChatTemplateError:
             raise
         except TemplateError as exc:  # includes SecurityError from the sandbox
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
+
+
+def _within_budget(chunks: Iterator[str], max_chars: int, max_seconds: float) -> str:
+    deadline = time.monotonic() + max_seconds
+    parts: list[str] = []
+    size = 0
+    for chunk in chunks:
+        size += len(chunk)
+        parts.append(chunk)
+        if size > max_chars:
+            raise ChatTemplateError(f"the rendered chat is longer than {max_chars} characters")
+        if time.monotonic() > deadline:
+            raise ChatTemplateError(f"rendering the chat template took longer than {max_seconds:g} s")
+    return "".join(parts)
 
 
 def _read_tokenizer_config(model_dir: Path) -> dict[str, Any]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,14 +22,18 @@ ERROR_TYPES = {
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     413: "RequestTooLargeError",
+    429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
 
 
 class ApiError(Exception):
-    def __init__(self, status_code: int, message: str, param: str | None = None) -> None:
+    def __init__(
+        self, status_code: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
+        self.headers = headers or {}
         self.status_code = status_code
         self.message = message
         self.param = param
@@ -42,40 +48,72 @@ def error_response(status_code: int, message: str, param: str | None = None, err
     return JSONResponse(error_body(status_code, message, param, error_type), status_code=status_code)
 
 
+BODY_ERRORS = {
+    "json_invalid": "The request body is not valid JSON.",
+    "model_attributes_type": "The request body must be a JSON object (sent as application/json).",
+    "missing": "The request body is empty; send a JSON object.",
+}
+
+
 def validation_error_response(exc: RequestValidationError) -> JSONResponse:
+    """The first pydantic error as a 400 naming its top-level field (None: the whole body)."""
     errors = exc.errors()
     if not errors:
         return error_response(400, "invalid request")
     first = errors[0]
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    raw_loc = tuple(first.get("loc", ()))
+    if raw_loc[:1] == ("body",) and (len(raw_loc) == 1 or first.get("type") == "json_invalid"):
+        return error_response(400, BODY_ERRORS.get(str(first.get("type")), "The request body is invalid."))
+    loc = [str(part) for part in raw_loc if part != "body"]
     param = loc[0] if loc else None
     where = ".".join(loc)
     message = f"{where}: {first.get('msg', 'invalid value')}" if where else str(first.get("msg", "invalid request"))
     return error_response(400, message, param)
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def redacting(secret_paths: tuple[str, ...]) -> Callable[[str], str]:
+    """A function that replaces each server path (e.g. the model directory) with `<server path>`."""
+    paths = sorted({p for path in secret_paths if path for p in (path, os.path.realpath(path))}, key=len, reverse=True)
+
+    def redact(message: str) -> str:
+        for path in paths:
+            message = message.replace(path, "<server path>")
+        return message
+
+    return redact
+
+
+def install_error_handlers(app: FastAPI, secret_paths: tuple[str, ...] = ()) -> None:
+    """OpenAI-shaped errors for everything; `secret_paths` never appear in a message."""
+    redact = redacting(secret_paths)
+
+    def respond(status_code: int, message: str, param: str | None = None,
+                error_type: str | None = None) -> JSONResponse:
+        return error_response(status_code, redact(message), param, error_type)
+
     @app.exception_handler(RequestValidationError)
     async def _on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error_response(exc)
+        return validation_error_response(exc)  # pydantic messages never echo the input
 
     @app.exception_handler(InvalidParam)
     async def _on_invalid(_: Request, exc: InvalidParam) -> JSONResponse:
-        return error_response(400, exc.message, exc.param)
+        return respond(400, exc.message, exc.param)
 
     @app.exception_handler(ApiError)
     async def _on_api(_: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc.status_code, exc.message, exc.param)
+        response = respond(exc.status_code, exc.message, exc.param)
+        response.headers.update(exc.headers)
+        return response
 
     @app.exception_handler(EngineError)
     async def _on_engine(_: Request, exc: EngineError) -> JSONResponse:
-        return error_response(exc.status_code, exc.message, exc.param, exc.error_type)
+        return respond(exc.status_code, exc.message, exc.param, exc.error_type)
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
+        return respond(exc.status_code, str(exc.detail))
 
     @app.exception_handler(Exception)
     async def _on_any(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error")
-        return error_response(500, f"internal error: {type(exc).__name__}")
+        return respond(500, f"internal error: {type(exc).__name__}")

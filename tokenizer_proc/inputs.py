@@ -5,24 +5,31 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from shared.sampling import SamplingParams
-from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError
+from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError, render_char_budget
 from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest, InvalidParam, SamplingFields
 
 
-def completion_prompt_ids(req: CompletionRequest, tokenizer: Any) -> list[int]:
+def completion_prompt_ids(req: CompletionRequest, tokenizer: Any, max_model_len: int) -> list[int]:
     prompt = req.single_prompt()
     if isinstance(prompt, str):
+        budget = render_char_budget(max_model_len)
+        if len(prompt) > budget:  # far past max_model_len tokens: refuse before tokenizing
+            raise InvalidParam(f"the prompt is longer than {budget} characters", "prompt")
         return list(tokenizer.encode(prompt, add_special_tokens=True))
     check_token_ids(prompt, len(tokenizer), "prompt")
     return list(prompt)
 
 
-def chat_prompt_ids(req: ChatCompletionRequest, tokenizer: Any, template: ChatTemplate | None) -> list[int]:
+def chat_prompt_ids(
+    req: ChatCompletionRequest, tokenizer: Any, template: ChatTemplate | None, max_model_len: int
+) -> list[int]:
     if template is None:
         raise InvalidParam("this model has no chat template; use /v1/completions", "messages")
     messages = [_message_dict(m) for m in req.messages]
     try:
-        text = template.render(messages, req.add_generation_prompt, req.chat_template_kwargs)
+        text = template.render(
+            messages, req.add_generation_prompt, req.chat_template_kwargs, max_chars=render_char_budget(max_model_len)
+        )
     except ChatTemplateError as exc:
         raise InvalidParam(str(exc), "messages") from exc
     # The template already wrote any BOS/special tokens as text.
@@ -66,6 +73,8 @@ def sampling_params(
         )
     stop_token_ids = tuple(req.stop_token_ids or ())
     check_token_ids(stop_token_ids, vocab_size, "stop_token_ids")
+    if req.top_k is not None and req.top_k > vocab_size:
+        raise InvalidParam(f"top_k must be -1, 0 (off) or at most the vocabulary size {vocab_size}", "top_k")
     resolved_max = max_tokens if max_tokens is not None else room
     if req.min_tokens > resolved_max:
         raise InvalidParam("min_tokens must not exceed max_tokens", "min_tokens")

@@ -12,6 +12,10 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_SEED = (1 << 63) - 1  # seeds are int64; choice i of n uses seed + i, wrapped into range
+MIN_SEED = -(1 << 63)
 
 
 class InvalidParam(ValueError):
@@ -41,15 +45,15 @@ class SamplingFields(BaseModel):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
     min_p: Probability | None = None
-    seed: StrictInt | None = None
+    seed: Annotated[StrictInt, Field(ge=MIN_SEED, le=MAX_SEED)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=100.0)] | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
+    stop_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: StrictBool = False
     min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
-    n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
+    n: Annotated[StrictInt, Field(ge=1)] = 1  # at most config.max_n, checked in check_n
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -69,8 +73,15 @@ class SamplingFields(BaseModel):
         """Cross-field checks that pydantic's per-field constraints can't express."""
         if self.stream_options is not None and not self.stream:
             raise InvalidParam("stream_options is only allowed when stream is true", "stream_options")
-        if len(self.stop_list()) > MAX_STOP_STRINGS:
+        stops = self.stop_list()
+        if len(stops) > MAX_STOP_STRINGS:
             raise InvalidParam(f"at most {MAX_STOP_STRINGS} stop strings are allowed", "stop")
+        if any(not s or len(s) > MAX_STOP_STRING_CHARS for s in stops):
+            raise InvalidParam(f"stop strings must have 1 to {MAX_STOP_STRING_CHARS} characters", "stop")
+
+    def check_n(self, max_n: int) -> None:
+        if self.n > max_n:
+            raise InvalidParam(f"n must be at most {max_n}", "n")
 
 
 TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
@@ -81,7 +92,7 @@ class CompletionRequest(SamplingFields):
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: StrictBool = False
     suffix: str | None = None
-    best_of: Annotated[StrictInt, Field(ge=1, le=1)] | None = None
+    best_of: PositiveInt | None = None  # only best_of == n (no server-side ranking)
 
     def check(self) -> None:
         super().check()
@@ -94,6 +105,8 @@ class CompletionRequest(SamplingFields):
             raise InvalidParam("echo is not supported", "echo")
         if self.suffix:
             raise InvalidParam("suffix is not supported", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidParam("best_of must equal n (ranking choices is not supported)", "best_of")
 
     def single_prompt(self) -> str | list[int]:
         prompt = self.prompt

@@ -8,9 +8,9 @@ from shared.events import TokenLogprobs
 from tokenizer_proc.generation import Delta, Usage
 
 
-def completion_choice(delta: Delta, logprobs: dict | None, return_token_ids: bool) -> dict[str, Any]:
+def completion_choice(delta: Delta, logprobs: dict | None, return_token_ids: bool, index: int = 0) -> dict[str, Any]:
     choice: dict[str, Any] = {
-        "index": 0,
+        "index": index,
         "text": delta.text,
         "logprobs": logprobs,
         "finish_reason": delta.finish_reason,
@@ -21,9 +21,11 @@ def completion_choice(delta: Delta, logprobs: dict | None, return_token_ids: boo
     return choice
 
 
-def chat_choice(delta: Delta, logprobs: dict | None, return_token_ids: bool, stream: bool) -> dict[str, Any]:
+def chat_choice(
+    delta: Delta, logprobs: dict | None, return_token_ids: bool, stream: bool, index: int = 0
+) -> dict[str, Any]:
     message: dict[str, Any] = {"content": delta.text} if stream else {"role": "assistant", "content": delta.text}
-    choice: dict[str, Any] = {"index": 0, "delta" if stream else "message": message, "logprobs": logprobs}
+    choice: dict[str, Any] = {"index": index, "delta" if stream else "message": message, "logprobs": logprobs}
     choice["finish_reason"] = delta.finish_reason
     choice["stop_reason"] = delta.stop_reason
     if return_token_ids:

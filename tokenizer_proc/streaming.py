@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 from tokenizer_proc.engine_client import EngineError
 from tokenizer_proc.errors import error_body
+from tokenizer_proc.fanout import merged, total_usage
 from tokenizer_proc.generation import Delta, RequestRun
 from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest
 from tokenizer_proc.responses import chat_choice, chat_logprobs, completion_choice, completion_logprobs, envelope
@@ -24,56 +25,61 @@ def _worth_sending(delta: Delta, return_token_ids: bool) -> bool:
 
 
 async def completion_stream(
-    run: RequestRun, req: CompletionRequest, tokenizer: Any, model: str
+    req_id: str, runs: Sequence[RequestRun], req: CompletionRequest, tokenizer: Any
 ) -> AsyncIterator[str]:
     created = int(time.time())
     include_usage = req.include_usage()
-    text_offset = 0
-    first = True
+    text_offsets = [0] * len(runs)
+    first = [True] * len(runs)
     try:
-        async for delta in run.deltas():
+        async for index, delta in merged(runs):
             if not _worth_sending(delta, req.return_token_ids):
                 continue
-            logprobs = completion_logprobs(tokenizer, delta.token_ids, delta.logprobs, text_offset)
-            text_offset += len(delta.text)
-            choice = completion_choice(delta, logprobs, req.return_token_ids)
-            if first and req.return_token_ids:
-                choice["prompt_token_ids"] = list(run.arrived.prompt_token_ids)
-            first = False
-            yield sse(envelope(run.req_id, "text_completion", created, req.model, [choice], None, include_usage))
+            logprobs = completion_logprobs(tokenizer, delta.token_ids, delta.logprobs, text_offsets[index])
+            text_offsets[index] += len(delta.text)
+            choice = completion_choice(delta, logprobs, req.return_token_ids, index)
+            if first[index] and req.return_token_ids:
+                choice["prompt_token_ids"] = list(runs[index].arrived.prompt_token_ids)
+            first[index] = False
+            yield sse(envelope(req_id, "text_completion", created, req.model, [choice], None, include_usage))
         if include_usage:
-            yield sse(envelope(run.req_id, "text_completion", created, req.model, [], run.usage))
+            yield sse(envelope(req_id, "text_completion", created, req.model, [], total_usage(runs)))
     except EngineError as exc:
         yield sse(error_body(exc.status_code, exc.message, exc.param, exc.error_type))
     yield DONE
 
 
-async def chat_stream(run: RequestRun, req: ChatCompletionRequest, tokenizer: Any) -> AsyncIterator[str]:
+def _role_chunks(req_id: str, created: int, req: ChatCompletionRequest, runs: Sequence[RequestRun]) -> list[str]:
+    chunks = []
+    for index in range(len(runs)):
+        role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        head = envelope(req_id, "chat.completion.chunk", created, req.model, [role], None, req.include_usage())
+        if req.return_token_ids:
+            head["prompt_token_ids"] = list(runs[index].arrived.prompt_token_ids)
+        chunks.append(sse(head))
+    return chunks
+
+
+async def chat_stream(
+    req_id: str, runs: Sequence[RequestRun], req: ChatCompletionRequest, tokenizer: Any
+) -> AsyncIterator[str]:
     created = int(time.time())
     include_usage = req.include_usage()
     obj = "chat.completion.chunk"
-    role_choice: dict[str, Any] = {
-        "index": 0,
-        "delta": {"role": "assistant", "content": ""},
-        "logprobs": None,
-        "finish_reason": None,
-    }
-    head = envelope(run.req_id, obj, created, req.model, [role_choice], None, include_usage)
-    if req.return_token_ids:
-        head["prompt_token_ids"] = list(run.arrived.prompt_token_ids)
     try:
         first_delta = True
-        async for delta in run.deltas():
-            if first_delta:
-                yield sse(head)  # after the engine accepted the request
+        async for index, delta in merged(runs):
+            if first_delta:  # after the engine accepted the request
+                for chunk in _role_chunks(req_id, created, req, runs):
+                    yield chunk
                 first_delta = False
             if not _worth_sending(delta, req.return_token_ids):
                 continue
             logprobs = chat_logprobs(tokenizer, delta.token_ids, delta.logprobs)
-            choice = chat_choice(delta, logprobs, req.return_token_ids, stream=True)
-            yield sse(envelope(run.req_id, obj, created, req.model, [choice], None, include_usage))
+            choice = chat_choice(delta, logprobs, req.return_token_ids, stream=True, index=index)
+            yield sse(envelope(req_id, obj, created, req.model, [choice], None, include_usage))
         if include_usage:
-            yield sse(envelope(run.req_id, obj, created, req.model, [], run.usage))
+            yield sse(envelope(req_id, obj, created, req.model, [], total_usage(runs)))
     except EngineError as exc:
         yield sse(error_body(exc.status_code, exc.message, exc.param, exc.error_type))
     yield DONE

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 
+from shared import codec
 from shared.events import (
     AdapterInfo,
     AdapterLoadRequested,
@@ -45,6 +46,8 @@ class FakeEngine(EngineClientBase):
         self.eos_token_id: int | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.aborted = asyncio.Event()
+        self.hold: asyncio.Event | None = None  # when set: requests wait for it before emitting
+        self.encode_events = False  # encode each event like the real transport (catches overflows)
 
     @property
     def aborts(self) -> list[RequestAborted]:
@@ -55,6 +58,8 @@ class FakeEngine(EngineClientBase):
         return [e for e in self.received if isinstance(e, RequestArrived)]
 
     async def _send(self, event: Event) -> None:
+        if self.encode_events:
+            codec.encode(event)
         self.received.append(event)
         if isinstance(event, (AdapterLoadRequested, AdapterUnloadRequested)):
             self._tasks[event.op_id] = asyncio.get_running_loop().create_task(self._answer_op(event))
@@ -100,6 +105,8 @@ class FakeEngine(EngineClientBase):
     async def _emit(self, arrived: RequestArrived) -> None:
         ids = self._output_ids(arrived)
         params = arrived.sampling
+        if self.hold is not None:
+            await self.hold.wait()
         for index, token_id in enumerate(ids):
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)

@@ -48,7 +48,8 @@ def _assert_error(r: httpx.Response, status: int, param: str | None) -> dict:
         ({"min_p": 2}, "min_p"),
         ({"presence_penalty": 3}, "presence_penalty"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),  # past config.max_n (16)
+        ({"n": 0}, "n"),
         ({"logprobs": 50}, "logprobs"),
         ({"stop_token_ids": [99999]}, "stop_token_ids"),
         ({"prompt": [1, 99999]}, "prompt"),

@@ -1,0 +1,79 @@
+"""`n` choices per request: n engine requests run side by side, merged back by index."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Sequence
+
+import msgspec
+
+from shared.sampling import SamplingParams
+from tokenizer_proc.generation import Delta, RequestRun, Usage, collect
+
+SEED_SPAN = 1 << 64
+SEED_LOW = -(1 << 63)
+
+
+def choice_req_id(req_id: str, index: int, n: int) -> str:
+    """The engine request id of choice `index`: `<id>` alone, `<id>-<index>` when n > 1."""
+    return req_id if n == 1 else f"{req_id}-{index}"
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice i samples with seed + i (wrapped into int64), so choices differ reproducibly."""
+    if params.seed is None or index == 0:
+        return params
+    seed = (params.seed + index - SEED_LOW) % SEED_SPAN + SEED_LOW
+    return msgspec.structs.replace(params, seed=seed)
+
+
+def total_usage(runs: Sequence[RequestRun]) -> Usage:
+    """The prompt counted once; completion tokens summed over the choices."""
+    usage = Usage(num_prompt_tokens=runs[0].usage.num_prompt_tokens)
+    usage.num_output_tokens = sum(run.usage.num_output_tokens for run in runs)
+    usage.num_cached_tokens = max(run.usage.num_cached_tokens for run in runs)
+    return usage
+
+
+async def collect_all(runs: Sequence[RequestRun]) -> list[Delta]:
+    """Each run's whole output; the first failure cancels (and so aborts) the others."""
+    tasks = [asyncio.ensure_future(collect(run)) for run in runs]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        await _cancel(tasks)
+
+
+async def merged(runs: Sequence[RequestRun]) -> AsyncIterator[tuple[int, Delta]]:
+    """(choice index, delta) as each run produces them; stopping early aborts every run."""
+    queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
+    tasks = [asyncio.ensure_future(_pump(index, run, queue)) for index, run in enumerate(runs)]
+    try:
+        remaining = len(runs)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        await _cancel(tasks)
+
+
+async def _pump(index: int, run: RequestRun, queue: asyncio.Queue) -> None:
+    try:
+        async for delta in run.deltas():
+            queue.put_nowait((index, delta))
+    except Exception as exc:  # handed to the consumer, which raises it
+        queue.put_nowait((index, exc))
+    finally:
+        queue.put_nowait((index, None))
+
+
+async def _cancel(tasks: list[asyncio.Future]) -> None:
+    for task in tasks:
+        if not task.done():
+            task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,146 @@
+"""`/v1/completions` and `/v1/chat/completions`: validate, admit, fan out n choices, answer."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from shared.config import EngineConfig
+from shared.events import RequestArrived
+from tokenizer_proc import adapters, inputs, streaming
+from tokenizer_proc.chat_template import ChatTemplate
+from tokenizer_proc.disconnect import ClientGone, until_disconnect
+from tokenizer_proc.engine_client import EngineClientBase, EngineDeadError
+from tokenizer_proc.errors import ApiError
+from tokenizer_proc.fanout import choice_params, choice_req_id, collect_all, total_usage
+from tokenizer_proc.generation import Delta, RequestRun
+from tokenizer_proc.metrics import Metrics
+from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from tokenizer_proc.responses import chat_choice, chat_logprobs, completion_choice, completion_logprobs, envelope
+
+RETRY_AFTER_S = 1
+
+
+@dataclass
+class Served:
+    engine: EngineClientBase
+    tokenizer: Any
+    config: EngineConfig
+    chat_template: ChatTemplate | None
+    vocab_size: int
+    created: int
+    metrics: Metrics
+    adapters: adapters.AdapterRegistry
+
+
+def add_generate_routes(app: FastAPI, served: Served) -> None:
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        lora_name = check_request(req, served)
+        prompt_ids = inputs.completion_prompt_ids(req, served.tokenizer, served.config.max_model_len)
+        req_id, runs = start_runs(served, req, prompt_ids, req.max_tokens, req.logprobs, "cmpl", lora_name)
+        if req.stream:
+            return _sse(streaming.completion_stream(req_id, runs, req, served.tokenizer))
+        deltas = await _collect_or_gone(raw, runs)
+        if deltas is None:
+            return Response(status_code=499)
+        choices = [_completion_choice(served, req, delta, i, prompt_ids) for i, delta in enumerate(deltas)]
+        body = envelope(req_id, "text_completion", int(time.time()), req.model, choices, total_usage(runs))
+        if req.return_token_ids:
+            body["prompt_token_ids"] = prompt_ids
+        return JSONResponse(body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        lora_name = check_request(req, served)
+        prompt_ids = inputs.chat_prompt_ids(req, served.tokenizer, served.chat_template, served.config.max_model_len)
+        max_tokens, num_logprobs = req.max_output_tokens(), req.num_logprobs()
+        req_id, runs = start_runs(served, req, prompt_ids, max_tokens, num_logprobs, "chatcmpl", lora_name)
+        if req.stream:
+            return _sse(streaming.chat_stream(req_id, runs, req, served.tokenizer))
+        deltas = await _collect_or_gone(raw, runs)
+        if deltas is None:
+            return Response(status_code=499)
+        choices = [_chat_choice(served, req, delta, i) for i, delta in enumerate(deltas)]
+        body = envelope(req_id, "chat.completion", int(time.time()), req.model, choices, total_usage(runs))
+        if req.return_token_ids:
+            body["prompt_token_ids"] = prompt_ids
+        return JSONResponse(body)
+
+
+def _completion_choice(
+    served: Served, req: CompletionRequest, delta: Delta, index: int, prompt_ids: list[int]
+) -> dict[str, Any]:
+    logprobs = completion_logprobs(served.tokenizer, delta.token_ids, delta.logprobs, 0)
+    choice = completion_choice(delta, logprobs, req.return_token_ids, index)
+    if req.return_token_ids:
+        choice["prompt_token_ids"] = prompt_ids
+    return choice
+
+
+def _chat_choice(served: Served, req: ChatCompletionRequest, delta: Delta, index: int) -> dict[str, Any]:
+    logprobs = chat_logprobs(served.tokenizer, delta.token_ids, delta.logprobs)
+    return chat_choice(delta, logprobs, req.return_token_ids, stream=False, index=index)
+
+
+def check_request(req: SamplingFields, served: Served) -> str | None:
+    """Check the request and admit it; return the adapter it asks for (None: the base model)."""
+    lora_name = adapters.resolve_lora(req.model, req.lora_path, served.config, served.adapters)
+    req.check()
+    req.check_n(served.config.max_n)
+    if not served.engine.is_healthy:
+        raise EngineDeadError(served.engine.failure_message or "engine is not healthy")
+    check_capacity(served.engine, served.config, req.n)
+    return lora_name
+
+
+def check_capacity(engine: EngineClientBase, config: EngineConfig, n: int) -> None:
+    """503 + Retry-After once this process's in-flight engine requests would exceed
+    max_num_seqs + max_waiting_requests (each of the n choices counts)."""
+    limit = config.max_num_seqs + config.max_waiting_requests
+    if engine.num_in_flight + n > limit:
+        raise ApiError(503, f"The server is overloaded ({limit} requests in flight); retry later.", None,
+                       {"Retry-After": str(RETRY_AFTER_S)})
+
+
+def start_runs(
+    served: Served,
+    req: SamplingFields,
+    prompt_ids: list[int],
+    max_tokens: int | None,
+    num_logprobs: int | None,
+    prefix: str,
+    lora_name: str | None,
+) -> tuple[str, list[RequestRun]]:
+    """The response id and one RequestRun per choice (engine ids `<id>-<i>` when n > 1)."""
+    params = inputs.sampling_params(
+        req, max_tokens, num_logprobs, len(prompt_ids), served.config.max_model_len, served.vocab_size
+    )
+    req_id = f"{prefix}-{uuid.uuid4().hex}"
+    runs = []
+    for index in range(req.n):
+        arrived = RequestArrived(
+            req_id=choice_req_id(req_id, index, req.n),
+            prompt_token_ids=prompt_ids,
+            sampling=choice_params(params, index),
+            arrival_time_s=time.time(),
+            lora_name=lora_name,
+        )
+        runs.append(RequestRun(served.engine, served.tokenizer, arrived, req.stop_list(), req.skip_special_tokens))
+    return req_id, runs
+
+
+async def _collect_or_gone(raw: Request, runs: list[RequestRun]) -> list[Delta] | None:
+    try:
+        return await until_disconnect(raw, collect_all(runs))
+    except ClientGone:
+        return None
+
+
+def _sse(chunks: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
