@@ -22,6 +22,7 @@ from worker_proc.kv_cache import KVCache, num_kv_blocks
 from worker_proc.lora.manager import LoraManager
 from worker_proc.models import build_model, load_eos_token_ids, load_model_config
 from worker_proc.sampler import Sampler, SamplingReq
+from worker_proc.step_inputs import PinnedStaging
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -46,6 +47,7 @@ class ModelRunner:
         self.kv_cache = KVCache(self.model_cfg, num_blocks, config.block_size, self.dtype, self.device)
         self.sampler = Sampler(self.eos_token_ids, config.seed, self.device)
         self.reqs: dict[str, ReqState] = {}
+        self.staging = PinnedStaging(self.device) if self.device.type == "cuda" else None
 
     def _build_lora(self) -> LoraManager:
         with open(os.path.join(self.config.model_dir, "config.json"), encoding="utf-8") as f:
@@ -142,13 +144,16 @@ class ModelRunner:
         return req
 
     def _run(self, scheduled: list[ReqState]) -> list[SampledToken]:
-        batch = build_batch(scheduled, self.config.block_size, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.layers, batch.meta, batch.lora_slots)
+        batch = build_batch(scheduled, self.config.block_size, self.device, self.staging)
+        if self.staging is None:  # CPU: slot tensors are host tensors, reading them costs nothing
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.layers, batch.meta, batch.lora_slots)
+            sample_slots, sample_lora = batch.lora_slots[batch.sample_indices], None
+        else:  # CUDA: LoRA mappings prebuilt from host lists, no sync until the sampled tokens
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.layers, batch.meta, lora=batch.lora)
+            sample_slots, sample_lora = None, batch.sample_lora
         if not batch.sampling_reqs:
             return []
-        logits = self.model.compute_logits(
-            hidden[batch.sample_indices], batch.lora_slots[batch.sample_indices]
-        )  # [num_sampling, vocab]
+        logits = self.model.compute_logits(hidden[batch.sample_indices], sample_slots, sample_lora)  # [num_sampling, vocab]
         sampling = [
             SamplingReq(r.sampling, r.token_ids[: r.num_prompt_tokens], r.token_ids[r.num_prompt_tokens :])
             for r in batch.sampling_reqs
