@@ -10,7 +10,7 @@ import torch
 from kernels.attention_ref import PagedAttentionMetadata
 from shared.events import CachedReq, NewReq
 from shared.sampling import SamplingParams
-from worker_proc.lora.mapping import LoraMapping
+from worker_proc.lora.mapping import LoraMapping, runs
 from worker_proc.step_inputs import DeviceAttentionMetadata, PinnedStaging, padded_tables
 
 
@@ -123,13 +123,14 @@ def _device_batch(
     sampling_reqs: list[ReqState],
 ) -> ForwardBatch:
     flat_tables, width = padded_tables(tables)
-    ids, pos, lslots, smap, sidx, qsl, slens, bt = staging.upload(
-        [input_ids, positions, lora_slots, slots, sample_indices, starts, seq_lens, flat_tables]
+    run_starts, run_slots = runs(lora_slots)
+    ids, pos, lslots, smap, sidx, qsl, slens, bt, rstarts, rslots = staging.upload(
+        [input_ids, positions, lora_slots, slots, sample_indices, starts, seq_lens, flat_tables, run_starts, run_slots]
     )
     max_query_len = max(b - a for a, b in zip(starts, starts[1:]))
     meta = DeviceAttentionMetadata(
         starts, seq_lens, tables, smap, bt.view(len(tables), width).int(), slens.int(), qsl.int(), max_query_len
     )
-    lora = LoraMapping.from_host(lora_slots, lslots)
+    lora = LoraMapping.from_host(lora_slots, lslots, (rstarts, rslots))
     sample_lora = LoraMapping.from_host([lora_slots[i] for i in sample_indices], lslots[sidx]) if lora else None
     return ForwardBatch(ids, pos, lslots, meta, sidx, sampling_reqs, lora, sample_lora)

@@ -17,6 +17,8 @@ class LoraMapping:
     seg_slots: torch.Tensor  # [num_segments] int64 on the CPU
     use_segments: bool  # prefill-like batch: segment kernels; else per-token gather
     slots: tuple[int, ...]  # distinct adapter slots used (>= 0), host-side
+    device_segments: tuple[torch.Tensor, torch.Tensor] | None = None  # seg_starts, seg_slots on the device
+    max_seg_len: int = 0  # longest run of one slot
 
     @staticmethod
     def from_slots(token_slots: torch.Tensor) -> "LoraMapping | None":
@@ -24,23 +26,28 @@ class LoraMapping:
         return LoraMapping.from_host(token_slots.tolist(), token_slots)
 
     @staticmethod
-    def from_host(slots: list[int], token_slots: torch.Tensor) -> "LoraMapping | None":
+    def from_host(
+        slots: list[int], token_slots: torch.Tensor, device_segments: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> "LoraMapping | None":
         """`slots` is the host copy of `token_slots` [num_tokens]; no device sync.
+        `device_segments`: device copies of runs(slots), for the Triton segment kernels.
         None when no token uses an adapter (the forward pass skips LoRA entirely)."""
         used = tuple(sorted({slot for slot in slots if slot >= 0}))
         if not used:
             return None
-        starts, seg_slots = _runs(slots)
+        starts, seg_slots = runs(slots)
         return LoraMapping(
             token_slots.long(),
             torch.tensor(starts, dtype=torch.long),
             torch.tensor(seg_slots, dtype=torch.long),
             len(slots) >= MIN_MEAN_SEGMENT_LEN * len(seg_slots),
             used,
+            device_segments,
+            max(b - a for a, b in zip(starts, starts[1:])),
         )
 
 
-def _runs(slots: list[int]) -> tuple[list[int], list[int]]:
+def runs(slots: list[int]) -> tuple[list[int], list[int]]:
     """Token offsets [num_segments + 1] and slot [num_segments] of each run of equal slots."""
     starts: list[int] = []
     seg_slots: list[int] = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.lora_ref import lora_expand_segments, lora_expand_tokens, lora_shrink_segments, lora_shrink_tokens
+from kernels import ops
 from worker_proc.lora.mapping import LoraMapping
 
 SliceWeights = tuple[torch.Tensor, torch.Tensor, float]  # A [rank, in], B [out_slice, rank], scaling
@@ -34,16 +34,32 @@ class LoraWeights:
 
     def apply(self, x: torch.Tensor, y: torch.Tensor, mapping: LoraMapping) -> None:
         """y += LoRA delta of each token's slot. x: [num_tokens, in], y: [num_tokens, out]."""
+        if ops.use_triton_lora(x):
+            self._apply_triton(x, y, mapping)
+            return
         if mapping.use_segments:
-            buf = lora_shrink_segments(x, self.a, self.ranks, mapping.seg_starts, mapping.seg_slots, self.rank_table)
-            lora_expand_segments(y, buf, self.b, self.ranks, self.scalings, self.output_sizes,
-                                 mapping.seg_starts, mapping.seg_slots, self.rank_table, self.scale_table)
+            buf = ops.lora_shrink_segments(x, self.a, self.ranks, mapping.seg_starts, mapping.seg_slots, self.rank_table)
+            ops.lora_expand_segments(y, buf, self.b, self.ranks, self.scalings, self.output_sizes,
+                                     mapping.seg_starts, mapping.seg_slots, self.rank_table, self.scale_table)
             return
         rank = self.batch_rank(mapping.slots)
         if rank == 0:
             return
-        buf = lora_shrink_tokens(x, self.a, self.ranks, mapping.token_slots, rank)
-        lora_expand_tokens(y, buf, self.b, self.ranks, self.scalings, self.output_sizes, mapping.token_slots, rank)
+        buf = ops.lora_shrink_tokens(x, self.a, self.ranks, mapping.token_slots, rank)
+        ops.lora_expand_tokens(y, buf, self.b, self.ranks, self.scalings, self.output_sizes, mapping.token_slots, rank)
+
+    def _apply_triton(self, x: torch.Tensor, y: torch.Tensor, mapping: LoraMapping) -> None:
+        """Triton: segment kernels when the batch is prefill-like and its runs are on the device."""
+        if self.batch_rank(mapping.slots) == 0:
+            return
+        if mapping.use_segments and mapping.device_segments is not None:
+            starts, seg_slots = mapping.device_segments
+            buf = ops.lora_shrink_segments(x, self.a, self.ranks, starts, seg_slots, max_seg_len=mapping.max_seg_len)
+            ops.lora_expand_segments(y, buf, self.b, self.ranks, self.scalings, self.output_sizes, starts, seg_slots,
+                                     max_seg_len=mapping.max_seg_len)
+            return
+        buf = ops.lora_shrink_tokens(x, self.a, self.ranks, mapping.token_slots)
+        ops.lora_expand_tokens(y, buf, self.b, self.ranks, self.scalings, self.output_sizes, mapping.token_slots)
 
     def batch_rank(self, slots: tuple[int, ...]) -> int:
         """The largest real rank over `slots` and this layer's slices (host-side)."""
