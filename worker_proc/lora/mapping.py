@@ -19,6 +19,7 @@ class LoraMapping:
     slots: tuple[int, ...]  # distinct adapter slots used (>= 0), host-side
     device_segments: tuple[torch.Tensor, torch.Tensor] | None = None  # seg_starts, seg_slots on the device
     max_seg_len: int = 0  # longest run of one slot
+    in_graph: bool = False  # CUDA-graph capture: launch the kernels whatever the slots hold now
 
     @staticmethod
     def from_slots(token_slots: torch.Tensor) -> "LoraMapping | None":

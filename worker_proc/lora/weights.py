@@ -50,7 +50,7 @@ class LoraWeights:
 
     def _apply_triton(self, x: torch.Tensor, y: torch.Tensor, mapping: LoraMapping) -> None:
         """Triton: segment kernels when the batch is prefill-like and its runs are on the device."""
-        if self.batch_rank(mapping.slots) == 0:
+        if not mapping.in_graph and self.batch_rank(mapping.slots) == 0:
             return
         if mapping.use_segments and mapping.device_segments is not None:
             starts, seg_slots = mapping.device_segments
