@@ -20,9 +20,14 @@ BLOCK_M_TOK = 16  # the smallest tl.dot tile; one valid row per program in the t
 
 @triton.jit
 def _segment(seg_starts_ptr, seg_slots_ptr, seg, PER_TOKEN: tl.constexpr):
+    slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
     if PER_TOKEN:
-        return seg, seg + 1, tl.load(seg_slots_ptr + seg)
-    return tl.load(seg_starts_ptr + seg), tl.load(seg_starts_ptr + seg + 1), tl.load(seg_slots_ptr + seg)
+        start = seg.to(tl.int64)
+        end = start + 1
+    else:
+        start = tl.load(seg_starts_ptr + seg).to(tl.int64)
+        end = tl.load(seg_starts_ptr + seg + 1).to(tl.int64)
+    return start, end, slot
 
 
 @triton.jit
@@ -34,7 +39,6 @@ def _shrink_kernel(
     seg, s, mblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start, end, slot = _segment(seg_starts_ptr, seg_slots_ptr, seg, PER_TOKEN)
     start += mblk * BLOCK_M
-    slot = tl.maximum(slot, -1).to(tl.int64)
     rank = tl.load(ranks_ptr + tl.maximum(slot, 0) * num_slices + s)
     if (slot >= 0) & (start < end) & (rank > 0):
         rows = start + tl.arange(0, BLOCK_M)  # [BLOCK_M]
@@ -66,7 +70,6 @@ def _expand_kernel(
     s, nblk = pid1 // n_blocks, pid1 % n_blocks
     start, end, slot = _segment(seg_starts_ptr, seg_slots_ptr, seg, PER_TOKEN)
     start += mblk * BLOCK_M
-    slot = tl.maximum(slot, -1).to(tl.int64)
     rank = tl.load(ranks_ptr + tl.maximum(slot, 0) * num_slices + s)
     size = tl.where(s == 0, size0, tl.where(s == 1, size1, size2))
     lo = tl.where(s == 0, 0, tl.where(s == 1, size0, size0 + size1))
