@@ -1,6 +1,8 @@
 """Triton multi-LoRA shrink / expand: the contract and buffers of kernels/lora_ref.py.
 
-One pair of kernels serves both token layouts. A program owns one (segment, slice,
+One pair of kernels serves both token layouts. Shrink splits the input dimension over
+programs and adds float32 partials atomically into a float32 `buf` (so `buf` is float32
+here); expand rounds it to the weights' dtype where the reference does. A program owns one (segment, slice,
 row block) for shrink, one (segment, slice, column block, row block) for expand; in the
 per-token layout a "segment" is one token and its slot comes from `token_slots`. Each
 program reads its slot's real rank from `ranks` and loads only those rows of A / columns
@@ -16,6 +18,7 @@ import triton.language as tl
 
 BLOCK_M_SEG = 32  # rows per program in the segment layout
 BLOCK_M_TOK = 16  # the smallest tl.dot tile; one valid row per program in the token layout
+K_PER_SPLIT = 1024  # shrink splits the input dim so a GEMV of a few rows still fills the chip
 
 
 @triton.jit
@@ -33,10 +36,12 @@ def _segment(seg_starts_ptr, seg_slots_ptr, seg, PER_TOKEN: tl.constexpr):
 @triton.jit
 def _shrink_kernel(
     x_ptr, a_ptr, ranks_ptr, buf_ptr, seg_starts_ptr, seg_slots_ptr,
-    in_features, num_slices, stride_xt, stride_al, stride_as, stride_ar, stride_bufs, stride_buft,
+    in_features, num_slices, stride_xt, stride_al, stride_as, stride_ar, stride_bufs, stride_buft, split_k,
     PER_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    K_PER_SPLIT: tl.constexpr,
 ):  # fmt: skip
-    seg, s, mblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seg, s, pid2 = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    mblk, ks = pid2 // split_k, pid2 % split_k
     start, end, slot = _segment(seg_starts_ptr, seg_slots_ptr, seg, PER_TOKEN)
     start += mblk * BLOCK_M
     rank = tl.load(ranks_ptr + tl.maximum(slot, 0) * num_slices + s)
@@ -47,7 +52,7 @@ def _shrink_kernel(
         r_mask = r < rank
         a_base = a_ptr + slot * stride_al + s * stride_as
         acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-        for k0 in range(0, in_features, BLOCK_K):
+        for k0 in range(ks * K_PER_SPLIT, (ks + 1) * K_PER_SPLIT, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             k_mask = k < in_features
             xt = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xt + k[None, :],
@@ -56,7 +61,7 @@ def _shrink_kernel(
                          mask=r_mask[None, :] & k_mask[:, None], other=0.0)  # [BLOCK_K, BLOCK_R]
             acc += tl.dot(xt, at)
         out = buf_ptr + s * stride_bufs + rows[:, None].to(tl.int64) * stride_buft + r[None, :]
-        tl.store(out, acc.to(buf_ptr.dtype.element_ty), mask=row_mask[:, None] & r_mask[None, :])
+        tl.atomic_add(out, acc, mask=row_mask[:, None] & r_mask[None, :], sem="relaxed")  # split-K partial sums
 
 
 @triton.jit
@@ -81,7 +86,7 @@ def _expand_kernel(
         n = nblk * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = n < size
         h = tl.load(buf_ptr + s * stride_bufs + rows[:, None].to(tl.int64) * stride_buft + r[None, :],
-                    mask=row_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_R]
+                    mask=row_mask[:, None] & r_mask[None, :], other=0.0).to(b_ptr.dtype.element_ty)  # [BLOCK_M, BLOCK_R]
         bt = tl.load(b_ptr + slot * stride_bl + s * stride_bs + n[None, :] * stride_bo + r[:, None],
                      mask=r_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
         scale = tl.load(scalings_ptr + slot * num_slices + s)
@@ -95,13 +100,15 @@ def _expand_kernel(
 def _shrink(x, a, ranks, seg_starts, seg_slots, num_segs: int, m_blocks: int, per_token: bool, block_m: int):
     num_slices, max_rank, in_features = a.shape[1], a.shape[2], a.shape[3]
     assert x.stride(-1) == 1 and a.is_contiguous() and ranks.is_contiguous()
-    buf = torch.zeros(num_slices, x.shape[0], max_rank, dtype=x.dtype, device=x.device)
+    buf = torch.zeros(num_slices, x.shape[0], max_rank, dtype=torch.float32, device=x.device)  # atomics: fp32
     if num_segs == 0 or x.shape[0] == 0:
         return buf
     block_r = max(16, triton.next_power_of_2(max_rank))
-    _shrink_kernel[(num_segs, num_slices, m_blocks)](
+    split_k = triton.cdiv(in_features, K_PER_SPLIT)
+    _shrink_kernel[(num_segs, num_slices, m_blocks * split_k)](
         x, a, ranks, buf, seg_starts, seg_slots, in_features, num_slices, x.stride(0), a.stride(0), a.stride(1),
-        a.stride(2), buf.stride(0), buf.stride(1), PER_TOKEN=per_token, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=128,
+        a.stride(2), buf.stride(0), buf.stride(1), split_k,
+        PER_TOKEN=per_token, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=128, K_PER_SPLIT=K_PER_SPLIT,
     )  # fmt: skip
     return buf
 
