@@ -25,6 +25,10 @@ Two token layouts:
     each token to its own rank.
 
 Columns of `buf` past a token's rank, and rows of tokens on the base model, are zero.
+
+No host sync on CUDA when the caller passes the host-side copies it keeps: `rank_table`
+(ranks as nested lists), `scale_table` (scalings likewise), segment offsets/slots as host
+lists or CPU tensors, and for the token ops `max_rank` (the batch's largest real rank).
 """
 
 from __future__ import annotations
@@ -38,10 +42,11 @@ def lora_shrink_segments(
     ranks: torch.Tensor,  # [max_loras, num_slices] int
     seg_starts: torch.Tensor,  # [num_segments + 1] int
     seg_slots: torch.Tensor,  # [num_segments] int, -1 = base
+    rank_table: list[list[int]] | None = None,  # host copy of ranks
 ) -> torch.Tensor:  # [num_slices, num_tokens, max_rank]
     num_slices, max_rank = a.shape[1], a.shape[2]
     buf = x.new_zeros(num_slices, x.shape[0], max_rank)
-    rank_table = ranks.tolist()
+    rank_table = ranks.tolist() if rank_table is None else rank_table
     for start, end, slot in _segments(seg_starts, seg_slots):
         for s in range(num_slices):
             rank = rank_table[slot][s]
@@ -59,8 +64,11 @@ def lora_expand_segments(
     output_sizes: list[int],
     seg_starts: torch.Tensor,  # [num_segments + 1] int
     seg_slots: torch.Tensor,  # [num_segments] int, -1 = base
+    rank_table: list[list[int]] | None = None,  # host copy of ranks
+    scale_table: list[list[float]] | None = None,  # host copy of scalings
 ) -> None:
-    rank_table, scale_table = ranks.tolist(), scalings.tolist()
+    rank_table = ranks.tolist() if rank_table is None else rank_table
+    scale_table = scalings.tolist() if scale_table is None else scale_table
     offsets = _offsets(output_sizes)
     for start, end, slot in _segments(seg_starts, seg_slots):
         for s, (lo, size) in enumerate(zip(offsets, output_sizes)):
@@ -75,10 +83,11 @@ def lora_shrink_tokens(
     a: torch.Tensor,  # [max_loras, num_slices, max_rank, in]
     ranks: torch.Tensor,  # [max_loras, num_slices] int
     token_slots: torch.Tensor,  # [num_tokens] int, -1 = base
+    max_rank: int | None = None,  # the batch's largest real rank, if the caller knows it
 ) -> torch.Tensor:  # [num_slices, num_tokens, max_rank]
-    num_slices, max_rank = a.shape[1], a.shape[2]
-    buf = x.new_zeros(num_slices, x.shape[0], max_rank)
-    rank, token_ranks, idx = _token_ranks(ranks, token_slots)
+    num_slices = a.shape[1]
+    buf = x.new_zeros(num_slices, x.shape[0], a.shape[2])
+    rank, token_ranks, idx = _token_ranks(ranks, token_slots, max_rank)
     if rank == 0:
         return buf
     a_tok = a[idx, :, :rank]  # [num_tokens, num_slices, rank, in]
@@ -95,8 +104,9 @@ def lora_expand_tokens(
     scalings: torch.Tensor,  # [max_loras, num_slices]
     output_sizes: list[int],
     token_slots: torch.Tensor,  # [num_tokens] int, -1 = base
+    max_rank: int | None = None,  # the batch's largest real rank, if the caller knows it
 ) -> None:
-    rank, token_ranks, idx = _token_ranks(ranks, token_slots)
+    rank, token_ranks, idx = _token_ranks(ranks, token_slots, max_rank)
     if rank == 0:
         return
     h = buf[:, :, :rank] * _rank_mask(token_ranks, rank, buf.dtype)  # [num_slices, num_tokens, rank]
@@ -108,9 +118,10 @@ def lora_expand_tokens(
         y[:, lo : lo + size] += delta * scale[s, :, None]
 
 
-def _segments(seg_starts: torch.Tensor, seg_slots: torch.Tensor) -> list[tuple[int, int, int]]:
+def _segments(seg_starts: torch.Tensor | list[int], seg_slots: torch.Tensor | list[int]) -> list[tuple[int, int, int]]:
     """(start, end, slot) of each non-empty segment on an adapter."""
-    starts, slots = seg_starts.tolist(), seg_slots.tolist()
+    starts = seg_starts.tolist() if isinstance(seg_starts, torch.Tensor) else seg_starts
+    slots = seg_slots.tolist() if isinstance(seg_slots, torch.Tensor) else seg_slots
     return [(starts[i], starts[i + 1], slot) for i, slot in enumerate(slots) if slot >= 0 and starts[i + 1] > starts[i]]
 
 
@@ -122,11 +133,15 @@ def _offsets(output_sizes: list[int]) -> list[int]:
     return offsets
 
 
-def _token_ranks(ranks: torch.Tensor, token_slots: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+def _token_ranks(
+    ranks: torch.Tensor, token_slots: torch.Tensor, max_rank: int | None
+) -> tuple[int, torch.Tensor, torch.Tensor]:
     """(largest real rank in the batch, per-token ranks [num_slices, num_tokens], gather index)."""
     on = token_slots >= 0  # [num_tokens]
     idx = token_slots.clamp(min=0).long()  # [num_tokens]
     token_ranks = ranks[idx].T * on  # [num_slices, num_tokens]
+    if max_rank is not None:
+        return max_rank, token_ranks, idx
     rank = int(token_ranks.max()) if token_ranks.numel() else 0
     return rank, token_ranks, idx
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from kernels.attention_ref import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv
+from kernels import lora_ref
 from kernels.fused_ref import (
     apply_rope_ref,
     fused_add_rms_norm_ref,
@@ -21,6 +22,10 @@ from kernels.fused_ref import (
 __all__ = [
     "apply_rope",
     "fused_add_rms_norm",
+    "lora_expand_segments",
+    "lora_expand_tokens",
+    "lora_shrink_segments",
+    "lora_shrink_tokens",
     "paged_decode_attention",
     "paged_prefill_attention",
     "rms_norm",
@@ -31,6 +36,7 @@ __all__ = [
 
 try:
     from kernels import fused as _fused
+    from kernels import lora as _lora
     from kernels import paged_attention as _decode
     from kernels import prefill_attention as _prefill
 
@@ -86,3 +92,42 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_si
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * d] -> [num_tokens, d]
     return (_fused.silu_and_mul if use_triton(x) else silu_and_mul_ref)(x)
+
+
+# Multi-LoRA (kernels/lora_ref.py has the contract). Triton for half-precision CUDA tensors:
+# it then wants device segment tensors and reads ranks/scalings on the device; the
+# host-side extras (rank_table, scale_table, max_rank, max_seg_len) serve whichever needs them.
+
+
+def use_triton_lora(x: torch.Tensor) -> bool:
+    return use_triton(x) and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def lora_shrink_segments(x, a, ranks, seg_starts, seg_slots, rank_table=None, max_seg_len=None) -> torch.Tensor:
+    if use_triton_lora(x):
+        return _lora.lora_shrink_segments(x, a, ranks, seg_starts, seg_slots, rank_table, max_seg_len)
+    return lora_ref.lora_shrink_segments(x, a, ranks, seg_starts, seg_slots, rank_table)
+
+
+def lora_expand_segments(
+    y, buf, b, ranks, scalings, output_sizes, seg_starts, seg_slots, rank_table=None, scale_table=None,
+    max_seg_len=None,
+) -> None:  # fmt: skip
+    if use_triton_lora(y):
+        _lora.lora_expand_segments(y, buf, b, ranks, scalings, output_sizes, seg_starts, seg_slots, rank_table,
+                                   scale_table, max_seg_len)
+    else:
+        lora_ref.lora_expand_segments(y, buf, b, ranks, scalings, output_sizes, seg_starts, seg_slots, rank_table,
+                                      scale_table)
+
+
+def lora_shrink_tokens(x, a, ranks, token_slots, max_rank=None) -> torch.Tensor:
+    return (_lora.lora_shrink_tokens if use_triton_lora(x) else lora_ref.lora_shrink_tokens)(
+        x, a, ranks, token_slots, max_rank
+    )
+
+
+def lora_expand_tokens(y, buf, b, ranks, scalings, output_sizes, token_slots, max_rank=None) -> None:
+    (_lora.lora_expand_tokens if use_triton_lora(y) else lora_ref.lora_expand_tokens)(
+        y, buf, b, ranks, scalings, output_sizes, token_slots, max_rank
+    )

@@ -10,6 +10,8 @@ import torch
 from kernels.attention_ref import PagedAttentionMetadata
 from shared.events import CachedReq, NewReq
 from shared.sampling import SamplingParams
+from worker_proc.lora.mapping import LoraMapping, runs
+from worker_proc.step_inputs import DeviceAttentionMetadata, PinnedStaging, padded_tables
 
 
 @dataclass
@@ -74,10 +76,16 @@ class ForwardBatch:
     meta: PagedAttentionMetadata
     sample_indices: torch.Tensor  # [num_sampling] int64, last token of each sampling req
     sampling_reqs: list[ReqState]
+    lora: LoraMapping | None = None  # of every token; None when no token uses an adapter
+    sample_lora: LoraMapping | None = None  # of the sampled tokens
 
 
-def build_batch(reqs: Sequence[ReqState], block_size: int, device: torch.device) -> ForwardBatch:
-    """One flat batch of every scheduled token, in the given request order."""
+def build_batch(
+    reqs: Sequence[ReqState], block_size: int, device: torch.device, staging: PinnedStaging | None = None
+) -> ForwardBatch:
+    """One flat batch of every scheduled token, in the given request order. With `staging`
+    (CUDA), the inputs go up in one non-blocking copy and the LoRA mappings are built
+    from the host lists, so building the batch never waits on the GPU."""
     input_ids: list[int] = []
     positions: list[int] = []
     lora_slots: list[int] = []
@@ -96,6 +104,10 @@ def build_batch(reqs: Sequence[ReqState], block_size: int, device: torch.device)
             sample_indices.append(len(input_ids) - 1)
             sampling_reqs.append(req)
 
+    if staging is not None:
+        return _device_batch(staging, input_ids, positions, lora_slots, slots, sample_indices, starts, seq_lens,
+                             tables, sampling_reqs)
+
     def as_tensor(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
 
@@ -103,3 +115,22 @@ def build_batch(reqs: Sequence[ReqState], block_size: int, device: torch.device)
     return ForwardBatch(
         as_tensor(input_ids), as_tensor(positions), as_tensor(lora_slots), meta, as_tensor(sample_indices), sampling_reqs
     )
+
+
+def _device_batch(
+    staging: PinnedStaging, input_ids: list[int], positions: list[int], lora_slots: list[int], slots: list[int],
+    sample_indices: list[int], starts: list[int], seq_lens: list[int], tables: list[list[int]],
+    sampling_reqs: list[ReqState],
+) -> ForwardBatch:
+    flat_tables, width = padded_tables(tables)
+    run_starts, run_slots = runs(lora_slots)
+    ids, pos, lslots, smap, sidx, qsl, slens, bt, rstarts, rslots = staging.upload(
+        [input_ids, positions, lora_slots, slots, sample_indices, starts, seq_lens, flat_tables, run_starts, run_slots]
+    )
+    max_query_len = max(b - a for a, b in zip(starts, starts[1:]))
+    meta = DeviceAttentionMetadata(
+        starts, seq_lens, tables, smap, bt.view(len(tables), width).int(), slens.int(), qsl.int(), max_query_len
+    )
+    lora = LoraMapping.from_host(lora_slots, lslots, (rstarts, rslots))
+    sample_lora = LoraMapping.from_host([lora_slots[i] for i in sample_indices], lslots[sidx]) if lora else None
+    return ForwardBatch(ids, pos, lslots, meta, sidx, sampling_reqs, lora, sample_lora)

@@ -12,13 +12,16 @@ CPU_KV_BUDGET_BYTES = 2 * 1024**3
 
 class KVCache:
     def __init__(
-        self, model_cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+        self, model_cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+        scratch_blocks: int = 0,
     ) -> None:
+        """`scratch_blocks` extra blocks past `num_blocks` (ids num_blocks...) take the KV writes of
+        CUDA-graph padding rows; the scheduler never sees them."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_blocks, block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
+        shape = (num_blocks + scratch_blocks, block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(model_cfg.num_layers)

@@ -18,10 +18,13 @@ from shared.events import (
     FailedReq, NewReq, RankDigest, SampledToken, StepCompleted, StepPlan, WorkerReady,
 )
 from worker_proc.batch import ReqState, build_batch, validate_req
+from worker_proc.cuda_graphs import DecodeGraphs
 from worker_proc.kv_cache import KVCache, num_kv_blocks
 from worker_proc.lora.manager import LoraManager
 from worker_proc.models import build_model, load_eos_token_ids, load_model_config
+from worker_proc.models.llama import FAST_DTYPES
 from worker_proc.sampler import Sampler, SamplingReq
+from worker_proc.step_inputs import PinnedStaging
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -43,9 +46,18 @@ class ModelRunner:
         )
         self.lora = self._build_lora() if config.enable_lora else None  # before KV sizing: its buffers count
         num_blocks = num_kv_blocks(config, self.model_cfg, self.dtype, self.device)
-        self.kv_cache = KVCache(self.model_cfg, num_blocks, config.block_size, self.dtype, self.device)
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager and self.dtype in FAST_DTYPES
+        self.kv_cache = KVCache(self.model_cfg, num_blocks, config.block_size, self.dtype, self.device,
+                                scratch_blocks=1 if use_graphs else 0)
         self.sampler = Sampler(self.eos_token_ids, config.seed, self.device)
         self.reqs: dict[str, ReqState] = {}
+        self.staging = PinnedStaging(self.device) if self.device.type == "cuda" else None
+        self.graphs: DecodeGraphs | None = None
+        if use_graphs:
+            width = -(-config.max_model_len // config.block_size)
+            self.graphs = DecodeGraphs(self.model, self.kv_cache.layers, num_blocks * config.block_size, width,
+                                       config.max_num_seqs, config.enable_lora, self.device)
+            self.graphs.capture()
 
     def _build_lora(self) -> LoraManager:
         with open(os.path.join(self.config.model_dir, "config.json"), encoding="utf-8") as f:
@@ -142,16 +154,25 @@ class ModelRunner:
         return req
 
     def _run(self, scheduled: list[ReqState]) -> list[SampledToken]:
-        batch = build_batch(scheduled, self.config.block_size, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.layers, batch.meta, batch.lora_slots)
+        if self.graphs is not None and self.staging is not None and self.graphs.fits(scheduled):
+            return self._sample(self.graphs.run(scheduled, self.config.block_size, self.staging), scheduled)
+        batch = build_batch(scheduled, self.config.block_size, self.device, self.staging)
+        if self.staging is None:  # CPU: slot tensors are host tensors, reading them costs nothing
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.layers, batch.meta, batch.lora_slots)
+            sample_slots, sample_lora = batch.lora_slots[batch.sample_indices], None
+        else:  # CUDA: LoRA mappings prebuilt from host lists, no sync until the sampled tokens
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.layers, batch.meta, lora=batch.lora)
+            sample_slots, sample_lora = None, batch.sample_lora
         if not batch.sampling_reqs:
             return []
-        logits = self.model.compute_logits(
-            hidden[batch.sample_indices], batch.lora_slots[batch.sample_indices]
-        )  # [num_sampling, vocab]
+        logits = self.model.compute_logits(hidden[batch.sample_indices], sample_slots, sample_lora)  # [num_sampling, vocab]
+        return self._sample(logits, batch.sampling_reqs)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[ReqState]) -> list[SampledToken]:
+        """logits: [len(reqs), vocab] float32."""
         sampling = [
             SamplingReq(r.sampling, r.token_ids[: r.num_prompt_tokens], r.token_ids[r.num_prompt_tokens :])
-            for r in batch.sampling_reqs
+            for r in reqs
         ]
         results = self.sampler.sample(logits, sampling)
-        return [SampledToken(r.req_id, s.token_id, s.logprobs) for r, s in zip(batch.sampling_reqs, results)]
+        return [SampledToken(r.req_id, s.token_id, s.logprobs) for r, s in zip(reqs, results)]

@@ -52,10 +52,10 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(r.params.logprobs is not None for r in reqs) else None
         logits = apply_penalties(logits.clone(), reqs)
         mask_stop_tokens(logits, reqs, self.eos_token_ids)
-        token_ids = self._choose(logits, reqs)  # [num_reqs]
+        token_ids: list[int] = self._choose(logits, reqs).tolist()  # [num_reqs]: the step's one read-back
         results = []
         for i, req in enumerate(reqs):
-            token_id = int(token_ids[i])
+            token_id = token_ids[i]
             lp = None if raw_logprobs is None else token_logprobs(raw_logprobs[i], token_id, req.params.logprobs)
             results.append(SampleResult(token_id, lp))
         return results

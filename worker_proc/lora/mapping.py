@@ -12,29 +12,43 @@ MIN_MEAN_SEGMENT_LEN = 2
 
 @dataclass(frozen=True)
 class LoraMapping:
-    token_slots: torch.Tensor  # [num_tokens] int64, -1 = base model
-    seg_starts: torch.Tensor  # [num_segments + 1] int64, token offsets of runs of one slot
-    seg_slots: torch.Tensor  # [num_segments] int64
+    token_slots: torch.Tensor  # [num_tokens] int64 on the model's device, -1 = base model
+    seg_starts: torch.Tensor  # [num_segments + 1] int64 on the CPU, token offsets of runs of one slot
+    seg_slots: torch.Tensor  # [num_segments] int64 on the CPU
     use_segments: bool  # prefill-like batch: segment kernels; else per-token gather
+    slots: tuple[int, ...]  # distinct adapter slots used (>= 0), host-side
+    device_segments: tuple[torch.Tensor, torch.Tensor] | None = None  # seg_starts, seg_slots on the device
+    max_seg_len: int = 0  # longest run of one slot
+    in_graph: bool = False  # CUDA-graph capture: launch the kernels whatever the slots hold now
 
     @staticmethod
     def from_slots(token_slots: torch.Tensor) -> "LoraMapping | None":
-        """None when no token uses an adapter (the forward pass skips LoRA entirely)."""
-        slots: list[int] = token_slots.tolist()
-        if all(slot < 0 for slot in slots):
+        """From a tensor of slots (reads it back to the host: a sync on CUDA)."""
+        return LoraMapping.from_host(token_slots.tolist(), token_slots)
+
+    @staticmethod
+    def from_host(
+        slots: list[int], token_slots: torch.Tensor, device_segments: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> "LoraMapping | None":
+        """`slots` is the host copy of `token_slots` [num_tokens]; no device sync.
+        `device_segments`: device copies of runs(slots), for the Triton segment kernels.
+        None when no token uses an adapter (the forward pass skips LoRA entirely)."""
+        used = tuple(sorted({slot for slot in slots if slot >= 0}))
+        if not used:
             return None
-        starts, seg_slots = _runs(slots)
-        num_tokens, num_segments = len(slots), len(seg_slots)
-        device = token_slots.device
+        starts, seg_slots = runs(slots)
         return LoraMapping(
             token_slots.long(),
-            torch.tensor(starts, dtype=torch.long, device=device),
-            torch.tensor(seg_slots, dtype=torch.long, device=device),
-            num_tokens >= MIN_MEAN_SEGMENT_LEN * num_segments,
+            torch.tensor(starts, dtype=torch.long),
+            torch.tensor(seg_slots, dtype=torch.long),
+            len(slots) >= MIN_MEAN_SEGMENT_LEN * len(seg_slots),
+            used,
+            device_segments,
+            max(b - a for a, b in zip(starts, starts[1:])),
         )
 
 
-def _runs(slots: list[int]) -> tuple[list[int], list[int]]:
+def runs(slots: list[int]) -> tuple[list[int], list[int]]:
     """Token offsets [num_segments + 1] and slot [num_segments] of each run of equal slots."""
     starts: list[int] = []
     seg_slots: list[int] = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.lora_ref import lora_expand_segments, lora_expand_tokens, lora_shrink_segments, lora_shrink_tokens
+from kernels import ops
 from worker_proc.lora.mapping import LoraMapping
 
 SliceWeights = tuple[torch.Tensor, torch.Tensor, float]  # A [rank, in], B [out_slice, rank], scaling
@@ -24,6 +24,9 @@ class LoraWeights:
         self.b = torch.zeros(max_loras, num_slices, max(output_sizes), max_rank, dtype=dtype, device=device)
         self.ranks = torch.zeros(max_loras, num_slices, dtype=torch.long, device=device)
         self.scalings = torch.zeros(max_loras, num_slices, dtype=torch.float32, device=device)
+        # host copies of ranks / scalings, kept in step with the device ones: no sync per step
+        self.rank_table: list[list[int]] = [[0] * num_slices for _ in range(max_loras)]
+        self.scale_table: list[list[float]] = [[0.0] * num_slices for _ in range(max_loras)]
 
     @property
     def max_rank(self) -> int:
@@ -31,13 +34,36 @@ class LoraWeights:
 
     def apply(self, x: torch.Tensor, y: torch.Tensor, mapping: LoraMapping) -> None:
         """y += LoRA delta of each token's slot. x: [num_tokens, in], y: [num_tokens, out]."""
+        if ops.use_triton_lora(x):
+            self._apply_triton(x, y, mapping)
+            return
         if mapping.use_segments:
-            buf = lora_shrink_segments(x, self.a, self.ranks, mapping.seg_starts, mapping.seg_slots)
-            lora_expand_segments(y, buf, self.b, self.ranks, self.scalings, self.output_sizes,
-                                 mapping.seg_starts, mapping.seg_slots)
-        else:
-            buf = lora_shrink_tokens(x, self.a, self.ranks, mapping.token_slots)
-            lora_expand_tokens(y, buf, self.b, self.ranks, self.scalings, self.output_sizes, mapping.token_slots)
+            buf = ops.lora_shrink_segments(x, self.a, self.ranks, mapping.seg_starts, mapping.seg_slots, self.rank_table)
+            ops.lora_expand_segments(y, buf, self.b, self.ranks, self.scalings, self.output_sizes,
+                                     mapping.seg_starts, mapping.seg_slots, self.rank_table, self.scale_table)
+            return
+        rank = self.batch_rank(mapping.slots)
+        if rank == 0:
+            return
+        buf = ops.lora_shrink_tokens(x, self.a, self.ranks, mapping.token_slots, rank)
+        ops.lora_expand_tokens(y, buf, self.b, self.ranks, self.scalings, self.output_sizes, mapping.token_slots, rank)
+
+    def _apply_triton(self, x: torch.Tensor, y: torch.Tensor, mapping: LoraMapping) -> None:
+        """Triton: segment kernels when the batch is prefill-like and its runs are on the device."""
+        if not mapping.in_graph and self.batch_rank(mapping.slots) == 0:
+            return
+        if mapping.use_segments and mapping.device_segments is not None:
+            starts, seg_slots = mapping.device_segments
+            buf = ops.lora_shrink_segments(x, self.a, self.ranks, starts, seg_slots, max_seg_len=mapping.max_seg_len)
+            ops.lora_expand_segments(y, buf, self.b, self.ranks, self.scalings, self.output_sizes, starts, seg_slots,
+                                     max_seg_len=mapping.max_seg_len)
+            return
+        buf = ops.lora_shrink_tokens(x, self.a, self.ranks, mapping.token_slots)
+        ops.lora_expand_tokens(y, buf, self.b, self.ranks, self.scalings, self.output_sizes, mapping.token_slots)
+
+    def batch_rank(self, slots: tuple[int, ...]) -> int:
+        """The largest real rank over `slots` and this layer's slices (host-side)."""
+        return max((max(self.rank_table[slot]) for slot in slots), default=0)
 
     def check_slice(self, s: int, weights: SliceWeights) -> None:
         """Raise ValueError if one slice's tensors do not fit this layer's buffers."""
@@ -69,9 +95,13 @@ class LoraWeights:
             self.b[slot, s, : b.shape[0], :rank].copy_(b, non_blocking=True)  # [out_slice, rank]
             self.ranks[slot, s] = rank
             self.scalings[slot, s] = scaling
+            self.rank_table[slot][s] = rank
+            self.scale_table[slot][s] = float(torch.tensor(scaling, dtype=torch.float32))  # as stored
 
     def clear_slot(self, slot: int) -> None:
         self.a[slot].zero_()
         self.b[slot].zero_()
         self.ranks[slot].zero_()
         self.scalings[slot].zero_()
+        self.rank_table[slot] = [0] * len(self.output_sizes)
+        self.scale_table[slot] = [0.0] * len(self.output_sizes)

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import ops
 from worker_proc.lora.mapping import LoraMapping
 from worker_proc.lora.weights import LoraWeights
 
@@ -74,3 +75,7 @@ class GatedMLP(nn.Module):
         gate_up = self.gate_up_proj(x, lora)  # [num_tokens, 2 * intermediate]
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up, lora)  # [num_tokens, hidden]
+
+    def forward_fast(self, x: torch.Tensor, lora: LoraMapping | None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x, lora)  # [num_tokens, 2 * intermediate]
+        return self.down_proj(ops.silu_and_mul(gate_up), lora)  # [num_tokens, hidden]

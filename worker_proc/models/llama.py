@@ -4,6 +4,10 @@ One forward takes a flat batch of tokens from many requests; attention finds eac
 request's keys through `PagedAttentionMetadata`. Each token carries its adapter slot
 (`lora_slots`, -1 = base model); every projection, lm_head included, receives the
 batch's `LoraMapping` and adds its slot's LoRA delta.
+
+On CUDA, with `DeviceAttentionMetadata`, the hot ops go through `kernels.ops` (Triton
+paged attention, fused residual-add + RMSNorm, in-place RoPE from a cos/sin cache,
+SiLU-and-mul) in bf16/fp16; elsewhere the layers run the torch references, as before.
 """
 
 from __future__ import annotations
@@ -11,12 +15,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels import ops
 from kernels.attention_ref import PagedAttentionMetadata, paged_attention_ref
 from worker_proc.lora.mapping import LoraMapping
 from worker_proc.models.config import ModelConfig
 from worker_proc.models.layers import GatedMLP, RMSNorm, SlotLinear
 from worker_proc.models.rope import RotaryEmbedding, apply_rope
+from worker_proc.step_inputs import DeviceAttentionMetadata
 
+FAST_DTYPES = (torch.bfloat16, torch.float16)  # float32 on CUDA stays on the references (exact checks)
 KVCacheLayer = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, block_size, num_kv_heads, head_dim]
 
 
@@ -51,6 +58,34 @@ class Attention(nn.Module):
         out = paged_attention_ref(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, -1), lora)
 
+    def forward_fast(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        positions: torch.Tensor,  # [num_tokens] int64
+        cos_sin_cache: torch.Tensor,  # [max_position, head_dim] float32
+        kv_cache: KVCacheLayer,
+        meta: DeviceAttentionMetadata,
+        lora: LoraMapping | None,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x, lora)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+        q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
+            k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+        ops.apply_rope(q, k, positions, cos_sin_cache)  # in place
+        k_cache, v_cache = kv_cache
+        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_decode:
+            out = ops.paged_decode_attention(q, k_cache, v_cache, meta.block_table_t, meta.seq_lens_t, self.scale)
+        else:
+            out = ops.paged_prefill_attention(q, k_cache, v_cache, meta.block_table_t, meta.query_start_loc_t,
+                                              meta.seq_lens_t, self.scale, meta.max_query_len)
+        return self.o_proj(out.reshape(num_tokens, -1), lora)  # out: [num_tokens, num_heads, head_dim]
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -71,6 +106,25 @@ class DecoderLayer(nn.Module):
         h = h + self.self_attn(self.input_layernorm(h), cos_sin, kv_cache, meta, lora)
         return h + self.mlp(self.post_attention_layernorm(h), lora)
 
+    def forward_fast(
+        self,
+        h: torch.Tensor,  # [num_tokens, hidden]: this layer's input delta (embeddings for layer 0)
+        residual: torch.Tensor | None,  # [num_tokens, hidden]; None for layer 0
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        kv_cache: KVCacheLayer,
+        meta: DeviceAttentionMetadata,
+        lora: LoraMapping | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # mlp output, residual: [num_tokens, hidden] each
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:
+            x, residual = ops.rms_norm(h, norm1.weight, norm1.eps), h
+        else:
+            x, residual = ops.fused_add_rms_norm(h, residual, norm1.weight, norm1.eps)
+        attn = self.self_attn.forward_fast(x, positions, cos_sin_cache, kv_cache, meta, lora)
+        x, residual = ops.fused_add_rms_norm(attn, residual, norm2.weight, norm2.eps)
+        return self.mlp.forward_fast(x, lora), residual
+
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -80,6 +134,13 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
+        self.max_position = cfg.max_position_embeddings
+        self.cos_sin_cache: torch.Tensor | None = None  # [max_position, head_dim] float32, built on first CUDA use
+
+    def rope_cache(self, device: torch.device) -> torch.Tensor:
+        if self.cos_sin_cache is None or self.cos_sin_cache.device != device:
+            self.cos_sin_cache = ops.rope_cos_sin_cache(self.rotary.inv_freq.to(device), self.max_position)
+        return self.cos_sin_cache
 
 
 class LlamaForCausalLM(nn.Module):
@@ -101,21 +162,38 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCacheLayer],  # one per layer
         meta: PagedAttentionMetadata,
         lora_slots: torch.Tensor | None = None,  # [num_tokens] int, -1 = base model
+        lora: LoraMapping | None = None,  # prebuilt from host lists (no sync); overrides lora_slots
     ) -> torch.Tensor:  # [num_tokens, hidden]
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"{len(kv_caches)} KV cache layers for {len(self.model.layers)} model layers")
         h = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
+        if lora is None and lora_slots is not None:
+            lora = LoraMapping.from_slots(lora_slots)
+        if isinstance(meta, DeviceAttentionMetadata) and h.is_cuda and h.dtype in FAST_DTYPES:
+            return self._forward_fast(h, positions, kv_caches, meta, lora)
         cos_sin = self.model.rotary.cos_sin(positions)
-        lora = LoraMapping.from_slots(lora_slots) if lora_slots is not None else None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             h = layer(h, cos_sin, kv_cache, meta, lora)
         return self.model.norm(h)
+
+    def _forward_fast(
+        self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCacheLayer],
+        meta: DeviceAttentionMetadata, lora: LoraMapping | None,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        cos_sin_cache = self.model.rope_cache(h.device)
+        residual: torch.Tensor | None = None
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            h, residual = layer.forward_fast(h, residual, positions, cos_sin_cache, kv_cache, meta, lora)
+        norm = self.model.norm
+        return ops.fused_add_rms_norm(h, residual, norm.weight, norm.eps)[0]
 
     @torch.inference_mode()
     def compute_logits(
         self,
         hidden: torch.Tensor,  # [num_sampled, hidden]
         lora_slots: torch.Tensor | None = None,  # [num_sampled]
+        lora: LoraMapping | None = None,  # prebuilt from host lists (no sync); overrides lora_slots
     ) -> torch.Tensor:  # [num_sampled, vocab] float32
-        lora = LoraMapping.from_slots(lora_slots) if lora_slots is not None else None
+        if lora is None and lora_slots is not None:
+            lora = LoraMapping.from_slots(lora_slots)
         return self.lm_head(hidden, lora).float()

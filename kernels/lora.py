@@ -1,0 +1,188 @@
+"""Triton multi-LoRA shrink / expand: the contract and buffers of kernels/lora_ref.py.
+
+One pair of kernels serves both token layouts. Shrink splits the input dimension over
+programs and adds float32 partials atomically into a float32 `buf` (so `buf` is float32
+here); expand rounds it to the weights' dtype where the reference does. A program owns one (segment, slice,
+row block) for shrink, one (segment, slice, column block, row block) for expand; in the
+per-token layout a "segment" is one token and its slot comes from `token_slots`. Each
+program reads its slot's real rank from `ranks` and loads only those rows of A / columns
+of B (masked loads), so the bytes read follow each adapter's real rank; slots -1 and
+rank-0 slices exit at once. No host sync: grid sizes come from shapes and host ints.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M_SEG = 32  # rows per program in the segment layout
+BLOCK_M_TOK = 16  # the smallest tl.dot tile; one valid row per program in the token layout
+K_PER_SPLIT = 1024  # shrink splits the input dim so a GEMV of a few rows still fills the chip
+
+
+@triton.jit
+def _segment(seg_starts_ptr, seg_slots_ptr, seg, PER_TOKEN: tl.constexpr):
+    slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
+    if PER_TOKEN:
+        start = seg.to(tl.int64)
+        end = start + 1
+    else:
+        start = tl.load(seg_starts_ptr + seg).to(tl.int64)
+        end = tl.load(seg_starts_ptr + seg + 1).to(tl.int64)
+    return start, end, slot
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr, a_ptr, ranks_ptr, buf_ptr, seg_starts_ptr, seg_slots_ptr,
+    in_features, num_slices, stride_xt, stride_al, stride_as, stride_ar, stride_bufs, stride_buft, split_k,
+    PER_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    K_PER_SPLIT: tl.constexpr,
+):  # fmt: skip
+    seg, s, pid2 = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    mblk, ks = pid2 // split_k, pid2 % split_k
+    start, end, slot = _segment(seg_starts_ptr, seg_slots_ptr, seg, PER_TOKEN)
+    start += mblk * BLOCK_M
+    rank = tl.load(ranks_ptr + tl.maximum(slot, 0) * num_slices + s)
+    if (slot >= 0) & (start < end) & (rank > 0):
+        rows = start + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+        row_mask = rows < end
+        r = tl.arange(0, BLOCK_R)
+        r_mask = r < rank
+        a_base = a_ptr + slot * stride_al + s * stride_as
+        acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+        for k0 in range(ks * K_PER_SPLIT, (ks + 1) * K_PER_SPLIT, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = k < in_features
+            xt = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xt + k[None, :],
+                         mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+            at = tl.load(a_base + r[None, :] * stride_ar + k[:, None],
+                         mask=r_mask[None, :] & k_mask[:, None], other=0.0)  # [BLOCK_K, BLOCK_R]
+            acc += tl.dot(xt, at)
+        out = buf_ptr + s * stride_bufs + rows[:, None].to(tl.int64) * stride_buft + r[None, :]
+        tl.atomic_add(out, acc, mask=row_mask[:, None] & r_mask[None, :], sem="relaxed")  # split-K partial sums
+
+
+@triton.jit
+def _expand_kernel(
+    y_ptr, buf_ptr, b_ptr, ranks_ptr, scalings_ptr, seg_starts_ptr, seg_slots_ptr,
+    size0, size1, size2, num_slices, n_blocks,
+    stride_yt, stride_bufs, stride_buft, stride_bl, stride_bs, stride_bo,
+    PER_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    seg, pid1, mblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    s, nblk = pid1 // n_blocks, pid1 % n_blocks
+    start, end, slot = _segment(seg_starts_ptr, seg_slots_ptr, seg, PER_TOKEN)
+    start += mblk * BLOCK_M
+    rank = tl.load(ranks_ptr + tl.maximum(slot, 0) * num_slices + s)
+    size = tl.where(s == 0, size0, tl.where(s == 1, size1, size2))
+    lo = tl.where(s == 0, 0, tl.where(s == 1, size0, size0 + size1))
+    if (slot >= 0) & (start < end) & (rank > 0) & (nblk * BLOCK_N < size):
+        rows = start + tl.arange(0, BLOCK_M)
+        row_mask = rows < end
+        r = tl.arange(0, BLOCK_R)
+        r_mask = r < rank
+        n = nblk * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = n < size
+        h = tl.load(buf_ptr + s * stride_bufs + rows[:, None].to(tl.int64) * stride_buft + r[None, :],
+                    mask=row_mask[:, None] & r_mask[None, :], other=0.0).to(b_ptr.dtype.element_ty)  # [BLOCK_M, BLOCK_R]
+        bt = tl.load(b_ptr + slot * stride_bl + s * stride_bs + n[None, :] * stride_bo + r[:, None],
+                     mask=r_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
+        scale = tl.load(scalings_ptr + slot * num_slices + s)
+        delta = tl.dot(h, bt) * scale  # [BLOCK_M, BLOCK_N] float32
+        mask = row_mask[:, None] & n_mask[None, :]
+        out = y_ptr + rows[:, None].to(tl.int64) * stride_yt + lo + n[None, :]
+        y = tl.load(out, mask=mask, other=0.0)
+        tl.store(out, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _shrink(x, a, ranks, seg_starts, seg_slots, num_segs: int, m_blocks: int, per_token: bool, block_m: int):
+    num_slices, max_rank, in_features = a.shape[1], a.shape[2], a.shape[3]
+    assert x.stride(-1) == 1 and a.is_contiguous() and ranks.is_contiguous()
+    buf = torch.zeros(num_slices, x.shape[0], max_rank, dtype=torch.float32, device=x.device)  # atomics: fp32
+    if num_segs == 0 or x.shape[0] == 0:
+        return buf
+    block_r = max(16, triton.next_power_of_2(max_rank))
+    split_k = triton.cdiv(in_features, K_PER_SPLIT)
+    _shrink_kernel[(num_segs, num_slices, m_blocks * split_k)](
+        x, a, ranks, buf, seg_starts, seg_slots, in_features, num_slices, x.stride(0), a.stride(0), a.stride(1),
+        a.stride(2), buf.stride(0), buf.stride(1), split_k,
+        PER_TOKEN=per_token, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=128, K_PER_SPLIT=K_PER_SPLIT,
+    )  # fmt: skip
+    return buf
+
+
+def _expand(y, buf, b, ranks, scalings, output_sizes, seg_starts, seg_slots, num_segs, m_blocks, per_token, block_m):
+    num_slices, max_rank = b.shape[1], b.shape[3]
+    assert len(output_sizes) == num_slices <= 3 and y.stride(-1) == 1 and b.is_contiguous() and buf.is_contiguous()
+    if num_segs == 0 or y.shape[0] == 0:
+        return
+    sizes = list(output_sizes) + [0] * (3 - num_slices)
+    block_n = 128
+    n_blocks = triton.cdiv(max(output_sizes), block_n)
+    block_r = max(16, triton.next_power_of_2(max_rank))
+    _expand_kernel[(num_segs, num_slices * n_blocks, m_blocks)](
+        y, buf, b, ranks, scalings, seg_starts, seg_slots, sizes[0], sizes[1], sizes[2], num_slices, n_blocks,
+        y.stride(0), buf.stride(0), buf.stride(1), b.stride(0), b.stride(1), b.stride(2),
+        PER_TOKEN=per_token, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+    )  # fmt: skip
+
+
+def _max_seg_len(seg_starts: torch.Tensor, max_seg_len: int | None) -> int:
+    return int((seg_starts[1:] - seg_starts[:-1]).max()) if max_seg_len is None else max_seg_len  # sync if unknown
+
+
+def lora_shrink_segments(
+    x: torch.Tensor,  # [num_tokens, in]
+    a: torch.Tensor,  # [max_loras, num_slices, max_rank, in]
+    ranks: torch.Tensor,  # [max_loras, num_slices] int, on x's device
+    seg_starts: torch.Tensor,  # [num_segments + 1] int, on x's device
+    seg_slots: torch.Tensor,  # [num_segments] int, -1 = base
+    rank_table: list[list[int]] | None = None,  # unused: ranks are read on the device
+    max_seg_len: int | None = None,  # longest segment; read from seg_starts (a sync) if None
+) -> torch.Tensor:  # [num_slices, num_tokens, max_rank]
+    m_blocks = triton.cdiv(max(_max_seg_len(seg_starts, max_seg_len), 1), BLOCK_M_SEG)
+    return _shrink(x, a, ranks, seg_starts, seg_slots, seg_slots.shape[0], m_blocks, False, BLOCK_M_SEG)
+
+
+def lora_expand_segments(
+    y: torch.Tensor,  # [num_tokens, sum(output_sizes)], updated in place
+    buf: torch.Tensor,  # [num_slices, num_tokens, max_rank]
+    b: torch.Tensor,  # [max_loras, num_slices, max_out_slice, max_rank]
+    ranks: torch.Tensor,  # [max_loras, num_slices] int
+    scalings: torch.Tensor,  # [max_loras, num_slices] float32
+    output_sizes: list[int],
+    seg_starts: torch.Tensor,  # [num_segments + 1] int
+    seg_slots: torch.Tensor,  # [num_segments] int, -1 = base
+    rank_table: list[list[int]] | None = None,  # unused
+    scale_table: list[list[float]] | None = None,  # unused
+    max_seg_len: int | None = None,
+) -> None:
+    m_blocks = triton.cdiv(max(_max_seg_len(seg_starts, max_seg_len), 1), BLOCK_M_SEG)
+    _expand(y, buf, b, ranks, scalings, output_sizes, seg_starts, seg_slots, seg_slots.shape[0], m_blocks, False,
+            BLOCK_M_SEG)
+
+
+def lora_shrink_tokens(
+    x: torch.Tensor,  # [num_tokens, in]
+    a: torch.Tensor,  # [max_loras, num_slices, max_rank, in]
+    ranks: torch.Tensor,  # [max_loras, num_slices] int
+    token_slots: torch.Tensor,  # [num_tokens] int, -1 = base
+    max_rank: int | None = None,  # unused: each program reads its own slot's rank
+) -> torch.Tensor:  # [num_slices, num_tokens, max_rank]
+    return _shrink(x, a, ranks, token_slots, token_slots, token_slots.shape[0], 1, True, BLOCK_M_TOK)
+
+
+def lora_expand_tokens(
+    y: torch.Tensor,  # [num_tokens, sum(output_sizes)], updated in place
+    buf: torch.Tensor,  # [num_slices, num_tokens, max_rank]
+    b: torch.Tensor,  # [max_loras, num_slices, max_out_slice, max_rank]
+    ranks: torch.Tensor,  # [max_loras, num_slices] int
+    scalings: torch.Tensor,  # [max_loras, num_slices] float32
+    output_sizes: list[int],
+    token_slots: torch.Tensor,  # [num_tokens] int, -1 = base
+    max_rank: int | None = None,  # unused
+) -> None:
+    _expand(y, buf, b, ranks, scalings, output_sizes, token_slots, token_slots, token_slots.shape[0], 1, True,
+            BLOCK_M_TOK)

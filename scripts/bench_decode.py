@@ -1,0 +1,174 @@
+"""Offline decode throughput of the worker: ModelRunner driven directly (no IPC) with
+Llama-3-8B shapes, dummy bf16 weights, batch sizes 1..256 and 0 / 1 / 4 / 32 distinct
+rank-16 adapters on all seven projections. Beside each step time: the memory-bandwidth
+floor (weights + adapters + KV read, over the device copy bandwidth measured here) and
+the share of the step the GPU sits idle (the forward queued behind a sleep kernel and
+timed with events, against the step's wall time). Prints JSON.
+
+    python scripts/bench_decode.py --out bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+import torch
+
+from shared.adapter_format import BaseShapes
+from shared.config import EngineConfig
+from shared.events import AdapterSlotAssigned, CachedReq, NewReq, StepPlan
+from shared.sampling import SamplingParams
+from scripts.bench_fixtures import (
+    LLAMA3_8B, adapter_bytes, copy_bandwidth, kv_bytes, weight_bytes, write_adapter, write_model_dir,
+)
+from worker_proc.batch import build_batch
+from worker_proc.runner import ModelRunner
+
+BLOCK = 16
+GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
+SLEEP_CYCLES = 500_000_000  # ~0.25 s at ~2 GHz: longer than the CPU takes to queue one step
+
+
+class Bench:
+    def __init__(self, runner: ModelRunner, prompt_len: int, warmup: int, steps: int) -> None:
+        self.runner, self.prompt_len, self.warmup, self.steps = runner, prompt_len, warmup, steps
+        self.step_no = 0
+        self.live: list[str] = []
+        self.blocks_per_req = -(-(prompt_len + warmup + steps + 2) // BLOCK)
+        self.slots: dict[str, int] = {}
+        self.lengths: dict[str, int] = {}
+
+    def plan(self, **kw) -> list:
+        self.step_no += 1
+        done, _ = self.runner.execute(StepPlan(self.step_no, **kw))
+        assert not done.failed, done.failed
+        return done.sampled
+
+    def start(self, batch: int, num_adapters: int) -> dict[str, int]:
+        """Prefill `batch` fresh requests (slot i % num_adapters, or base); req_id -> last token."""
+        gen = torch.Generator().manual_seed(batch * 100 + num_adapters)
+        new = []
+        for i in range(batch):
+            prompt = torch.randint(1000, 100000, (self.prompt_len,), generator=gen).tolist()
+            blocks = list(range(i * self.blocks_per_req, (i + 1) * self.blocks_per_req))
+            slot = i % num_adapters if num_adapters else -1
+            new.append(NewReq(f"b{batch}a{num_adapters}r{i}", prompt, self.prompt_len, GREEDY, blocks, 0,
+                              self.prompt_len, slot))
+        sampled = self.plan(new_reqs=new, finished_req_ids=self.live)
+        self.live = [r.req_id for r in new]
+        self.slots = {r.req_id: r.lora_slot for r in new}
+        self.lengths = {r.req_id: self.prompt_len for r in new}
+        return {s.req_id: s.token_id for s in sampled}
+
+    def decode(self, last: dict[str, int]) -> tuple[dict[str, int], float]:
+        """One decode step of every live request; (req_id -> sampled token, wall seconds)."""
+        cached = [CachedReq(rid, [last[rid]], [], self.lengths[rid], 1, self.slots[rid]) for rid in self.live]
+        t0 = time.perf_counter()
+        sampled = self.plan(cached_reqs=cached)
+        wall = time.perf_counter() - t0
+        for rid in self.live:
+            self.lengths[rid] += 1
+        return {s.req_id: s.token_id for s in sampled}, wall
+
+    def gpu_step(self) -> tuple[float, float]:
+        """(GPU-busy ms, CPU enqueue ms) of the forward + logits + argmax of the current batch,
+        queued behind a sleep kernel so the GPU never waits for the CPU inside it."""
+        runner = self.runner
+        reqs = [runner.reqs[rid] for rid in self.live]
+        for req in reqs:  # re-run the last decode position (rewrites the same KV slots)
+            req.num_computed_tokens, req.num_scheduled_tokens = len(req.token_ids) - 1, 1
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        t0 = time.perf_counter()
+        if runner.graphs is not None and runner.graphs.fits(reqs):  # inputs copied before `start`, as eager
+            graphs, staging = runner.graphs, runner.staging
+            assert staging is not None
+            start.record()
+            graphs.run(reqs, BLOCK, staging).argmax(-1)
+        else:
+            batch = build_batch(reqs, BLOCK, runner.device, runner.staging)
+            start.record()
+            hidden = runner.model(batch.input_ids, batch.positions, runner.kv_cache.layers, batch.meta, lora=batch.lora)
+            runner.model.compute_logits(hidden[batch.sample_indices], lora=batch.sample_lora).argmax(-1)
+        end.record()
+        enqueue_ms = (time.perf_counter() - t0) * 1e3
+        end.synchronize()
+        return start.elapsed_time(end), enqueue_ms
+
+    def run(self, batch: int, num_adapters: int) -> tuple[float, float, float, float]:
+        """(median step ms, GPU-busy ms, enqueue ms, mean sequence length while timed)."""
+        last = self.start(batch, num_adapters)
+        walls, lens = [], []
+        for i in range(self.warmup + self.steps):
+            last, wall = self.decode(last)
+            if i >= self.warmup:
+                walls.append(wall)
+                lens.append(statistics.mean(self.lengths.values()))
+        gpu_ms, enqueue_ms = self.gpu_step()
+        return statistics.median(walls) * 1e3, gpu_ms, enqueue_ms, statistics.mean(lens)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch-sizes", default="1,2,4,8,16,32,64,128,256")
+    ap.add_argument("--adapters", default="0,1,4,32")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs)")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    adapter_counts = [int(a) for a in args.adapters.split(",")]
+    root = tempfile.mkdtemp(prefix="bench_decode_")
+    model_dir = write_model_dir(root)
+    base = BaseShapes.from_hf_config(LLAMA3_8B)
+    blocks_per_req = -(-(args.prompt_len + args.warmup + args.steps + 2) // BLOCK)
+    max_loras = max(max(adapter_counts), 1)
+    config = EngineConfig(
+        model_dir=model_dir, served_model_name="bench", max_model_len=args.prompt_len + 64, dtype="bfloat16",
+        device="cuda", max_num_seqs=max(batches), block_size=BLOCK, load_format="dummy",
+        num_kv_blocks=max(batches) * blocks_per_req, enable_lora=True, max_loras=max_loras,
+        max_lora_rank=args.rank, max_cpu_loras=max_loras, enforce_eager=args.eager,
+    )
+    t0 = time.perf_counter()
+    runner = ModelRunner(config)  # captures the decode graphs unless --eager
+    load_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for i in range(max(adapter_counts)):
+        path = write_adapter(root, i, base, args.rank, "cuda")
+        runner.load_adapter(AdapterSlotAssigned(i, i, path))
+    adapters_s = time.perf_counter() - t0
+    bw = copy_bandwidth(runner.device)
+    bench = Bench(runner, args.prompt_len, args.warmup, args.steps)
+    results = []
+    for num_adapters in adapter_counts:
+        for batch in batches:
+            step_ms, gpu_ms, enqueue_ms, mean_len = bench.run(batch, num_adapters)
+            distinct = min(num_adapters, batch)
+            read = (weight_bytes(runner.model, batch) + distinct * adapter_bytes(base, args.rank)
+                    + kv_bytes(base, base.num_layers, [round(mean_len)] * batch))
+            floor_ms = read / bw * 1e3
+            row = dict(batch=batch, adapters=distinct, step_ms=round(step_ms, 3), tok_s=round(batch / step_ms * 1e3, 1),
+                       floor_ms=round(floor_ms, 3), x_floor=round(step_ms / floor_ms, 2), gpu_ms=round(gpu_ms, 3),
+                       gpu_idle=round(max(0.0, 1 - gpu_ms / step_ms), 3), enqueue_ms=round(enqueue_ms, 2))
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bw_GBps=round(bw / 1e9, 1),
+                  model_load_s=round(load_s, 1), adapters_load_s=round(adapters_s, 1), graphs=not args.eager,
+                  prompt_len=args.prompt_len, rank=args.rank, results=results)
+    text = json.dumps(report, indent=1)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""Benchmark fixtures: a Llama-3-8B-shaped config.json (for --load-format dummy), random
+PEFT-format rank-r adapters on all seven projections, and the bytes a decode step reads."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors.torch import save_file
+
+from shared.adapter_format import CONFIG_FILE, TARGET_KINDS, WEIGHTS_FILE, BaseShapes
+
+SEVEN = list(TARGET_KINDS[:7])
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "vocab_size": 128256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+    "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16",
+}
+
+
+def write_model_dir(root: str) -> str:
+    path = os.path.join(root, "llama3-8b-dummy")
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(LLAMA3_8B, f)
+    return path
+
+
+def _module_path(kind: str, layer: int) -> str:
+    group = "self_attn" if kind in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+    return f"base_model.model.model.layers.{layer}.{group}.{kind}"
+
+
+def write_adapter(root: str, index: int, base: BaseShapes, rank: int, device: str) -> str:
+    """A random PEFT LoRA adapter (rank `rank`, alpha 2*rank) on all seven projections."""
+    path = os.path.join(root, f"adapter-{index}")
+    os.makedirs(path, exist_ok=True)
+    gen = torch.Generator(device=device).manual_seed(1000 + index)
+    tensors = {}
+    for layer in range(base.num_layers):
+        for kind in SEVEN:
+            in_f, out_f = base.in_out(kind)
+            a = torch.randn(rank, in_f, generator=gen, device=device) * in_f**-0.5
+            b = torch.randn(out_f, rank, generator=gen, device=device) * 0.01
+            tensors[f"{_module_path(kind, layer)}.lora_A.weight"] = a.to(torch.bfloat16).cpu()
+            tensors[f"{_module_path(kind, layer)}.lora_B.weight"] = b.to(torch.bfloat16).cpu()
+    save_file(tensors, os.path.join(path, WEIGHTS_FILE))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": SEVEN,
+              "bias": "none", "lora_dropout": 0.0, "task_type": "CAUSAL_LM"}
+    with open(os.path.join(path, CONFIG_FILE), "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    return path
+
+
+def adapter_bytes(base: BaseShapes, rank: int, elem_bytes: int = 2) -> int:
+    """Bytes of one adapter's A and B over all layers and seven projections."""
+    per_layer = sum(rank * sum(base.in_out(kind)) for kind in SEVEN)
+    return per_layer * base.num_layers * elem_bytes
+
+
+def weight_bytes(model: torch.nn.Module, batch: int) -> int:
+    """Parameter bytes a step reads: all but the embedding table, of which only `batch` rows."""
+    emb = model.model.embed_tokens.weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return total - emb.numel() * emb.element_size() + batch * emb.shape[1] * emb.element_size()
+
+
+def kv_bytes(base: BaseShapes, num_layers: int, seq_lens: list[int], elem_bytes: int = 2) -> int:
+    """K and V bytes attention reads over every layer for these sequence lengths."""
+    return 2 * num_layers * base.kv_size * elem_bytes * sum(seq_lens)
+
+
+def copy_bandwidth(device: torch.device, num_bytes: int = 2 << 30, iters: int = 10) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * num_bytes * iters / (start.elapsed_time(end) / 1e3)

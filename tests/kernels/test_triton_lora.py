@@ -1,0 +1,82 @@
+"""GPU: Triton LoRA shrink / expand (kernels/lora.py) against the float32 torch references,
+both token layouts, at odd sizes, with base tokens, rank-0 slices and garbage past each rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import lora_ref
+from tests.kernels.triton_device import DEVICE, DTYPES, requires_triton_device
+
+pytest.importorskip("triton")
+
+from kernels import lora  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, requires_triton_device]
+MAX_LORAS, MAX_RANK, IN = 5, 13, 1315  # IN > K_PER_SPLIT: two split-K partials, one ragged
+OUTPUT_SIZES = [[301], [257, 67, 67], [190, 190]]
+
+
+def _buffers(output_sizes: list[int], gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    num_slices, max_out = len(output_sizes), max(output_sizes)
+    a = torch.randn(MAX_LORAS, num_slices, MAX_RANK, IN, generator=gen) * IN**-0.5
+    b = torch.randn(MAX_LORAS, num_slices, max_out, MAX_RANK, generator=gen)
+    ranks = torch.randint(1, MAX_RANK + 1, (MAX_LORAS, num_slices), generator=gen)
+    ranks[1, 0] = 0  # slot 1 does not target slice 0
+    ranks[3] = 0  # slot 3 targets nothing
+    ranks[2, -1] = MAX_RANK
+    scalings = torch.rand(MAX_LORAS, num_slices, generator=gen) * 3
+    return a, b, ranks, scalings
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).norm() / want.double().norm())
+
+
+def _check(layout: str, output_sizes: list[int], dtype: torch.dtype, seg_lens: list[int], seg_slots: list[int]) -> None:
+    gen = torch.Generator().manual_seed(len(output_sizes) + len(seg_lens))
+    a, b, ranks, scalings = _buffers(output_sizes, gen)
+    starts = [0]
+    for n in seg_lens:
+        starts.append(starts[-1] + n)
+    token_slots = torch.tensor([s for n, s in zip(seg_lens, seg_slots) for _ in range(n)], dtype=torch.long)
+    x = torch.randn(len(token_slots), IN, generator=gen)
+    base = torch.randn(len(token_slots), sum(output_sizes), generator=gen)
+    want = base.clone()  # float32 reference on the same (rounded) inputs
+    args32 = [t.to(dtype).float() for t in (x, a, b)]
+    dev = {k: t.to(DEVICE) for k, t in dict(ranks=ranks, scalings=scalings, token_slots=token_slots,
+                                             seg_starts=torch.tensor(starts), seg_slots=torch.tensor(seg_slots)).items()}
+    xd, ad, bd = (t.to(dtype).to(DEVICE) for t in (x, a, b))
+    got = base.to(dtype).to(DEVICE)
+    if layout == "segments":
+        buf32 = lora_ref.lora_shrink_segments(args32[0], args32[1], ranks, torch.tensor(starts), torch.tensor(seg_slots))
+        lora_ref.lora_expand_segments(want, buf32, args32[2], ranks, scalings, output_sizes, torch.tensor(starts),
+                                      torch.tensor(seg_slots))
+        buf = lora.lora_shrink_segments(xd, ad, dev["ranks"], dev["seg_starts"], dev["seg_slots"], max_seg_len=max(seg_lens))
+        lora.lora_expand_segments(got, buf, bd, dev["ranks"], dev["scalings"], output_sizes, dev["seg_starts"],
+                                  dev["seg_slots"], max_seg_len=max(seg_lens))
+    else:
+        buf32 = lora_ref.lora_shrink_tokens(args32[0], args32[1], ranks, token_slots)
+        lora_ref.lora_expand_tokens(want, buf32, args32[2], ranks, scalings, output_sizes, token_slots)
+        buf = lora.lora_shrink_tokens(xd, ad, dev["ranks"], dev["token_slots"])
+        lora.lora_expand_tokens(got, buf, bd, dev["ranks"], dev["scalings"], output_sizes, dev["token_slots"])
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    assert _rel_err(buf.cpu(), buf32) < tol, "shrink"
+    delta_got, delta_want = got.cpu().float() - base.to(dtype).float(), want - base
+    assert _rel_err(delta_got, delta_want) < 2 * tol, "expand"
+    untouched = (token_slots < 0).nonzero().flatten()
+    assert torch.equal(got.cpu()[untouched], base.to(dtype)[untouched])  # base tokens keep their output
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("output_sizes", OUTPUT_SIZES, ids=["single", "qkv", "gate_up"])
+def test_segments_match_reference(dtype: torch.dtype, output_sizes: list[int]) -> None:
+    _check("segments", output_sizes, dtype, [7, 3, 0, 75, 1, 9, 40], [2, -1, 4, 1, 0, 3, 2])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("output_sizes", OUTPUT_SIZES, ids=["single", "qkv", "gate_up"])
+def test_tokens_match_reference(dtype: torch.dtype, output_sizes: list[int]) -> None:
+    slots = [0, -1, 4, 1, 1, 3, -1, 2, 0, 4, 2, 2, 0]
+    _check("tokens", output_sizes, dtype, [1] * len(slots), slots)

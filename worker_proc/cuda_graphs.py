@@ -1,0 +1,99 @@
+"""CUDA graphs for decode steps, one per batch-size bucket: a set without LoRA and, when
+LoRA is enabled, a set with it. Each graph reads one static int64 input row (token ids,
+positions, KV slots, adapter slots, sequence lengths, block tables) that every step
+overwrites with a single device copy; adapter slots and block tables being inputs, one
+graph serves any mix of adapters and requests. Padding rows use seq_len 0, slot -1 and
+write their K/V into a scratch block past the scheduler's blocks.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+from worker_proc.batch import ReqState
+from worker_proc.lora.mapping import LoraMapping
+from worker_proc.step_inputs import DeviceAttentionMetadata, PinnedStaging
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class DecodeGraph:
+    """One captured decode step at `batch` rows: static input row in, static logits out."""
+
+    def __init__(self, batch: int, width: int, device: torch.device) -> None:
+        self.batch, self.width = batch, width
+        self.inputs = torch.zeros(batch * (5 + width), dtype=torch.long, device=device)  # [batch * (5 + width)]
+        self.graph = torch.cuda.CUDAGraph()
+        self.logits: torch.Tensor | None = None  # [batch, vocab] float32
+
+    def forward(self, model: torch.nn.Module, kv_layers: list, with_lora: bool) -> torch.Tensor:
+        b = self.batch
+        ids, pos, smap, tslots, slens, bt = self.inputs.split([b, b, b, b, b, b * self.width])
+        qsl = torch.arange(b + 1, dtype=torch.int32, device=ids.device)
+        meta = DeviceAttentionMetadata([], [], [], smap, bt.view(b, self.width).int(), slens.int(), qsl, 1)
+        lora = None
+        if with_lora:
+            empty = torch.zeros(0, dtype=torch.long)
+            lora = LoraMapping(tslots, empty, empty, False, (), in_graph=True)
+        hidden = model(ids, pos, kv_layers, meta, lora=lora)  # [b, hidden]
+        return model.compute_logits(hidden, lora=lora)  # [b, vocab] float32
+
+
+class DecodeGraphs:
+    def __init__(self, model: torch.nn.Module, kv_layers: list, scratch_slot: int, width: int,
+                 max_batch: int, with_lora: bool, device: torch.device) -> None:
+        self.model, self.kv_layers, self.scratch_slot, self.width = model, kv_layers, scratch_slot, width
+        self.buckets = [b for b in BUCKETS if b <= max_batch] or [1]
+        self.device = device
+        self.sets = {False: {}, True: {}} if with_lora else {False: {}}
+        self.pool = None
+        self.replays = 0
+
+    def capture(self) -> None:
+        """Warm up (Triton compiles) and capture every bucket, largest first, in one memory pool."""
+        for with_lora, graphs in self.sets.items():
+            for b in sorted(self.buckets, reverse=True):
+                g = DecodeGraph(b, self.width, self.device)
+                g.inputs[3 * b : 4 * b].fill_(-1)  # adapter slots: base
+                g.inputs[2 * b : 3 * b].fill_(self.scratch_slot)  # KV slots: scratch
+                g.forward(self.model, self.kv_layers, with_lora)  # eager warm-up
+                torch.cuda.synchronize()
+                with torch.cuda.graph(g.graph, pool=self.pool):
+                    g.logits = g.forward(self.model, self.kv_layers, with_lora)
+                self.pool = g.graph.pool()
+                graphs[b] = g
+        torch.cuda.synchronize()
+
+    def fits(self, reqs: Sequence[ReqState]) -> bool:
+        """A pure decode step (one new token per request, each sampling) within the largest bucket."""
+        return 0 < len(reqs) <= self.buckets[-1] and all(
+            r.num_scheduled_tokens == 1 and r.samples and len(r.block_ids) <= self.width for r in reqs
+        )
+
+    def run(self, reqs: Sequence[ReqState], block_size: int, staging: PinnedStaging) -> torch.Tensor:
+        """Logits [len(reqs), vocab] float32 of one decode step, by graph replay."""
+        n = len(reqs)
+        bucket = next(b for b in self.buckets if b >= n)
+        with_lora = any(r.lora_slot >= 0 for r in reqs) and True in self.sets
+        g = self.sets[with_lora][bucket]
+        pad = bucket - n
+        positions = [r.num_computed_tokens for r in reqs]
+        row = [
+            [r.token_ids[p] for r, p in zip(reqs, positions)] + [0] * pad,
+            positions + [0] * pad,
+            [r.block_ids[p // block_size] * block_size + p % block_size for r, p in zip(reqs, positions)]
+            + [self.scratch_slot] * pad,
+            [r.lora_slot for r in reqs] + [-1] * pad,
+            [p + 1 for p in positions] + [0] * pad,
+            list(itertools.chain.from_iterable(r.block_ids + [0] * (self.width - len(r.block_ids)) for r in reqs))
+            + [0] * (pad * self.width),
+        ]
+        (dev,) = staging.upload([list(itertools.chain.from_iterable(row))])
+        g.inputs.copy_(dev)
+        g.graph.replay()
+        self.replays += 1
+        assert g.logits is not None
+        return g.logits[:n]

@@ -1,0 +1,60 @@
+"""Step inputs for CUDA: one pinned host buffer, one non-blocking copy per step.
+
+Every int list a forward pass needs (token ids, positions, slots, block tables, ...) is
+packed into one int64 row of a reusable pinned buffer, copied to the device with
+`non_blocking=True`, and split there into views. Nothing here waits on the GPU, except
+that the buffer is not rewritten before the previous step's copy out of it finished.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from kernels.attention_ref import PagedAttentionMetadata
+
+
+@dataclass(frozen=True)
+class DeviceAttentionMetadata(PagedAttentionMetadata):
+    """The host lists of PagedAttentionMetadata plus their device copies for the Triton kernels."""
+
+    block_table_t: torch.Tensor  # [num_reqs, max_blocks] int32, padded with block 0 (never read)
+    seq_lens_t: torch.Tensor  # [num_reqs] int32
+    query_start_loc_t: torch.Tensor  # [num_reqs + 1] int32
+    max_query_len: int
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_query_len == 1
+
+
+class PinnedStaging:
+    """A growable pinned int64 buffer reused every step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.host = torch.empty(0, dtype=torch.long)
+        self.copied: torch.cuda.Event | None = None
+
+    def upload(self, parts: list[list[int]]) -> list[torch.Tensor]:
+        """Device int64 views, one per list in `parts`, from a single H2D copy."""
+        sizes = [len(p) for p in parts]
+        total = sum(sizes)
+        if self.copied is not None:
+            self.copied.synchronize()  # the last step's copy out of `host` is done (it always is by now)
+        if self.host.numel() < total:
+            self.host = torch.empty(max(total, 2 * self.host.numel()), dtype=torch.long, pin_memory=True)
+        host = self.host[:total]
+        host.copy_(torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.long))
+        dev = host.to(self.device, non_blocking=True)  # [total]
+        self.copied = torch.cuda.Event()
+        self.copied.record()
+        return list(dev.split(sizes))
+
+
+def padded_tables(tables: list[list[int]]) -> tuple[list[int], int]:
+    """Flat [num_reqs * max_blocks] block ids, each row padded with 0, and max_blocks."""
+    width = max((len(t) for t in tables), default=1) or 1
+    return [b for t in tables for b in itertools.chain(t, itertools.repeat(0, width - len(t)))], width
