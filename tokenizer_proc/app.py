@@ -80,9 +80,10 @@ def build_app(
 def _add_info_routes(app: FastAPI, served: Served) -> None:
     @app.get("/health")
     async def health() -> Response:
-        if served.engine.is_healthy and served.engine.is_ready:
+        reason = served.engine.unavailable_reason()
+        if reason is None and served.engine.is_ready:
             return Response(status_code=200)
-        return error_response(503, served.engine.failure_message or "the engine is not ready")
+        return error_response(503, reason or "the engine is not ready")
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -139,8 +140,8 @@ def _check_request(req: SamplingFields, served: Served) -> str | None:
     """Check the request; return the adapter it asks for (None: the base model)."""
     lora_name = adapters.resolve_lora(req.model, req.lora_path, served.config, served.adapters)
     req.check()
-    if not served.engine.is_healthy:
-        raise EngineDeadError(served.engine.failure_message or "engine is not healthy")
+    if (reason := served.engine.unavailable_reason()) is not None:
+        raise EngineDeadError(reason)
     return lora_name
 
 

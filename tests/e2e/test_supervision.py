@@ -1,13 +1,20 @@
 """The launcher supervises its group: a dead child takes the group down, named, within
-10 s; SIGTERM/SIGINT drain in-flight requests and leave nothing behind."""
+10 s, after the tokenizer failed its in-flight requests and turned /health 503; a dead
+launcher takes its children with it; SIGTERM/SIGINT drain in-flight requests (new ones
+and /health get 503) and leave nothing behind."""
 
 from __future__ import annotations
 
+import json
 import signal
+import subprocess
+import sys
 import threading
 import time
 
+import httpx
 import openai
+import psutil
 import pytest
 
 from shared import events
@@ -23,19 +30,78 @@ def _child(server: Server, module: str):
     return next(p for p in server.children() if module in p.cmdline())
 
 
+LONG = {"prompt": "The river", "max_tokens": 400, "ignore_eos": True, "temperature": 0.0}
+
+
+def _stream_lines(base_url: str, model: str, lines: list[str], first: threading.Event) -> None:
+    with httpx.stream("POST", base_url + "/v1/completions", json={**LONG, "model": model, "stream": True},
+                      timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                lines.append(line)
+                first.set()
+
+
+def _post(base_url: str, model: str, out: list[httpx.Response]) -> None:
+    out.append(httpx.post(base_url + "/v1/completions", json={**LONG, "model": model}, timeout=30))
+
+
+def _replay_ok(log_dir: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "shared.cli", "replay", "--verify", "--json", newest_log(log_dir)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(proc.stdout)["status"] == "ok"
+
+
 @pytest.mark.parametrize("name", ["scheduler", "worker-0", "tokenizer"])
 def test_kill9_of_any_child_stops_the_group(name, demo_model_dir, tmp_path):
-    server = Server(demo_model_dir, str(tmp_path)).start()
+    server = Server(demo_model_dir, str(tmp_path), ["--max-model-len", "512"]).start()
     pids = [p.pid for p in server.children()]
     run_dirs = server.run_dirs()
+    model = httpx.get(server.base_url + "/v1/models").json()["data"][0]["id"]
+    lines: list[str] = []
+    replies: list[httpx.Response] = []
+    first = threading.Event()
+    threads = [threading.Thread(target=_stream_lines, args=(server.base_url, model, lines, first)),
+               threading.Thread(target=_post, args=(server.base_url, model, replies))]
+    for t in threads:
+        t.start()
+    assert first.wait(30)
+    time.sleep(0.3)  # the non-streaming request is in flight too
     victim = _child(server, MODULE_OF[name])
     killed_at = time.monotonic()
     victim.send_signal(signal.SIGKILL)
+    if name != "tokenizer":
+        _check_in_flight_failed(server, threads, lines, replies, name)
     rc = server.proc.wait(timeout=10)
     assert time.monotonic() - killed_at < 10
     assert rc != 0
     assert f"process '{name}'" in server.output()
     assert_all_gone(pids, run_dirs)
+    for t in threads:
+        t.join(timeout=10)
+    _replay_ok(str(tmp_path))
+
+
+def _check_in_flight_failed(server, threads, lines, replies, name) -> None:
+    """The stream ends with an error chunk then [DONE]; the plain request gets a 5xx
+    JSON error; /health is 503 while the tokenizer flushes."""
+    threads[0].join(timeout=5)
+    assert lines[-1] == "data: [DONE]"
+    error = json.loads(lines[-2][len("data: "):])["error"]
+    assert error["code"] == 503 and name in error["message"]
+    assert httpx.get(server.base_url + "/health", timeout=2).status_code == 503
+    threads[1].join(timeout=5)
+    assert replies[0].status_code >= 500 and name in replies[0].json()["error"]["message"]
+
+
+def test_kill9_of_the_launcher_takes_its_children(demo_model_dir, tmp_path):
+    server = Server(demo_model_dir, str(tmp_path)).start()
+    children = server.children()
+    server.proc.send_signal(signal.SIGKILL)
+    server.proc.wait(timeout=5)
+    gone, alive = psutil.wait_procs(children, timeout=5)
+    assert not alive, [p.cmdline() for p in alive]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -49,7 +115,8 @@ def test_signal_drains_in_flight_request_then_exits_clean(sig, tmp_path):
     stream = client.completions.create(model=model, prompt="The river", max_tokens=64, stream=True,
                                        extra_body={"ignore_eos": True})
     first = next(iter(stream))
-    threading.Timer(0.05, server.proc.send_signal, args=(sig,)).start()
+    server.proc.send_signal(sig)
+    _check_draining(server, model)
     chunks = [first, *stream]
     assert sum(len(c.choices[0].text) > 0 or c.choices[0].finish_reason is not None for c in chunks) > 1
     assert chunks[-1].choices[0].finish_reason == "length"
@@ -57,3 +124,14 @@ def test_signal_drains_in_flight_request_then_exits_clean(sig, tmp_path):
     assert_all_gone(pids, run_dirs)
     records = list(EventLogReader(newest_log(str(tmp_path))))
     assert isinstance(records[-1][1], events.LogClosed)
+
+
+def _check_draining(server: Server, model: str) -> None:
+    """While the in-flight request drains, /health and new requests get 503."""
+    deadline = time.monotonic() + 5
+    while httpx.get(server.base_url + "/health", timeout=2).status_code != 503:
+        assert time.monotonic() < deadline, "/health never turned 503 while draining"
+        time.sleep(0.02)
+    r = httpx.post(server.base_url + "/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2},
+                   timeout=5)
+    assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
