@@ -54,6 +54,8 @@ class RequestRejectedError(EngineError):
     def __init__(self, message: str, code: int = 400, param: str | None = None) -> None:
         super().__init__(message, param)
         self.status_code = code
+        if code >= 500:  # the worker failed this request alone (e.g. its adapter would not load)
+            self.error_type = "ServiceUnavailableError" if code == 503 else "InternalServerError"
 
 
 class EngineDeadError(EngineError):

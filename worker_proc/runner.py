@@ -17,12 +17,13 @@ from shared.events import (
     AdapterCpuEvicted, AdapterEvicted, AdapterLoadCompleted, AdapterLoadFailed, AdapterSlotAssigned, CachedReq,
     FailedReq, NewReq, RankDigest, SampledToken, StepCompleted, StepPlan, WorkerReady,
 )
-from worker_proc.batch import ReqState, build_batch, validate_req
+from worker_proc.batch import ReqState, build_batch, check_fault, validate_req
 from worker_proc.kv_cache import KVCache, num_kv_blocks
 from worker_proc.lora.manager import LoraManager
 from worker_proc.models import build_model, load_eos_token_ids, load_model_config
 from worker_proc.sampler import Sampler, SamplingReq
 
+FAULT_TOKEN_ENV = "LEDGERSERVE_TEST_FAULT_TOKEN_ID"  # test-only: see batch.check_fault
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -46,6 +47,7 @@ class ModelRunner:
         self.kv_cache = KVCache(self.model_cfg, num_blocks, config.block_size, self.dtype, self.device)
         self.sampler = Sampler(self.eos_token_ids, config.seed, self.device)
         self.reqs: dict[str, ReqState] = {}
+        self.fault_token_id = _fault_token_id()
 
     def _build_lora(self) -> LoraManager:
         with open(os.path.join(self.config.model_dir, "config.json"), encoding="utf-8") as f:
@@ -111,6 +113,7 @@ class ModelRunner:
                 req = self._update_req(update)
                 validate_req(req, self.config.block_size, self.kv_cache.num_blocks, self.config.max_model_len)
                 self._check_slot(req.lora_slot)
+                check_fault(req, self.fault_token_id)
             except ValueError as e:
                 self.reqs.pop(req_id, None)
                 failed.append(FailedReq(req_id, str(e)))
@@ -155,3 +158,13 @@ class ModelRunner:
         ]
         results = self.sampler.sample(logits, sampling)
         return [SampledToken(r.req_id, s.token_id, s.logprobs) for r, s in zip(batch.sampling_reqs, results)]
+
+
+def _fault_token_id() -> int | None:
+    value = os.environ.get(FAULT_TOKEN_ENV, "")
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{FAULT_TOKEN_ENV}={value!r} is not an integer") from None
