@@ -97,11 +97,12 @@ def _check_in_flight_failed(server, threads, lines, replies, name) -> None:
 
 def test_kill9_of_the_launcher_takes_its_children(demo_model_dir, tmp_path):
     server = Server(demo_model_dir, str(tmp_path)).start()
-    children = server.children()
+    children, run_dirs = server.children(), server.run_dirs()
     server.proc.send_signal(signal.SIGKILL)
     server.proc.wait(timeout=5)
     gone, alive = psutil.wait_procs(children, timeout=5)
     assert not alive, [p.cmdline() for p in alive]
+    assert_all_gone([], run_dirs, timeout_s=1)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
