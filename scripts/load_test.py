@@ -6,7 +6,7 @@
 For `--duration-s` seconds, `--concurrency` clients send completions (plain and chat,
 streaming and not) to the base model, to an adapter by `model`, or by `lora_path`; a
 `--abort-fraction` of them are streams the client closes after the first chunk. Per
-adapter, one admin task cycles load (1-2 racing), in-place reload, pause, unload.
+adapter, one admin task cycles load (1-2 racing), in-place reload, hold, unload.
 
 Errors are the statuses scripts/lora_stress.py calls unexpected (its rules, reused): a
 base request must get 200; an adapter request 200 while the adapter may be loaded and
@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from scripts.lora_stress import Outcome, Run, _admin, _base_model, _percentile, _post, _stream, _timed
+from scripts.lora_stress import Outcome, Run, _base_model, _percentile, _post, _stream, _timed
 from scripts.lora_stress import check_loopback, parse_adapters, summarize
 
 REQUEST_KINDS = ("base", "adapter", "lora_path")
@@ -79,9 +79,19 @@ async def _client(run: Run, client: httpx.AsyncClient, deadline: float) -> None:
 
 
 async def _admin_loop(run: Run, client: httpx.AsyncClient, name: str, path: str, deadline: float) -> None:
+    """Cycle: 1-2 racing loads, an in-place reload, hold it loaded a while, unload."""
+    body = {"lora_name": name, "lora_path": path}
     while time.monotonic() < deadline:
-        await _admin(run, client, name, path)
-        await asyncio.sleep(run.rng.uniform(0.0, 0.3))
+        group, run.next_group = run.next_group, run.next_group + 1
+        size = run.rng.choice((1, 2))
+        await asyncio.gather(*(
+            _timed(run, "load", name, lambda: _post(client, "/v1/load_lora_adapter", body), group=group, group_size=size)
+            for _ in range(size)
+        ))
+        await _timed(run, "reload", name, lambda: _post(client, "/v1/load_lora_adapter", {**body, "load_inplace": True}))
+        await asyncio.sleep(run.rng.uniform(0.3, 1.5) * run.args.hold_scale)
+        await _timed(run, "unload", name, lambda: _post(client, "/v1/unload_lora_adapter", {"lora_name": name}))
+        await asyncio.sleep(run.rng.uniform(0.0, 0.2))
 
 
 async def _run(args: argparse.Namespace) -> list[Outcome]:
@@ -136,7 +146,7 @@ def wait_idle(base_url: str, timeout_s: float) -> tuple[dict[str, float], list[s
 def report(outcomes: list[Outcome], metrics: dict[str, float], found: list[str], duration_s: float) -> dict[str, Any]:
     summary = summarize(outcomes)
     requests = [o for o in outcomes if o.kind in REQUEST_KINDS]
-    completed = sorted((o.end_s - o.start_s) * 1000 for o in requests if o.detail != "aborted")
+    served = sorted((o.end_s - o.start_s) * 1000 for o in requests if o.status == 200 and o.detail != "aborted")
     return {
         "duration_s": duration_s,
         "num_requests": len(requests),
@@ -145,7 +155,7 @@ def report(outcomes: list[Outcome], metrics: dict[str, float], found: list[str],
         "counts": summary["counts"],
         "errors": len(summary["unexpected"]),
         "unexpected": summary["unexpected"][:20],
-        "latency_ms": {"p50": _percentile(completed, 50), "p99": _percentile(completed, 99)},
+        "latency_ms": {"p50": _percentile(served, 50), "p99": _percentile(served, 99)},  # 200s, not aborted
         "leaks": found,
         "idle_metrics": {k: v for k, v in metrics.items() if k.startswith(("ledgerserve_kv", "ledgerserve_lora"))},
         "ok": not summary["unexpected"] and not found,
@@ -160,6 +170,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--adapters", nargs="*", default=[], metavar="NAME=PATH", help="paths inside the server's allowed dir")
     p.add_argument("--abort-fraction", type=float, default=0.15, help="share of requests closed after the first chunk")
     p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--hold-scale", type=float, default=1.0, help="scales how long each adapter stays loaded per cycle")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=60.0, help="per-request timeout")
     p.add_argument("--idle-timeout-s", type=float, default=30.0, help="how long to wait for the engine to go idle")
@@ -173,6 +184,8 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError("--duration-s must be in (0, 3600]")
     if not 1 <= args.concurrency <= 256:
         raise ValueError("--concurrency must be in [1, 256]")
+    if not 0.0 <= args.hold_scale <= 60.0:
+        raise ValueError("--hold-scale must be in [0, 60]")
     if not 0.0 <= args.abort_fraction <= 0.5:
         raise ValueError("--abort-fraction must be in [0, 0.5] (aborts are streams, half of all requests)")
 
