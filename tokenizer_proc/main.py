@@ -38,7 +38,8 @@ class Server(uvicorn.Server):
 
     - SIGTERM/SIGINT: drain. /health and new requests get 503 at once while the socket
       stays open; in-flight requests finish (up to `drain_timeout_s`); then uvicorn's
-      graceful shutdown and a clean exit (status 0). A second signal stops at once.
+      graceful shutdown and a clean exit (status 0). Requests still running at the
+      timeout are cut. A second signal ends the wait at once.
     - SIGUSR1: the launcher saw an engine process die (its notice file names it): every
       in-flight request fails with EngineDeadError and /health turns 503.
     """
@@ -74,6 +75,9 @@ class Server(uvicorn.Server):
         deadline = time.monotonic() + self.drain_timeout_s
         while self.engine.num_in_flight and self.engine.is_healthy and time.monotonic() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
+        if self.engine.num_in_flight and self.engine.is_healthy:
+            logger.warning("shutdown timeout: cutting %d in-flight requests", self.engine.num_in_flight)
+            self.force_exit = True
         super().handle_exit(sig, None)
 
     def on_engine_dead(self) -> None:

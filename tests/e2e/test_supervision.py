@@ -142,3 +142,23 @@ def _check_draining(server: Server, model: str) -> None:
     r = httpx.post(server.base_url + "/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2},
                    timeout=5)
     assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
+
+
+def test_shutdown_timeout_cuts_what_is_left_and_exits_clean(demo_model_dir, tmp_path):
+    server = Server(demo_model_dir, str(tmp_path), ["--max-model-len", "512", "--shutdown-timeout", "1"]).start()
+    pids, run_dirs = [p.pid for p in server.children()], server.run_dirs()
+    model = httpx.get(server.base_url + "/v1/models").json()["data"][0]["id"]
+    lines: list[str] = []
+    first = threading.Event()
+    reader = threading.Thread(target=_stream_lines, args=(server.base_url, model, lines, first))
+    reader.start()
+    assert first.wait(30)
+    signalled_at = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(timeout=15) == 0
+    assert time.monotonic() - signalled_at < 8  # 1 s of drain, then the group stops
+    reader.join(timeout=10)
+    assert lines[-1] != "data: [DONE]" or '"error"' in lines[-2]  # never a silently complete-looking stream
+    assert_all_gone(pids, run_dirs)
+    records = list(EventLogReader(newest_log(str(tmp_path))))
+    assert isinstance(records[-1][1], events.LogClosed)
