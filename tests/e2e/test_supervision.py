@@ -30,13 +30,13 @@ def _child(server: Server, module: str):
     return next(p for p in server.children() if module in p.cmdline())
 
 
-LONG = {"prompt": "The river", "max_tokens": 400, "ignore_eos": True, "temperature": 0.0}
+LONG = {"prompt": "The river", "max_tokens": 1000, "ignore_eos": True, "temperature": 0.0}
 
 
-def _stream_lines(base_url: str, model: str, lines: list[str], first: threading.Event) -> None:
+def _stream_lines(base_url: str, model: str, lines: list[str], first: threading.Event, max_tokens: int = 1000) -> None:
+    body = {**LONG, "model": model, "stream": True, "max_tokens": max_tokens}
     try:
-        with httpx.stream("POST", base_url + "/v1/completions", json={**LONG, "model": model, "stream": True},
-                          timeout=30) as r:
+        with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=30) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     lines.append(line)
@@ -61,7 +61,7 @@ def _replay_ok(log_dir: str) -> None:
 
 @pytest.mark.parametrize("name", ["scheduler", "worker-0", "tokenizer"])
 def test_kill9_of_any_child_stops_the_group(name, demo_model_dir, tmp_path):
-    server = Server(demo_model_dir, str(tmp_path), ["--max-model-len", "512"]).start()
+    server = Server(demo_model_dir, str(tmp_path), ["--max-model-len", "2048"]).start()
     pids = [p.pid for p in server.children()]
     run_dirs = server.run_dirs()
     model = httpx.get(server.base_url + "/v1/models").json()["data"][0]["id"]
@@ -113,13 +113,13 @@ def test_kill9_of_the_launcher_takes_its_children(demo_model_dir, tmp_path):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_drains_in_flight_request_then_exits_clean(sig, tmp_path):
-    server = Server(None, str(tmp_path), ["--max-model-len", "512"]).start()  # the demo model, by default
+    server = Server(None, str(tmp_path), ["--max-model-len", "2048"]).start()  # the demo model, by default
     assert "RANDOM" in server.output()
     pids = [p.pid for p in server.children()]
     run_dirs = server.run_dirs()
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x")
     model = client.models.list().data[0].id
-    stream = client.completions.create(model=model, prompt="The river", max_tokens=160, stream=True,
+    stream = client.completions.create(model=model, prompt="The river", max_tokens=1000, stream=True,
                                        extra_body={"ignore_eos": True})
     first = next(iter(stream))
     server.proc.send_signal(sig)
@@ -145,20 +145,23 @@ def _check_draining(server: Server, model: str) -> None:
 
 
 def test_shutdown_timeout_cuts_what_is_left_and_exits_clean(demo_model_dir, tmp_path):
-    server = Server(demo_model_dir, str(tmp_path), ["--max-model-len", "512", "--shutdown-timeout", "1"]).start()
+    server = Server(demo_model_dir, str(tmp_path), ["--max-model-len", "2048", "--shutdown-timeout", "1"]).start()
     pids, run_dirs = [p.pid for p in server.children()], server.run_dirs()
     model = httpx.get(server.base_url + "/v1/models").json()["data"][0]["id"]
-    lines: list[str] = []
-    first = threading.Event()
-    reader = threading.Thread(target=_stream_lines, args=(server.base_url, model, lines, first))
-    reader.start()
-    assert first.wait(30)
+    streams = [([], threading.Event()) for _ in range(4)]  # 4 x 2000 tokens: far more than 1 s of work
+    readers = [threading.Thread(target=_stream_lines, args=(server.base_url, model, lines, first, 2000))
+               for lines, first in streams]
+    for reader in readers:
+        reader.start()
+    assert all(first.wait(30) for _, first in streams)
     signalled_at = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(timeout=15) == 0
     assert time.monotonic() - signalled_at < 8  # 1 s of drain, then the group stops
-    reader.join(timeout=10)
-    assert lines[-1] != "data: [DONE]" or '"error"' in lines[-2]  # never a silently complete-looking stream
+    for reader in readers:
+        reader.join(timeout=10)
+    for lines, _ in streams:  # cut: never a complete-looking stream
+        assert lines[-1] != "data: [DONE]" or '"error"' in lines[-2], lines[-2:]
     assert_all_gone(pids, run_dirs)
     records = list(EventLogReader(newest_log(str(tmp_path))))
     assert isinstance(records[-1][1], events.LogClosed)
