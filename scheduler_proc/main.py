@@ -12,8 +12,8 @@ from shared.proc import child_args, exit_with_parent, load_config, setup_logging
 def main(argv: list[str] | None = None) -> int:
     args = child_args(argv)
     log = setup_logging("scheduler")
-    exit_with_parent()
     config = load_config(args.config)
+    exit_with_parent(config.run_dir)
     shell = SchedulerShell(config)
     signal.signal(signal.SIGTERM, lambda *_: shell.request_stop("SIGTERM"))
     signal.signal(signal.SIGINT, signal.SIG_IGN)

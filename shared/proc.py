@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import threading
 import time
 
@@ -48,13 +49,16 @@ def send_ready(run_dir: str, process: str) -> None:
     sock.close()
 
 
-def exit_with_parent() -> None:
-    """Start a daemon thread that ends this process when its parent (the launcher) dies."""
+def exit_with_parent(run_dir: str | None = None) -> None:
+    """Start a daemon thread that ends this process when its parent (the launcher) dies,
+    first removing the launcher's run directory (`run_dir`), which nobody else will."""
     parent = os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(PARENT_POLL_S)
+        if run_dir:
+            shutil.rmtree(run_dir, ignore_errors=True)
         os._exit(3)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()

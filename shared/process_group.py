@@ -26,6 +26,7 @@ log = logging.getLogger("launcher")
 POLL_S = 0.1
 READY_TIMEOUT_S = 900.0
 STOP_GRACE_S = 5.0
+NOTICE_FLUSH_S = 1.0  # the tokenizer's time to send error chunks after an engine death
 
 
 @dataclass
@@ -101,16 +102,32 @@ class ProcessGroup:
     def _supervise(self) -> int:
         while self._stop_signal is None:
             if (dead := self._dead_child()) is not None:
-                return self._fail(dead)
+                return self._fail(dead, notify=True)
             time.sleep(POLL_S)
         return self._drain()
 
-    def _fail(self, dead: Child) -> int:
+    def _fail(self, dead: Child, notify: bool = False) -> int:
         message = f"process {dead.name!r} (pid {dead.popen.pid}) died with exit code {dead.exit_code()}; stopping the group"
         log.error(message)
         print(f"ledgerserve: {message}", file=sys.stderr, flush=True)
+        if notify and dead.name != "tokenizer":
+            self._notify_tokenizer(f"engine process {dead.name!r} died (exit code {dead.exit_code()})")
         self._stop_in_order()
         return 1
+
+    def _notify_tokenizer(self, message: str) -> None:
+        """Tell the serving tokenizer first, so it fails every in-flight request with a
+        clear error and turns /health 503; then give it a moment to flush."""
+        tokenizer = self._named("tokenizer")
+        if tokenizer.exit_code() is not None:
+            return
+        try:
+            ipc.write_engine_dead_notice(self.config.run_dir, message)
+        except OSError as e:
+            log.error("could not write the engine-dead notice: %s", e)
+            return
+        tokenizer.signal(signal.SIGUSR1)
+        time.sleep(NOTICE_FLUSH_S)
 
     def _drain(self) -> int:
         """Tokenizer first, up to the shutdown timeout; then the rest."""
@@ -120,7 +137,7 @@ class ProcessGroup:
         while tokenizer.exit_code() is None and time.monotonic() < deadline:
             other = next((c for c in self.children if c is not tokenizer and c.exit_code() is not None), None)
             if other is not None:
-                return self._fail(other)
+                return self._fail(other, notify=True)
             time.sleep(POLL_S)
         self._stop_in_order()
         log.info("stopped")

@@ -67,9 +67,10 @@ def build_app(
 def _add_info_routes(app: FastAPI, served: Served) -> None:
     @app.get("/health")
     async def health() -> Response:
-        if served.engine.is_healthy and served.engine.is_ready:
+        reason = served.engine.unavailable_reason()
+        if reason is None and served.engine.is_ready:
             return Response(status_code=200)
-        return error_response(503, served.engine.failure_message or "the engine is not ready")
+        return error_response(503, reason or "the engine is not ready")
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
-from typing import AsyncIterator, Callable, Callable
+from typing import AsyncIterator, Callable
 
 import msgspec
 import zmq
@@ -54,6 +54,8 @@ class RequestRejectedError(EngineError):
     def __init__(self, message: str, code: int = 400, param: str | None = None) -> None:
         super().__init__(message, param)
         self.status_code = code
+        if code >= 500:  # the worker failed this request alone (e.g. its adapter would not load)
+            self.error_type = "ServiceUnavailableError" if code == 503 else "InternalServerError"
 
 
 class EngineDeadError(EngineError):
@@ -70,6 +72,7 @@ class EngineClientBase(abc.ABC):
         self._pending_aborts: set[asyncio.Task[None]] = set()
         self.is_healthy = True  # False once the engine has failed
         self.is_ready = False  # True once every worker rank is up (EngineReady)
+        self.is_draining = False  # True after SIGTERM: in-flight requests finish, new ones get 503
         self.stats: EngineStats | None = None  # the scheduler's latest gauges
         self.finished_listeners: list[Callable[[RequestArrived, TokensEmitted], None]] = []
         self.failure_message: str | None = None
@@ -92,12 +95,26 @@ class EngineClientBase(abc.ABC):
     def num_in_flight(self) -> int:
         return len(self._queues)
 
+    def unavailable_reason(self) -> str | None:
+        """Why new work is refused with 503 (engine failed, or draining); None: accepted."""
+        if not self.is_healthy:
+            return self.failure_message or "engine is not healthy"
+        if self.is_draining:
+            return "the server is shutting down"
+        return None
+
+    def engine_died(self, message: str) -> None:
+        """An engine process is gone (the launcher said so): fail all in-flight work now."""
+        if self.is_healthy:
+            logger.error("engine failed: %s", message)
+            self._fail_all(message)
+
     async def generate(self, arrived: RequestArrived) -> AsyncIterator[TokensEmitted]:
         """Send `arrived`, then yield its TokensEmitted until one carries a finish reason.
 
         Leaving early (the consumer stops iterating, or is cancelled) aborts the request."""
-        if not self.is_healthy:
-            raise EngineDeadError(self.failure_message or "engine is not healthy")
+        if (reason := self.unavailable_reason()) is not None:
+            raise EngineDeadError(reason)
         if arrived.req_id in self._queues:
             raise EngineError(f"duplicate request id {arrived.req_id!r}")
         queue: asyncio.Queue[_Item] = asyncio.Queue()

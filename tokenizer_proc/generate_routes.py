@@ -93,8 +93,8 @@ def check_request(req: SamplingFields, served: Served) -> str | None:
     lora_name = adapters.resolve_lora(req.model, req.lora_path, served.config, served.adapters)
     req.check()
     req.check_n(served.config.max_n)
-    if not served.engine.is_healthy:
-        raise EngineDeadError(served.engine.failure_message or "engine is not healthy")
+    if (reason := served.engine.unavailable_reason()) is not None:
+        raise EngineDeadError(reason)
     check_capacity(served.engine, served.config, req.n)
     return lora_name
 

@@ -1,9 +1,10 @@
 """Process entry: `python -m tokenizer_proc.main --config PATH_TO_CONFIG_JSON`.
 
 Loads the tokenizer, connects to the scheduler, serves HTTP with uvicorn (uvloop), and
-tells the launcher it is ready once the HTTP socket listens. SIGTERM: uvicorn stops
-accepting and lets in-flight requests finish (up to shutdown_timeout_s). Exits if the
-launcher (its parent) goes away.
+tells the launcher it is ready once the HTTP socket listens. SIGTERM: drain (503 for
+/health and new requests, in-flight ones finish, up to shutdown_timeout_s), then exit 0.
+SIGUSR1: an engine process died; fail in-flight requests. Exits if the launcher (its
+parent) goes away.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import contextlib
 import logging
 import os
 import signal
+import time
 from typing import Any, Iterator
 
 import msgspec
@@ -23,27 +25,64 @@ import zmq
 from shared import ipc
 from shared.config import EngineConfig
 from tokenizer_proc.adapter_routes import StartupAdapterError
+from tokenizer_proc.security import StartupRefused
 from tokenizer_proc.app import build_app
 from tokenizer_proc.engine_client import EngineClient
 
 logger = logging.getLogger("tokenizer_proc")
 PARENT_POLL_S = 0.5
+DRAIN_POLL_S = 0.05
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server, but SIGINT/SIGTERM end in a clean exit (status 0) instead of
-    being re-raised after the graceful shutdown."""
+    """uvicorn's server, with the signals ledgerserve needs:
+
+    - SIGTERM/SIGINT: drain. /health and new requests get 503 at once while the socket
+      stays open; in-flight requests finish (up to `drain_timeout_s`); then uvicorn's
+      graceful shutdown and a clean exit (status 0). Requests still running at the
+      timeout are cut. A second signal ends the wait at once.
+    - SIGUSR1: the launcher saw an engine process die (its notice file names it): every
+      in-flight request fails with EngineDeadError and /health turns 503.
+    """
+
+    def __init__(self, config: uvicorn.Config, engine: EngineClient, run_dir: str, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.run_dir = run_dir
+        self.drain_timeout_s = drain_timeout_s
+        self._drain_task: asyncio.Task[None] | None = None
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.handle_exit, sig, None)
+        loop.add_signal_handler(signal.SIGUSR1, self.on_engine_dead)
         try:
             yield
         finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
                 loop.remove_signal_handler(sig)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self._drain_task is not None or not self.started:
+            super().handle_exit(sig, frame)
+            return
+        logger.info("received %s: draining %d in-flight requests", signal.Signals(sig).name, self.engine.num_in_flight)
+        self.engine.is_draining = True
+        self._drain_task = asyncio.get_running_loop().create_task(self._drain(sig))
+
+    async def _drain(self, sig: int) -> None:
+        deadline = time.monotonic() + self.drain_timeout_s
+        while self.engine.num_in_flight and self.engine.is_healthy and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        if self.engine.num_in_flight and self.engine.is_healthy:
+            logger.warning("shutdown timeout: cutting %d in-flight requests", self.engine.num_in_flight)
+            self.force_exit = True
+        super().handle_exit(sig, None)
+
+    def on_engine_dead(self) -> None:
+        self.engine.engine_died(ipc.read_engine_dead_notice(self.run_dir))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -99,7 +138,7 @@ async def serve(config: EngineConfig, parent_pid: int) -> None:
     engine = EngineClient(config.run_dir)
     try:
         app = build_app(engine, tokenizer, config)  # its lifespan starts and closes the engine
-    except StartupAdapterError as e:
+    except (StartupAdapterError, StartupRefused) as e:
         raise SystemExit(f"tokenizer: {e}") from None
     uv_config = uvicorn.Config(
         app,
@@ -110,7 +149,7 @@ async def serve(config: EngineConfig, parent_pid: int) -> None:
         log_level="info",
         timeout_graceful_shutdown=config.shutdown_timeout_s,  # type: ignore[arg-type]
     )
-    server = Server(uv_config)
+    server = Server(uv_config, engine, config.run_dir, config.shutdown_timeout_s)
     helpers = [
         asyncio.create_task(announce_when_listening(server, config.run_dir)),
         asyncio.create_task(watch_parent(server, parent_pid)),

@@ -68,6 +68,13 @@ def validate_req(req: ReqState, block_size: int, num_blocks: int, max_model_len:
         raise ValueError(f"block id out of range [0, {num_blocks})")
 
 
+def check_fault(req: ReqState, fault_token_id: int | None) -> None:
+    """Test-only fault switch: raise while preparing a request whose prompt holds
+    `fault_token_id` (env LEDGERSERVE_TEST_FAULT_TOKEN_ID), so it fails alone."""
+    if fault_token_id is not None and fault_token_id in req.token_ids[: req.num_prompt_tokens]:
+        raise ValueError(f"test fault: the prompt holds token id {fault_token_id}")
+
+
 @dataclass(frozen=True)
 class ForwardBatch:
     input_ids: torch.Tensor  # [num_tokens] int64

@@ -25,9 +25,9 @@ FAULT_DIGEST_STEP_ENV = "LEDGERSERVE_TEST_FAULT_DIGEST_STEP"
 def main(argv: list[str] | None = None) -> int:
     args = child_args(argv, with_rank=True)
     log = setup_logging(f"worker-{args.rank}")
-    exit_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     config = load_config(args.config)
+    exit_with_parent(config.run_dir)
     ctx = zmq.Context.instance()
     to_scheduler = ipc.connect(ctx, zmq.PUSH, config.run_dir, ipc.SCHED_FROM_WORKERS)
     from_scheduler = ipc.connect(ctx, zmq.PULL, config.run_dir, ipc.to_worker(args.rank))

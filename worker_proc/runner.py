@@ -17,7 +17,7 @@ from shared.events import (
     AdapterCpuEvicted, AdapterEvicted, AdapterLoadCompleted, AdapterLoadFailed, AdapterSlotAssigned, CachedReq,
     FailedReq, NewReq, RankDigest, SampledToken, StepCompleted, StepPlan, WorkerReady,
 )
-from worker_proc.batch import ReqState, build_batch, validate_req
+from worker_proc.batch import ReqState, build_batch, check_fault, validate_req
 from worker_proc.cuda_graphs import DecodeGraphs
 from worker_proc.kv_cache import KVCache, num_kv_blocks
 from worker_proc.lora.manager import LoraManager
@@ -26,6 +26,7 @@ from worker_proc.models.llama import FAST_DTYPES
 from worker_proc.sampler import Sampler, SamplingReq
 from worker_proc.step_inputs import PinnedStaging
 
+FAULT_TOKEN_ENV = "LEDGERSERVE_TEST_FAULT_TOKEN_ID"  # test-only: see batch.check_fault
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -58,6 +59,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.kv_cache.layers, num_blocks * config.block_size, width,
                                        config.max_num_seqs, config.enable_lora, self.device)
             self.graphs.capture()
+        self.fault_token_id = _fault_token_id()
 
     def _build_lora(self) -> LoraManager:
         with open(os.path.join(self.config.model_dir, "config.json"), encoding="utf-8") as f:
@@ -123,6 +125,7 @@ class ModelRunner:
                 req = self._update_req(update)
                 validate_req(req, self.config.block_size, self.kv_cache.num_blocks, self.config.max_model_len)
                 self._check_slot(req.lora_slot)
+                check_fault(req, self.fault_token_id)
             except ValueError as e:
                 self.reqs.pop(req_id, None)
                 failed.append(FailedReq(req_id, str(e)))
@@ -176,3 +179,13 @@ class ModelRunner:
         ]
         results = self.sampler.sample(logits, sampling)
         return [SampledToken(r.req_id, s.token_id, s.logprobs) for r, s in zip(reqs, results)]
+
+
+def _fault_token_id() -> int | None:
+    value = os.environ.get(FAULT_TOKEN_ENV, "")
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{FAULT_TOKEN_ENV}={value!r} is not an integer") from None

@@ -27,6 +27,7 @@ class Server:
     model_dir: str | None
     log_dir: str
     extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # added to this process's environment
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
     output_path: str = ""
@@ -41,7 +42,7 @@ class Server:
         args += ["--port", str(self.port), "--event-log-dir", self.log_dir, *self.extra_args]
         self.output_path = os.path.join(self.log_dir, f"server-{self.port}.out")
         out = open(self.output_path, "wb")
-        self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **self.env})
         self.wait_healthy()
         return self
 

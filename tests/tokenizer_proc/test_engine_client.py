@@ -127,6 +127,28 @@ async def test_engine_failed_fails_everyone(pair) -> None:
         await _drain(client, "r6")
 
 
+async def test_engine_died_notice_fails_everyone(pair) -> None:
+    client, scheduler = pair
+    task = asyncio.ensure_future(_drain(client, "r7"))
+    await scheduler.recv()
+    assert client.unavailable_reason() is None
+    client.engine_died("engine process 'worker-0' died (exit code -9)")
+    with pytest.raises(EngineDeadError, match="worker-0"):
+        await task
+    assert "worker-0" in client.unavailable_reason()
+
+
+async def test_draining_refuses_new_requests_but_finishes_old_ones(pair) -> None:
+    client, scheduler = pair
+    task = asyncio.ensure_future(_drain(client, "r8"))
+    await scheduler.recv()
+    client.is_draining = True
+    with pytest.raises(EngineDeadError, match="shutting down"):
+        await _drain(client, "r9")
+    await scheduler.send(TokensEmitted("r8", [5], "length"))
+    assert [out.new_token_ids for out in await task] == [[5]]
+
+
 async def _drain(client: EngineClient, req_id: str) -> list[TokensEmitted]:
     return [out async for out in client.generate(_arrived(req_id))]
 

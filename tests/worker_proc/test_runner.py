@@ -114,6 +114,18 @@ def test_digest_ranks_and_isolated_failures(tiny_checkpoint: str) -> None:
     assert rank0.reqs == {} and digest_empty.digest != digest_after.digest
 
 
+def test_fault_switch_fails_only_the_request_holding_the_token(tiny_checkpoint: str, monkeypatch) -> None:
+    clean = ModelRunner(_config(tiny_checkpoint), rank=0)
+    monkeypatch.setenv("LEDGERSERVE_TEST_FAULT_TOKEN_ID", "6")
+    faulty = ModelRunner(_config(tiny_checkpoint), rank=0)
+    good = NewReq("good", [3, 4, 5], 3, GREEDY, [7], 0, 3)
+    plan = StepPlan(0, [good, NewReq("bad", [3, 6, 5], 3, GREEDY, [8], 0, 3)])
+    done, _ = faulty.execute(plan)
+    expected, _ = clean.execute(StepPlan(0, [good]))
+    assert [f.req_id for f in done.failed] == ["bad"] and "test fault" in done.failed[0].message
+    assert done.sampled == expected.sampled and list(faulty.reqs) == ["good"]
+
+
 def test_mid_prefill_chunk_samples_nothing(tiny_checkpoint: str) -> None:
     runner = ModelRunner(_config(tiny_checkpoint))
     done, _ = runner.execute(StepPlan(0, [NewReq("r", list(range(3, 13)), 10, GREEDY, [0, 1, 2], 0, 4)]))
