@@ -8,6 +8,9 @@ per-token layout a "segment" is one token and its slot comes from `token_slots`.
 program reads its slot's real rank from `ranks` and loads only those rows of A / columns
 of B (masked loads), so the bytes read follow each adapter's real rank; slots -1 and
 rank-0 slices exit at once. No host sync: grid sizes come from shapes and host ints.
+The grouped layout (decode) is the segment layout over `order`, the batch's token rows
+sorted by slot and cut into tiles of at most GROUP_TILE rows: each program gathers its
+rows through `order` (GATHER), so each distinct adapter's A / B are read once per tile.
 """
 
 from __future__ import annotations
@@ -16,9 +19,19 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.lora_ref import GROUP_TILE
+
 BLOCK_M_SEG = 32  # rows per program in the segment layout
 BLOCK_M_TOK = 16  # the smallest tl.dot tile; one valid row per program in the token layout
 K_PER_SPLIT = 1024  # shrink splits the input dim so a GEMV of a few rows still fills the chip
+
+
+@triton.jit
+def _rows(idx_ptr, pos, pos_mask, GATHER: tl.constexpr):
+    """Token rows of positions `pos`: through the grouped layout's `order` if GATHER."""
+    if GATHER:
+        return tl.load(idx_ptr + pos, mask=pos_mask, other=0).to(tl.int64)
+    return pos
 
 
 @triton.jit
@@ -35,10 +48,10 @@ def _segment(seg_starts_ptr, seg_slots_ptr, seg, PER_TOKEN: tl.constexpr):
 
 @triton.jit
 def _shrink_kernel(
-    x_ptr, a_ptr, ranks_ptr, buf_ptr, seg_starts_ptr, seg_slots_ptr,
+    x_ptr, a_ptr, ranks_ptr, buf_ptr, seg_starts_ptr, seg_slots_ptr, idx_ptr,
     in_features, num_slices, stride_xt, stride_al, stride_as, stride_ar, stride_bufs, stride_buft, split_k,
-    PER_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    K_PER_SPLIT: tl.constexpr,
+    PER_TOKEN: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
 ):  # fmt: skip
     seg, s, pid2 = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     mblk, ks = pid2 // split_k, pid2 % split_k
@@ -46,8 +59,9 @@ def _shrink_kernel(
     start += mblk * BLOCK_M
     rank = tl.load(ranks_ptr + tl.maximum(slot, 0) * num_slices + s)
     if (slot >= 0) & (start < end) & (rank > 0):
-        rows = start + tl.arange(0, BLOCK_M)  # [BLOCK_M]
-        row_mask = rows < end
+        pos = start + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+        row_mask = pos < end
+        rows = _rows(idx_ptr, pos, row_mask, GATHER)
         r = tl.arange(0, BLOCK_R)
         r_mask = r < rank
         a_base = a_ptr + slot * stride_al + s * stride_as
@@ -66,10 +80,11 @@ def _shrink_kernel(
 
 @triton.jit
 def _expand_kernel(
-    y_ptr, buf_ptr, b_ptr, ranks_ptr, scalings_ptr, seg_starts_ptr, seg_slots_ptr,
+    y_ptr, buf_ptr, b_ptr, ranks_ptr, scalings_ptr, seg_starts_ptr, seg_slots_ptr, idx_ptr,
     size0, size1, size2, num_slices, n_blocks,
     stride_yt, stride_bufs, stride_buft, stride_bl, stride_bs, stride_bo,
-    PER_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    PER_TOKEN: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     seg, pid1, mblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     s, nblk = pid1 // n_blocks, pid1 % n_blocks
@@ -79,8 +94,9 @@ def _expand_kernel(
     size = tl.where(s == 0, size0, tl.where(s == 1, size1, size2))
     lo = tl.where(s == 0, 0, tl.where(s == 1, size0, size0 + size1))
     if (slot >= 0) & (start < end) & (rank > 0) & (nblk * BLOCK_N < size):
-        rows = start + tl.arange(0, BLOCK_M)
-        row_mask = rows < end
+        pos = start + tl.arange(0, BLOCK_M)
+        row_mask = pos < end
+        rows = _rows(idx_ptr, pos, row_mask, GATHER)
         r = tl.arange(0, BLOCK_R)
         r_mask = r < rank
         n = nblk * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -97,7 +113,8 @@ def _expand_kernel(
         tl.store(out, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _shrink(x, a, ranks, seg_starts, seg_slots, num_segs: int, m_blocks: int, per_token: bool, block_m: int):
+def _shrink(x, a, ranks, seg_starts, seg_slots, num_segs: int, m_blocks: int, per_token: bool, block_m: int,
+            order: torch.Tensor | None = None):
     num_slices, max_rank, in_features = a.shape[1], a.shape[2], a.shape[3]
     assert x.stride(-1) == 1 and a.is_contiguous() and ranks.is_contiguous()
     buf = torch.zeros(num_slices, x.shape[0], max_rank, dtype=torch.float32, device=x.device)  # atomics: fp32
@@ -106,14 +123,17 @@ def _shrink(x, a, ranks, seg_starts, seg_slots, num_segs: int, m_blocks: int, pe
     block_r = max(16, triton.next_power_of_2(max_rank))
     split_k = triton.cdiv(in_features, K_PER_SPLIT)
     _shrink_kernel[(num_segs, num_slices, m_blocks * split_k)](
-        x, a, ranks, buf, seg_starts, seg_slots, in_features, num_slices, x.stride(0), a.stride(0), a.stride(1),
+        x, a, ranks, buf, seg_starts, seg_slots, seg_slots if order is None else order, in_features, num_slices,
+        x.stride(0), a.stride(0), a.stride(1),
         a.stride(2), buf.stride(0), buf.stride(1), split_k,
-        PER_TOKEN=per_token, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=128, K_PER_SPLIT=K_PER_SPLIT,
+        PER_TOKEN=per_token, GATHER=order is not None, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=128,
+        K_PER_SPLIT=K_PER_SPLIT,
     )  # fmt: skip
     return buf
 
 
-def _expand(y, buf, b, ranks, scalings, output_sizes, seg_starts, seg_slots, num_segs, m_blocks, per_token, block_m):
+def _expand(y, buf, b, ranks, scalings, output_sizes, seg_starts, seg_slots, num_segs, m_blocks, per_token, block_m,
+            order: torch.Tensor | None = None):
     num_slices, max_rank = b.shape[1], b.shape[3]
     assert len(output_sizes) == num_slices <= 3 and y.stride(-1) == 1 and b.is_contiguous() and buf.is_contiguous()
     if num_segs == 0 or y.shape[0] == 0:
@@ -123,9 +143,10 @@ def _expand(y, buf, b, ranks, scalings, output_sizes, seg_starts, seg_slots, num
     n_blocks = triton.cdiv(max(output_sizes), block_n)
     block_r = max(16, triton.next_power_of_2(max_rank))
     _expand_kernel[(num_segs, num_slices * n_blocks, m_blocks)](
-        y, buf, b, ranks, scalings, seg_starts, seg_slots, sizes[0], sizes[1], sizes[2], num_slices, n_blocks,
+        y, buf, b, ranks, scalings, seg_starts, seg_slots, seg_slots if order is None else order,
+        sizes[0], sizes[1], sizes[2], num_slices, n_blocks,
         y.stride(0), buf.stride(0), buf.stride(1), b.stride(0), b.stride(1), b.stride(2),
-        PER_TOKEN=per_token, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+        PER_TOKEN=per_token, GATHER=order is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
     )  # fmt: skip
 
 
@@ -186,3 +207,29 @@ def lora_expand_tokens(
 ) -> None:
     _expand(y, buf, b, ranks, scalings, output_sizes, token_slots, token_slots, token_slots.shape[0], 1, True,
             BLOCK_M_TOK)
+
+
+def lora_shrink_grouped(
+    x: torch.Tensor,  # [num_tokens, in]
+    a: torch.Tensor,  # [max_loras, num_slices, max_rank, in]
+    ranks: torch.Tensor,  # [max_loras, num_slices] int
+    order: torch.Tensor,  # [num_tokens] int: token rows sorted by slot (kernels/lora_ref.py, grouped layout)
+    tile_starts: torch.Tensor,  # [num_tiles + 1] int: offsets into `order`, tiles of <= GROUP_TILE
+    tile_slots: torch.Tensor,  # [num_tiles] int, -1 = padding / base
+) -> torch.Tensor:  # [num_slices, num_tokens, max_rank]
+    return _shrink(x, a, ranks, tile_starts, tile_slots, tile_slots.shape[0], 1, False, GROUP_TILE, order)
+
+
+def lora_expand_grouped(
+    y: torch.Tensor,  # [num_tokens, sum(output_sizes)], updated in place
+    buf: torch.Tensor,  # [num_slices, num_tokens, max_rank]
+    b: torch.Tensor,  # [max_loras, num_slices, max_out_slice, max_rank]
+    ranks: torch.Tensor,  # [max_loras, num_slices] int
+    scalings: torch.Tensor,  # [max_loras, num_slices] float32
+    output_sizes: list[int],
+    order: torch.Tensor,  # [num_tokens] int
+    tile_starts: torch.Tensor,  # [num_tiles + 1] int
+    tile_slots: torch.Tensor,  # [num_tiles] int
+) -> None:
+    _expand(y, buf, b, ranks, scalings, output_sizes, tile_starts, tile_slots, tile_slots.shape[0], 1, False,
+            GROUP_TILE, order)

@@ -26,6 +26,12 @@ Two token layouts:
 
 Columns of `buf` past a token's rank, and rows of tokens on the base model, are zero.
 
+  * grouped (decode, CUDA-graph friendly): the tokens layout computed per adapter. The
+    host sorts the token rows by slot into `order` [num_tokens] and cuts each slot's run
+    into tiles of at most GROUP_TILE rows: `tile_starts` [num_tiles + 1] offsets into
+    `order`, `tile_slots` [num_tiles]. Padding tiles are empty with slot -1, so a fixed
+    `max_tiles(num_tokens, max_loras)` table serves any batch (see `group_tiles`).
+
 No host sync on CUDA when the caller passes the host-side copies it keeps: `rank_table`
 (ranks as nested lists), `scale_table` (scalings likewise), segment offsets/slots as host
 lists or CPU tensors, and for the token ops `max_rank` (the batch's largest real rank).
@@ -34,6 +40,34 @@ lists or CPU tensors, and for the token ops `max_rank` (the batch's largest real
 from __future__ import annotations
 
 import torch
+
+GROUP_TILE = 16  # rows per tile of the grouped layout (the smallest tl.dot tile)
+
+
+def max_tiles(num_tokens: int, max_loras: int) -> int:
+    """Tiles the grouped layout needs at most: sum over slots of ceil(n_slot / GROUP_TILE)."""
+    return -(-num_tokens // GROUP_TILE) + min(max_loras, num_tokens)
+
+
+def group_tiles(slots: list[int], num_tiles: int) -> tuple[list[int], list[int], list[int]]:
+    """Host-side grouped layout of token `slots` (-1 = base): (order [num_tokens],
+    tile_starts [num_tiles + 1], tile_slots [num_tiles]), padded with empty tiles of slot -1.
+    Base tokens sit at the end of `order`, outside every tile."""
+    order = sorted(range(len(slots)), key=lambda i: (slots[i] < 0, slots[i]))
+    starts: list[int] = []
+    tile_slots: list[int] = []
+    for pos, i in enumerate(order):
+        slot = slots[i]
+        if slot < 0:
+            break
+        if not tile_slots or tile_slots[-1] != slot or pos - starts[-1] == GROUP_TILE:
+            starts.append(pos)
+            tile_slots.append(slot)
+    end = len(order) - sum(1 for slot in slots if slot < 0)
+    if len(tile_slots) > num_tiles:
+        raise ValueError(f"{len(tile_slots)} tiles do not fit a table of {num_tiles}")
+    pad = num_tiles - len(tile_slots)
+    return order, starts + [end] * (pad + 1), tile_slots + [-1] * pad
 
 
 def lora_shrink_segments(
@@ -116,6 +150,47 @@ def lora_expand_tokens(
         b_tok = b[idx, s, :size, :rank]  # [num_tokens, size, rank]
         delta = torch.einsum("tr,tor->to", h[s], b_tok)  # [num_tokens, size]
         y[:, lo : lo + size] += delta * scale[s, :, None]
+
+
+def lora_shrink_grouped(
+    x: torch.Tensor,  # [num_tokens, in]
+    a: torch.Tensor,  # [max_loras, num_slices, max_rank, in]
+    ranks: torch.Tensor,  # [max_loras, num_slices] int
+    order: torch.Tensor,  # [num_tokens] int, token rows sorted by slot
+    tile_starts: torch.Tensor,  # [num_tiles + 1] int, offsets into order
+    tile_slots: torch.Tensor,  # [num_tiles] int, -1 = padding
+) -> torch.Tensor:  # [num_slices, num_tokens, max_rank]
+    num_slices, max_rank = a.shape[1], a.shape[2]
+    buf = x.new_zeros(num_slices, x.shape[0], max_rank)
+    rank_table, rows_of = ranks.tolist(), order.tolist()
+    for start, end, slot in _segments(tile_starts, tile_slots):
+        rows = rows_of[start:end]
+        for s in range(num_slices):
+            rank = rank_table[slot][s]
+            if rank > 0:
+                buf[s, rows, :rank] = x[rows] @ a[slot, s, :rank].T  # [tile_len, rank]
+    return buf
+
+
+def lora_expand_grouped(
+    y: torch.Tensor,  # [num_tokens, sum(output_sizes)], updated in place
+    buf: torch.Tensor,  # [num_slices, num_tokens, max_rank]
+    b: torch.Tensor,  # [max_loras, num_slices, max_out_slice, max_rank]
+    ranks: torch.Tensor,  # [max_loras, num_slices] int
+    scalings: torch.Tensor,  # [max_loras, num_slices]
+    output_sizes: list[int],
+    order: torch.Tensor,  # [num_tokens] int
+    tile_starts: torch.Tensor,  # [num_tiles + 1] int
+    tile_slots: torch.Tensor,  # [num_tiles] int
+) -> None:
+    rank_table, scale_table, rows_of = ranks.tolist(), scalings.tolist(), order.tolist()
+    for start, end, slot in _segments(tile_starts, tile_slots):
+        rows = rows_of[start:end]
+        for s, (lo, size) in enumerate(zip(_offsets(output_sizes), output_sizes)):
+            rank = rank_table[slot][s]
+            if rank > 0:
+                delta = buf[s, rows, :rank] @ b[slot, s, :size, :rank].T  # [tile_len, size]
+                y[rows, lo : lo + size] += delta * scale_table[slot][s]
 
 
 def _segments(seg_starts: torch.Tensor | list[int], seg_slots: torch.Tensor | list[int]) -> list[tuple[int, int, int]]:

@@ -22,8 +22,10 @@ from kernels.fused_ref import (
 __all__ = [
     "apply_rope",
     "fused_add_rms_norm",
+    "lora_expand_grouped",
     "lora_expand_segments",
     "lora_expand_tokens",
+    "lora_shrink_grouped",
     "lora_shrink_segments",
     "lora_shrink_tokens",
     "paged_decode_attention",
@@ -130,4 +132,16 @@ def lora_shrink_tokens(x, a, ranks, token_slots, max_rank=None) -> torch.Tensor:
 def lora_expand_tokens(y, buf, b, ranks, scalings, output_sizes, token_slots, max_rank=None) -> None:
     (_lora.lora_expand_tokens if use_triton_lora(y) else lora_ref.lora_expand_tokens)(
         y, buf, b, ranks, scalings, output_sizes, token_slots, max_rank
+    )
+
+
+def lora_shrink_grouped(x, a, ranks, order, tile_starts, tile_slots) -> torch.Tensor:
+    return (_lora.lora_shrink_grouped if use_triton_lora(x) else lora_ref.lora_shrink_grouped)(
+        x, a, ranks, order, tile_starts, tile_slots
+    )
+
+
+def lora_expand_grouped(y, buf, b, ranks, scalings, output_sizes, order, tile_starts, tile_slots) -> None:
+    (_lora.lora_expand_grouped if use_triton_lora(y) else lora_ref.lora_expand_grouped)(
+        y, buf, b, ranks, scalings, output_sizes, order, tile_starts, tile_slots
     )

@@ -4,8 +4,11 @@ rank-16 adapters on all seven projections. Beside each step time: the memory-ban
 floor (weights + adapters + KV read, over the device copy bandwidth measured here) and
 the share of the step the GPU sits idle (the forward queued behind a sleep kernel and
 timed with events, against the step's wall time). Prints JSON.
+`--e2e` instead runs bench_peft.py's workload end to end (one request per adapter, prefill
+`--prompt-len` then `--gen-len` greedy tokens, wall time over it all).
 
     python scripts/bench_decode.py --out bench.json
+    python scripts/bench_decode.py --e2e --out ours.json    # batch 32, 32 adapters, 128 + 128
 """
 
 from __future__ import annotations
@@ -113,6 +116,21 @@ class Bench:
         return statistics.median(walls) * 1e3, gpu_ms, enqueue_ms, statistics.mean(lens)
 
 
+def end_to_end(runner: ModelRunner, batch: int, num_adapters: int, prompt_len: int, gen_len: int) -> dict:
+    """Prefill `batch` prompts then decode to `gen_len` output tokens each; tokens/s over the wall time.
+    Each step returns its sampled tokens to the host, so the clock stops on finished work."""
+    bench = Bench(runner, prompt_len, 0, gen_len)
+    bench.start(batch, num_adapters)  # warm-up: prefill of this shape
+    t0 = time.perf_counter()
+    last = bench.start(batch, num_adapters)  # the first output token
+    for _ in range(gen_len - 1):
+        last, _ = bench.decode(last)
+    wall = time.perf_counter() - t0
+    return dict(device=torch.cuda.get_device_name(), batch=batch, adapters=num_adapters, prompt_len=prompt_len,
+                gen_len=gen_len, output_tokens=batch * gen_len, wall_s=round(wall, 3),
+                tok_s=round(batch * gen_len / wall, 1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch-sizes", default="1,2,4,8,16,32,64,128,256")
@@ -122,6 +140,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs)")
+    ap.add_argument("--e2e", action="store_true", help="end to end: batch and adapters from the lists' largest")
+    ap.add_argument("--gen-len", type=int, default=128, help="--e2e output tokens per request")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     batches = [int(b) for b in args.batch_sizes.split(",")]
@@ -129,10 +149,14 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="bench_decode_")
     model_dir = write_model_dir(root)
     base = BaseShapes.from_hf_config(LLAMA3_8B)
-    blocks_per_req = -(-(args.prompt_len + args.warmup + args.steps + 2) // BLOCK)
+    if args.e2e:
+        batches, adapter_counts = [max(batches)], [max(adapter_counts)]
+    gen = args.gen_len if args.e2e else args.warmup + args.steps
+    blocks_per_req = -(-(args.prompt_len + gen + 2) // BLOCK)
     max_loras = max(max(adapter_counts), 1)
     config = EngineConfig(
-        model_dir=model_dir, served_model_name="bench", max_model_len=args.prompt_len + 64, dtype="bfloat16",
+        model_dir=model_dir, served_model_name="bench", max_model_len=args.prompt_len + max(64, gen + 16),
+        dtype="bfloat16",
         device="cuda", max_num_seqs=max(batches), block_size=BLOCK, load_format="dummy",
         num_kv_blocks=max(batches) * blocks_per_req, enable_lora=True, max_loras=max_loras,
         max_lora_rank=args.rank, max_cpu_loras=max_loras, enforce_eager=args.eager,
@@ -145,6 +169,9 @@ def main() -> None:
         path = write_adapter(root, i, base, args.rank, "cuda")
         runner.load_adapter(AdapterSlotAssigned(i, i, path))
     adapters_s = time.perf_counter() - t0
+    if args.e2e:
+        _report(end_to_end(runner, batches[0], adapter_counts[0], args.prompt_len, args.gen_len), args.out)
+        return
     bw = copy_bandwidth(runner.device)
     bench = Bench(runner, args.prompt_len, args.warmup, args.steps)
     results = []
@@ -163,9 +190,13 @@ def main() -> None:
     report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bw_GBps=round(bw / 1e9, 1),
                   model_load_s=round(load_s, 1), adapters_load_s=round(adapters_s, 1), graphs=not args.eager,
                   prompt_len=args.prompt_len, rank=args.rank, results=results)
+    _report(report, args.out)
+
+
+def _report(report: dict, out: str) -> None:
     text = json.dumps(report, indent=1)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
+    if out:
+        with open(out, "w", encoding="utf-8") as f:
             f.write(text)
     print(text)
 

@@ -2,8 +2,11 @@
 LoRA is enabled, a set with it. Each graph reads one static int64 input row (token ids,
 positions, KV slots, adapter slots, sequence lengths, block tables) that every step
 overwrites with a single device copy; adapter slots and block tables being inputs, one
-graph serves any mix of adapters and requests. Padding rows use seq_len 0, slot -1 and
-write their K/V into a scratch block past the scheduler's blocks.
+graph serves any mix of adapters and requests. The LoRA set also reads the grouped layout
+(kernels/lora_ref.py): token rows sorted by slot and a padded table of max_tiles(batch,
+max_loras) tiles, built on the host from the plan, so each distinct adapter's A / B are read
+once per tile, not once per token. Padding rows use seq_len 0, slot -1 and write their K/V
+into a scratch block past the scheduler's blocks.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels.lora_ref import group_tiles, max_tiles
 from worker_proc.batch import ReqState
 from worker_proc.lora.mapping import LoraMapping
 from worker_proc.step_inputs import DeviceAttentionMetadata, PinnedStaging
@@ -23,31 +27,35 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 class DecodeGraph:
     """One captured decode step at `batch` rows: static input row in, static logits out."""
 
-    def __init__(self, batch: int, width: int, device: torch.device) -> None:
-        self.batch, self.width = batch, width
-        self.inputs = torch.zeros(batch * (5 + width), dtype=torch.long, device=device)  # [batch * (5 + width)]
+    def __init__(self, batch: int, width: int, num_tiles: int, device: torch.device) -> None:
+        self.batch, self.width, self.num_tiles = batch, width, num_tiles
+        # [batch * (6 + width) + 2 * num_tiles + 1]: ids, positions, KV slots, adapter slots, seq lens,
+        # grouped order, tile starts, tile slots, block tables
+        self.inputs = torch.zeros(batch * (6 + width) + 2 * num_tiles + 1, dtype=torch.long, device=device)
         self.graph = torch.cuda.CUDAGraph()
         self.logits: torch.Tensor | None = None  # [batch, vocab] float32
 
     def forward(self, model: torch.nn.Module, kv_layers: list, with_lora: bool) -> torch.Tensor:
         b = self.batch
-        ids, pos, smap, tslots, slens, bt = self.inputs.split([b, b, b, b, b, b * self.width])
+        t = self.num_tiles
+        ids, pos, smap, tslots, slens, order, tstarts, tile_slots, bt = self.inputs.split(
+            [b, b, b, b, b, b, t + 1, t, b * self.width])
         qsl = torch.arange(b + 1, dtype=torch.int32, device=ids.device)
         meta = DeviceAttentionMetadata([], [], [], smap, bt.view(b, self.width).int(), slens.int(), qsl, 1)
         lora = None
         if with_lora:
             empty = torch.zeros(0, dtype=torch.long)
-            lora = LoraMapping(tslots, empty, empty, False, (), in_graph=True)
+            lora = LoraMapping(tslots, empty, empty, False, (), in_graph=True, grouped=(order, tstarts, tile_slots))
         hidden = model(ids, pos, kv_layers, meta, lora=lora)  # [b, hidden]
         return model.compute_logits(hidden, lora=lora)  # [b, vocab] float32
 
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_layers: list, scratch_slot: int, width: int,
-                 max_batch: int, with_lora: bool, device: torch.device) -> None:
+                 max_batch: int, with_lora: bool, device: torch.device, max_loras: int = 0) -> None:
         self.model, self.kv_layers, self.scratch_slot, self.width = model, kv_layers, scratch_slot, width
         self.buckets = [b for b in BUCKETS if b <= max_batch] or [1]
-        self.device = device
+        self.device, self.max_loras = device, max_loras
         self.sets = {False: {}, True: {}} if with_lora else {False: {}}
         self.pool = None
         self.replays = 0
@@ -56,8 +64,8 @@ class DecodeGraphs:
         """Warm up (Triton compiles) and capture every bucket, largest first, in one memory pool."""
         for with_lora, graphs in self.sets.items():
             for b in sorted(self.buckets, reverse=True):
-                g = DecodeGraph(b, self.width, self.device)
-                g.inputs[3 * b : 4 * b].fill_(-1)  # adapter slots: base
+                g = DecodeGraph(b, self.width, max_tiles(b, self.max_loras) if with_lora else 0, self.device)
+                g.inputs[3 * b : 4 * b].fill_(-1)  # adapter slots: base (tile table: zeros, empty)
                 g.inputs[2 * b : 3 * b].fill_(self.scratch_slot)  # KV slots: scratch
                 g.forward(self.model, self.kv_layers, with_lora)  # eager warm-up
                 torch.cuda.synchronize()
@@ -81,13 +89,18 @@ class DecodeGraphs:
         g = self.sets[with_lora][bucket]
         pad = bucket - n
         positions = [r.num_computed_tokens for r in reqs]
+        slots = [r.lora_slot for r in reqs] + [-1] * pad
+        order, tile_starts, tile_slots = group_tiles(slots, g.num_tiles) if with_lora else (slots, [0], [])
         row = [
             [r.token_ids[p] for r, p in zip(reqs, positions)] + [0] * pad,
             positions + [0] * pad,
             [r.block_ids[p // block_size] * block_size + p % block_size for r, p in zip(reqs, positions)]
             + [self.scratch_slot] * pad,
-            [r.lora_slot for r in reqs] + [-1] * pad,
+            slots,
             [p + 1 for p in positions] + [0] * pad,
+            order,
+            tile_starts,
+            tile_slots,
             list(itertools.chain.from_iterable(r.block_ids + [0] * (self.width - len(r.block_ids)) for r in reqs))
             + [0] * (pad * self.width),
         ]

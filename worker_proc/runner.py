@@ -57,7 +57,7 @@ class ModelRunner:
         if use_graphs:
             width = -(-config.max_model_len // config.block_size)
             self.graphs = DecodeGraphs(self.model, self.kv_cache.layers, num_blocks * config.block_size, width,
-                                       config.max_num_seqs, config.enable_lora, self.device)
+                                       config.max_num_seqs, config.enable_lora, self.device, config.max_loras)
             self.graphs.capture()
         self.fault_token_id = _fault_token_id()
 

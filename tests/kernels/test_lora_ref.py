@@ -6,7 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.lora_ref import lora_expand_segments, lora_expand_tokens, lora_shrink_segments, lora_shrink_tokens
+from kernels.lora_ref import (
+    GROUP_TILE, group_tiles, lora_expand_grouped, lora_expand_segments, lora_expand_tokens, lora_shrink_grouped,
+    lora_shrink_segments, lora_shrink_tokens, max_tiles,
+)
 
 MAX_LORAS, MAX_RANK, IN = 5, 13, 37
 
@@ -90,3 +93,35 @@ def test_layouts_agree_and_all_base_is_a_no_op() -> None:
     base_slots = torch.full_like(token_slots, -1)
     lora_expand_tokens(y, lora_shrink_tokens(x, a, ranks, base_slots), b, ranks, scalings, output_sizes, base_slots)
     assert not y.any()
+
+
+def test_group_tiles_sorts_by_slot_cuts_tiles_and_pads() -> None:
+    slots = [3, -1, 0, 3, 0, -1, 3]
+    order, starts, tile_slots = group_tiles(slots, max_tiles(len(slots), 4))
+    assert [slots[i] for i in order] == [0, 0, 3, 3, 3, -1, -1]
+    assert sorted(order) == list(range(len(slots)))
+    assert len(starts) == len(tile_slots) + 1 == max_tiles(len(slots), 4) + 1
+    assert starts[:3] == [0, 2, 5] and tile_slots[:2] == [0, 3]
+    assert set(starts[2:]) == {5} and set(tile_slots[2:]) == {-1}  # padding: empty, base
+    many = [1] * (2 * GROUP_TILE + 3) + [0]
+    order, starts, tile_slots = group_tiles(many, max_tiles(len(many), 2))
+    assert tile_slots[:4] == [0, 1, 1, 1] and starts[:5] == [0, 1, 1 + GROUP_TILE, 1 + 2 * GROUP_TILE, len(many)]
+    with pytest.raises(ValueError):
+        group_tiles(many, 2)
+
+
+@pytest.mark.parametrize("output_sizes", OUTPUT_SIZES, ids=["single", "qkv", "gate_up"])
+def test_grouped_matches_naive(output_sizes: list[int]) -> None:
+    gen = torch.Generator().manual_seed(20 + len(output_sizes))
+    a, b, ranks, scalings = _buffers(output_sizes, gen)
+    slots = [0, -1, 4, 1, 1, 3, -1, 2, 0, 4, 2] + [2] * (GROUP_TILE + 1)
+    token_slots = torch.tensor(slots)
+    order, starts, tile_slots = (torch.tensor(t) for t in group_tiles(slots, max_tiles(len(slots), MAX_LORAS)))
+    x = torch.randn(len(slots), IN, generator=gen, dtype=torch.float64)
+    base = torch.randn(len(slots), sum(output_sizes), generator=gen, dtype=torch.float64)
+    y = base.clone()
+    buf = lora_shrink_grouped(x, a, ranks, order, starts, tile_slots)
+    torch.testing.assert_close(buf, lora_shrink_tokens(x, a, ranks, token_slots))
+    lora_expand_grouped(y, buf, b, ranks, scalings, output_sizes, order, starts, tile_slots)
+    torch.testing.assert_close(y, base + _naive(x, a, b, ranks, scalings, output_sizes, token_slots))
+    assert torch.equal(y[1], base[1]) and torch.equal(y[5], base[5])  # base token, rank-0 slot

@@ -56,6 +56,15 @@ def _check(layout: str, output_sizes: list[int], dtype: torch.dtype, seg_lens: l
         buf = lora.lora_shrink_segments(xd, ad, dev["ranks"], dev["seg_starts"], dev["seg_slots"], max_seg_len=max(seg_lens))
         lora.lora_expand_segments(got, buf, bd, dev["ranks"], dev["scalings"], output_sizes, dev["seg_starts"],
                                   dev["seg_slots"], max_seg_len=max(seg_lens))
+    elif layout == "grouped":
+        slots = token_slots.tolist()
+        table = lora_ref.group_tiles(slots, lora_ref.max_tiles(len(slots), MAX_LORAS))
+        order, tstarts, tslots = (torch.tensor(t) for t in table)
+        buf32 = lora_ref.lora_shrink_grouped(args32[0], args32[1], ranks, order, tstarts, tslots)
+        lora_ref.lora_expand_grouped(want, buf32, args32[2], ranks, scalings, output_sizes, order, tstarts, tslots)
+        od, sd, td = order.to(DEVICE), tstarts.to(DEVICE), tslots.to(DEVICE)
+        buf = lora.lora_shrink_grouped(xd, ad, dev["ranks"], od, sd, td)
+        lora.lora_expand_grouped(got, buf, bd, dev["ranks"], dev["scalings"], output_sizes, od, sd, td)
     else:
         buf32 = lora_ref.lora_shrink_tokens(args32[0], args32[1], ranks, token_slots)
         lora_ref.lora_expand_tokens(want, buf32, args32[2], ranks, scalings, output_sizes, token_slots)
@@ -80,3 +89,10 @@ def test_segments_match_reference(dtype: torch.dtype, output_sizes: list[int]) -
 def test_tokens_match_reference(dtype: torch.dtype, output_sizes: list[int]) -> None:
     slots = [0, -1, 4, 1, 1, 3, -1, 2, 0, 4, 2, 2, 0]
     _check("tokens", output_sizes, dtype, [1] * len(slots), slots)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("output_sizes", OUTPUT_SIZES, ids=["single", "qkv", "gate_up"])
+def test_grouped_matches_reference(dtype: torch.dtype, output_sizes: list[int]) -> None:
+    slots = [0, -1, 4, 1, 1, 3, -1, 2, 0, 4, 2, 2, 0] + [1] * 37  # slot 1: three tiles, one ragged
+    _check("grouped", output_sizes, dtype, [1] * len(slots), slots)

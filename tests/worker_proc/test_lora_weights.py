@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.lora_ref import group_tiles, max_tiles
 from worker_proc.lora.mapping import LoraMapping
 from worker_proc.lora.weights import LoraWeights
 
@@ -39,6 +40,23 @@ def test_load_slot_zeroes_the_rest_and_apply_matches_dense() -> None:
         on = torch.tensor(slots) == 1
         torch.testing.assert_close(y[on, 5:], x[on] @ a.T @ b.T * 0.5)
         assert not y[:, :5].any() and not y[~on].any()
+
+
+def test_grouped_mapping_matches_per_token() -> None:
+    w = _weights()
+    gen = torch.Generator().manual_seed(1)
+    for slot in range(3):
+        a = torch.randn(slot + 2, 6, generator=gen, dtype=torch.float64)
+        b = torch.randn(5, slot + 2, generator=gen, dtype=torch.float64)
+        w.load_slot(slot, [(a, b, 0.5 + slot), None])
+    slots = [2, -1, 0, 2, 1, 0, -1, 2]
+    x = torch.randn(len(slots), 6, generator=gen, dtype=torch.float64)
+    want, got = (torch.randn(len(slots), 8, generator=gen, dtype=torch.float64),) * 2
+    want, got = want.clone(), got.clone()
+    w.apply(x, want, LoraMapping.from_slots(torch.tensor(slots)))
+    grouped = tuple(torch.tensor(t) for t in group_tiles(slots, max_tiles(len(slots), 3)))
+    w.apply(x, got, LoraMapping(torch.tensor(slots), torch.zeros(0), torch.zeros(0), False, (), grouped=grouped))
+    torch.testing.assert_close(got, want)
 
 
 def test_load_slot_refuses_misfits_and_leaves_slot_untouched() -> None:

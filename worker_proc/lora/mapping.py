@@ -20,6 +20,9 @@ class LoraMapping:
     device_segments: tuple[torch.Tensor, torch.Tensor] | None = None  # seg_starts, seg_slots on the device
     max_seg_len: int = 0  # longest run of one slot
     in_graph: bool = False  # CUDA-graph capture: launch the kernels whatever the slots hold now
+    # decode's grouped layout (kernels/lora_ref.py) on the device: order [num_tokens],
+    # tile_starts [num_tiles + 1], tile_slots [num_tiles]; when set, it serves every LoRA op
+    grouped: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @staticmethod
     def from_slots(token_slots: torch.Tensor) -> "LoraMapping | None":

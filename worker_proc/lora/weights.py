@@ -34,6 +34,9 @@ class LoraWeights:
 
     def apply(self, x: torch.Tensor, y: torch.Tensor, mapping: LoraMapping) -> None:
         """y += LoRA delta of each token's slot. x: [num_tokens, in], y: [num_tokens, out]."""
+        if mapping.grouped is not None:
+            self._apply_grouped(x, y, mapping.grouped)
+            return
         if ops.use_triton_lora(x):
             self._apply_triton(x, y, mapping)
             return
@@ -60,6 +63,13 @@ class LoraWeights:
             return
         buf = ops.lora_shrink_tokens(x, self.a, self.ranks, mapping.token_slots)
         ops.lora_expand_tokens(y, buf, self.b, self.ranks, self.scalings, self.output_sizes, mapping.token_slots)
+
+    def _apply_grouped(self, x: torch.Tensor, y: torch.Tensor, grouped: tuple[torch.Tensor, ...]) -> None:
+        """Decode: tokens grouped by slot, each tile of one adapter reads its A / B once."""
+        order, tile_starts, tile_slots = grouped
+        buf = ops.lora_shrink_grouped(x, self.a, self.ranks, order, tile_starts, tile_slots)
+        ops.lora_expand_grouped(y, buf, self.b, self.ranks, self.scalings, self.output_sizes, order, tile_starts,
+                                tile_slots)
 
     def batch_rank(self, slots: tuple[int, ...]) -> int:
         """The largest real rank over `slots` and this layer's slices (host-side)."""
