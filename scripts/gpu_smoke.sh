@@ -3,7 +3,7 @@
 # one completion and one chat request. Usage: bash scripts/gpu_smoke.sh
 set -uo pipefail
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.get_device_name(0))'
-python3 -m pytest -q -m gpu tests 2>&1 | tail -5
+python3 -m pytest -q -m gpu tests/kernels tests/worker_proc tests/engine 2>&1 | tail -5
 log_dir=$(mktemp -d)
 python3 -m shared.cli serve --port 8765 --event-log-dir "$log_dir" > "$log_dir/server.out" 2>&1 &
 pid=$!
