@@ -1,0 +1,58 @@
+"""The launcher turns CLI flags into the EngineConfig every process reads."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from shared.cli import build_parser
+from shared.config import EngineConfig
+from shared.launcher import parse_lora_module, resolve_config
+
+
+def _args(*argv: str):
+    return build_parser().parse_args(["serve", *argv])
+
+
+@pytest.fixture
+def model_dir(tmp_path) -> str:
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    return str(tmp_path)
+
+
+def test_auto_dtype_and_defaults_on_cpu(model_dir, tmp_path):
+    cfg = resolve_config(_args(model_dir, "--device", "cpu"), str(tmp_path))
+    assert (cfg.device, cfg.dtype, cfg.max_model_len, cfg.max_num_seqs) == ("cpu", "float32", 4096, 64)
+    assert cfg.served_model_name == os.path.basename(model_dir) and cfg.host == "127.0.0.1"
+    assert not cfg.enable_lora and cfg.max_loras == 8 and cfg.max_lora_rank == 64
+
+
+def test_auto_dtype_on_cuda_is_bf16(model_dir, tmp_path):
+    assert resolve_config(_args(model_dir, "--device", "cuda"), str(tmp_path)).dtype == "bfloat16"
+
+
+def test_lora_modules_in_both_forms_enable_lora(model_dir, tmp_path):
+    spec = json.dumps({"name": "b", "path": "/x/b"})
+    cfg = resolve_config(_args(model_dir, "--device", "cpu", "--lora-modules", "a=/x/a", spec), str(tmp_path))
+    assert cfg.enable_lora and cfg.lora_modules == (("a", "/x/a"), ("b", "/x/b"))
+    assert EngineConfig.from_json(cfg.to_json()) == cfg
+
+
+@pytest.mark.parametrize("spec", ["nopath", "=/x", "a=", '{"name": "a"}', "{bad json"])
+def test_bad_lora_module_specs_are_refused(spec):
+    with pytest.raises(ValueError, match="--lora-modules"):
+        parse_lora_module(spec)
+
+
+def test_max_model_len_past_the_model_is_refused(model_dir, tmp_path):
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        resolve_config(_args(model_dir, "--device", "cpu", "--max-model-len", "8192"), str(tmp_path))
+
+
+def test_api_key_never_enters_the_config(model_dir, tmp_path, monkeypatch):
+    monkeypatch.delenv("LEDGERSERVE_API_KEY", raising=False)
+    cfg = resolve_config(_args(model_dir, "--device", "cpu", "--api-key", "s3cret"), str(tmp_path))
+    assert cfg.api_key_required and b"s3cret" not in cfg.to_json()
+    assert os.environ["LEDGERSERVE_API_KEY"] == "s3cret"  # handed to the children through the environment
