@@ -38,6 +38,18 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
 
+    def _project_qkv(
+        self, x: torch.Tensor, lora: LoraMapping | None  # x: [num_tokens, hidden]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]."""
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x, lora)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+        q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        return q, k, v
+
     def forward(
         self,
         x: torch.Tensor,  # [num_tokens, hidden]
@@ -47,11 +59,7 @@ class Attention(nn.Module):
         lora: LoraMapping | None,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x, lora)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
-        q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self._project_qkv(x, lora)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
@@ -68,11 +76,7 @@ class Attention(nn.Module):
         lora: LoraMapping | None,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x, lora)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
-        q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self._project_qkv(x, lora)
         if self.q_norm is not None and self.k_norm is not None:
             q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
             k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
