@@ -52,7 +52,13 @@ def test_max_model_len_past_the_model_is_refused(model_dir, tmp_path):
 
 
 def test_api_key_never_enters_the_config(model_dir, tmp_path, monkeypatch):
-    monkeypatch.delenv("LEDGERSERVE_API_KEY", raising=False)
+    monkeypatch.setenv("LEDGERSERVE_API_KEY", "")  # registered, so teardown removes what the launcher sets
     cfg = resolve_config(_args(model_dir, "--device", "cpu", "--api-key", "s3cret"), str(tmp_path))
     assert cfg.api_key_required and b"s3cret" not in cfg.to_json()
     assert os.environ["LEDGERSERVE_API_KEY"] == "s3cret"  # handed to the children through the environment
+
+
+def test_the_api_key_test_left_no_key_behind():
+    """Runs after the test above (file order): a key leaking into this process's
+    environment would make every later HTTP test demand it."""
+    assert not os.environ.get("LEDGERSERVE_API_KEY")
