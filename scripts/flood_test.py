@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import psutil
 
+from scripts import load_test
 from scripts.lora_stress import _base_model, check_loopback
 
 
@@ -61,14 +62,10 @@ async def flood(base_url: str, concurrency: int, duration_s: float) -> dict[str,
     return counts
 
 
-def wait_idle(base_url: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        text = httpx.get(base_url + "/metrics", timeout=5).text
-        if "ledgerserve_num_requests_running 0.0" in text and "ledgerserve_num_requests_waiting 0.0" in text:
-            return
-        time.sleep(0.2)
-    raise TimeoutError("the engine did not go idle after the flood")
+def wait_idle(base_url: str) -> None:
+    _, found = load_test.wait_idle(base_url, timeout_s=60.0)
+    if found:
+        raise RuntimeError(f"the engine did not go idle after the flood: {found}")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

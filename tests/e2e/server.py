@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,13 +12,10 @@ from dataclasses import dataclass, field
 import httpx
 import psutil
 
+from scripts.load_test import leaks, read_metrics
+from tests.netutil import free_port
+
 START_TIMEOUT_S = 180.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -81,26 +77,17 @@ class Server:
         return self.proc.wait(timeout=timeout_s)
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.base_url + "/metrics", timeout=5.0).text
-        values = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                values[name] = float(value)
-        return values
+        return read_metrics(self.base_url)
 
     def wait_idle(self, timeout_s: float = 20.0) -> dict[str, float]:
-        """Until no request runs or waits and every KV block is free or in the prefix cache."""
+        """Until the engine is idle and holds nothing (scripts/load_test.py's `leaks`): no
+        request running or waiting, every KV block free or cached, no pins, no deferrals."""
         deadline = time.monotonic() + timeout_s
-        while True:
-            m = self.metrics()
-            idle = m.get("ledgerserve_num_requests_running") == 0 and m.get("ledgerserve_num_requests_waiting") == 0
-            reclaimable = m.get("ledgerserve_kv_blocks_free", 0) + m.get("ledgerserve_kv_blocks_cached", 0)
-            if idle and reclaimable == m.get("ledgerserve_kv_blocks_total"):
-                return m
+        while found := leaks(m := self.metrics()):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"engine not idle: {m}")
+                raise TimeoutError(f"engine not idle: {found}: {m}")
             time.sleep(0.1)
+        return m
 
 
 def assert_all_gone(pids: list[int], run_dirs: list[str], timeout_s: float = 10.0) -> None:

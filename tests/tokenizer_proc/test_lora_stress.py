@@ -3,26 +3,17 @@ under a real uvicorn on 127.0.0.1."""
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from pathlib import Path
 from typing import Iterator
 
 import pytest
-import uvicorn
 
 from scripts.lora_stress import Outcome, check_loopback, main, parse_args, run_stress, summarize
 from shared.config import EngineConfig
 from tests.peft_util import make_tiny_peft_adapter
 from tests.tokenizer_proc.fake_engine import FakeEngine
 from tokenizer_proc.app import build_app
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.netutil import free_port, serve_in_thread
 
 
 @pytest.fixture(scope="module")
@@ -36,20 +27,11 @@ def lora_root(demo_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> 
 @pytest.fixture(scope="module")
 def server(tokenizer, demo_model_dir: str, lora_root: Path) -> Iterator[tuple[str, FakeEngine]]:
     engine = FakeEngine(delay_s=0.005, op_delay_s=0.02)
-    port = _free_port()
+    port = free_port()
     config = EngineConfig(model_dir=demo_model_dir, served_model_name="demo", max_model_len=128, port=port,
                           enable_lora=True, lora_allowed_dirs=(str(lora_root),))
-    uv = uvicorn.Server(uvicorn.Config(build_app(engine, tokenizer, config), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not uv.started:
-        if time.monotonic() > deadline:
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", engine
-    uv.should_exit = True
-    thread.join(timeout=10)
+    with serve_in_thread(build_app(engine, tokenizer, config), port) as url:
+        yield url, engine
 
 
 def _args(url: str, lora_root: Path, *extra: str):

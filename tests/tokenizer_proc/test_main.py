@@ -6,7 +6,6 @@ import asyncio
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,16 +18,11 @@ import zmq
 
 from shared import codec, ipc
 from shared.config import EngineConfig
+from tests.netutil import free_port
 from shared.events import RequestArrived, TokensEmitted
 from tokenizer_proc.main import watch_parent
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _recv(sock: zmq.Socket, timeout_s: float) -> bytes:
@@ -43,7 +37,7 @@ def test_process_handshake_serves_and_drains_on_sigterm(demo_model_dir: str) -> 
     control = ipc.bind(ctx, zmq.PULL, run_dir, ipc.CONTROL)
     sched_in = ipc.bind(ctx, zmq.PULL, run_dir, ipc.SCHED_IN)
     to_tok = ipc.bind(ctx, zmq.PUSH, run_dir, ipc.TO_TOKENIZER)
-    port = _free_port()
+    port = free_port()
     config = EngineConfig(model_dir=demo_model_dir, served_model_name="demo", max_model_len=128,
                           port=port, run_dir=run_dir, shutdown_timeout_s=5)
     config_path = Path(run_dir) / "config.json"

@@ -2,45 +2,28 @@
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 from typing import Iterator
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from shared.config import EngineConfig
 from tests.tokenizer_proc.fake_engine import FakeEngine
 from tokenizer_proc.app import build_app
+from tests.netutil import free_port, serve_in_thread
 
 MODEL = "demo"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def server(tokenizer, demo_model_dir: str) -> Iterator[tuple[str, FakeEngine]]:
     engine = FakeEngine(delay_s=0.01)
-    port = _free_port()
+    port = free_port()
     config = EngineConfig(model_dir=demo_model_dir, served_model_name=MODEL, max_model_len=512, port=port)
-    uv = uvicorn.Server(uvicorn.Config(build_app(engine, tokenizer, config), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not uv.started:
-        if time.monotonic() > deadline:
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", engine
-    uv.should_exit = True
-    thread.join(timeout=10)
+    with serve_in_thread(build_app(engine, tokenizer, config), port) as url:
+        yield url, engine
 
 
 def _wait_for(predicate, timeout_s: float = 5.0) -> bool:
