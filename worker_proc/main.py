@@ -46,15 +46,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve(runner: ModelRunner, rank: int, inbox: zmq.Socket, outbox: zmq.Socket, log: logging.Logger) -> int:
     decoder = codec.to_worker_decoder()
+    num_dropped_frames = 0
     while True:
         frame = inbox.recv()
         try:
             cmd = decoder.decode(frame)
         except (msgspec.DecodeError, msgspec.ValidationError):
-            log.warning("dropped an undecodable frame")
+            num_dropped_frames += 1
+            log.warning("dropped an undecodable frame (%d so far)", num_dropped_frames)
             continue
         if isinstance(cmd, events.Shutdown):
-            log.info("shutdown: %s", cmd.reason)
+            log.info("shutdown: %s (%d undecodable frames dropped)", cmd.reason, num_dropped_frames)
             return 0
         try:
             replies = apply(runner, rank, cmd)
