@@ -28,19 +28,24 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     if config.is_demo_model:
         log.warning("serving the DEMO model: its weights are RANDOM, its output is gibberish (%s)", config.model_dir)
-    group = ProcessGroup(config, children(config))
+    group = ProcessGroup(config, children(config, api_key(args)))
     return group.run(started)
 
 
-def children(config: EngineConfig) -> list[Child]:
+def children(config: EngineConfig, key: str = "") -> list[Child]:
+    """The processes of the group. Only the HTTP process gets the API key, through its
+    environment: it is never in the config file, the event log or another child."""
     cfg_path = os.path.join(config.run_dir, "config.json")
     with open(cfg_path, "wb") as f:
         f.write(config.to_json())
     py = sys.executable
-    procs = [Child("scheduler", [py, "-m", "scheduler_proc.main", "--config", cfg_path])]
+    keyless = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+    procs = [Child("scheduler", [py, "-m", "scheduler_proc.main", "--config", cfg_path], keyless)]
     for rank in range(config.tensor_parallel_size):
-        procs.append(Child(f"worker-{rank}", [py, "-m", "worker_proc.main", "--config", cfg_path, "--rank", str(rank)]))
-    procs.append(Child("tokenizer", [py, "-m", "tokenizer_proc.main", "--config", cfg_path]))
+        argv = [py, "-m", "worker_proc.main", "--config", cfg_path, "--rank", str(rank)]
+        procs.append(Child(f"worker-{rank}", argv, keyless))
+    tokenizer_env = {**keyless, API_KEY_ENV: key} if key else keyless
+    procs.append(Child("tokenizer", [py, "-m", "tokenizer_proc.main", "--config", cfg_path], tokenizer_env))
     return procs
 
 
@@ -78,7 +83,7 @@ def resolve_config(args: argparse.Namespace, run_dir: str) -> EngineConfig:
         max_request_bytes=args.max_request_bytes,
         max_n=args.max_n,
         max_waiting_requests=args.max_waiting_requests,
-        api_key_required=bool(_api_key(args)),
+        api_key_required=bool(api_key(args)),
         event_log_fsync=args.event_log_fsync,
         event_log_max_bytes=args.event_log_max_bytes,
         enable_lora=args.enable_lora or bool(args.lora_modules),
@@ -93,13 +98,9 @@ def resolve_config(args: argparse.Namespace, run_dir: str) -> EngineConfig:
 API_KEY_ENV = "LEDGERSERVE_API_KEY"
 
 
-def _api_key(args: argparse.Namespace) -> str:
-    """--api-key, else LEDGERSERVE_API_KEY. The key reaches the HTTP process through its
-    environment only: it is never written to the config file or the event log."""
-    key = args.api_key or os.environ.get(API_KEY_ENV, "")
-    if key:
-        os.environ[API_KEY_ENV] = key
-    return key
+def api_key(args: argparse.Namespace) -> str:
+    """--api-key, else LEDGERSERVE_API_KEY ('' when neither is set)."""
+    return args.api_key or os.environ.get(API_KEY_ENV, "")
 
 
 def parse_lora_module(spec: str) -> tuple[str, str]:

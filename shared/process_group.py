@@ -33,10 +33,11 @@ NOTICE_FLUSH_S = 1.0  # the tokenizer's time to send error chunks after an engin
 class Child:
     name: str
     argv: list[str]
+    env: dict[str, str] | None = field(default=None, repr=False)  # None: inherit the launcher's
     popen: subprocess.Popen | None = field(default=None, repr=False)
 
     def start(self) -> None:
-        self.popen = subprocess.Popen(self.argv, start_new_session=True)
+        self.popen = subprocess.Popen(self.argv, env=self.env, start_new_session=True)
 
     def exit_code(self) -> int | None:
         return None if self.popen is None else self.popen.poll()

@@ -9,7 +9,7 @@ import pytest
 
 from shared.cli import build_parser
 from shared.config import EngineConfig
-from shared.launcher import parse_lora_module, resolve_config
+from shared.launcher import api_key, children, parse_lora_module, resolve_config
 
 
 def _args(*argv: str):
@@ -51,14 +51,12 @@ def test_max_model_len_past_the_model_is_refused(model_dir, tmp_path):
         resolve_config(_args(model_dir, "--device", "cpu", "--max-model-len", "8192"), str(tmp_path))
 
 
-def test_api_key_never_enters_the_config(model_dir, tmp_path, monkeypatch):
-    monkeypatch.setenv("LEDGERSERVE_API_KEY", "")  # registered, so teardown removes what the launcher sets
-    cfg = resolve_config(_args(model_dir, "--device", "cpu", "--api-key", "s3cret"), str(tmp_path))
+def test_api_key_reaches_only_the_http_process(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("LEDGERSERVE_API_KEY", "from-the-shell")  # --api-key wins; no child but one gets either
+    args = _args(model_dir, "--device", "cpu", "--api-key", "s3cret")
+    cfg = resolve_config(args, str(tmp_path))
     assert cfg.api_key_required and b"s3cret" not in cfg.to_json()
-    assert os.environ["LEDGERSERVE_API_KEY"] == "s3cret"  # handed to the children through the environment
-
-
-def test_the_api_key_test_left_no_key_behind():
-    """Runs after the test above (file order): a key leaking into this process's
-    environment would make every later HTTP test demand it."""
-    assert not os.environ.get("LEDGERSERVE_API_KEY")
+    envs = {child.name: child.env for child in children(cfg, api_key(args))}
+    assert envs["tokenizer"]["LEDGERSERVE_API_KEY"] == "s3cret"
+    assert all("LEDGERSERVE_API_KEY" not in env for name, env in envs.items() if name != "tokenizer")
+    assert os.environ["LEDGERSERVE_API_KEY"] == "from-the-shell"  # the launcher's own environment is untouched
