@@ -52,7 +52,6 @@ class SchedulerShell:
             fsync=config.event_log_fsync,
             max_bytes=config.event_log_max_bytes,
         )
-        self.ready_ranks: set[int] = set()
         self.num_dropped_frames = 0
         self.stop_reason: str | None = None
         self.failed = False
@@ -93,19 +92,20 @@ class SchedulerShell:
         except LogWriteError as exc:
             self._stop_unlogged(exc)
             return
-        for decision in decisions:
-            self._route(decision)
-        if isinstance(event, events.WorkerReady):
-            self._on_worker_ready(event)
+        for decision, frame in decisions:
+            self._route(decision, frame)
+        if isinstance(event, events.WorkerReady) and self.core.scheduler.is_ready:
+            self._on_engine_ready(event)  # the last rank's WorkerReady made the core ready
         self._send_stats()
 
-    def _log_and_apply(self, event: events.Event) -> list[events.Event]:
-        """Log the input, apply it, log the decisions, commit (fsync per policy)."""
+    def _log_and_apply(self, event: events.Event) -> list[tuple[events.Event, bytes]]:
+        """Log the input, apply it, log the decisions, commit (fsync per policy). Each
+        decision is encoded once: the same bytes go to the log and to the socket."""
         self.log.append(event)
-        decisions = self.core.apply(event)
-        for decision in decisions:
-            self.log.append(decision)
-        self.log.commit(step_planned=any(isinstance(d, events.StepPlan) for d in decisions))
+        decisions = [(d, codec.encode(d)) for d in self.core.apply(event)]
+        for decision, frame in decisions:
+            self.log.append(decision, frame)
+        self.log.commit(step_planned=any(isinstance(d, events.StepPlan) for d, _ in decisions))
         return decisions
 
     def _stop_unlogged(self, exc: LogWriteError) -> None:
@@ -126,22 +126,20 @@ class SchedulerShell:
             self.to_tokenizer.send(codec.encode(stats))
             self.last_stats = stats
 
-    def _route(self, decision: events.Event) -> None:
+    def _route(self, decision: events.Event, frame: bytes) -> None:
         if isinstance(decision, TO_WORKER_TYPES):
-            frame = codec.encode(decision)
             for sock in self.to_workers:
                 sock.send(frame)
         elif isinstance(decision, TO_TOKENIZER_TYPES):
-            self.to_tokenizer.send(codec.encode(decision))
+            self.to_tokenizer.send(frame)
         if isinstance(decision, events.EngineFailed):
             log.error("engine failed: %s", decision.message)
             self.failed = True
 
-    def _on_worker_ready(self, ready: events.WorkerReady) -> None:
-        self.ready_ranks.add(ready.rank)
-        if len(self.ready_ranks) == self.config.tensor_parallel_size:
-            self.to_tokenizer.send(codec.encode(events.EngineReady(ready.num_kv_blocks, ready.vocab_size)))
-            send_ready(self.config.run_dir, "scheduler")
+    def _on_engine_ready(self, ready: events.WorkerReady) -> None:
+        """Capacity as the core uses it: the smallest pool over the ranks."""
+        self.to_tokenizer.send(codec.encode(events.EngineReady(self.core.num_total_blocks, ready.vocab_size)))
+        send_ready(self.config.run_dir, "scheduler")
 
     def _close(self) -> None:
         shutdown = codec.encode(events.Shutdown(self.stop_reason or "engine failed"))

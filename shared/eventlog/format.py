@@ -61,8 +61,10 @@ def encode_header(config_json: bytes, schema_version: int = SCHEMA_VERSION) -> b
     return MAGIC + body + U32.pack(zlib.crc32(body))
 
 
-def encode_record(seq: int, prev_record_hash: int, event: Any) -> bytes:
-    payload = _envelope_encoder.encode([seq, prev_record_hash, msgspec.Raw(codec.encode(event))])
+def encode_record(seq: int, prev_record_hash: int, event: Any, encoded: bytes | None = None) -> bytes:
+    """`encoded`: the event's `codec.encode` bytes when the caller already has them."""
+    frame = codec.encode(event) if encoded is None else encoded
+    payload = _envelope_encoder.encode([seq, prev_record_hash, msgspec.Raw(frame)])
     return RECORD_HEAD.pack(len(payload), zlib.crc32(payload)) + payload
 
 

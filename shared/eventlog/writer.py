@@ -64,9 +64,10 @@ class EventLogWriter:
     def current_path(self) -> str:
         return self.segment_paths[-1]
 
-    def append(self, event: Any) -> int:
+    def append(self, event: Any, encoded: bytes | None = None) -> int:
+        """Log `event`; `encoded` is its codec.encode bytes if the caller has them already."""
         self._check_usable()
-        record = encode_record(self._seq + 1, self._prev_hash, event)
+        record = encode_record(self._seq + 1, self._prev_hash, event, encoded)
         if self.max_bytes is not None and self._size > self._header_size and self._size + len(record) > self.max_bytes:
             self._rotate()
         self._guard("write", lambda: self._file.write(record))

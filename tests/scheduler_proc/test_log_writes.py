@@ -56,7 +56,7 @@ def make_shell(tmp_path, fsync="step", opener=open):
     shell.log = EventLogWriter(str(tmp_path), ENGINE.to_json(), "shell", fsync=fsync, opener=opener)
     shell.to_tokenizer = FakeSocket(codec.from_scheduler_decoder())
     shell.to_workers = [FakeSocket(codec.to_worker_decoder())]
-    shell.ready_ranks, shell.num_dropped_frames = set(), 0
+    shell.num_dropped_frames = 0
     shell.stop_reason, shell.failed, shell.last_stats = None, False, None
     return shell
 
