@@ -1,0 +1,121 @@
+"""Where a decode step's time goes: per-kernel GPU time (torch.profiler over graph replays)
+and the host's share of `ModelRunner.execute` (plan, inputs + replay, sampling, digest).
+Same runner and workload as bench_decode.py. Prints a table per point and JSON with --out.
+
+    python scripts/profile_decode.py --points 1:0,32:0,32:4,32:32
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import tempfile
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from shared.adapter_format import BaseShapes
+from shared.config import EngineConfig
+from shared.events import AdapterSlotAssigned
+from scripts.bench_decode import BLOCK, Bench
+from scripts.bench_fixtures import LLAMA3_8B, write_adapter, write_model_dir
+from worker_proc.cuda_graphs import DecodeGraphs
+from worker_proc.runner import ModelRunner
+
+HOST_PARTS = [(ModelRunner, "_apply_plan"), (DecodeGraphs, "run"), (ModelRunner, "_sample"), (ModelRunner, "digest")]
+
+
+def time_host_parts(totals: dict[str, float]) -> None:
+    """Wrap HOST_PARTS so each call adds its wall seconds to totals[name]."""
+    for cls, name in HOST_PARTS:
+        fn = getattr(cls, name)
+
+        @functools.wraps(fn)
+        def timed(*args, _fn=fn, _name=f"{cls.__name__}.{name}", **kw):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*args, **kw)
+            finally:
+                totals[_name] += time.perf_counter() - t0
+
+        setattr(cls, name, timed)
+
+
+def kernel_table(prof, num_steps: int) -> list[dict]:
+    """Per kernel name: calls and GPU µs per step, largest first."""
+    rows = collections.defaultdict(lambda: [0, 0.0])
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            rows[evt.name][0] += 1
+            rows[evt.name][1] += evt.device_time_total
+    table = [dict(kernel=name[:90], calls=round(n / num_steps, 1), us=round(us / num_steps, 1))
+             for name, (n, us) in rows.items()]
+    return sorted(table, key=lambda r: -r["us"])
+
+
+def profile_point(bench: Bench, batch: int, num_adapters: int, steps: int, host: dict[str, float]) -> dict:
+    last = bench.start(batch, num_adapters)
+    for _ in range(3):
+        last, _ = bench.decode(last)
+    host.clear()
+    walls = []
+    for _ in range(steps):
+        last, wall = bench.decode(last)
+        walls.append(wall)
+    host_ms = {k: round(v / steps * 1e3, 3) for k, v in host.items()}
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            last, _ = bench.decode(last)
+        torch.cuda.synchronize()
+    kernels = kernel_table(prof, steps)
+    return dict(batch=batch, adapters=num_adapters, step_ms=round(sorted(walls)[len(walls) // 2] * 1e3, 3),
+                host_ms=host_ms, kernel_us_total=round(sum(k["us"] for k in kernels), 1),
+                kernel_calls=round(sum(k["calls"] for k in kernels)), kernels=kernels)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--points", default="1:0,32:0,32:4,32:32", help="batch:adapters,...")
+    ap.add_argument("--max-loras", type=int, default=32)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    points = [tuple(int(v) for v in p.split(":")) for p in args.points.split(",")]
+    root = tempfile.mkdtemp(prefix="profile_decode_")
+    base = BaseShapes.from_hf_config(LLAMA3_8B)
+    max_batch = max(b for b, _ in points)
+    blocks_per_req = -(-(128 + 8 * args.steps + 2) // BLOCK)  # as Bench sizes them
+    config = EngineConfig(
+        model_dir=write_model_dir(root), served_model_name="bench", max_model_len=128 + 8 * args.steps + 64,
+        dtype="bfloat16", device="cuda", max_num_seqs=max_batch, block_size=BLOCK, load_format="dummy",
+        num_kv_blocks=max_batch * blocks_per_req, enable_lora=True, max_loras=args.max_loras,
+        max_lora_rank=args.rank, max_cpu_loras=args.max_loras, enforce_eager=args.eager,
+    )
+    runner = ModelRunner(config)
+    for i in range(max(a for _, a in points)):
+        runner.load_adapter(AdapterSlotAssigned(i, i, write_adapter(root, i, base, args.rank, "cuda")))
+    host: dict[str, float] = collections.defaultdict(float)
+    time_host_parts(host)
+    bench = Bench(runner, 128, 0, 8 * args.steps)
+    report = []
+    for batch, num_adapters in points:
+        row = profile_point(bench, batch, num_adapters, args.steps, host)
+        report.append(row)
+        print(f"\n== batch {batch}, {num_adapters} adapters: step {row['step_ms']} ms, kernels "
+              f"{row['kernel_us_total']} us in {row['kernel_calls']} launches; host ms {row['host_ms']}")
+        for k in row["kernels"][: args.top]:
+            print(f"{k['us']:9.1f} us {k['calls']:6.1f}x  {k['kernel']}")
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), points=report), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
