@@ -11,6 +11,8 @@ rank-0 slices exit at once. No host sync: grid sizes come from shapes and host i
 The grouped layout (decode) is the segment layout over `order`, the batch's token rows
 sorted by slot and cut into tiles of at most GROUP_TILE rows: each program gathers its
 rows through `order` (GATHER), so each distinct adapter's A / B are read once per tile.
+Its stacked expand reads the shrink of every slot out of one GEMM over the base weight
+stacked with every A (worker_proc/models/layers.py), so decode runs no shrink kernel.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from kernels.lora_ref import GROUP_TILE
 BLOCK_M_SEG = 32  # rows per program in the segment layout
 BLOCK_M_TOK = 16  # the smallest tl.dot tile; one valid row per program in the token layout
 K_PER_SPLIT = 1024  # shrink splits the input dim so a GEMV of a few rows still fills the chip
+EXPAND_BLOCK_N = 128  # output columns per expand program
 
 
 @triton.jit
@@ -82,7 +85,7 @@ def _shrink_kernel(
 def _expand_kernel(
     y_ptr, buf_ptr, b_ptr, ranks_ptr, scalings_ptr, seg_starts_ptr, seg_slots_ptr, idx_ptr,
     size0, size1, size2, num_slices, n_blocks,
-    stride_yt, stride_bufs, stride_buft, stride_bl, stride_bs, stride_bo,
+    stride_yt, stride_bufl, stride_bufs, stride_buft, stride_bl, stride_bs, stride_bo, stride_br,
     PER_TOKEN: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):  # fmt: skip
@@ -101,9 +104,10 @@ def _expand_kernel(
         r_mask = r < rank
         n = nblk * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = n < size
-        h = tl.load(buf_ptr + s * stride_bufs + rows[:, None].to(tl.int64) * stride_buft + r[None, :],
+        h_base = buf_ptr + slot * stride_bufl + s * stride_bufs  # stride_bufl: 0 unless h holds every slot
+        h = tl.load(h_base + rows[:, None].to(tl.int64) * stride_buft + r[None, :],
                     mask=row_mask[:, None] & r_mask[None, :], other=0.0).to(b_ptr.dtype.element_ty)  # [BLOCK_M, BLOCK_R]
-        bt = tl.load(b_ptr + slot * stride_bl + s * stride_bs + n[None, :] * stride_bo + r[:, None],
+        bt = tl.load(b_ptr + slot * stride_bl + s * stride_bs + n[None, :] * stride_bo + r[:, None] * stride_br,
                      mask=r_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
         scale = tl.load(scalings_ptr + slot * num_slices + s)
         delta = tl.dot(h, bt) * scale  # [BLOCK_M, BLOCK_N] float32
@@ -132,21 +136,29 @@ def _shrink(x, a, ranks, seg_starts, seg_slots, num_segs: int, m_blocks: int, pe
     return buf
 
 
-def _expand(y, buf, b, ranks, scalings, output_sizes, seg_starts, seg_slots, num_segs, m_blocks, per_token, block_m,
-            order: torch.Tensor | None = None):
+def _per_slice_strides(buf: torch.Tensor) -> tuple[int, int, int]:
+    """(slot, slice, token) strides of a shrink output buf [num_slices, num_tokens, max_rank]."""
+    assert buf.stride(-1) == 1
+    return 0, buf.stride(0), buf.stride(1)
+
+
+def _expand(y, buf, buf_strides: tuple[int, int, int], b, ranks, scalings, output_sizes, seg_starts, seg_slots,
+            num_segs, m_blocks, per_token, block_m, order: torch.Tensor | None = None, block_n: int = EXPAND_BLOCK_N,
+            num_warps: int = 4):
+    """buf_strides: (slot, slice, token) strides of the shrink output; rank is its unit-stride dim."""
     num_slices, max_rank = b.shape[1], b.shape[3]
-    assert len(output_sizes) == num_slices <= 3 and y.stride(-1) == 1 and b.is_contiguous() and buf.is_contiguous()
+    assert len(output_sizes) == num_slices <= 3 and y.stride(-1) == 1
     if num_segs == 0 or y.shape[0] == 0:
         return
     sizes = list(output_sizes) + [0] * (3 - num_slices)
-    block_n = 128
     n_blocks = triton.cdiv(max(output_sizes), block_n)
     block_r = max(16, triton.next_power_of_2(max_rank))
     _expand_kernel[(num_segs, num_slices * n_blocks, m_blocks)](
         y, buf, b, ranks, scalings, seg_starts, seg_slots, seg_slots if order is None else order,
         sizes[0], sizes[1], sizes[2], num_slices, n_blocks,
-        y.stride(0), buf.stride(0), buf.stride(1), b.stride(0), b.stride(1), b.stride(2),
+        y.stride(0), *buf_strides, b.stride(0), b.stride(1), b.stride(2), b.stride(3),
         PER_TOKEN=per_token, GATHER=order is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+        num_warps=num_warps,
     )  # fmt: skip
 
 
@@ -181,8 +193,8 @@ def lora_expand_segments(
     max_seg_len: int | None = None,
 ) -> None:
     m_blocks = triton.cdiv(max(_max_seg_len(seg_starts, max_seg_len), 1), BLOCK_M_SEG)
-    _expand(y, buf, b, ranks, scalings, output_sizes, seg_starts, seg_slots, seg_slots.shape[0], m_blocks, False,
-            BLOCK_M_SEG)
+    _expand(y, buf, _per_slice_strides(buf), b, ranks, scalings, output_sizes, seg_starts, seg_slots,
+            seg_slots.shape[0], m_blocks, False, BLOCK_M_SEG)
 
 
 def lora_shrink_tokens(
@@ -205,8 +217,8 @@ def lora_expand_tokens(
     token_slots: torch.Tensor,  # [num_tokens] int, -1 = base
     max_rank: int | None = None,  # unused
 ) -> None:
-    _expand(y, buf, b, ranks, scalings, output_sizes, token_slots, token_slots, token_slots.shape[0], 1, True,
-            BLOCK_M_TOK)
+    _expand(y, buf, _per_slice_strides(buf), b, ranks, scalings, output_sizes, token_slots, token_slots,
+            token_slots.shape[0], 1, True, BLOCK_M_TOK)
 
 
 def lora_shrink_grouped(
@@ -231,5 +243,23 @@ def lora_expand_grouped(
     tile_starts: torch.Tensor,  # [num_tiles + 1] int
     tile_slots: torch.Tensor,  # [num_tiles] int
 ) -> None:
-    _expand(y, buf, b, ranks, scalings, output_sizes, tile_starts, tile_slots, tile_slots.shape[0], 1, False,
-            GROUP_TILE, order)
+    _expand(y, buf, _per_slice_strides(buf), b, ranks, scalings, output_sizes, tile_starts, tile_slots,
+            tile_slots.shape[0], 1, False, GROUP_TILE, order)
+
+
+def lora_expand_stacked(
+    y: torch.Tensor,  # [num_tokens, sum(output_sizes)], updated in place (rows may be strided)
+    h: torch.Tensor,  # [num_tokens, max_loras, num_slices, max_rank]: x A^T of every slot, rank unit-stride
+    b: torch.Tensor,  # [max_loras, num_slices, max_out_slice, max_rank]
+    ranks: torch.Tensor,  # [max_loras, num_slices] int
+    scalings: torch.Tensor,  # [max_loras, num_slices] float32
+    output_sizes: list[int],
+    order: torch.Tensor,  # [num_tokens] int
+    tile_starts: torch.Tensor,  # [num_tiles + 1] int
+    tile_slots: torch.Tensor,  # [num_tiles] int
+    block_n: int = EXPAND_BLOCK_N,
+    num_warps: int = 4,
+) -> None:
+    assert h.stride(-1) == 1
+    _expand(y, h, (h.stride(1), h.stride(2), h.stride(0)), b, ranks, scalings, output_sizes, tile_starts, tile_slots,
+            tile_slots.shape[0], 1, False, GROUP_TILE, order, block_n, num_warps)

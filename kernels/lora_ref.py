@@ -31,6 +31,8 @@ Columns of `buf` past a token's rank, and rows of tokens on the base model, are 
     into tiles of at most GROUP_TILE rows: `tile_starts` [num_tiles + 1] offsets into
     `order`, `tile_slots` [num_tiles]. Padding tiles are empty with slot -1, so a fixed
     `max_tiles(num_tokens, max_loras)` table serves any batch (see `group_tiles`).
+    Its stacked expand takes the shrink of every slot, h [num_tokens, max_loras,
+    num_slices, max_rank], from one GEMM over the base weight stacked with every A.
 
 No host sync on CUDA when the caller passes the host-side copies it keeps: `rank_table`
 (ranks as nested lists), `scale_table` (scalings likewise), segment offsets/slots as host
@@ -183,13 +185,31 @@ def lora_expand_grouped(
     tile_starts: torch.Tensor,  # [num_tiles + 1] int
     tile_slots: torch.Tensor,  # [num_tiles] int
 ) -> None:
+    every_slot = buf.permute(1, 0, 2).unsqueeze(1).expand(-1, b.shape[0], -1, -1)  # [num_tokens, max_loras, ...]
+    lora_expand_stacked(y, every_slot, b, ranks, scalings, output_sizes, order, tile_starts, tile_slots)
+
+
+def lora_expand_stacked(
+    y: torch.Tensor,  # [num_tokens, sum(output_sizes)], updated in place
+    h: torch.Tensor,  # [num_tokens, max_loras, num_slices, max_rank]: x A^T of every slot
+    b: torch.Tensor,  # [max_loras, num_slices, max_out_slice, max_rank]
+    ranks: torch.Tensor,  # [max_loras, num_slices] int
+    scalings: torch.Tensor,  # [max_loras, num_slices]
+    output_sizes: list[int],
+    order: torch.Tensor,  # [num_tokens] int
+    tile_starts: torch.Tensor,  # [num_tiles + 1] int
+    tile_slots: torch.Tensor,  # [num_tiles] int
+) -> None:
+    """The grouped expand when the shrink ran for every slot at once: one GEMM against the base
+    weight stacked over every slot's A gives `h` (worker_proc/models/layers.py); each tile reads
+    its own slot's columns."""
     rank_table, scale_table, rows_of = ranks.tolist(), scalings.tolist(), order.tolist()
     for start, end, slot in _segments(tile_starts, tile_slots):
         rows = rows_of[start:end]
         for s, (lo, size) in enumerate(zip(_offsets(output_sizes), output_sizes)):
             rank = rank_table[slot][s]
             if rank > 0:
-                delta = buf[s, rows, :rank] @ b[slot, s, :size, :rank].T  # [tile_len, size]
+                delta = h[rows, slot, s, :rank] @ b[slot, s, :size, :rank].T  # [tile_len, size]
                 y[rows, lo : lo + size] += delta * scale_table[slot][s]
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "fused_add_rms_norm",
     "lora_expand_grouped",
     "lora_expand_segments",
+    "lora_expand_stacked",
     "lora_expand_tokens",
     "lora_shrink_grouped",
     "lora_shrink_segments",
@@ -144,4 +145,10 @@ def lora_shrink_grouped(x, a, ranks, order, tile_starts, tile_slots) -> torch.Te
 def lora_expand_grouped(y, buf, b, ranks, scalings, output_sizes, order, tile_starts, tile_slots) -> None:
     (_lora.lora_expand_grouped if use_triton_lora(y) else lora_ref.lora_expand_grouped)(
         y, buf, b, ranks, scalings, output_sizes, order, tile_starts, tile_slots
+    )
+
+
+def lora_expand_stacked(y, h, b, ranks, scalings, output_sizes, order, tile_starts, tile_slots) -> None:
+    (_lora.lora_expand_stacked if use_triton_lora(y) else lora_ref.lora_expand_stacked)(
+        y, h, b, ranks, scalings, output_sizes, order, tile_starts, tile_slots
     )

@@ -51,21 +51,20 @@ def _decode_partition_kernel(
     req = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + req)
-    start = part * PARTITION
-    if start >= seq_len:
-        return
-    end = tl.minimum(start + PARTITION, seq_len)
-
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, D_PAD)
     heads = kv_head * GROUP + offs_g  # [GROUP_PAD] query heads of this kv head
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
+    seq_len = tl.load(seq_lens_ptr + req)
     q = tl.load(
         q_ptr + req * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
         mask=g_mask[:, None] & d_mask[None, :], other=0.0,
-    )  # fmt: skip  [GROUP_PAD, D_PAD]
+    )  # fmt: skip  [GROUP_PAD, D_PAD], in flight with seq_len
+    start = part * PARTITION
+    if start >= seq_len:
+        return
+    end = tl.minimum(start + PARTITION, seq_len)
 
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
@@ -78,14 +77,14 @@ def _decode_partition_kernel(
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k_off = blocks * stride_kb + in_block * stride_ks + kv_head * stride_kh
         k = tl.load(k_cache_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
+        v_off = blocks * stride_vb + in_block * stride_vs + kv_head * stride_vh
+        v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
         s = tl.dot(q, tl.trans(k)) * scale_log2  # [GROUP_PAD, BLOCK_N], log2 domain
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, 1)
-        v_off = blocks * stride_vb + in_block * stride_vs + kv_head * stride_vh
-        v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
 

@@ -139,6 +139,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--max-loras", type=int, default=0, help="adapter slots (default: the largest of --adapters)")
     ap.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs)")
     ap.add_argument("--e2e", action="store_true", help="end to end: batch and adapters from the lists' largest")
     ap.add_argument("--gen-len", type=int, default=128, help="--e2e output tokens per request")
@@ -153,7 +154,9 @@ def main() -> None:
         batches, adapter_counts = [max(batches)], [max(adapter_counts)]
     gen = args.gen_len if args.e2e else args.warmup + args.steps
     blocks_per_req = -(-(args.prompt_len + gen + 2) // BLOCK)
-    max_loras = max(max(adapter_counts), 1)
+    max_loras = args.max_loras or max(max(adapter_counts), 1)
+    if max_loras < max(adapter_counts):
+        ap.error(f"--max-loras {max_loras} is below --adapters {max(adapter_counts)}")
     config = EngineConfig(
         model_dir=model_dir, served_model_name="bench", max_model_len=args.prompt_len + max(64, gen + 16),
         dtype="bfloat16",
@@ -189,6 +192,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bw_GBps=round(bw / 1e9, 1),
                   model_load_s=round(load_s, 1), adapters_load_s=round(adapters_s, 1), graphs=not args.eager,
+                  max_loras=max_loras,
                   prompt_len=args.prompt_len, rank=args.rank, results=results)
     _report(report, args.out)
 

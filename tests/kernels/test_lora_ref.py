@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels.lora_ref import (
-    GROUP_TILE, group_tiles, lora_expand_grouped, lora_expand_segments, lora_expand_tokens, lora_shrink_grouped,
+    GROUP_TILE, group_tiles, lora_expand_grouped, lora_expand_segments, lora_expand_stacked, lora_expand_tokens, lora_shrink_grouped,
     lora_shrink_segments, lora_shrink_tokens, max_tiles,
 )
 
@@ -125,3 +125,19 @@ def test_grouped_matches_naive(output_sizes: list[int]) -> None:
     lora_expand_grouped(y, buf, b, ranks, scalings, output_sizes, order, starts, tile_slots)
     torch.testing.assert_close(y, base + _naive(x, a, b, ranks, scalings, output_sizes, token_slots))
     assert torch.equal(y[1], base[1]) and torch.equal(y[5], base[5])  # base token, rank-0 slot
+
+
+@pytest.mark.parametrize("output_sizes", OUTPUT_SIZES, ids=["single", "qkv", "gate_up"])
+def test_stacked_matches_naive(output_sizes: list[int]) -> None:
+    """The expand over every slot's shrink (one stacked GEMM's output) reads only each tile's slot."""
+    gen = torch.Generator().manual_seed(30 + len(output_sizes))
+    a, b, ranks, scalings = _buffers(output_sizes, gen)
+    slots = [3, 0, -1, 4, 1, 1, 2, 0, 4, 2] + [1] * (GROUP_TILE + 2)
+    order, starts, tile_slots = (torch.tensor(t) for t in group_tiles(slots, max_tiles(len(slots), MAX_LORAS)))
+    x = torch.randn(len(slots), IN, generator=gen, dtype=torch.float64)
+    base = torch.randn(len(slots), sum(output_sizes), generator=gen, dtype=torch.float64)
+    a_real = a * (torch.arange(a.shape[2])[:, None] < ranks[..., None, None])  # zero past each rank, as stored
+    h = torch.einsum("ti,lsri->tlsr", x, a_real)  # [num_tokens, max_loras, num_slices, max_rank]
+    y = base.clone()
+    lora_expand_stacked(y, h, b, ranks, scalings, output_sizes, order, starts, tile_slots)
+    torch.testing.assert_close(y, base + _naive(x, a, b, ranks, scalings, output_sizes, torch.tensor(slots)))

@@ -65,6 +65,16 @@ def _check(layout: str, output_sizes: list[int], dtype: torch.dtype, seg_lens: l
         od, sd, td = order.to(DEVICE), tstarts.to(DEVICE), tslots.to(DEVICE)
         buf = lora.lora_shrink_grouped(xd, ad, dev["ranks"], od, sd, td)
         lora.lora_expand_grouped(got, buf, bd, dev["ranks"], dev["scalings"], output_sizes, od, sd, td)
+    elif layout == "stacked":  # h of every slot, a strided view out of a wider output as SlotLinear makes it
+        slots = token_slots.tolist()
+        table = lora_ref.group_tiles(slots, lora_ref.max_tiles(len(slots), MAX_LORAS))
+        order, tstarts, tslots = (torch.tensor(t) for t in table)
+        buf32 = torch.einsum("ti,lsri->tlsr", args32[0], args32[1]).to(dtype).float()  # rounded like a GEMM output
+        lora_ref.lora_expand_stacked(want, buf32, args32[2], ranks, scalings, output_sizes, order, tstarts, tslots)
+        wide = torch.cat([torch.zeros(len(slots), 7), buf32.flatten(1)], dim=1).to(dtype).to(DEVICE)
+        buf = wide[:, 7:].unflatten(1, buf32.shape[1:])  # [num_tokens, max_loras, num_slices, max_rank]
+        od, sd, td = order.to(DEVICE), tstarts.to(DEVICE), tslots.to(DEVICE)
+        lora.lora_expand_stacked(got, buf, bd, dev["ranks"], dev["scalings"], output_sizes, od, sd, td)
     else:
         buf32 = lora_ref.lora_shrink_tokens(args32[0], args32[1], ranks, token_slots)
         lora_ref.lora_expand_tokens(want, buf32, args32[2], ranks, scalings, output_sizes, token_slots)
@@ -96,3 +106,10 @@ def test_tokens_match_reference(dtype: torch.dtype, output_sizes: list[int]) -> 
 def test_grouped_matches_reference(dtype: torch.dtype, output_sizes: list[int]) -> None:
     slots = [0, -1, 4, 1, 1, 3, -1, 2, 0, 4, 2, 2, 0] + [1] * 37  # slot 1: three tiles, one ragged
     _check("grouped", output_sizes, dtype, [1] * len(slots), slots)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("output_sizes", OUTPUT_SIZES, ids=["single", "qkv", "gate_up"])
+def test_stacked_matches_reference(dtype: torch.dtype, output_sizes: list[int]) -> None:
+    slots = [0, -1, 4, 1, 1, 3, -1, 2, 0, 4, 2, 2, 0] + [1] * 37
+    _check("stacked", output_sizes, dtype, [1] * len(slots), slots)

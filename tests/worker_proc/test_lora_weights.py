@@ -8,6 +8,7 @@ import torch
 from kernels.lora_ref import group_tiles, max_tiles
 from worker_proc.lora.mapping import LoraMapping
 from worker_proc.lora.weights import LoraWeights
+from worker_proc.models.layers import SlotLinear
 
 
 def test_mapping_runs_and_kernel_choice() -> None:
@@ -70,3 +71,28 @@ def test_load_slot_refuses_misfits_and_leaves_slot_untouched() -> None:
     with pytest.raises(ValueError, match="slices"):
         w.load_slot(0, [good])
     assert w.ranks[0].tolist() == [2, 0]
+
+
+def test_stacked_linear_matches_unstacked() -> None:
+    """A stacked under the base weight: one GEMM + the stacked expand = base GEMM + shrink + expand."""
+    gen = torch.Generator().manual_seed(2)
+    lin = SlotLinear(6, [5, 3], bias=True).double()
+    weight, bias = torch.randn(8, 6, generator=gen, dtype=torch.float64), torch.randn(8, generator=gen, dtype=torch.float64)
+    lin.weight.data.copy_(weight)
+    lin.bias.data.copy_(bias)
+    w = lin.attach_lora(max_loras=3, max_rank=8, stack=True)
+    assert lin.stacked is not None and torch.equal(lin.weight, weight) and torch.equal(lin.bias, bias)
+    assert lin.weight.data_ptr() == lin.stacked[0].data_ptr() and lin.stacked[0].shape == (8 + 3 * 2 * 8, 6)
+    for slot in range(3):
+        a = torch.randn(slot + 2, 6, generator=gen, dtype=torch.float64)
+        b = torch.randn(3, slot + 2, generator=gen, dtype=torch.float64)
+        w.load_slot(slot, [None, (a, b, 0.5 + slot)] if slot else [(torch.ones(1, 6, dtype=torch.float64),
+                           torch.ones(5, 1, dtype=torch.float64), 2.0), (a, b, 0.5)])
+    assert lin.stacked[0][8:].count_nonzero() == w.a.count_nonzero() > 0  # A lives in the stacked tensor
+    slots = [2, -1, 0, 2, 1, 0, -1, 2]
+    x = torch.randn(len(slots), 6, generator=gen, dtype=torch.float64)
+    want = lin(x, LoraMapping.from_slots(torch.tensor(slots)))
+    grouped = tuple(torch.tensor(t) for t in group_tiles(slots, max_tiles(len(slots), 3)))
+    got = lin(x, LoraMapping(torch.tensor(slots), torch.zeros(0), torch.zeros(0), False, (), grouped=grouped))
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(lin(x), x @ weight.T + bias)  # no mapping: the base weight alone

@@ -31,10 +31,10 @@ class LoraManager:
         self.max_loras = config.max_loras
         self.weights: dict[str, LoraWeights] = {}  # module path -> its slot buffers
         for name, module in model.named_modules():
-            if isinstance(module, SlotLinear):
-                module.lora = LoraWeights(config.max_loras, config.max_lora_rank, module.in_features,
-                                          module.output_sizes, dtype, device)
-                self.weights[name] = module.lora
+            if isinstance(module, SlotLinear):  # lm_head unstacked: it may share the embedding table
+                self.weights[name] = module.attach_lora(config.max_loras, config.max_lora_rank, name != "lm_head")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the unstacked weights just freed
         self.cpu = CpuTier(base, config.max_lora_rank, dtype, pin_memory=device.type == "cuda")
         self.slots: dict[int, int] = {}  # slot -> version_id
 

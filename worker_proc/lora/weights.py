@@ -16,11 +16,15 @@ class LoraWeights:
 
     def __init__(
         self, max_loras: int, max_rank: int, in_features: int, output_sizes: list[int],
-        dtype: torch.dtype, device: torch.device,
+        dtype: torch.dtype, device: torch.device, a: torch.Tensor | None = None,
     ) -> None:
+        """`a`: zeroed storage for A that the caller owns (a view stacked under the base weight), or None."""
         num_slices = len(output_sizes)
         self.output_sizes = list(output_sizes)
-        self.a = torch.zeros(max_loras, num_slices, max_rank, in_features, dtype=dtype, device=device)
+        a_shape = (max_loras, num_slices, max_rank, in_features)
+        if a is not None and (tuple(a.shape) != a_shape or not a.is_contiguous()):
+            raise ValueError(f"A storage of shape {tuple(a.shape)} is not a contiguous {a_shape}")
+        self.a = torch.zeros(a_shape, dtype=dtype, device=device) if a is None else a
         self.b = torch.zeros(max_loras, num_slices, max(output_sizes), max_rank, dtype=dtype, device=device)
         self.ranks = torch.zeros(max_loras, num_slices, dtype=torch.long, device=device)
         self.scalings = torch.zeros(max_loras, num_slices, dtype=torch.float32, device=device)
@@ -63,6 +67,12 @@ class LoraWeights:
             return
         buf = ops.lora_shrink_tokens(x, self.a, self.ranks, mapping.token_slots)
         ops.lora_expand_tokens(y, buf, self.b, self.ranks, self.scalings, self.output_sizes, mapping.token_slots)
+
+    def expand_stacked(self, y: torch.Tensor, h: torch.Tensor, grouped: tuple[torch.Tensor, ...]) -> None:
+        """Decode, shrink already done for every slot: h [num_tokens, max_loras, num_slices, max_rank]."""
+        order, tile_starts, tile_slots = grouped
+        ops.lora_expand_stacked(y, h, self.b, self.ranks, self.scalings, self.output_sizes, order, tile_starts,
+                                tile_slots)
 
     def _apply_grouped(self, x: torch.Tensor, y: torch.Tensor, grouped: tuple[torch.Tensor, ...]) -> None:
         """Decode: tokens grouped by slot, each tile of one adapter reads its A / B once."""

@@ -20,7 +20,9 @@ class SlotLinear(nn.Module):
     """y = x W^T + b, with the output split into named shards (fused projections).
 
     `output_sizes` lists the shards (e.g. [q, k, v]); checkpoint tensors load into
-    their row range with `load_shard`.
+    their row range with `load_shard`. With stacked LoRA (`attach_lora(..., stack=True)`)
+    the base weight and every slot's A share one tensor, so a decode step's single GEMM
+    returns the base output and every slot's shrink; only the expand runs after it.
     """
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
@@ -30,14 +32,45 @@ class SlotLinear(nn.Module):
         out_features = sum(output_sizes)
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.lora: LoraWeights | None = None  # set by LoraManager when LoRA is enabled
+        self.lora: LoraWeights | None = None  # set by attach_lora when LoRA is enabled
+        # [out + max_loras * num_slices * max_rank, in] and its zero-padded bias; `weight` views its top rows
+        self.stacked: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def forward(self, x: torch.Tensor, lora: LoraMapping | None = None) -> torch.Tensor:
         # x: [num_tokens, in_features] -> [num_tokens, out_features]
+        if self.stacked is not None and lora is not None and lora.grouped is not None:
+            return self._forward_stacked(x, lora.grouped)
         y = F.linear(x, self.weight, self.bias)
         if self.lora is not None and lora is not None:
             self.lora.apply(x, y, lora)
         return y
+
+    def _forward_stacked(self, x: torch.Tensor, grouped: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        assert self.stacked is not None and self.lora is not None
+        weight, bias = self.stacked
+        out = F.linear(x, weight, bias)  # [num_tokens, out + max_loras * num_slices * max_rank]
+        num_out = self.weight.shape[0]
+        y = out[:, :num_out]  # [num_tokens, out], rows strided
+        h = out[:, num_out:].unflatten(1, self.lora.a.shape[:3])  # [num_tokens, max_loras, num_slices, max_rank]
+        self.lora.expand_stacked(y, h, grouped)
+        return y
+
+    def attach_lora(self, max_loras: int, max_rank: int, stack: bool) -> LoraWeights:
+        """Hang per-slot LoRA buffers on this layer; with `stack`, A lives under the base weight."""
+        weight = self.weight.data  # [out, in]
+        num_a_rows = max_loras * len(self.output_sizes) * max_rank
+        a = None
+        if stack:
+            stacked = torch.cat([weight, weight.new_zeros(num_a_rows, self.in_features)])  # [out + A rows, in]
+            bias = None if self.bias is None else torch.cat([self.bias.data, self.bias.data.new_zeros(num_a_rows)])
+            self.weight.data = stacked[: weight.shape[0]]
+            if self.bias is not None and bias is not None:
+                self.bias.data = bias[: weight.shape[0]]
+            self.stacked = (stacked, bias)
+            a = stacked[weight.shape[0] :].view(max_loras, len(self.output_sizes), max_rank, self.in_features)
+        self.lora = LoraWeights(max_loras, max_rank, self.in_features, self.output_sizes, weight.dtype,
+                                weight.device, a)
+        return self.lora
 
     def load_shard(self, name: str, shard: int, tensor: torch.Tensor) -> None:
         """Copy a checkpoint tensor (`name` is 'weight' or 'bias') into shard `shard`'s rows."""
