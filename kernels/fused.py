@@ -1,4 +1,5 @@
-"""Triton fused elementwise kernels: RMSNorm (+ residual add), RoPE in place, SiLU-and-mul.
+"""Triton fused elementwise kernels: RMSNorm (+ residual add), RoPE in place, RoPE in place
+fused with the paged KV-cache write (rope_and_write_kv), SiLU-and-mul.
 
 References with the same signatures: kernels/fused_ref.py. Every kernel reads and
 writes in the tensors' dtype and computes in float32, rounding where the model rounds.
@@ -150,6 +151,52 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_si
     _rope_kernel[(q.shape[0],)](
         q, k, positions, cos_sin_cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
+        q.shape[1], k.shape[1],
+        HALF=half, Q_HEADS_PAD=triton.next_power_of_2(q.shape[1]), K_HEADS_PAD=triton.next_power_of_2(k.shape[1]),
+    )  # fmt: skip
+
+
+@triton.jit
+def _rope_and_write_kv_kernel(
+    q_ptr, k_ptr, v_ptr, pos_ptr, cache_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cache,
+    stride_slot, stride_slot_h,
+    n_q_heads, n_k_heads,
+    HALF: tl.constexpr, Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr,
+):  # fmt: skip
+    """One program per token: rotate its q and k heads in place, store k and v at its cache slot."""
+    token = tl.program_id(0).to(tl.int64)
+    cos, sin = _cos_sin(pos_ptr, cache_ptr, token, stride_cache, HALF)
+    _rope_heads(q_ptr + token * stride_qt, stride_qh, n_q_heads, cos, sin, HALF, Q_HEADS_PAD)
+    slot = tl.load(slot_ptr + token).to(tl.int64)  # flat: block * block_size + offset
+    k_row = k_ptr + token * stride_kt
+    k1, k2 = _rotated_halves(k_row, stride_kh, n_k_heads, cos, sin, HALF, K_HEADS_PAD)
+    _store_halves(k_row, stride_kh, n_k_heads, k1, k2, HALF, K_HEADS_PAD)
+    _store_halves(k_cache_ptr + slot * stride_slot, stride_slot_h, n_k_heads, k1, k2, HALF, K_HEADS_PAD)
+    v1, v2 = _load_halves(v_ptr + token * stride_vt, stride_vh, n_k_heads, HALF, K_HEADS_PAD)
+    _store_halves(v_cache_ptr + slot * stride_slot, stride_slot_h, n_k_heads, v1, v2, HALF, K_HEADS_PAD)
+
+
+def rope_and_write_kv(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated in place
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rotated in place
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    positions: torch.Tensor,  # [num_tokens] int
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim] float32
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
+    slot_mapping: torch.Tensor,  # [num_tokens] int64 flat cache slot of each token
+) -> None:
+    """apply_rope, then the rotated k and v stored at slot_mapping, in one launch (no host sync)."""
+    half = _check_rope_args(q, k, cos_sin_cache)
+    assert v.stride(-1) == 1 and v.shape == k.shape and k_cache.shape == v_cache.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[2:] == k.shape[1:]
+    if q.shape[0] == 0:
+        return
+    _rope_and_write_kv_kernel[(q.shape[0],)](
+        q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2),
         q.shape[1], k.shape[1],
         HALF=half, Q_HEADS_PAD=triton.next_power_of_2(q.shape[1]), K_HEADS_PAD=triton.next_power_of_2(k.shape[1]),
     )  # fmt: skip
