@@ -1,4 +1,5 @@
-"""Triton fused elementwise kernels: RMSNorm (+ residual add), RoPE in place, SiLU-and-mul.
+"""Triton fused elementwise kernels: RMSNorm (+ residual add), RoPE in place, RoPE in place
+fused with the paged KV-cache write (rope_and_write_kv), SiLU-and-mul.
 
 References with the same signatures: kernels/fused_ref.py. Every kernel reads and
 writes in the tensors' dtype and computes in float32, rounding where the model rounds.
@@ -70,16 +71,53 @@ def fused_add_rms_norm(
 
 
 @triton.jit
-def _rope_heads(x_ptr, stride_t, stride_h, token, n_heads, cos, sin, HALF: tl.constexpr, HEADS_PAD: tl.constexpr):
+def _first_halves(row_ptr, stride_h, n_heads, HALF: tl.constexpr, HEADS_PAD: tl.constexpr):
+    """Pointers to the first half of each of one token's heads at row_ptr, and the mask of real heads:
+    [HEADS_PAD, HALF] and [HEADS_PAD, 1]. The second halves are at + HALF."""
     heads = tl.arange(0, HEADS_PAD)
     offs = tl.arange(0, HALF)
-    mask = (heads < n_heads)[:, None]
-    ptr1 = x_ptr + token * stride_t + heads[:, None] * stride_h + offs[None, :]  # [HEADS_PAD, HALF]
-    x1 = tl.load(ptr1, mask=mask, other=0.0)
-    x2 = tl.load(ptr1 + HALF, mask=mask, other=0.0)
+    return row_ptr + heads[:, None] * stride_h + offs[None, :], (heads < n_heads)[:, None]
+
+
+@triton.jit
+def _load_halves(row_ptr, stride_h, n_heads, HALF: tl.constexpr, HEADS_PAD: tl.constexpr):
+    """One token's heads at row_ptr, as their first and second halves: [HEADS_PAD, HALF] each."""
+    ptr1, mask = _first_halves(row_ptr, stride_h, n_heads, HALF, HEADS_PAD)
+    return tl.load(ptr1, mask=mask, other=0.0), tl.load(ptr1 + HALF, mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_halves(row_ptr, stride_h, n_heads, x1, x2, HALF: tl.constexpr, HEADS_PAD: tl.constexpr):
+    """Store the halves x1, x2 ([HEADS_PAD, HALF]) of one token's heads, cast to row_ptr's dtype."""
+    ptr1, mask = _first_halves(row_ptr, stride_h, n_heads, HALF, HEADS_PAD)
+    tl.store(ptr1, x1.to(row_ptr.dtype.element_ty), mask=mask)
+    tl.store(ptr1 + HALF, x2.to(row_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotated_halves(row_ptr, stride_h, n_heads, cos, sin, HALF: tl.constexpr, HEADS_PAD: tl.constexpr):
+    """One token's heads rotated by cos, sin ([HALF] float32): the two halves [HEADS_PAD, HALF]
+    computed in float32 and rounded to the heads' dtype."""
+    x1, x2 = _load_halves(row_ptr, stride_h, n_heads, HALF, HEADS_PAD)
     a, b = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(ptr1, (a * cos[None, :] - b * sin[None, :]).to(x1.dtype), mask=mask)
-    tl.store(ptr1 + HALF, (b * cos[None, :] + a * sin[None, :]).to(x1.dtype), mask=mask)
+    r1 = (a * cos[None, :] - b * sin[None, :]).to(x1.dtype)
+    r2 = (b * cos[None, :] + a * sin[None, :]).to(x1.dtype)
+    return r1, r2
+
+
+@triton.jit
+def _rope_heads(row_ptr, stride_h, n_heads, cos, sin, HALF: tl.constexpr, HEADS_PAD: tl.constexpr):
+    """Rotate one token's heads in place."""
+    r1, r2 = _rotated_halves(row_ptr, stride_h, n_heads, cos, sin, HALF, HEADS_PAD)
+    _store_halves(row_ptr, stride_h, n_heads, r1, r2, HALF, HEADS_PAD)
+
+
+@triton.jit
+def _cos_sin(pos_ptr, cache_ptr, token, stride_cache, HALF: tl.constexpr):
+    """cos, sin at the token's position: [HALF] float32 each."""
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    offs = tl.arange(0, HALF)
+    return tl.load(cache_ptr + pos * stride_cache + offs), tl.load(cache_ptr + pos * stride_cache + HALF + offs)
 
 
 @triton.jit
@@ -90,26 +128,75 @@ def _rope_kernel(
     HALF: tl.constexpr, Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + token).to(tl.int64)
-    offs = tl.arange(0, HALF)
-    cos = tl.load(cache_ptr + pos * stride_cache + offs)  # [HALF] float32
-    sin = tl.load(cache_ptr + pos * stride_cache + HALF + offs)
-    _rope_heads(q_ptr, stride_qt, stride_qh, token, n_q_heads, cos, sin, HALF, Q_HEADS_PAD)
-    _rope_heads(k_ptr, stride_kt, stride_kh, token, n_k_heads, cos, sin, HALF, K_HEADS_PAD)
+    cos, sin = _cos_sin(pos_ptr, cache_ptr, token, stride_cache, HALF)
+    _rope_heads(q_ptr + token * stride_qt, stride_qh, n_q_heads, cos, sin, HALF, Q_HEADS_PAD)
+    _rope_heads(k_ptr + token * stride_kt, stride_kh, n_k_heads, cos, sin, HALF, K_HEADS_PAD)
+
+
+def _check_rope_args(q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor) -> int:
+    """HALF (head_dim // 2) for the kernels, after checking the layouts they assume."""
+    head_dim = q.shape[-1]
+    half = head_dim // 2
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
+    assert cos_sin_cache.shape[-1] == head_dim and half == triton.next_power_of_2(half)
+    return half
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
     """q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim], rotated in
     place at positions [num_tokens]; cos_sin_cache: [max_position, head_dim] float32."""
-    head_dim = q.shape[-1]
-    half = head_dim // 2
-    assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
-    assert cos_sin_cache.shape[-1] == head_dim and half == triton.next_power_of_2(half)
+    half = _check_rope_args(q, k, cos_sin_cache)
     if q.shape[0] == 0:
         return
     _rope_kernel[(q.shape[0],)](
         q, k, positions, cos_sin_cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
+        q.shape[1], k.shape[1],
+        HALF=half, Q_HEADS_PAD=triton.next_power_of_2(q.shape[1]), K_HEADS_PAD=triton.next_power_of_2(k.shape[1]),
+    )  # fmt: skip
+
+
+@triton.jit
+def _rope_and_write_kv_kernel(
+    q_ptr, k_ptr, v_ptr, pos_ptr, cache_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cache,
+    stride_slot, stride_slot_h,
+    n_q_heads, n_k_heads,
+    HALF: tl.constexpr, Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr,
+):  # fmt: skip
+    """One program per token: rotate its q and k heads in place, store k and v at its cache slot."""
+    token = tl.program_id(0).to(tl.int64)
+    cos, sin = _cos_sin(pos_ptr, cache_ptr, token, stride_cache, HALF)
+    _rope_heads(q_ptr + token * stride_qt, stride_qh, n_q_heads, cos, sin, HALF, Q_HEADS_PAD)
+    slot = tl.load(slot_ptr + token).to(tl.int64)  # flat: block * block_size + offset
+    k_row = k_ptr + token * stride_kt
+    k1, k2 = _rotated_halves(k_row, stride_kh, n_k_heads, cos, sin, HALF, K_HEADS_PAD)
+    _store_halves(k_row, stride_kh, n_k_heads, k1, k2, HALF, K_HEADS_PAD)
+    _store_halves(k_cache_ptr + slot * stride_slot, stride_slot_h, n_k_heads, k1, k2, HALF, K_HEADS_PAD)
+    v1, v2 = _load_halves(v_ptr + token * stride_vt, stride_vh, n_k_heads, HALF, K_HEADS_PAD)
+    _store_halves(v_cache_ptr + slot * stride_slot, stride_slot_h, n_k_heads, v1, v2, HALF, K_HEADS_PAD)
+
+
+def rope_and_write_kv(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated in place
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rotated in place
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    positions: torch.Tensor,  # [num_tokens] int
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim] float32
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
+    slot_mapping: torch.Tensor,  # [num_tokens] int64 flat cache slot of each token
+) -> None:
+    """apply_rope, then the rotated k and v stored at slot_mapping, in one launch (no host sync)."""
+    half = _check_rope_args(q, k, cos_sin_cache)
+    assert v.stride(-1) == 1 and v.shape == k.shape and k_cache.shape == v_cache.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[2:] == k.shape[1:]
+    if q.shape[0] == 0:
+        return
+    _rope_and_write_kv_kernel[(q.shape[0],)](
+        q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2),
         q.shape[1], k.shape[1],
         HALF=half, Q_HEADS_PAD=triton.next_power_of_2(q.shape[1]), K_HEADS_PAD=triton.next_power_of_2(k.shape[1]),
     )  # fmt: skip

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.attention_ref import write_kv
+
 
 def rms_norm_ref(
     x: torch.Tensor,  # [..., hidden]
@@ -58,6 +60,21 @@ def apply_rope_ref(
         c, s = cos.to(x.dtype), sin.to(x.dtype)
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         x.copy_(x * c + rotated * s)
+
+
+def rope_and_write_kv_ref(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated in place
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rotated in place
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    positions: torch.Tensor,  # [num_tokens] int
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim] float32 (rope_cos_sin_cache)
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
+    slot_mapping: torch.Tensor,  # [num_tokens] int64 flat cache slot of each token
+) -> None:
+    """apply_rope_ref on q and k, then write_kv of the rotated k and of v at slot_mapping."""
+    apply_rope_ref(q, k, positions, cos_sin_cache)
+    write_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, 2 * d] -> [num_tokens, d]

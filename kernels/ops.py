@@ -15,6 +15,7 @@ from kernels.fused_ref import (
     apply_rope_ref,
     fused_add_rms_norm_ref,
     rms_norm_ref,
+    rope_and_write_kv_ref,
     rope_cos_sin_cache,
     silu_and_mul_ref,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "paged_decode_attention",
     "paged_prefill_attention",
     "rms_norm",
+    "rope_and_write_kv",
     "rope_cos_sin_cache",
     "silu_and_mul",
     "write_kv",
@@ -91,6 +93,21 @@ def fused_add_rms_norm(
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
     """In place; cos_sin_cache from fused_ref.rope_cos_sin_cache."""
     (_fused.apply_rope if use_triton(q) else apply_rope_ref)(q, k, positions, cos_sin_cache)
+
+
+def rope_and_write_kv(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated in place
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rotated in place
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    positions: torch.Tensor,  # [num_tokens] int64
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim] float32
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> None:
+    """apply_rope then write_kv of the rotated k and v, one kernel on CUDA."""
+    fn = _fused.rope_and_write_kv if use_triton(q) else rope_and_write_kv_ref
+    fn(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * d] -> [num_tokens, d]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels import ops
-from kernels.attention_ref import paged_decode_attention_ref, paged_prefill_attention_ref
+from kernels.attention_ref import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv
 from kernels.fused_ref import apply_rope_ref, fused_add_rms_norm_ref, rms_norm_ref, rope_cos_sin_cache, silu_and_mul_ref
 from tests.kernels.paged_batch import make_paged_batch
 from worker_proc.models.config import RopeConfig
@@ -103,6 +103,25 @@ def test_rope_in_place_on_qkv_views() -> None:
     ops.apply_rope(q, k, positions, cache)
     torch.testing.assert_close(q.double(), expect_q, atol=1e-5, rtol=1e-5)
     assert torch.equal(qkv[:, 8 * 32 :], v_before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_write_kv_is_rope_then_write_kv(dtype: torch.dtype) -> None:
+    num_tokens, num_heads, num_kv_heads, head_dim, block_size = 5, 6, 2, 32, 4
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
+    sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+    q, k, v = (t.view(num_tokens, -1, head_dim) for t in qkv.split(sizes, dim=-1))  # views of qkv
+    cache = rope_cos_sin_cache(1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim)), 16)
+    positions = torch.tensor([3, 0, 15, 7, 7])
+    slots = torch.tensor([9, 2, 17, 0, 10])  # shuffled, non-contiguous, across blocks
+    k_cache = torch.randn(5, block_size, num_kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(5, block_size, num_kv_heads, head_dim).to(dtype)
+    q_ref, k_ref, v_ref, k_cache_ref, v_cache_ref = (t.clone() for t in (q, k, v, k_cache, v_cache))
+    apply_rope_ref(q_ref, k_ref, positions, cache)
+    write_kv(k_ref, v_ref, k_cache_ref, v_cache_ref, slots)
+    ops.rope_and_write_kv(q, k, v, positions, cache, k_cache, v_cache, slots)
+    for got, want in ((q, q_ref), (k, k_ref), (v, v_ref), (k_cache, k_cache_ref), (v_cache, v_cache_ref)):
+        assert torch.equal(got, want)
 
 
 def test_silu_and_mul() -> None:

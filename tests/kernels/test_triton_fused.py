@@ -1,11 +1,18 @@
-"""GPU: Triton RMSNorm (+ residual), RoPE and SiLU-and-mul against the torch references."""
+"""GPU: Triton RMSNorm (+ residual), RoPE (+ KV-cache write) and SiLU-and-mul against the torch references."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.fused_ref import apply_rope_ref, fused_add_rms_norm_ref, rms_norm_ref, rope_cos_sin_cache, silu_and_mul_ref
+from kernels.fused_ref import (
+    apply_rope_ref,
+    fused_add_rms_norm_ref,
+    rms_norm_ref,
+    rope_and_write_kv_ref,
+    rope_cos_sin_cache,
+    silu_and_mul_ref,
+)
 from tests.kernels.triton_device import DEVICE, DTYPES, TOL, requires_triton_device
 
 pytest.importorskip("triton")
@@ -68,6 +75,48 @@ def test_rope_in_place_on_qkv_views(dtype: torch.dtype, num_heads: int, num_kv_h
     torch.testing.assert_close(q, q_ref, atol=TOL[dtype], rtol=TOL[dtype])
     torch.testing.assert_close(k, k_ref, atol=TOL[dtype], rtol=TOL[dtype])
     assert torch.equal(qkv[:, (num_heads + num_kv_heads) * head_dim :], v_before)
+
+
+def qkv_views(
+    num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [num_tokens, num_heads, head_dim], k, v [num_tokens, num_kv_heads, head_dim]: views of one qkv output."""
+    qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    return q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, -1, head_dim), v.view(num_tokens, -1, head_dim)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(28, 4, 128), (7, 1, 64), (7, 7, 128)])
+@pytest.mark.parametrize("num_tokens", [1, 333])
+def test_rope_and_write_kv_on_qkv_views(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, num_tokens: int
+) -> None:
+    max_position, block_size = 4096, 16
+    num_blocks = num_tokens // block_size + 3  # room for slots the batch does not touch
+    q, k, v = qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, dtype)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, head_dim, 2, device=DEVICE).float() / head_dim))
+    cos_sin_cache = rope_cos_sin_cache(inv_freq, max_position)  # [max_position, head_dim]
+    gen = torch.Generator().manual_seed(5)
+    positions = torch.randint(0, max_position, (num_tokens,), generator=gen).to(DEVICE)  # [num_tokens]
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens].to(DEVICE)  # [num_tokens] int64
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = randn(*cache_shape, dtype=dtype, seed=6), randn(*cache_shape, dtype=dtype, seed=7)
+    q_ref, k_ref, v_ref = q.clone(), k.clone(), v.clone()
+    k_cache_ref, v_cache_ref = k_cache.clone(), v_cache.clone()
+    rope_and_write_kv_ref(q_ref, k_ref, v_ref, positions, cos_sin_cache, k_cache_ref, v_cache_ref, slots)
+    fused.rope_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slots)
+    torch.testing.assert_close(q, q_ref, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(k, k_ref, atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.equal(v, v_ref)
+    flat_k, flat_v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+    assert torch.equal(flat_k[slots], k)  # the kernel's own rotated k, bit for bit
+    assert torch.equal(flat_v[slots], v)
+    torch.testing.assert_close(k_cache, k_cache_ref, atol=TOL[dtype], rtol=TOL[dtype])
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert torch.equal(flat_k[untouched], k_cache_ref.view(-1, num_kv_heads, head_dim)[untouched])
+    assert torch.equal(v_cache, v_cache_ref)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -80,9 +80,8 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
             k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
-        ops.apply_rope(q, k, positions, cos_sin_cache)  # in place
         k_cache, v_cache = kv_cache
-        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        ops.rope_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)  # q, k in place
         if meta.is_decode:
             out = ops.paged_decode_attention(q, k_cache, v_cache, meta.block_table_t, meta.seq_lens_t, self.scale)
         else:
