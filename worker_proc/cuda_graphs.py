@@ -5,8 +5,12 @@ overwrites with a single device copy; adapter slots and block tables being input
 graph serves any mix of adapters and requests. The LoRA set also reads the grouped layout
 (kernels/lora_ref.py): token rows sorted by slot and a padded table of max_tiles(batch,
 max_loras) tiles, built on the host from the plan, so each distinct adapter's A / B are read
-once per tile, not once per token. Padding rows use seq_len 0, slot -1 and write their K/V
-into a scratch block past the scheduler's blocks.
+once per tile, not once per token. Each projection's single GEMM also returns every slot's
+x A^T (A stacked under the base weight, worker_proc/models/layers.py); so that a step on few
+adapters does not read the A of every slot, the LoRA graphs come in slot buckets: a graph
+of bucket n reads the A of slots [0, n), and a step replays the smallest bucket above its
+highest slot (the scheduler fills free slots lowest first). Padding rows use seq_len 0,
+slot -1 and write their K/V into a scratch block past the scheduler's blocks.
 """
 
 from __future__ import annotations
@@ -22,6 +26,12 @@ from worker_proc.lora.mapping import LoraMapping
 from worker_proc.step_inputs import DeviceAttentionMetadata, PinnedStaging
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+SLOT_BUCKETS = (4, 16)  # LoRA graphs per number of leading slots, besides max_loras itself
+
+
+def slot_buckets(max_loras: int) -> list[int]:
+    """Slot counts that get their own LoRA graphs: SLOT_BUCKETS capped at max_loras, and max_loras."""
+    return sorted({min(n, max_loras) for n in SLOT_BUCKETS} | {max_loras})
 
 
 class DecodeGraph:
@@ -35,7 +45,8 @@ class DecodeGraph:
         self.graph = torch.cuda.CUDAGraph()
         self.logits: torch.Tensor | None = None  # [batch, vocab] float32
 
-    def forward(self, model: torch.nn.Module, kv_layers: list, with_lora: bool) -> torch.Tensor:
+    def forward(self, model: torch.nn.Module, kv_layers: list, num_slots: int) -> torch.Tensor:
+        """num_slots: 0 without LoRA, else the graph's slot bucket."""
         b = self.batch
         t = self.num_tiles
         ids, pos, smap, tslots, slens, order, tstarts, tile_slots, bt = self.inputs.split(
@@ -43,9 +54,10 @@ class DecodeGraph:
         qsl = torch.arange(b + 1, dtype=torch.int32, device=ids.device)
         meta = DeviceAttentionMetadata([], [], [], smap, bt.view(b, self.width).int(), slens.int(), qsl, 1)
         lora = None
-        if with_lora:
+        if num_slots:
             empty = torch.zeros(0, dtype=torch.long)
-            lora = LoraMapping(tslots, empty, empty, False, (), in_graph=True, grouped=(order, tstarts, tile_slots))
+            lora = LoraMapping(tslots, empty, empty, False, (), in_graph=True, grouped=(order, tstarts, tile_slots),
+                               num_slots=num_slots)
         hidden = model(ids, pos, kv_layers, meta, lora=lora)  # [b, hidden]
         return model.compute_logits(hidden, lora=lora)  # [b, vocab] float32
 
@@ -56,21 +68,22 @@ class DecodeGraphs:
         self.model, self.kv_layers, self.scratch_slot, self.width = model, kv_layers, scratch_slot, width
         self.buckets = [b for b in BUCKETS if b <= max_batch] or [1]
         self.device, self.max_loras = device, max_loras
-        self.sets = {False: {}, True: {}} if with_lora else {False: {}}
+        # slot bucket (0: no LoRA) -> batch bucket -> graph
+        self.sets: dict[int, dict[int, DecodeGraph]] = {n: {} for n in [0] + (slot_buckets(max_loras) if with_lora else [])}
         self.pool = None
         self.replays = 0
 
     def capture(self) -> None:
         """Warm up (Triton compiles) and capture every bucket, largest first, in one memory pool."""
-        for with_lora, graphs in self.sets.items():
+        for num_slots, graphs in self.sets.items():
             for b in sorted(self.buckets, reverse=True):
-                g = DecodeGraph(b, self.width, max_tiles(b, self.max_loras) if with_lora else 0, self.device)
+                g = DecodeGraph(b, self.width, max_tiles(b, num_slots) if num_slots else 0, self.device)
                 g.inputs[3 * b : 4 * b].fill_(-1)  # adapter slots: base (tile table: zeros, empty)
                 g.inputs[2 * b : 3 * b].fill_(self.scratch_slot)  # KV slots: scratch
-                g.forward(self.model, self.kv_layers, with_lora)  # eager warm-up
+                g.forward(self.model, self.kv_layers, num_slots)  # eager warm-up
                 torch.cuda.synchronize()
                 with torch.cuda.graph(g.graph, pool=self.pool):
-                    g.logits = g.forward(self.model, self.kv_layers, with_lora)
+                    g.logits = g.forward(self.model, self.kv_layers, num_slots)
                 self.pool = g.graph.pool()
                 graphs[b] = g
         torch.cuda.synchronize()
@@ -85,12 +98,13 @@ class DecodeGraphs:
         """Logits [len(reqs), vocab] float32 of one decode step, by graph replay."""
         n = len(reqs)
         bucket = next(b for b in self.buckets if b >= n)
-        with_lora = any(r.lora_slot >= 0 for r in reqs) and True in self.sets
-        g = self.sets[with_lora][bucket]
+        top_slot = max(r.lora_slot for r in reqs)
+        num_slots = next((s for s in self.sets if s > top_slot), 0) if top_slot >= 0 else 0
+        g = self.sets[num_slots][bucket]
         pad = bucket - n
         positions = [r.num_computed_tokens for r in reqs]
         slots = [r.lora_slot for r in reqs] + [-1] * pad
-        order, tile_starts, tile_slots = group_tiles(slots, g.num_tiles) if with_lora else (slots, [0], [])
+        order, tile_starts, tile_slots = group_tiles(slots, g.num_tiles) if num_slots else (slots, [0], [])
         row = [
             [r.token_ids[p] for r, p in zip(reqs, positions)] + [0] * pad,
             positions + [0] * pad,

@@ -48,6 +48,8 @@ def _check(layout: str, output_sizes: list[int], dtype: torch.dtype, seg_lens: l
     dev = {k: t.to(DEVICE) for k, t in dict(ranks=ranks, scalings=scalings, token_slots=token_slots,
                                              seg_starts=torch.tensor(starts), seg_slots=torch.tensor(seg_slots)).items()}
     xd, ad, bd = (t.to(dtype).to(DEVICE) for t in (x, a, b))
+    if layout != "tokens":  # out-major, as LoraWeights stores B (the tokens layout keeps a rank-major B)
+        bd = bd.transpose(-1, -2).contiguous().transpose(-1, -2)
     got = base.to(dtype).to(DEVICE)
     if layout == "segments":
         buf32 = lora_ref.lora_shrink_segments(args32[0], args32[1], ranks, torch.tensor(starts), torch.tensor(seg_slots))

@@ -19,6 +19,7 @@ def _runner(setup: LoraSetup, **kw) -> ModelRunner:
     runner = ModelRunner(lora_config(setup.base_dir, device="cuda", dtype="bfloat16", **kw))
     for slot, name in enumerate(["all", "mlp", "head"]):
         runner.load_adapter(AdapterSlotAssigned(slot, 100 + slot, setup.adapter_dirs[name]))
+    runner.load_adapter(AdapterSlotAssigned(5, 105, setup.adapter_dirs["all"]))  # past the first slot bucket (4)
     return runner
 
 
@@ -32,7 +33,8 @@ def _decode_reqs(setup: LoraSetup, slots: list[int]) -> list[ReqState]:
     return reqs
 
 
-@pytest.mark.parametrize("slots", [[-1, -1, -1, -1], [0, -1, 1, 2], [2, 2, 0, 0]], ids=["base", "mixed", "pairs"])
+@pytest.mark.parametrize("slots", [[-1, -1, -1, -1], [0, -1, 1, 2], [2, 2, 0, 0], [5, -1, 0, 2]],
+                         ids=["base", "mixed", "pairs", "high-slot"])
 def test_graph_replay_matches_eager(lora_setup: LoraSetup, slots: list[int]) -> None:
     runner = _runner(lora_setup)
     assert runner.graphs is not None
@@ -41,6 +43,7 @@ def test_graph_replay_matches_eager(lora_setup: LoraSetup, slots: list[int]) -> 
     batch = build_batch(reqs, BLOCK_SIZE, runner.device, runner.staging)
     hidden = runner.model(batch.input_ids, batch.positions, runner.kv_cache.layers, batch.meta, lora=batch.lora)
     eager = runner.model.compute_logits(hidden[batch.sample_indices], lora=batch.sample_lora)
+    assert sorted(runner.graphs.sets) == [0, 4, 6]  # no LoRA; slot buckets 4 and max_loras
     graph = runner.graphs.run(reqs, BLOCK_SIZE, runner.staging).clone()
     assert runner.graphs.replays == 1 and torch.isfinite(graph).all()
     err = float((graph - eager).norm() / eager.norm())

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kernels.lora_ref import group_tiles, max_tiles
+from worker_proc.cuda_graphs import slot_buckets
 from worker_proc.lora.mapping import LoraMapping
 from worker_proc.lora.weights import LoraWeights
 from worker_proc.models.layers import SlotLinear
@@ -96,3 +97,9 @@ def test_stacked_linear_matches_unstacked() -> None:
     got = lin(x, LoraMapping(torch.tensor(slots), torch.zeros(0), torch.zeros(0), False, (), grouped=grouped))
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(lin(x), x @ weight.T + bias)  # no mapping: the base weight alone
+
+
+def test_slot_buckets_cap_at_max_loras() -> None:
+    assert slot_buckets(32) == [4, 16, 32]
+    assert slot_buckets(6) == [4, 6]
+    assert slot_buckets(2) == [2]

@@ -23,6 +23,7 @@ class LoraMapping:
     # decode's grouped layout (kernels/lora_ref.py) on the device: order [num_tokens],
     # tile_starts [num_tiles + 1], tile_slots [num_tiles]; when set, it serves every LoRA op
     grouped: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    num_slots: int = 0  # grouped: every used slot is below this; the stacked GEMM reads A of these (0: all)
 
     @staticmethod
     def from_slots(token_slots: torch.Tensor) -> "LoraMapping | None":

@@ -25,7 +25,8 @@ class LoraWeights:
         if a is not None and (tuple(a.shape) != a_shape or not a.is_contiguous()):
             raise ValueError(f"A storage of shape {tuple(a.shape)} is not a contiguous {a_shape}")
         self.a = torch.zeros(a_shape, dtype=dtype, device=device) if a is None else a
-        self.b = torch.zeros(max_loras, num_slices, max(output_sizes), max_rank, dtype=dtype, device=device)
+        # [max_loras, num_slices, max_out_slice, max_rank], stored out-major so the expand reads whole output rows
+        self.b = torch.zeros(max_loras, num_slices, max_rank, max(output_sizes), dtype=dtype, device=device).transpose(2, 3)
         self.ranks = torch.zeros(max_loras, num_slices, dtype=torch.long, device=device)
         self.scalings = torch.zeros(max_loras, num_slices, dtype=torch.float32, device=device)
         # host copies of ranks / scalings, kept in step with the device ones: no sync per step

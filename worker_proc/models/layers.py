@@ -39,19 +39,23 @@ class SlotLinear(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoraMapping | None = None) -> torch.Tensor:
         # x: [num_tokens, in_features] -> [num_tokens, out_features]
         if self.stacked is not None and lora is not None and lora.grouped is not None:
-            return self._forward_stacked(x, lora.grouped)
+            return self._forward_stacked(x, lora.grouped, lora.num_slots)
         y = F.linear(x, self.weight, self.bias)
         if self.lora is not None and lora is not None:
             self.lora.apply(x, y, lora)
         return y
 
-    def _forward_stacked(self, x: torch.Tensor, grouped: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def _forward_stacked(self, x: torch.Tensor, grouped: tuple[torch.Tensor, ...], num_slots: int) -> torch.Tensor:
+        """Base output and the LoRA of slots [0, num_slots) (0: all) from one GEMM, then the expand."""
         assert self.stacked is not None and self.lora is not None
-        weight, bias = self.stacked
-        out = F.linear(x, weight, bias)  # [num_tokens, out + max_loras * num_slices * max_rank]
+        max_loras, num_slices, max_rank = self.lora.a.shape[:3]
+        num_slots = num_slots or max_loras
         num_out = self.weight.shape[0]
+        rows = num_out + num_slots * num_slices * max_rank
+        weight, bias = self.stacked
+        out = F.linear(x, weight[:rows], None if bias is None else bias[:rows])  # [num_tokens, rows]
         y = out[:, :num_out]  # [num_tokens, out], rows strided
-        h = out[:, num_out:].unflatten(1, self.lora.a.shape[:3])  # [num_tokens, max_loras, num_slices, max_rank]
+        h = out[:, num_out:].unflatten(1, (num_slots, num_slices, max_rank))  # [num_tokens, num_slots, ...]
         self.lora.expand_stacked(y, h, grouped)
         return y
 
