@@ -11,18 +11,28 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.lora import delta_args, lora_row_delta, rank_pad
+from kernels.lora_ref import LoraDelta
+
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_x, stride_res, stride_out, stride_res_out,
     n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    h_ptr, b_ptr, ranks_ptr, scalings_ptr, slots_ptr, stride_ht, stride_hl, stride_hs,
+    stride_bl, stride_bs, stride_bo, stride_br,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, R_PAD: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if R_PAD > 0:  # x's pending LoRA delta (one slice)
+        slot = tl.load(slots_ptr + row)
+        d = lora_row_delta(h_ptr + row * stride_ht, b_ptr, ranks_ptr, scalings_ptr, slot, 0, 1, cols, mask,
+                           stride_hl, stride_hs, stride_bl, stride_bs, stride_bo, stride_br, BLOCK, R_PAD)
+        x = (x.to(tl.float32) + d).to(x.dtype)
     if HAS_RESIDUAL:
         res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)  # rounded like `x + residual`
@@ -35,7 +45,7 @@ def _rms_norm_kernel(
 
 
 def _rms_norm_launch(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, delta: LoraDelta | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     hidden = x.shape[-1]
     x2 = x.reshape(-1, hidden)  # [rows, hidden]
@@ -47,8 +57,9 @@ def _rms_norm_launch(
         _rms_norm_kernel[(x2.shape[0],)](
             x2, res2, weight, out, res_out,
             x2.stride(0), res2.stride(0), out.stride(0), res_out.stride(0),
-            hidden, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+            hidden, eps, *delta_args(delta, x2),
+            HAS_RESIDUAL=residual is not None, BLOCK=block, R_PAD=rank_pad(delta),
+            num_warps=min(16, max(1, block // 256)),
         )  # fmt: skip
     new_res = res_out.view(x.shape) if residual is not None else None
     return out.view(x.shape), new_res
@@ -61,11 +72,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, delta: LoraDelta | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, residual: [num_tokens, hidden] -> normed, new_residual = x + residual."""
+    """x, residual: [num_tokens, hidden] -> normed, new_residual = x (+ its LoRA delta) + residual."""
     assert x.shape == residual.shape and x.stride(-1) == 1 and residual.stride(-1) == 1
-    normed, new_residual = _rms_norm_launch(x, residual, weight, eps)
+    normed, new_residual = _rms_norm_launch(x, residual, weight, eps, delta)
     assert new_residual is not None
     return normed, new_residual
 
@@ -203,23 +214,39 @@ def rope_and_write_kv(
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, d, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, stride_x, stride_out, d,
+    h_ptr, b_ptr, ranks_ptr, scalings_ptr, slots_ptr, stride_ht, stride_hl, stride_hs,
+    stride_bl, stride_bs, stride_bo, stride_br,
+    BLOCK: tl.constexpr, R_PAD: tl.constexpr,
+):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0)
+    if R_PAD > 0:  # the pending LoRA delta of slices gate (0) and up (1)
+        slot = tl.load(slots_ptr + row)
+        h_row = h_ptr + row * stride_ht
+        d_gate = lora_row_delta(h_row, b_ptr, ranks_ptr, scalings_ptr, slot, 0, 2, cols, mask,
+                                stride_hl, stride_hs, stride_bl, stride_bs, stride_bo, stride_br, BLOCK, R_PAD)
+        d_up = lora_row_delta(h_row, b_ptr, ranks_ptr, scalings_ptr, slot, 1, 2, cols, mask,
+                              stride_hl, stride_hs, stride_bl, stride_bs, stride_bo, stride_br, BLOCK, R_PAD)
+        gate = (gate.to(tl.float32) + d_gate).to(gate.dtype)
+        up = (up.to(tl.float32) + d_up).to(up.dtype)
+    up = up.to(tl.float32)
     g = gate.to(tl.float32)
     silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)  # rounded like F.silu(gate)
     tl.store(out_ptr + row * stride_out + cols, (silu * up).to(gate.dtype), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, 2 * d] -> silu(x[:, :d]) * x[:, d:]: [num_tokens, d]."""
+def silu_and_mul(x: torch.Tensor, delta: LoraDelta | None = None) -> torch.Tensor:
+    """x: [num_tokens, 2 * d] (+ its LoRA delta over slices gate, up) -> silu(gate) * up: [num_tokens, d]."""
     assert x.stride(-1) == 1
     d = x.shape[-1] // 2
     out = torch.empty((x.shape[0], d), dtype=x.dtype, device=x.device)
     block = 1024
     if x.shape[0] > 0:
-        _silu_and_mul_kernel[(x.shape[0], triton.cdiv(d, block))](x, out, x.stride(0), out.stride(0), d, BLOCK=block)
+        _silu_and_mul_kernel[(x.shape[0], triton.cdiv(d, block))](
+            x, out, x.stride(0), out.stride(0), d, *delta_args(delta, x), BLOCK=block, R_PAD=rank_pad(delta))
     return out

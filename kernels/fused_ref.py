@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention_ref import write_kv
+from kernels.lora_ref import LoraDelta, add_lora_delta
 
 
 def rms_norm_ref(
@@ -28,8 +29,11 @@ def fused_add_rms_norm_ref(
     residual: torch.Tensor,  # [num_tokens, hidden]
     weight: torch.Tensor,  # [hidden]
     eps: float,
+    delta: LoraDelta | None = None,  # x's pending LoRA delta, added to x first
 ) -> tuple[torch.Tensor, torch.Tensor]:  # normed, new_residual: [num_tokens, hidden] each
     """new_residual = x + residual (in x's dtype); normed = rms_norm(new_residual)."""
+    if delta is not None:
+        x = add_lora_delta(x, delta, [x.shape[-1]])
     new_residual = x + residual
     return rms_norm_ref(new_residual, weight, eps), new_residual
 
@@ -77,6 +81,9 @@ def rope_and_write_kv_ref(
     write_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, 2 * d] -> [num_tokens, d]
+def silu_and_mul_ref(x: torch.Tensor, delta: LoraDelta | None = None) -> torch.Tensor:
+    """x: [num_tokens, 2 * d] -> [num_tokens, d]; `delta`: x's pending LoRA delta (slices gate, up)."""
+    if delta is not None:
+        x = add_lora_delta(x, delta, [x.shape[-1] // 2] * 2)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up

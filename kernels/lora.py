@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_ref import GROUP_TILE
+from kernels.lora_ref import GROUP_TILE, LoraDelta
 
 BLOCK_M_SEG = 32  # rows per program in the segment layout
 BLOCK_M_TOK = 16  # the smallest tl.dot tile; one valid row per program in the token layout
@@ -263,3 +263,47 @@ def lora_expand_stacked(
     assert h.stride(-1) == 1
     _expand(y, h, (h.stride(1), h.stride(2), h.stride(0)), b, ranks, scalings, output_sizes, tile_starts, tile_slots,
             tile_slots.shape[0], 1, False, GROUP_TILE, order, block_n, num_warps)
+
+
+# A pending LoRA delta (kernels/lora_ref.LoraDelta) added by the kernel that consumes the
+# projection's output (fused.py: the residual-add RMSNorm after o / down, SiLU-and-mul after
+# gate_up), so those projections launch no expand of their own.
+R_CHUNK = 4  # rank rows of B loaded at a time by lora_row_delta
+
+
+@triton.jit
+def lora_row_delta(
+    h_row_ptr, b_ptr, ranks_ptr, scalings_ptr, slot, s, num_slices, cols, col_mask,
+    stride_hl, stride_hs, stride_bl, stride_bs, stride_bo, stride_br,
+    BLOCK: tl.constexpr, R_PAD: tl.constexpr,
+):  # fmt: skip
+    """One token's delta on columns `cols` [BLOCK] of slice s, float32; zeros when slot < 0."""
+    on = slot >= 0
+    slot = tl.maximum(slot, 0).to(tl.int64)
+    rank = tl.where(on, tl.load(ranks_ptr + slot * num_slices + s), 0)
+    scale = tl.load(scalings_ptr + slot * num_slices + s)
+    h_base = h_row_ptr + slot * stride_hl + s * stride_hs
+    b_base = b_ptr + slot * stride_bl + s * stride_bs
+    acc = tl.zeros([BLOCK], tl.float32)
+    for r0 in tl.static_range(0, R_PAD, R_CHUNK):
+        r = r0 + tl.arange(0, R_CHUNK)
+        r_mask = r < rank
+        hv = tl.load(h_base + r, mask=r_mask, other=0.0).to(tl.float32)  # [R_CHUNK]
+        bt = tl.load(b_base + r[:, None] * stride_br + cols[None, :] * stride_bo,
+                     mask=r_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)  # [R_CHUNK, BLOCK]
+        acc += tl.sum(hv[:, None] * bt, axis=0)
+    return acc * scale
+
+
+def delta_args(delta: LoraDelta | None, dummy: torch.Tensor) -> list:
+    """lora_row_delta's tensors and strides, as a kernel's trailing arguments:
+    h, b, ranks, scalings, token_slots, then the strides of h (token, slot, slice) and b (4)."""
+    if delta is None:
+        return [dummy] * 5 + [0] * 7
+    h, b = delta.h, delta.b
+    assert h.stride(-1) == 1 and delta.ranks.is_contiguous() and delta.scalings.is_contiguous()
+    return [h, b, delta.ranks, delta.scalings, delta.token_slots, h.stride(0), h.stride(1), h.stride(2), *b.stride()]
+
+
+def rank_pad(delta: LoraDelta | None) -> int:
+    return 0 if delta is None else max(R_CHUNK, triton.next_power_of_2(delta.b.shape[3]))

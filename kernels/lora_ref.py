@@ -41,7 +41,32 @@ lists or CPU tensors, and for the token ops `max_rank` (the batch's largest real
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class LoraDelta:
+    """A projection's LoRA delta left for the kernel that consumes its output to add (decode):
+    y[t, lo_s + c] += scaling[slot, s] * sum_{r < rank[slot, s]} h[t, slot, s, r] * b[slot, s, c, r]
+    for each token t on an adapter (slot = token_slots[t] >= 0), slice s at column offset lo_s."""
+
+    h: torch.Tensor  # [num_tokens, num_slots, num_slices, max_rank]: x A^T of slots [0, num_slots)
+    b: torch.Tensor  # [max_loras, num_slices, max_out_slice, max_rank]
+    ranks: torch.Tensor  # [max_loras, num_slices] int
+    scalings: torch.Tensor  # [max_loras, num_slices] float32
+    token_slots: torch.Tensor  # [num_tokens] int, -1 = base
+
+
+def add_lora_delta(y: torch.Tensor, delta: LoraDelta, output_sizes: list[int]) -> torch.Tensor:
+    """y + delta as a new tensor (y: [num_tokens, sum(output_sizes)]), rounded like lora_expand_tokens."""
+    slots = delta.token_slots.long()
+    tokens = torch.arange(slots.shape[0], device=slots.device)
+    buf = delta.h[tokens, slots.clamp(min=0)].permute(1, 0, 2)  # [num_slices, num_tokens, max_rank]
+    out = y.clone()
+    lora_expand_tokens(out, buf, delta.b, delta.ranks, delta.scalings, output_sizes, slots)
+    return out
 
 GROUP_TILE = 16  # rows per tile of the grouped layout (the smallest tl.dot tile)
 

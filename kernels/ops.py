@@ -11,6 +11,7 @@ import torch
 
 from kernels.attention_ref import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv
 from kernels import lora_ref
+from kernels.lora_ref import LoraDelta
 from kernels.fused_ref import (
     apply_rope_ref,
     fused_add_rms_norm_ref,
@@ -85,9 +86,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, delta: LoraDelta | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:  # normed, new_residual: [num_tokens, hidden]
-    return (_fused.fused_add_rms_norm if use_triton(x) else fused_add_rms_norm_ref)(x, residual, weight, eps)
+    """`delta`: x's pending LoRA delta (kernels/lora_ref.LoraDelta), added to x first."""
+    return (_fused.fused_add_rms_norm if use_triton(x) else fused_add_rms_norm_ref)(x, residual, weight, eps, delta)
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
@@ -110,8 +112,9 @@ def rope_and_write_kv(
     fn(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * d] -> [num_tokens, d]
-    return (_fused.silu_and_mul if use_triton(x) else silu_and_mul_ref)(x)
+def silu_and_mul(x: torch.Tensor, delta: LoraDelta | None = None) -> torch.Tensor:  # [num_tokens, 2 * d] -> [.., d]
+    """`delta`: x's pending LoRA delta over the slices gate and up."""
+    return (_fused.silu_and_mul if use_triton(x) else silu_and_mul_ref)(x, delta)
 
 
 # Multi-LoRA (kernels/lora_ref.py has the contract). Triton for half-precision CUDA tensors:

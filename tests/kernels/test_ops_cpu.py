@@ -8,6 +8,7 @@ import torch
 from kernels import ops
 from kernels.attention_ref import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv
 from kernels.fused_ref import apply_rope_ref, fused_add_rms_norm_ref, rms_norm_ref, rope_cos_sin_cache, silu_and_mul_ref
+from tests.kernels.lora_delta_data import SLOTS, make_delta, naive_delta
 from tests.kernels.paged_batch import make_paged_batch
 from worker_proc.models.config import RopeConfig
 from worker_proc.models.layers import RMSNorm
@@ -129,3 +130,20 @@ def test_silu_and_mul() -> None:
     direct = x[:, :1000] * torch.sigmoid(x[:, :1000]) * x[:, 1000:]
     torch.testing.assert_close(silu_and_mul_ref(x), direct)
     assert torch.equal(ops.silu_and_mul(x), silu_and_mul_ref(x))
+
+
+def test_pending_lora_delta_is_added_before_the_norm_and_the_activation() -> None:
+    """o / down's LoRA delta added by the residual-add norm, gate_up's by SiLU-and-mul."""
+    gen = torch.Generator().manual_seed(7)
+    hidden, d = 40, 24
+    delta = make_delta([hidden], torch.float32, "cpu")
+    x, residual = torch.randn(len(SLOTS), hidden, generator=gen), torch.randn(len(SLOTS), hidden, generator=gen)
+    weight = torch.randn(hidden, generator=gen)
+    want = fused_add_rms_norm_ref(x + naive_delta(delta, [hidden]).float(), residual, weight, 1e-6)
+    got = ops.fused_add_rms_norm(x, residual, weight, 1e-6, delta)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(got[1][1], (x + residual)[1])  # a base token: no delta
+    gate_up = make_delta([d, d], torch.float32, "cpu", seed=1)
+    x2 = torch.randn(len(SLOTS), 2 * d, generator=gen)
+    want2 = silu_and_mul_ref(x2 + naive_delta(gate_up, [d, d]).float())
+    torch.testing.assert_close(ops.silu_and_mul(x2, gate_up), want2)

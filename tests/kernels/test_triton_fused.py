@@ -13,6 +13,7 @@ from kernels.fused_ref import (
     rope_cos_sin_cache,
     silu_and_mul_ref,
 )
+from tests.kernels.lora_delta_data import SLOTS, make_delta, naive_delta
 from tests.kernels.triton_device import DEVICE, DTYPES, TOL, requires_triton_device
 
 pytest.importorskip("triton")
@@ -127,3 +128,26 @@ def test_silu_and_mul(dtype: torch.dtype, d: int, num_tokens: int) -> None:
     out = fused.silu_and_mul(x)
     assert out.shape == (num_tokens, d) and out.dtype == dtype
     torch.testing.assert_close(out, silu_and_mul_ref(x), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [1000, 4096 + 8])
+def test_fused_add_rms_norm_adds_pending_lora_delta(dtype: torch.dtype, hidden: int) -> None:
+    delta = make_delta([hidden], dtype, DEVICE)
+    x, residual = randn(len(SLOTS), hidden, dtype=dtype), randn(len(SLOTS), hidden, dtype=dtype, seed=1)
+    weight = randn(hidden, dtype=dtype, seed=2)
+    normed, new_residual = fused.fused_add_rms_norm(x, residual, weight, 1e-5, delta)
+    ref_normed, ref_residual = fused_add_rms_norm_ref(x, residual, weight, 1e-5, delta)
+    torch.testing.assert_close(new_residual, ref_residual, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(normed, ref_normed, atol=TOL[dtype], rtol=TOL[dtype])
+    with_delta = x.double().cpu() + naive_delta(delta, [hidden])
+    assert (new_residual.double().cpu() - residual.double().cpu() - with_delta).abs().max() < 0.1  # the delta is in
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [1000, 2048 + 24])
+def test_silu_and_mul_adds_pending_lora_delta(dtype: torch.dtype, d: int) -> None:
+    delta = make_delta([d, d], dtype, DEVICE)
+    x = randn(len(SLOTS), 2 * d, dtype=dtype)
+    out = fused.silu_and_mul(x, delta)
+    torch.testing.assert_close(out, silu_and_mul_ref(x, delta), atol=TOL[dtype], rtol=TOL[dtype])

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import ops
+from kernels.lora_ref import LoraDelta
 from worker_proc.lora.mapping import LoraMapping
 from worker_proc.lora.weights import LoraWeights
 
@@ -45,8 +46,23 @@ class SlotLinear(nn.Module):
             self.lora.apply(x, y, lora)
         return y
 
+    def forward_deferred(self, x: torch.Tensor, lora: LoraMapping | None) -> tuple[torch.Tensor, LoraDelta | None]:
+        """forward, except that on the stacked decode path the LoRA delta comes back unapplied, for
+        the kernel that consumes the output to add (kernels/lora_ref.LoraDelta): one launch fewer."""
+        if self.stacked is None or self.lora is None or lora is None or lora.grouped is None:
+            return self.forward(x, lora), None
+        y, h = self._stacked_gemm(x, lora.num_slots)
+        return y, LoraDelta(h, self.lora.b, self.lora.ranks, self.lora.scalings, lora.token_slots)
+
     def _forward_stacked(self, x: torch.Tensor, grouped: tuple[torch.Tensor, ...], num_slots: int) -> torch.Tensor:
-        """Base output and the LoRA of slots [0, num_slots) (0: all) from one GEMM, then the expand."""
+        assert self.lora is not None
+        y, h = self._stacked_gemm(x, num_slots)
+        self.lora.expand_stacked(y, h, grouped)
+        return y
+
+    def _stacked_gemm(self, x: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Base output y [num_tokens, out] (rows strided) and h [num_tokens, num_slots, num_slices,
+        max_rank], x A^T of slots [0, num_slots) (0: all), from one GEMM."""
         assert self.stacked is not None and self.lora is not None
         max_loras, num_slices, max_rank = self.lora.a.shape[:3]
         num_slots = num_slots or max_loras
@@ -54,10 +70,7 @@ class SlotLinear(nn.Module):
         rows = num_out + num_slots * num_slices * max_rank
         weight, bias = self.stacked
         out = F.linear(x, weight[:rows], None if bias is None else bias[:rows])  # [num_tokens, rows]
-        y = out[:, :num_out]  # [num_tokens, out], rows strided
-        h = out[:, num_out:].unflatten(1, (num_slots, num_slices, max_rank))  # [num_tokens, num_slots, ...]
-        self.lora.expand_stacked(y, h, grouped)
-        return y
+        return out[:, :num_out], out[:, num_out:].unflatten(1, (num_slots, num_slices, max_rank))
 
     def attach_lora(self, max_loras: int, max_rank: int, stack: bool) -> LoraWeights:
         """Hang per-slot LoRA buffers on this layer; with `stack`, A lives under the base weight."""
@@ -113,6 +126,7 @@ class GatedMLP(nn.Module):
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up, lora)  # [num_tokens, hidden]
 
-    def forward_fast(self, x: torch.Tensor, lora: LoraMapping | None) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x, lora)  # [num_tokens, 2 * intermediate]
-        return self.down_proj(ops.silu_and_mul(gate_up), lora)  # [num_tokens, hidden]
+    def forward_fast(self, x: torch.Tensor, lora: LoraMapping | None) -> tuple[torch.Tensor, LoraDelta | None]:
+        """[num_tokens, hidden] and its pending LoRA delta (for the next residual-add norm)."""
+        gate_up, delta = self.gate_up_proj.forward_deferred(x, lora)  # [num_tokens, 2 * intermediate]
+        return self.down_proj.forward_deferred(ops.silu_and_mul(gate_up, delta), lora)

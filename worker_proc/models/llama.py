@@ -17,6 +17,7 @@ from torch import nn
 
 from kernels import ops
 from kernels.attention_ref import PagedAttentionMetadata, paged_attention_ref
+from kernels.lora_ref import LoraDelta
 from worker_proc.lora.mapping import LoraMapping
 from worker_proc.models.config import ModelConfig
 from worker_proc.models.layers import GatedMLP, RMSNorm, SlotLinear
@@ -74,7 +75,7 @@ class Attention(nn.Module):
         kv_cache: KVCacheLayer,
         meta: DeviceAttentionMetadata,
         lora: LoraMapping | None,
-    ) -> torch.Tensor:  # [num_tokens, hidden]
+    ) -> tuple[torch.Tensor, LoraDelta | None]:  # [num_tokens, hidden] and its pending LoRA delta
         num_tokens = x.shape[0]
         q, k, v = self._project_qkv(x, lora)
         if self.q_norm is not None and self.k_norm is not None:
@@ -87,7 +88,7 @@ class Attention(nn.Module):
         else:
             out = ops.paged_prefill_attention(q, k_cache, v_cache, meta.block_table_t, meta.query_start_loc_t,
                                               meta.seq_lens_t, self.scale, meta.max_query_len)
-        return self.o_proj(out.reshape(num_tokens, -1), lora)  # out: [num_tokens, num_heads, head_dim]
+        return self.o_proj.forward_deferred(out.reshape(num_tokens, -1), lora)  # out: [num_tokens, num_heads, head_dim]
 
 
 class DecoderLayer(nn.Module):
@@ -112,21 +113,22 @@ class DecoderLayer(nn.Module):
     def forward_fast(
         self,
         h: torch.Tensor,  # [num_tokens, hidden]: this layer's input delta (embeddings for layer 0)
+        h_lora: LoraDelta | None,  # h's pending LoRA delta (the previous down_proj's)
         residual: torch.Tensor | None,  # [num_tokens, hidden]; None for layer 0
         positions: torch.Tensor,
         cos_sin_cache: torch.Tensor,
         kv_cache: KVCacheLayer,
         meta: DeviceAttentionMetadata,
         lora: LoraMapping | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # mlp output, residual: [num_tokens, hidden] each
+    ) -> tuple[torch.Tensor, LoraDelta | None, torch.Tensor]:  # mlp output, its LoRA delta, residual
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         if residual is None:
             x, residual = ops.rms_norm(h, norm1.weight, norm1.eps), h
         else:
-            x, residual = ops.fused_add_rms_norm(h, residual, norm1.weight, norm1.eps)
-        attn = self.self_attn.forward_fast(x, positions, cos_sin_cache, kv_cache, meta, lora)
-        x, residual = ops.fused_add_rms_norm(attn, residual, norm2.weight, norm2.eps)
-        return self.mlp.forward_fast(x, lora), residual
+            x, residual = ops.fused_add_rms_norm(h, residual, norm1.weight, norm1.eps, h_lora)
+        attn, attn_lora = self.self_attn.forward_fast(x, positions, cos_sin_cache, kv_cache, meta, lora)
+        x, residual = ops.fused_add_rms_norm(attn, residual, norm2.weight, norm2.eps, attn_lora)
+        return *self.mlp.forward_fast(x, lora), residual
 
 
 class LlamaModel(nn.Module):
@@ -185,10 +187,12 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden]
         cos_sin_cache = self.model.rope_cache(h.device)
         residual: torch.Tensor | None = None
+        h_lora: LoraDelta | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            h, residual = layer.forward_fast(h, residual, positions, cos_sin_cache, kv_cache, meta, lora)
+            h, h_lora, residual = layer.forward_fast(h, h_lora, residual, positions, cos_sin_cache, kv_cache, meta, lora)
         norm = self.model.norm
-        return ops.fused_add_rms_norm(h, residual, norm.weight, norm.eps)[0]
+        assert residual is not None
+        return ops.fused_add_rms_norm(h, residual, norm.weight, norm.eps, h_lora)[0]
 
     @torch.inference_mode()
     def compute_logits(
