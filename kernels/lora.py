@@ -268,7 +268,7 @@ def lora_expand_stacked(
 # A pending LoRA delta (kernels/lora_ref.LoraDelta) added by the kernel that consumes the
 # projection's output (fused.py: the residual-add RMSNorm after o / down, SiLU-and-mul after
 # gate_up), so those projections launch no expand of their own.
-R_CHUNK = 4  # rank rows of B loaded at a time by lora_row_delta
+R_CHUNK = tl.constexpr(4)  # rank rows of B loaded at a time by lora_row_delta
 
 
 @triton.jit
@@ -306,4 +306,4 @@ def delta_args(delta: LoraDelta | None, dummy: torch.Tensor) -> list:
 
 
 def rank_pad(delta: LoraDelta | None) -> int:
-    return 0 if delta is None else max(R_CHUNK, triton.next_power_of_2(delta.b.shape[3]))
+    return 0 if delta is None else max(R_CHUNK.value, triton.next_power_of_2(delta.b.shape[3]))
