@@ -20,7 +20,7 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_x, stride_res, stride_out, stride_res_out,
     n_cols, eps,
-    h_ptr, b_ptr, ranks_ptr, scalings_ptr, slots_ptr, stride_ht, stride_hl, stride_hs,
+    h_ptr, b_ptr, scalings_ptr, slots_ptr, max_rank, stride_ht, stride_hl, stride_hs,
     stride_bl, stride_bs, stride_bo, stride_br,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, R_PAD: tl.constexpr,
 ):  # fmt: skip
@@ -30,7 +30,7 @@ def _rms_norm_kernel(
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if R_PAD > 0:  # x's pending LoRA delta (one slice)
         slot = tl.load(slots_ptr + row)
-        d = lora_row_delta(h_ptr + row * stride_ht, b_ptr, ranks_ptr, scalings_ptr, slot, 0, 1, cols, mask,
+        d = lora_row_delta(h_ptr + row * stride_ht, b_ptr, scalings_ptr, slot, 0, 1, max_rank, cols, mask,
                            stride_hl, stride_hs, stride_bl, stride_bs, stride_bo, stride_br, BLOCK, R_PAD)
         x = (x.to(tl.float32) + d).to(x.dtype)
     if HAS_RESIDUAL:
@@ -216,7 +216,7 @@ def rope_and_write_kv(
 @triton.jit
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, stride_x, stride_out, d,
-    h_ptr, b_ptr, ranks_ptr, scalings_ptr, slots_ptr, stride_ht, stride_hl, stride_hs,
+    h_ptr, b_ptr, scalings_ptr, slots_ptr, max_rank, stride_ht, stride_hl, stride_hs,
     stride_bl, stride_bs, stride_bo, stride_br,
     BLOCK: tl.constexpr, R_PAD: tl.constexpr,
 ):  # fmt: skip
@@ -228,9 +228,9 @@ def _silu_and_mul_kernel(
     if R_PAD > 0:  # the pending LoRA delta of slices gate (0) and up (1)
         slot = tl.load(slots_ptr + row)
         h_row = h_ptr + row * stride_ht
-        d_gate = lora_row_delta(h_row, b_ptr, ranks_ptr, scalings_ptr, slot, 0, 2, cols, mask,
+        d_gate = lora_row_delta(h_row, b_ptr, scalings_ptr, slot, 0, 2, max_rank, cols, mask,
                                 stride_hl, stride_hs, stride_bl, stride_bs, stride_bo, stride_br, BLOCK, R_PAD)
-        d_up = lora_row_delta(h_row, b_ptr, ranks_ptr, scalings_ptr, slot, 1, 2, cols, mask,
+        d_up = lora_row_delta(h_row, b_ptr, scalings_ptr, slot, 1, 2, max_rank, cols, mask,
                               stride_hl, stride_hs, stride_bl, stride_bs, stride_bo, stride_br, BLOCK, R_PAD)
         gate = (gate.to(tl.float32) + d_gate).to(gate.dtype)
         up = (up.to(tl.float32) + d_up).to(up.dtype)

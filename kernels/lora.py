@@ -273,21 +273,22 @@ R_CHUNK = tl.constexpr(4)  # rank rows of B loaded at a time by lora_row_delta
 
 @triton.jit
 def lora_row_delta(
-    h_row_ptr, b_ptr, ranks_ptr, scalings_ptr, slot, s, num_slices, cols, col_mask,
+    h_row_ptr, b_ptr, scalings_ptr, slot, s, num_slices, max_rank, cols, col_mask,
     stride_hl, stride_hs, stride_bl, stride_bs, stride_bo, stride_br,
     BLOCK: tl.constexpr, R_PAD: tl.constexpr,
 ):  # fmt: skip
-    """One token's delta on columns `cols` [BLOCK] of slice s, float32; zeros when slot < 0."""
+    """One token's delta on columns `cols` [BLOCK] of slice s, float32; zeros when slot < 0.
+    It reads all max_rank columns of h / rows of B, not the slot's rank: past its rank A and B
+    are zero (LoraWeights keeps them so), and not loading the rank first saves a round trip."""
     on = slot >= 0
     slot = tl.maximum(slot, 0).to(tl.int64)
-    rank = tl.where(on, tl.load(ranks_ptr + slot * num_slices + s), 0)
     scale = tl.load(scalings_ptr + slot * num_slices + s)
     h_base = h_row_ptr + slot * stride_hl + s * stride_hs
     b_base = b_ptr + slot * stride_bl + s * stride_bs
     acc = tl.zeros([BLOCK], tl.float32)
     for r0 in tl.static_range(0, R_PAD, R_CHUNK):
         r = r0 + tl.arange(0, R_CHUNK)
-        r_mask = r < rank
+        r_mask = on & (r < max_rank)
         hv = tl.load(h_base + r, mask=r_mask, other=0.0).to(tl.float32)  # [R_CHUNK]
         bt = tl.load(b_base + r[:, None] * stride_br + cols[None, :] * stride_bo,
                      mask=r_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)  # [R_CHUNK, BLOCK]
@@ -296,13 +297,13 @@ def lora_row_delta(
 
 
 def delta_args(delta: LoraDelta | None, dummy: torch.Tensor) -> list:
-    """lora_row_delta's tensors and strides, as a kernel's trailing arguments:
-    h, b, ranks, scalings, token_slots, then the strides of h (token, slot, slice) and b (4)."""
+    """lora_row_delta's tensors and sizes, as a kernel's trailing arguments: h, b, scalings,
+    token_slots, max_rank, then the strides of h (token, slot, slice) and b (4)."""
     if delta is None:
-        return [dummy] * 5 + [0] * 7
+        return [dummy] * 4 + [0] * 8
     h, b = delta.h, delta.b
-    assert h.stride(-1) == 1 and delta.ranks.is_contiguous() and delta.scalings.is_contiguous()
-    return [h, b, delta.ranks, delta.scalings, delta.token_slots, h.stride(0), h.stride(1), h.stride(2), *b.stride()]
+    assert h.stride(-1) == 1 and delta.scalings.is_contiguous()
+    return [h, b, delta.scalings, delta.token_slots, b.shape[3], h.stride(0), h.stride(1), h.stride(2), *b.stride()]
 
 
 def rank_pad(delta: LoraDelta | None) -> int:

@@ -50,7 +50,8 @@ import torch
 class LoraDelta:
     """A projection's LoRA delta left for the kernel that consumes its output to add (decode):
     y[t, lo_s + c] += scaling[slot, s] * sum_{r < rank[slot, s]} h[t, slot, s, r] * b[slot, s, c, r]
-    for each token t on an adapter (slot = token_slots[t] >= 0), slice s at column offset lo_s."""
+    for each token t on an adapter (slot = token_slots[t] >= 0), slice s at column offset lo_s.
+    As in the worker's buffers, h and b are zero past each slot's rank (Triton sums them all)."""
 
     h: torch.Tensor  # [num_tokens, num_slots, num_slices, max_rank]: x A^T of slots [0, num_slots)
     b: torch.Tensor  # [max_loras, num_slices, max_out_slice, max_rank]

@@ -12,7 +12,8 @@ SLOTS = [0, -1, 3, 1, 1, 2, -1, 0, 3]  # slot 1 does not target slice 0; -1: bas
 
 def make_delta(output_sizes: list[int], dtype: torch.dtype, device: str, slots: list[int] = SLOTS,
                max_loras: int = 5, num_slots: int = 4, max_rank: int = 13, seed: int = 0) -> LoraDelta:
-    """h a strided view out of a wider GEMM output, B stored out-major, ranks 1..max_rank."""
+    """h a strided view out of a wider GEMM output, B stored out-major, ranks 1..max_rank, both zero
+    past each slot's rank."""
     gen = torch.Generator().manual_seed(seed)
     num_slices = len(output_sizes)
     wide = torch.randn(len(slots), 3 + num_slots * num_slices * max_rank, generator=gen)
@@ -21,6 +22,9 @@ def make_delta(output_sizes: list[int], dtype: torch.dtype, device: str, slots: 
     ranks = torch.randint(1, max_rank + 1, (max_loras, num_slices), generator=gen)
     ranks[1, 0] = 0
     scalings = torch.rand(max_loras, num_slices, generator=gen) * 2
+    past_rank = torch.arange(max_rank) >= ranks[..., None]  # [max_loras, num_slices, max_rank]: zero there, as stored
+    b = b.masked_fill(past_rank[..., None], 0.0)
+    h.masked_fill_(past_rank[:num_slots].to(device), 0.0)  # in place: h stays a strided view
     return LoraDelta(h, b.to(dtype).to(device).transpose(2, 3), ranks.to(device), scalings.to(device),
                      torch.tensor(slots, device=device))
 
