@@ -24,6 +24,7 @@ from kernels.fused_ref import (
 __all__ = [
     "apply_rope",
     "fused_add_rms_norm",
+    "linear",
     "lora_expand_grouped",
     "lora_expand_segments",
     "lora_expand_stacked",
@@ -42,6 +43,7 @@ __all__ = [
 
 try:
     from kernels import fused as _fused
+    from kernels import gemv as _gemv
     from kernels import lora as _lora
     from kernels import paged_attention as _decode
     from kernels import prefill_attention as _prefill
@@ -79,6 +81,17 @@ def paged_prefill_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     fn = _prefill.paged_prefill_attention if use_triton(q) else paged_prefill_attention_ref
     return fn(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len)
+
+
+GEMV_MAX_N = 65536  # lm_head-sized GEMVs stay on cuBLAS, which streams them at full bandwidth
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear; one half-precision CUDA row (batch-1 decode) goes through the Triton GEMV."""
+    if (use_triton(x) and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1
+            and weight.stride(-1) == 1 and weight.shape[0] <= GEMV_MAX_N):
+        return _gemv.gemv(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [..., hidden]

@@ -147,3 +147,9 @@ def test_pending_lora_delta_is_added_before_the_norm_and_the_activation() -> Non
     x2 = torch.randn(len(SLOTS), 2 * d, generator=gen)
     want2 = silu_and_mul_ref(x2 + naive_delta(gate_up, [d, d]).float())
     torch.testing.assert_close(ops.silu_and_mul(x2, gate_up), want2)
+
+
+def test_linear_is_f_linear_on_cpu() -> None:
+    gen = torch.Generator().manual_seed(3)
+    x, w, b = torch.randn(1, 9, generator=gen), torch.randn(5, 9, generator=gen), torch.randn(5, generator=gen)
+    assert torch.equal(ops.linear(x, w, b), torch.nn.functional.linear(x, w, b))

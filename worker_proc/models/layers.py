@@ -41,7 +41,7 @@ class SlotLinear(nn.Module):
         # x: [num_tokens, in_features] -> [num_tokens, out_features]
         if self.stacked is not None and lora is not None and lora.grouped is not None:
             return self._forward_stacked(x, lora.grouped, lora.num_slots)
-        y = F.linear(x, self.weight, self.bias)
+        y = ops.linear(x, self.weight, self.bias)
         if self.lora is not None and lora is not None:
             self.lora.apply(x, y, lora)
         return y
@@ -69,7 +69,7 @@ class SlotLinear(nn.Module):
         num_out = self.weight.shape[0]
         rows = num_out + num_slots * num_slices * max_rank
         weight, bias = self.stacked
-        out = F.linear(x, weight[:rows], None if bias is None else bias[:rows])  # [num_tokens, rows]
+        out = ops.linear(x, weight[:rows], None if bias is None else bias[:rows])  # [num_tokens, rows]
         return out[:, :num_out], out[:, num_out:].unflatten(1, (num_slots, num_slices, max_rank))
 
     def attach_lora(self, max_loras: int, max_rank: int, stack: bool) -> LoraWeights:

@@ -1,0 +1,58 @@
+"""Triton GEMV: y = x W^T (+ b) for a single token row, the batch-1 decode step.
+
+cuBLAS reaches 2.6-3.7 TB/s on Llama-3-8B's smaller projections at one row on an H200
+(o_proj 4096 x 4096: 13.0 us), and its split-K picks add a reduce launch. Here each program
+owns BLOCK_N output features and streams their rows of W over K in BLOCK_K chunks, so every
+byte of W is read once, coalesced along K, with no split and no second launch (o_proj:
+10.6 us). Configurations per shape class come from a sweep on an H200
+(.gpu_carry/gemv_proto.py in the session that added this; figures in BENCHMARKS.md).
+Reference: torch.nn.functional.linear.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    n_mask = n < N
+    rows = w_ptr + n[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+        k_mask = k < K
+        w = tl.load(rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+        x = tl.load(x_ptr + k, mask=k_mask, other=0.0)  # [BLOCK_K]
+        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+def gemv_config(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages), the best of the H200 sweep for the nearest shape."""
+    if n >= 16384:  # gate_up (28672 x 4096)
+        return 16, 512, 4, 1
+    if n > k:  # qkv (6144 x 4096)
+        return 4, 512, 4, 3
+    return 8, 1024, 8, 3 if k > n else 2  # down (4096 x 14336), o (4096 x 4096)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [1, K], weight: [N, K] (rows may be strided), bias: [N] or None -> [1, N]."""
+    n, k = weight.shape
+    assert x.shape == (1, k) and x.stride(-1) == 1 and weight.stride(-1) == 1
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    block_n, block_k, num_warps, num_stages = gemv_config(n, k)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, x if bias is None else bias, y, n, k, weight.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return y
