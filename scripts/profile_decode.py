@@ -1,5 +1,6 @@
 """Where a decode step's time goes: per-kernel GPU time (torch.profiler over graph replays)
-and the host's share of `ModelRunner.execute` (plan, inputs + replay, sampling, digest).
+and the host's share of `ModelRunner.execute` (plan, inputs + replay, of which the upload and
+the graph launch, sampling with its wait for the GPU, digest).
 Same runner and workload as bench_decode.py. Prints a table per point and JSON with --out.
 
     python scripts/profile_decode.py --points 1:0,32:0,32:4,32:32
@@ -24,8 +25,10 @@ from scripts.bench_decode import BLOCK, Bench
 from scripts.bench_fixtures import LLAMA3_8B, write_adapter, write_model_dir
 from worker_proc.cuda_graphs import DecodeGraphs
 from worker_proc.runner import ModelRunner
+from worker_proc.step_inputs import PinnedStaging
 
-HOST_PARTS = [(ModelRunner, "_apply_plan"), (DecodeGraphs, "run"), (ModelRunner, "_sample"), (ModelRunner, "digest")]
+HOST_PARTS = [(ModelRunner, "_apply_plan"), (DecodeGraphs, "run"), (PinnedStaging, "upload"),
+              (torch.cuda.CUDAGraph, "replay"), (ModelRunner, "_sample"), (ModelRunner, "digest")]
 
 
 def time_host_parts(totals: dict[str, float]) -> None:
