@@ -417,8 +417,12 @@ def _round(value: float | None, digits: int = 3) -> float | None:
     return None if value is None else round(value, digits)
 
 
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
 def latency_stats(values: Sequence[float]) -> dict[str, float | None]:
-    stats = {"mean": _round(sum(values) / len(values)) if values else None}
+    stats = {"mean": _round(_mean(values))}
     stats.update({f"p{p}": _round(percentile(values, p)) for p in PERCENTILES})
     return stats
 
@@ -429,16 +433,15 @@ def jain_index(values: Sequence[float]) -> float | None:
     return sum(values) ** 2 / (len(values) * squares) if values and squares > 0 else None
 
 
-def _mean(values: Sequence[float]) -> float | None:
-    return sum(values) / len(values) if values else None
-
-
 def per_model_rows(results: Sequence[RequestResult], adapters: Sequence[AdapterSpec], base_model: str,
                    duration_s: float) -> list[dict[str, Any]]:
     """One row per model that got requests: the base model first, then adapters by index."""
+    by_target: dict[int | None, list[RequestResult]] = {}
+    for r in results:
+        by_target.setdefault(r.adapter, []).append(r)
     rows = []
-    for target in sorted({r.adapter for r in results}, key=lambda a: -1 if a is None else a):
-        mine = [r for r in results if r.adapter == target]
+    for target in sorted(by_target, key=lambda a: -1 if a is None else a):
+        mine = by_target[target]
         ok = [r for r in mine if r.status == 200]
         rows.append({
             "model": base_model if target is None else adapters[target].name,
