@@ -1,5 +1,6 @@
 """Benchmark fixtures: a Llama-3-8B-shaped config.json (for --load-format dummy), random
-PEFT-format rank-r adapters on all seven projections, and the bytes a decode step reads."""
+PEFT-format rank-r adapters (on all seven projections by default), and the bytes a decode
+step reads."""
 
 from __future__ import annotations
 
@@ -35,21 +36,26 @@ def _module_path(kind: str, layer: int) -> str:
     return f"base_model.model.model.layers.{layer}.{group}.{kind}"
 
 
-def write_adapter(root: str, index: int, base: BaseShapes, rank: int, device: str) -> str:
-    """A random PEFT LoRA adapter (rank `rank`, alpha 2*rank) on all seven projections."""
+def write_adapter(root: str, index: int, base: BaseShapes, rank: int, device: str,
+                  targets: list[str] | None = None) -> str:
+    """A random PEFT LoRA adapter (rank `rank`, alpha 2*rank) on `targets` (default: all
+    seven projections; lm_head is not supported here)."""
+    targets = list(SEVEN if targets is None else targets)
+    if not targets or not set(targets) <= set(SEVEN):
+        raise ValueError(f"adapter targets must be a non-empty subset of {SEVEN}, got {targets}")
     path = os.path.join(root, f"adapter-{index}")
     os.makedirs(path, exist_ok=True)
     gen = torch.Generator(device=device).manual_seed(1000 + index)
     tensors = {}
     for layer in range(base.num_layers):
-        for kind in SEVEN:
+        for kind in targets:
             in_f, out_f = base.in_out(kind)
             a = torch.randn(rank, in_f, generator=gen, device=device) * in_f**-0.5
             b = torch.randn(out_f, rank, generator=gen, device=device) * 0.01
             tensors[f"{_module_path(kind, layer)}.lora_A.weight"] = a.to(torch.bfloat16).cpu()
             tensors[f"{_module_path(kind, layer)}.lora_B.weight"] = b.to(torch.bfloat16).cpu()
     save_file(tensors, os.path.join(path, WEIGHTS_FILE))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": SEVEN,
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": targets,
               "bias": "none", "lora_dropout": 0.0, "task_type": "CAUSAL_LM"}
     with open(os.path.join(path, CONFIG_FILE), "w", encoding="utf-8") as f:
         json.dump(config, f)

@@ -1,0 +1,66 @@
+"""scripts/bench_serving.py against the real process group on the demo model: it writes
+and loads its adapters, every request gets exactly the forced output length, the report
+and plot are written, and the adapters are gone afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import httpx
+import pytest
+
+from scripts.bench_serving import main, parse_config, plan_workload, read_model_config
+from scripts.png_plot import PNG_SIGNATURE
+from tests.e2e.server import Server
+
+pytestmark = pytest.mark.slow
+
+OUTPUT_LEN = 8
+
+
+@pytest.fixture(scope="module")
+def adapter_root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("bench-adapters"))
+
+
+@pytest.fixture(scope="module")
+def server(demo_model_dir, adapter_root, tmp_path_factory):
+    args = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--lora-allowed-dir", adapter_root,
+            "--max-model-len", "256", "--num-kv-blocks", "96", "--max-num-batched-tokens", "96", "--max-num-seqs", "16"]
+    srv = Server(demo_model_dir, str(tmp_path_factory.mktemp("bench-events")), args).start()
+    yield srv
+    srv.stop()
+
+
+def test_bench_serving_drives_the_server(server, demo_model_dir, adapter_root, tmp_path):
+    out, plot = tmp_path / "report.json", tmp_path / "report.png"
+    argv = ["--base-url", server.base_url, "--model-dir", demo_model_dir, "--adapter-dir", adapter_root,
+            "--num-adapters", "2", "--ranks", "4,8", "--popularity", "zipf", "--base-share", "0.25",
+            "--arrival", "poisson", "--rate", "200", "--num-requests", "12", "--input-len", "16",
+            "--output-len", str(OUTPUT_LEN), "--seed", "3", "--out", str(out), "--plot", str(plot)]
+    lines: list[str] = []
+    report = main(argv, echo=lines.append)
+    assert report["num_errors"] == 0, report["errors"]
+    assert report["num_completed"] == 12 and report["num_output_len_mismatches"] == 0
+    assert report["unload_failures"] == []
+    assert lines and lines[0].startswith("popularity: top-1 adapter")
+    assert [a["rank"] for a in report["adapters"]] == [4, 8]
+
+    rows = {row["model"]: row for row in report["per_adapter"]}
+    plan, _ = plan_workload(parse_config(argv), read_model_config(demo_model_dir))  # the same seed: the same plan
+    used = {f"bench-a{p.adapter}" for p in plan if p.adapter is not None}
+    assert used and set(rows) == used | {report["base_model"]}
+    assert sum(row["num_requests"] for row in rows.values()) == 12
+    assert rows[report["base_model"]]["num_requests"] == 3  # round(0.25 * 12)
+    assert all(row["mean_tpot_ms"] is not None and row["mean_tpot_ms"] > 0 for row in rows.values())
+    assert report["ttft_ms"]["p99"] >= report["ttft_ms"]["p50"] > 0
+    assert report["throughput"]["output_tokens_per_s"] > 0
+    assert report["fairness"]["num_adapters"] == len(used) and 0 < report["fairness"]["jain_index"] <= 1
+
+    assert json.loads(out.read_text())["num_completed"] == 12
+    assert plot.read_bytes().startswith(PNG_SIGNATURE)
+    models = httpx.get(server.base_url + "/v1/models", timeout=10).json()["data"]
+    assert [m["id"] for m in models] == [report["base_model"]]  # the adapters were unloaded
+    assert sorted(os.listdir(adapter_root)) == ["adapter-0", "adapter-1"]
+    server.wait_idle(timeout_s=20)
