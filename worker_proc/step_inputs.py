@@ -8,6 +8,7 @@ that the buffer is not rewritten before the previous step's copy out of it finis
 
 from __future__ import annotations
 
+import array
 import itertools
 from dataclasses import dataclass
 
@@ -47,7 +48,8 @@ class PinnedStaging:
         if self.host.numel() < total:
             self.host = torch.empty(max(total, 2 * self.host.numel()), dtype=torch.long, pin_memory=True)
         host = self.host[:total]
-        host.copy_(torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.long))
+        flat = array.array("q", itertools.chain.from_iterable(parts))  # no per-int Python objects in torch
+        host.copy_(torch.frombuffer(flat, dtype=torch.long) if total else host)
         dev = host.to(self.device, non_blocking=True)  # [total]
         self.copied = torch.cuda.Event()
         self.copied.record()
