@@ -10,7 +10,8 @@ import os
 import httpx
 import pytest
 
-from scripts.bench_serving import main, parse_config, plan_workload, read_model_config
+from scripts.bench_serving import main
+from scripts.serving_workload import parse_config, plan_workload, read_model_config
 from scripts.png_plot import PNG_SIGNATURE
 from tests.e2e.server import Server
 

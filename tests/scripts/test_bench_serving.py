@@ -10,10 +10,13 @@ import zlib
 
 import pytest
 
-from scripts.bench_serving import (
-    AdapterSpec, PlannedRequest, RequestResult, StreamTally, arrival_times_s, choose_targets, fairness, jain_index,
-    latency_stats, main, parse_config, percentile, plan_workload, popularity_shares, popularity_weights,
-    random_prompt, render_plot, request_body, result_of, summarize, workload_argv,
+from scripts.bench_serving import main
+from scripts.serving_report import (
+    RequestResult, StreamTally, fairness, jain_index, latency_stats, percentile, render_plot, result_of, summarize,
+)
+from scripts.serving_workload import (
+    AdapterSpec, PlannedRequest, arrival_times_s, choose_targets, parse_config, plan_workload, popularity_shares,
+    popularity_weights, random_prompt, request_body, workload_argv,
 )
 from scripts.png_plot import PNG_SIGNATURE, encode_png, nice_ticks
 from tokenizer_proc.protocol import CompletionRequest
