@@ -131,7 +131,7 @@ def end_to_end(runner: ModelRunner, batch: int, num_adapters: int, prompt_len: i
                 tok_s=round(batch * gen_len / wall, 1))
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch-sizes", default="1,2,4,8,16,32,64,128,256")
     ap.add_argument("--adapters", default="0,1,4,32")
@@ -145,44 +145,36 @@ def main() -> None:
     ap.add_argument("--gen-len", type=int, default=128, help="--e2e output tokens per request")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
-    batches = [int(b) for b in args.batch_sizes.split(",")]
-    adapter_counts = [int(a) for a in args.adapters.split(",")]
-    root = tempfile.mkdtemp(prefix="bench_decode_")
-    model_dir = write_model_dir(root)
-    base = BaseShapes.from_hf_config(LLAMA3_8B)
+    args.batches = [int(b) for b in args.batch_sizes.split(",")]
+    args.adapter_counts = [int(a) for a in args.adapters.split(",")]
     if args.e2e:
-        batches, adapter_counts = [max(batches)], [max(adapter_counts)]
+        args.batches, args.adapter_counts = [max(args.batches)], [max(args.adapter_counts)]
+    args.max_loras = args.max_loras or max(max(args.adapter_counts), 1)
+    if args.max_loras < max(args.adapter_counts):
+        ap.error(f"--max-loras {args.max_loras} is below --adapters {max(args.adapter_counts)}")
+    return args
+
+
+def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
     gen = args.gen_len if args.e2e else args.warmup + args.steps
     blocks_per_req = -(-(args.prompt_len + gen + 2) // BLOCK)
-    max_loras = args.max_loras or max(max(adapter_counts), 1)
-    if max_loras < max(adapter_counts):
-        ap.error(f"--max-loras {max_loras} is below --adapters {max(adapter_counts)}")
-    config = EngineConfig(
+    return EngineConfig(
         model_dir=model_dir, served_model_name="bench", max_model_len=args.prompt_len + max(64, gen + 16),
         dtype="bfloat16",
-        device="cuda", max_num_seqs=max(batches), block_size=BLOCK, load_format="dummy",
-        num_kv_blocks=max(batches) * blocks_per_req, enable_lora=True, max_loras=max_loras,
-        max_lora_rank=args.rank, max_cpu_loras=max_loras, enforce_eager=args.eager,
+        device="cuda", max_num_seqs=max(args.batches), block_size=BLOCK, load_format="dummy",
+        num_kv_blocks=max(args.batches) * blocks_per_req, enable_lora=True, max_loras=args.max_loras,
+        max_lora_rank=args.rank, max_cpu_loras=args.max_loras, enforce_eager=args.eager,
     )
-    t0 = time.perf_counter()
-    runner = ModelRunner(config)  # captures the decode graphs unless --eager
-    load_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for i in range(max(adapter_counts)):
-        path = write_adapter(root, i, base, args.rank, "cuda")
-        runner.load_adapter(AdapterSlotAssigned(i, i, path))
-    adapters_s = time.perf_counter() - t0
-    if args.e2e:
-        _report(end_to_end(runner, batches[0], adapter_counts[0], args.prompt_len, args.gen_len), args.out)
-        return
-    bw = copy_bandwidth(runner.device)
-    bench = Bench(runner, args.prompt_len, args.warmup, args.steps)
+
+
+def sweep(bench: Bench, base: BaseShapes, args: argparse.Namespace, bw: float) -> list[dict]:
+    """One row per (adapter count, batch size): step time beside its bandwidth floor."""
     results = []
-    for num_adapters in adapter_counts:
-        for batch in batches:
+    for num_adapters in args.adapter_counts:
+        for batch in args.batches:
             step_ms, gpu_ms, enqueue_ms, mean_len = bench.run(batch, num_adapters)
             distinct = min(num_adapters, batch)
-            read = (weight_bytes(runner.model, batch) + distinct * adapter_bytes(base, args.rank)
+            read = (weight_bytes(bench.runner.model, batch) + distinct * adapter_bytes(base, args.rank)
                     + kv_bytes(base, base.num_layers, [round(mean_len)] * batch))
             floor_ms = read / bw * 1e3
             row = dict(batch=batch, adapters=distinct, step_ms=round(step_ms, 3), tok_s=round(batch / step_ms * 1e3, 1),
@@ -190,10 +182,29 @@ def main() -> None:
                        gpu_idle=round(max(0.0, 1 - gpu_ms / step_ms), 3), enqueue_ms=round(enqueue_ms, 2))
             results.append(row)
             print(json.dumps(row), flush=True)
+    return results
+
+
+def main() -> None:
+    args = parse_args()
+    root = tempfile.mkdtemp(prefix="bench_decode_")
+    base = BaseShapes.from_hf_config(LLAMA3_8B)
+    t0 = time.perf_counter()
+    runner = ModelRunner(engine_config(args, write_model_dir(root)))  # captures the decode graphs unless --eager
+    load_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for i in range(max(args.adapter_counts)):
+        path = write_adapter(root, i, base, args.rank, "cuda")
+        runner.load_adapter(AdapterSlotAssigned(i, i, path))
+    adapters_s = time.perf_counter() - t0
+    if args.e2e:
+        _report(end_to_end(runner, args.batches[0], args.adapter_counts[0], args.prompt_len, args.gen_len), args.out)
+        return
+    bw = copy_bandwidth(runner.device)
+    results = sweep(Bench(runner, args.prompt_len, args.warmup, args.steps), base, args, bw)
     report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bw_GBps=round(bw / 1e9, 1),
                   model_load_s=round(load_s, 1), adapters_load_s=round(adapters_s, 1), graphs=not args.eager,
-                  max_loras=max_loras,
-                  prompt_len=args.prompt_len, rank=args.rank, results=results)
+                  max_loras=args.max_loras, prompt_len=args.prompt_len, rank=args.rank, results=results)
     _report(report, args.out)
 
 
