@@ -23,6 +23,7 @@ from kernels.fused_ref import (
 
 __all__ = [
     "apply_rope",
+    "argmax",
     "fused_add_rms_norm",
     "linear",
     "lora_expand_grouped",
@@ -42,6 +43,7 @@ __all__ = [
 ]
 
 try:
+    from kernels import argmax as _argmax
     from kernels import fused as _fused
     from kernels import gemv as _gemv
     from kernels import lora as _lora
@@ -92,6 +94,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             and weight.stride(-1) == 1 and weight.shape[0] <= GEMV_MAX_N):
         return _gemv.gemv(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x: [num_rows, n_cols] float32 -> [num_rows] int64, the first index of each row's max."""
+    if use_triton(x) and x.dim() == 2 and x.dtype == torch.float32 and x.stride(-1) == 1 and x.shape[1] > 0:
+        return _argmax.argmax(x)
+    return x.argmax(dim=-1)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [..., hidden]

@@ -118,8 +118,7 @@ class DecodeGraphs:
             list(itertools.chain.from_iterable(r.block_ids + [0] * (self.width - len(r.block_ids)) for r in reqs))
             + [0] * (pad * self.width),
         ]
-        (dev,) = staging.upload([list(itertools.chain.from_iterable(row))])
-        g.inputs.copy_(dev)
+        staging.upload_into(g.inputs, row)
         g.graph.replay()
         self.replays += 1
         assert g.logits is not None

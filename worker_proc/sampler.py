@@ -15,6 +15,7 @@ import msgspec
 import torch
 import xxhash
 
+from kernels import ops
 from shared.events import TokenLogprobs
 from shared.sampling import SamplingParams
 
@@ -50,8 +51,9 @@ class Sampler:
         if logits.shape[0] != len(reqs):
             raise ValueError(f"{logits.shape[0]} logits rows for {len(reqs)} requests")
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(r.params.logprobs is not None for r in reqs) else None
-        logits = apply_penalties(logits.clone(), reqs)
-        mask_stop_tokens(logits, reqs, self.eos_token_ids)
+        if any(edits_logits(r) for r in reqs):  # else the logits are read as they are, no copy
+            logits = apply_penalties(logits.clone(), reqs)
+            mask_stop_tokens(logits, reqs, self.eos_token_ids)
         token_ids: list[int] = self._choose(logits, reqs).tolist()  # [num_reqs]: the step's one read-back
         results = []
         for i, req in enumerate(reqs):
@@ -61,7 +63,7 @@ class Sampler:
         return results
 
     def _choose(self, logits: torch.Tensor, reqs: Sequence[SamplingReq]) -> torch.Tensor:  # [num_reqs]
-        token_ids = logits.argmax(dim=-1)
+        token_ids = ops.argmax(logits)
         random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
@@ -75,6 +77,13 @@ class Sampler:
         if req.params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(token_seed(req.params.seed, len(req.output_token_ids)))
         return torch.empty(vocab_size, device=self.device).exponential_(generator=gen)
+
+
+def edits_logits(req: SamplingReq) -> bool:
+    """Whether apply_penalties or mask_stop_tokens may change this request's row."""
+    p = req.params
+    penalised = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+    return penalised or len(req.output_token_ids) < p.min_tokens
 
 
 def apply_penalties(logits: torch.Tensor, reqs: Sequence[SamplingReq]) -> torch.Tensor:

@@ -37,23 +37,32 @@ class PinnedStaging:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.host = torch.empty(0, dtype=torch.long)
-        self.copied: torch.cuda.Event | None = None
+        self.copied = torch.cuda.Event()  # recorded after each copy out of `host`
+
+    def _pack(self, parts: list[list[int]]) -> torch.Tensor:
+        """`parts` concatenated into the pinned buffer, once the last copy out of it finished: [total]."""
+        total = sum(len(p) for p in parts)
+        self.copied.synchronize()  # the last step's copy out of `host` is done (it always is by now)
+        if self.host.numel() < total:
+            self.host = torch.empty(max(total, 2 * self.host.numel()), dtype=torch.long, pin_memory=True)
+        flat = array.array("q", itertools.chain.from_iterable(parts))  # no per-int Python objects in torch
+        host = self.host[:total]
+        if total:
+            host.copy_(torch.frombuffer(flat, dtype=torch.long))
+        return host
 
     def upload(self, parts: list[list[int]]) -> list[torch.Tensor]:
         """Device int64 views, one per list in `parts`, from a single H2D copy."""
-        sizes = [len(p) for p in parts]
-        total = sum(sizes)
-        if self.copied is not None:
-            self.copied.synchronize()  # the last step's copy out of `host` is done (it always is by now)
-        if self.host.numel() < total:
-            self.host = torch.empty(max(total, 2 * self.host.numel()), dtype=torch.long, pin_memory=True)
-        host = self.host[:total]
-        flat = array.array("q", itertools.chain.from_iterable(parts))  # no per-int Python objects in torch
-        host.copy_(torch.frombuffer(flat, dtype=torch.long) if total else host)
-        dev = host.to(self.device, non_blocking=True)  # [total]
-        self.copied = torch.cuda.Event()
+        dev = self._pack(parts).to(self.device, non_blocking=True)  # [total]
         self.copied.record()
-        return list(dev.split(sizes))
+        return list(dev.split([len(p) for p in parts]))
+
+    def upload_into(self, dst: torch.Tensor, parts: list[list[int]]) -> None:
+        """One H2D copy of `parts`, concatenated, into the device int64 tensor `dst` (as many elements)."""
+        host = self._pack(parts)
+        assert dst.dtype == torch.long and dst.is_contiguous() and dst.numel() == host.numel()
+        dst.copy_(host, non_blocking=True)
+        self.copied.record()
 
 
 def padded_tables(tables: list[list[int]]) -> tuple[list[int], int]:

@@ -1,0 +1,30 @@
+"""CUDA: PinnedStaging packs int lists into its pinned buffer and copies them to the device,
+as views (upload) or into a given tensor (upload_into), and a step reusing the buffer never
+overwrites what a queued copy is still reading."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker_proc.step_inputs import PinnedStaging
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def test_upload_splits_one_copy_into_views() -> None:
+    staging = PinnedStaging(torch.device("cuda"))
+    parts = [[1, 2, 3], [], [-4, 2**40]]
+    got = staging.upload(parts)
+    assert [t.tolist() for t in got] == parts and all(t.is_cuda and t.dtype == torch.long for t in got)
+
+
+def test_upload_into_reuses_the_buffer_behind_a_slow_stream() -> None:
+    staging = PinnedStaging(torch.device("cuda"))
+    dsts = [torch.zeros(6, dtype=torch.long, device="cuda") for _ in range(3)]
+    for i, dst in enumerate(dsts):
+        torch.cuda._sleep(20_000_000)  # the copy queues behind a busy stream; the next pack must wait for it
+        staging.upload_into(dst, [[i, i + 1], [i * 10] * 4])
+    assert [d.tolist() for d in dsts] == [[i, i + 1] + [i * 10] * 4 for i in range(3)]
+    with pytest.raises(AssertionError):
+        staging.upload_into(dsts[0], [[1, 2]])  # sizes must match
