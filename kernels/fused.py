@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora import delta_args, dot_rank, lora_row_delta, rank_pad, tile_args, tile_delta, tile_rows
-from kernels.lora_ref import GROUP_TILE, LoraDelta
+from kernels.lora import delta_args, lora_row_delta, rank_pad
+from kernels.lora_ref import LoraDelta
 
 
 @triton.jit
@@ -240,53 +240,13 @@ def _silu_and_mul_kernel(
     tl.store(out_ptr + row * stride_out + cols, (silu * up).to(gate.dtype), mask=mask)
 
 
-@triton.jit
-def _silu_and_mul_tiled_kernel(
-    x_ptr, out_ptr, stride_x, stride_out, d, num_tokens,
-    h_ptr, b_ptr, scalings_ptr, slots_ptr, max_rank, stride_ht, stride_hl, stride_hs,
-    stride_bl, stride_bs, stride_bo, stride_br,
-    order_ptr, tile_starts_ptr, tile_slots_ptr, num_tiles,
-    BLOCK: tl.constexpr, TILE: tl.constexpr, R_DOT: tl.constexpr,
-):  # fmt: skip
-    """One program per (grouped tile of rows, BLOCK columns): the rows of one adapter share
-    each B column block they read (the row kernel reads it once per row)."""
-    rows, row_mask, slot = tile_rows(order_ptr, tile_starts_ptr, tile_slots_ptr, tl.program_id(0), num_tiles,
-                                     num_tokens, TILE)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    col_mask = cols < d
-    mask = row_mask[:, None] & col_mask[None, :]
-    x_rows = x_ptr + rows[:, None] * stride_x + cols[None, :]
-    gate = tl.load(x_rows, mask=mask, other=0.0)  # [TILE, BLOCK]
-    up = tl.load(x_rows + d, mask=mask, other=0.0)
-    if slot >= 0:
-        d_gate = tile_delta(h_ptr, b_ptr, scalings_ptr, rows, row_mask, slot, 0, 2, max_rank, cols, col_mask,
-                            stride_ht, stride_hl, stride_hs, stride_bl, stride_bs, stride_bo, stride_br, R_DOT)
-        d_up = tile_delta(h_ptr, b_ptr, scalings_ptr, rows, row_mask, slot, 1, 2, max_rank, cols, col_mask,
-                          stride_ht, stride_hl, stride_hs, stride_bl, stride_bs, stride_bo, stride_br, R_DOT)
-        gate = (gate.to(tl.float32) + d_gate).to(gate.dtype)
-        up = (up.to(tl.float32) + d_up).to(up.dtype)
-    g = gate.to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)  # rounded like F.silu(gate)
-    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], (silu * up.to(tl.float32)).to(gate.dtype), mask=mask)
-
-
-TILED_BLOCK = 256  # columns per program of the tiled kernel: [16, 256] float32 tiles stay in registers
-
-
 def silu_and_mul(x: torch.Tensor, delta: LoraDelta | None = None) -> torch.Tensor:
     """x: [num_tokens, 2 * d] (+ its LoRA delta over slices gate, up) -> silu(gate) * up: [num_tokens, d]."""
     assert x.stride(-1) == 1
     d = x.shape[-1] // 2
     out = torch.empty((x.shape[0], d), dtype=x.dtype, device=x.device)
-    if x.shape[0] == 0:
-        return out
-    if delta is not None and delta.tiles is not None:
-        tiles, num_programs = tile_args(delta)
-        _silu_and_mul_tiled_kernel[(num_programs, triton.cdiv(d, TILED_BLOCK))](
-            x, out, x.stride(0), out.stride(0), d, x.shape[0], *delta_args(delta, x), *tiles,
-            BLOCK=TILED_BLOCK, TILE=GROUP_TILE, R_DOT=dot_rank(delta))
-        return out
     block = 1024
-    _silu_and_mul_kernel[(x.shape[0], triton.cdiv(d, block))](
-        x, out, x.stride(0), out.stride(0), d, *delta_args(delta, x), BLOCK=block, R_PAD=rank_pad(delta))
+    if x.shape[0] > 0:
+        _silu_and_mul_kernel[(x.shape[0], triton.cdiv(d, block))](
+            x, out, x.stride(0), out.stride(0), d, *delta_args(delta, x), BLOCK=block, R_PAD=rank_pad(delta))
     return out

@@ -296,40 +296,6 @@ def lora_row_delta(
     return acc * scale
 
 
-@triton.jit
-def tile_rows(order_ptr, tile_starts_ptr, tile_slots_ptr, tile, num_tiles, num_tokens, TILE: tl.constexpr):
-    """The rows of grouped tile `tile` and their adapter slot: (rows [TILE], row_mask [TILE], slot).
-    Tiles past num_tiles take the base rows (order[tile_starts[num_tiles]:]), TILE at a time."""
-    is_tile = tile < num_tiles
-    base_start = tl.load(tile_starts_ptr + num_tiles) + (tile - num_tiles) * TILE
-    start = tl.where(is_tile, tl.load(tile_starts_ptr + tile, mask=is_tile, other=0), base_start)
-    end = tl.where(is_tile, tl.load(tile_starts_ptr + tile + 1, mask=is_tile, other=0),
-                   tl.minimum(base_start + TILE, num_tokens))
-    slot = tl.load(tile_slots_ptr + tile, mask=is_tile, other=-1)
-    pos = start + tl.arange(0, TILE)
-    row_mask = pos < end
-    rows = tl.load(order_ptr + pos, mask=row_mask, other=0).to(tl.int64)
-    return rows, row_mask, slot
-
-
-@triton.jit
-def tile_delta(
-    h_ptr, b_ptr, scalings_ptr, rows, row_mask, slot, s, num_slices, max_rank, cols, col_mask,
-    stride_ht, stride_hl, stride_hs, stride_bl, stride_bs, stride_bo, stride_br,
-    R_DOT: tl.constexpr,
-):  # fmt: skip
-    """The delta of slice s on columns `cols` [BLOCK] for a tile of one adapter's rows [TILE]:
-    [TILE, BLOCK] float32, one tl.dot over B's columns read once for the tile. Call only with slot >= 0."""
-    slot = slot.to(tl.int64)
-    r = tl.arange(0, R_DOT)
-    r_mask = r < max_rank
-    h = tl.load(h_ptr + rows[:, None] * stride_ht + slot * stride_hl + s * stride_hs + r[None, :],
-                mask=row_mask[:, None] & r_mask[None, :], other=0.0)  # [TILE, R_DOT]
-    bt = tl.load(b_ptr + slot * stride_bl + s * stride_bs + r[:, None] * stride_br + cols[None, :] * stride_bo,
-                 mask=r_mask[:, None] & col_mask[None, :], other=0.0)  # [R_DOT, BLOCK]
-    return tl.dot(h.to(bt.dtype), bt) * tl.load(scalings_ptr + slot * num_slices + s)
-
-
 def delta_args(delta: LoraDelta | None, dummy: torch.Tensor) -> list:
     """lora_row_delta's tensors and sizes, as a kernel's trailing arguments: h, b, scalings,
     token_slots, max_rank, then the strides of h (token, slot, slice) and b (4)."""
@@ -342,17 +308,3 @@ def delta_args(delta: LoraDelta | None, dummy: torch.Tensor) -> list:
 
 def rank_pad(delta: LoraDelta | None) -> int:
     return 0 if delta is None else max(R_CHUNK.value, triton.next_power_of_2(delta.b.shape[3]))
-
-
-def tile_args(delta: LoraDelta) -> tuple[list, int]:
-    """A tiled delta's grouped layout as trailing kernel arguments (order, tile_starts, tile_slots,
-    num_tiles), and the grid's tile count: the adapter tiles plus enough for the base rows."""
-    assert delta.tiles is not None
-    order, tile_starts, tile_slots = delta.tiles
-    num_tiles = tile_slots.shape[0]
-    return [order, tile_starts, tile_slots, num_tiles], num_tiles + triton.cdiv(order.shape[0], GROUP_TILE)
-
-
-def dot_rank(delta: LoraDelta) -> int:
-    """The rank width tile_delta's tl.dot takes (at least 16)."""
-    return max(16, triton.next_power_of_2(delta.b.shape[3]))

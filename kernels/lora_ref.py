@@ -58,9 +58,6 @@ class LoraDelta:
     ranks: torch.Tensor  # [max_loras, num_slices] int
     scalings: torch.Tensor  # [max_loras, num_slices] float32
     token_slots: torch.Tensor  # [num_tokens] int, -1 = base
-    # the grouped layout of token_slots (group_tiles): order, tile_starts, tile_slots. A kernel that
-    # has it adds the delta a tile of one adapter's rows at a time, reading that adapter's B once.
-    tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def add_lora_delta(y: torch.Tensor, delta: LoraDelta, output_sizes: list[int]) -> torch.Tensor:

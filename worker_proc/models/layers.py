@@ -52,7 +52,7 @@ class SlotLinear(nn.Module):
         if self.stacked is None or self.lora is None or lora is None or lora.grouped is None:
             return self.forward(x, lora), None
         y, h = self._stacked_gemm(x, lora.num_slots)
-        return y, LoraDelta(h, self.lora.b, self.lora.ranks, self.lora.scalings, lora.token_slots, lora.grouped)
+        return y, LoraDelta(h, self.lora.b, self.lora.ranks, self.lora.scalings, lora.token_slots)
 
     def _forward_stacked(self, x: torch.Tensor, grouped: tuple[torch.Tensor, ...], num_slots: int) -> torch.Tensor:
         assert self.lora is not None
