@@ -27,7 +27,7 @@ from worker_proc.cuda_graphs import DecodeGraphs
 from worker_proc.runner import ModelRunner
 from worker_proc.step_inputs import PinnedStaging
 
-HOST_PARTS = [(ModelRunner, "_apply_plan"), (DecodeGraphs, "run"), (PinnedStaging, "upload"),
+HOST_PARTS = [(ModelRunner, "_apply_plan"), (DecodeGraphs, "run"), (PinnedStaging, "upload_into"),
               (torch.cuda.CUDAGraph, "replay"), (ModelRunner, "_sample"), (ModelRunner, "digest")]
 
 
