@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from kernels import ops
 from shared.adapter_format import BaseShapes
 from shared.config import EngineConfig
 from shared.events import AdapterSlotAssigned, CachedReq, NewReq, StepPlan
@@ -78,7 +79,7 @@ class Bench:
         return {s.req_id: s.token_id for s in sampled}, wall
 
     def gpu_step(self) -> tuple[float, float]:
-        """(GPU-busy ms, CPU enqueue ms) of the forward + logits + argmax of the current batch,
+        """(GPU-busy ms, CPU enqueue ms) of the forward + logits + argmax (the sampler's, ops.argmax) of the current batch,
         queued behind a sleep kernel so the GPU never waits for the CPU inside it."""
         runner = self.runner
         reqs = [runner.reqs[rid] for rid in self.live]
@@ -92,12 +93,12 @@ class Bench:
             graphs, staging = runner.graphs, runner.staging
             assert staging is not None
             start.record()
-            graphs.run(reqs, BLOCK, staging).argmax(-1)
+            ops.argmax(graphs.run(reqs, BLOCK, staging))
         else:
             batch = build_batch(reqs, BLOCK, runner.device, runner.staging)
             start.record()
             hidden = runner.model(batch.input_ids, batch.positions, runner.kv_cache.layers, batch.meta, lora=batch.lora)
-            runner.model.compute_logits(hidden[batch.sample_indices], lora=batch.sample_lora).argmax(-1)
+            ops.argmax(runner.model.compute_logits(hidden[batch.sample_indices], lora=batch.sample_lora))
         end.record()
         enqueue_ms = (time.perf_counter() - t0) * 1e3
         end.synchronize()
