@@ -81,17 +81,17 @@ def group_tiles(slots: list[int], num_tiles: int) -> tuple[list[int], list[int],
     """Host-side grouped layout of token `slots` (-1 = base): (order [num_tokens],
     tile_starts [num_tiles + 1], tile_slots [num_tiles]), padded with empty tiles of slot -1.
     Base tokens sit at the end of `order`, outside every tile."""
-    order = sorted(range(len(slots)), key=lambda i: (slots[i] < 0, slots[i]))
+    num_base = slots.count(-1)
+    by_slot = sorted(range(len(slots)), key=slots.__getitem__)  # stable: base rows (-1) first
+    order = by_slot[num_base:] + by_slot[:num_base]
     starts: list[int] = []
     tile_slots: list[int] = []
-    for pos, i in enumerate(order):
-        slot = slots[i]
-        if slot < 0:
-            break
+    for pos in range(len(order) - num_base):
+        slot = slots[order[pos]]
         if not tile_slots or tile_slots[-1] != slot or pos - starts[-1] == GROUP_TILE:
             starts.append(pos)
             tile_slots.append(slot)
-    end = len(order) - sum(1 for slot in slots if slot < 0)
+    end = len(order) - num_base
     if len(tile_slots) > num_tiles:
         raise ValueError(f"{len(tile_slots)} tiles do not fit a table of {num_tiles}")
     pad = num_tiles - len(tile_slots)
