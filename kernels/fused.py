@@ -245,7 +245,7 @@ def silu_and_mul(x: torch.Tensor, delta: LoraDelta | None = None) -> torch.Tenso
     assert x.stride(-1) == 1
     d = x.shape[-1] // 2
     out = torch.empty((x.shape[0], d), dtype=x.dtype, device=x.device)
-    block = 1024 if delta is None else 512  # with a delta, [R_CHUNK, 512] B tiles keep to registers
+    block = 1024
     if x.shape[0] > 0:
         _silu_and_mul_kernel[(x.shape[0], triton.cdiv(d, block))](
             x, out, x.stride(0), out.stride(0), d, *delta_args(delta, x), BLOCK=block, R_PAD=rank_pad(delta))

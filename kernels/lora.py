@@ -268,10 +268,7 @@ def lora_expand_stacked(
 # A pending LoRA delta (kernels/lora_ref.LoraDelta) added by the kernel that consumes the
 # projection's output (fused.py: the residual-add RMSNorm after o / down, SiLU-and-mul after
 # gate_up), so those projections launch no expand of their own.
-# Rank rows of B loaded at a time by lora_row_delta. Each step is a round trip to L2 that the
-# next waits for; 8 halves the trips of 4 and still fits registers (H200, batch 32, rank 16: the
-# delta-adding RMSNorm 4.8 -> 3.8 us, SiLU-mul with 512 columns a program 7.3 -> 4.6 us; 16: 4.1 / 5.3 us).
-R_CHUNK = tl.constexpr(8)
+R_CHUNK = tl.constexpr(4)  # rank rows of B loaded at a time by lora_row_delta
 
 
 @triton.jit
