@@ -9,9 +9,7 @@ once per tile, not once per token. Each projection's single GEMM also returns ev
 x A^T (A stacked under the base weight, worker_proc/models/layers.py); so that a step on few
 adapters does not read the A of every slot, the LoRA graphs come in slot buckets: a graph
 of bucket n reads the A of slots [0, n), and a step replays the smallest bucket above its
-highest slot (the scheduler fills free slots lowest first); before capture, each projection's
-GEMM is timed reading 2x, 4x, ... as many slots' A, and keeps the fastest (gemm_slots.py).
-Padding rows use seq_len 0,
+highest slot (the scheduler fills free slots lowest first). Padding rows use seq_len 0,
 slot -1 and write their K/V into a scratch block past the scheduler's blocks.
 """
 
@@ -24,7 +22,6 @@ import torch
 
 from kernels.lora_ref import group_tiles, max_tiles
 from worker_proc.batch import ReqState
-from worker_proc.gemm_slots import tune_model
 from worker_proc.lora.mapping import LoraMapping
 from worker_proc.step_inputs import DeviceAttentionMetadata, PinnedStaging
 
@@ -77,10 +74,7 @@ class DecodeGraphs:
         self.replays = 0
 
     def capture(self) -> None:
-        """Warm up (Triton compiles) and capture every bucket, largest first, in one memory pool,
-        after timing how many slots' A each stacked GEMM of a LoRA bucket reads (gemm_slots.py)."""
-        if any(self.sets):
-            tune_model(self.model, self.buckets, [n for n in self.sets if n])
+        """Warm up (Triton compiles) and capture every bucket, largest first, in one memory pool."""
         for num_slots, graphs in self.sets.items():
             for b in sorted(self.buckets, reverse=True):
                 g = DecodeGraph(b, self.width, max_tiles(b, num_slots) if num_slots else 0, self.device)

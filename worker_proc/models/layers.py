@@ -36,8 +36,6 @@ class SlotLinear(nn.Module):
         self.lora: LoraWeights | None = None  # set by attach_lora when LoRA is enabled
         # [out + max_loras * num_slices * max_rank, in] and its zero-padded bias; `weight` views its top rows
         self.stacked: tuple[torch.Tensor, torch.Tensor | None] | None = None
-        # (num_tokens, num_slots) -> slots of A the stacked GEMM reads (>= num_slots): worker_proc/gemm_slots.py
-        self.gemm_slots: dict[tuple[int, int], int] = {}
 
     def forward(self, x: torch.Tensor, lora: LoraMapping | None = None) -> torch.Tensor:
         # x: [num_tokens, in_features] -> [num_tokens, out_features]
@@ -53,29 +51,26 @@ class SlotLinear(nn.Module):
         the kernel that consumes the output to add (kernels/lora_ref.LoraDelta): one launch fewer."""
         if self.stacked is None or self.lora is None or lora is None or lora.grouped is None:
             return self.forward(x, lora), None
-        y, h = self.stacked_gemm(x, self._num_read(x, lora.num_slots))
+        y, h = self._stacked_gemm(x, lora.num_slots)
         return y, LoraDelta(h, self.lora.b, self.lora.ranks, self.lora.scalings, lora.token_slots)
 
     def _forward_stacked(self, x: torch.Tensor, grouped: tuple[torch.Tensor, ...], num_slots: int) -> torch.Tensor:
         assert self.lora is not None
-        y, h = self.stacked_gemm(x, self._num_read(x, num_slots))
+        y, h = self._stacked_gemm(x, num_slots)
         self.lora.expand_stacked(y, h, grouped)
         return y
 
-    def _num_read(self, x: torch.Tensor, num_slots: int) -> int:
-        return self.gemm_slots.get((x.shape[0], num_slots), num_slots)
-
-    def stacked_gemm(self, x: torch.Tensor, num_read: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Base output y [num_tokens, out] (rows strided) and h [num_tokens, num_read, num_slices,
-        max_rank], x A^T of slots [0, num_read) (0: all), from one GEMM."""
+    def _stacked_gemm(self, x: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Base output y [num_tokens, out] (rows strided) and h [num_tokens, num_slots, num_slices,
+        max_rank], x A^T of slots [0, num_slots) (0: all), from one GEMM."""
         assert self.stacked is not None and self.lora is not None
         max_loras, num_slices, max_rank = self.lora.a.shape[:3]
-        num_read = num_read or max_loras
+        num_slots = num_slots or max_loras
         num_out = self.weight.shape[0]
-        rows = num_out + num_read * num_slices * max_rank
+        rows = num_out + num_slots * num_slices * max_rank
         weight, bias = self.stacked
         out = ops.linear(x, weight[:rows], None if bias is None else bias[:rows])  # [num_tokens, rows]
-        return out[:, :num_out], out[:, num_out:].unflatten(1, (num_read, num_slices, max_rank))
+        return out[:, :num_out], out[:, num_out:].unflatten(1, (num_slots, num_slices, max_rank))
 
     def attach_lora(self, max_loras: int, max_rank: int, stack: bool) -> LoraWeights:
         """Hang per-slot LoRA buffers on this layer; with `stack`, A lives under the base weight."""
