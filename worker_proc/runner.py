@@ -173,10 +173,7 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, reqs: list[ReqState]) -> list[SampledToken]:
         """logits: [len(reqs), vocab] float32."""
-        sampling = [
-            SamplingReq(r.sampling, r.token_ids[: r.num_prompt_tokens], r.token_ids[r.num_prompt_tokens :])
-            for r in reqs
-        ]
+        sampling = [SamplingReq(r.sampling, r.token_ids, r.num_prompt_tokens) for r in reqs]
         results = self.sampler.sample(logits, sampling)
         return [SampledToken(r.req_id, s.token_id, s.logprobs) for r, s in zip(reqs, results)]
 

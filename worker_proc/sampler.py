@@ -25,8 +25,20 @@ class SamplingReq:
     """What the sampler needs to know about one request at this step."""
 
     params: SamplingParams
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]  # outputs so far; len() is the position being sampled
+    token_ids: Sequence[int]  # the prompt, then the outputs so far (held by the worker, not copied)
+    num_prompt_tokens: int
+
+    @property
+    def num_output_tokens(self) -> int:  # the output position being sampled
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> Sequence[int]:  # a copy: penalties alone ask for it
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> Sequence[int]:
+        return self.token_ids[self.num_prompt_tokens :]
 
 
 @dataclass(frozen=True)
@@ -75,7 +87,7 @@ class Sampler:
     def _exponential(self, req: SamplingReq, vocab_size: int) -> torch.Tensor:  # [vocab]
         gen = self.generator
         if req.params.seed is not None:
-            gen = torch.Generator(device=self.device).manual_seed(token_seed(req.params.seed, len(req.output_token_ids)))
+            gen = torch.Generator(device=self.device).manual_seed(token_seed(req.params.seed, req.num_output_tokens))
         return torch.empty(vocab_size, device=self.device).exponential_(generator=gen)
 
 
@@ -83,7 +95,7 @@ def edits_logits(req: SamplingReq) -> bool:
     """Whether apply_penalties or mask_stop_tokens may change this request's row."""
     p = req.params
     penalised = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-    return penalised or len(req.output_token_ids) < p.min_tokens
+    return penalised or req.num_output_tokens < p.min_tokens
 
 
 def apply_penalties(logits: torch.Tensor, reqs: Sequence[SamplingReq]) -> torch.Tensor:
@@ -110,7 +122,7 @@ def mask_stop_tokens(logits: torch.Tensor, reqs: Sequence[SamplingReq], eos_toke
     """Until a request has min_tokens outputs, its EOS (unless ignore_eos) and stop ids can't be drawn."""
     for i, req in enumerate(reqs):
         p = req.params
-        if len(req.output_token_ids) >= p.min_tokens:
+        if req.num_output_tokens >= p.min_tokens:
             continue
         stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
         stop_ids = [t for t in stop_ids if 0 <= t < logits.shape[1]]

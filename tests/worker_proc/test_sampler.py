@@ -16,7 +16,7 @@ def _logits(num_rows: int, seed: int = 0) -> torch.Tensor:
 
 
 def _req(prompt=(1, 2), output=(), **kw) -> SamplingReq:
-    return SamplingReq(SamplingParams(**kw), list(prompt), list(output))
+    return SamplingReq(SamplingParams(**kw), [*prompt, *output], len(prompt))
 
 
 def test_greedy_is_argmax() -> None:
@@ -111,3 +111,10 @@ def test_logprobs_are_raw_log_softmax() -> None:
     assert lp0.top_token_ids == ids.tolist()
     torch.testing.assert_close(torch.tensor(lp0.top_logprobs), values)
     assert out[1].logprobs.top_token_ids == [] and abs(out[1].logprobs.logprob - float(raw[1].max())) < 1e-6
+
+
+def test_sampling_req_splits_its_token_ids_without_holding_copies() -> None:
+    token_ids = [5, 6, 7, 8, 9]
+    req = SamplingReq(SamplingParams(), token_ids, 3)
+    assert req.token_ids is token_ids  # the worker's list, not a per-step copy
+    assert (req.prompt_token_ids, req.output_token_ids, req.num_output_tokens) == ([5, 6, 7], [8, 9], 2)
