@@ -51,8 +51,10 @@ class ReqState:
         return self.num_scheduled_tokens > 0 and self.num_tokens_after_step == len(self.token_ids)
 
 
-def validate_req(req: ReqState, block_size: int, num_blocks: int, max_model_len: int) -> None:
-    """Raise ValueError if this request's step can't be run; it fails alone."""
+def validate_req(req: ReqState, new_block_ids: Sequence[int], block_size: int, num_blocks: int,
+                 max_model_len: int) -> None:
+    """Raise ValueError if this request's step can't be run; it fails alone. Block ids are
+    range-checked as they arrive (`new_block_ids`), so a step costs O(new blocks), not O(context)."""
     end = req.num_tokens_after_step
     if req.num_computed_tokens < 0 or req.num_scheduled_tokens < 0:
         raise ValueError("negative token counts")
@@ -64,7 +66,7 @@ def validate_req(req: ReqState, block_size: int, num_blocks: int, max_model_len:
         raise ValueError(f"{end} tokens exceed max_model_len {max_model_len}")
     if len(req.block_ids) * block_size < end:
         raise ValueError(f"{len(req.block_ids)} blocks can't hold {end} tokens")
-    if any(not 0 <= b < num_blocks for b in req.block_ids):
+    if any(not 0 <= b < num_blocks for b in new_block_ids):
         raise ValueError(f"block id out of range [0, {num_blocks})")
 
 

@@ -123,7 +123,8 @@ class ModelRunner:
             req_id = update.req_id
             try:
                 req = self._update_req(update)
-                validate_req(req, self.config.block_size, self.kv_cache.num_blocks, self.config.max_model_len)
+                new_blocks = update.block_ids if isinstance(update, NewReq) else update.new_block_ids
+                validate_req(req, new_blocks, self.config.block_size, self.kv_cache.num_blocks, self.config.max_model_len)
                 self._check_slot(req.lora_slot)
                 check_fault(req, self.fault_token_id)
             except ValueError as e:

@@ -114,6 +114,19 @@ def test_digest_ranks_and_isolated_failures(tiny_checkpoint: str) -> None:
     assert rank0.reqs == {} and digest_empty.digest != digest_after.digest
 
 
+def test_cached_update_with_a_block_out_of_range_fails_alone(tiny_checkpoint: str) -> None:
+    runner = ModelRunner(_config(tiny_checkpoint))
+    plan = StepPlan(0, [NewReq(r, [3, 4, 5, 6], 4, GREEDY, [i], 0, 4) for i, r in enumerate(["a", "b"])])
+    done, _ = runner.execute(plan)
+    last = {s.req_id: s.token_id for s in done.sampled}
+    # each request's 5th token needs a second block: b's is out of range
+    cached = [CachedReq("a", [last["a"]], [5], 4, 1), CachedReq("b", [last["b"]], [NUM_BLOCKS], 4, 1)]
+    done, _ = runner.execute(StepPlan(1, cached_reqs=cached))
+    assert [s.req_id for s in done.sampled] == ["a"]
+    assert [f.req_id for f in done.failed] == ["b"] and "out of range" in done.failed[0].message
+    assert sorted(runner.reqs) == ["a"]
+
+
 def test_fault_switch_fails_only_the_request_holding_the_token(tiny_checkpoint: str, monkeypatch) -> None:
     clean = ModelRunner(_config(tiny_checkpoint), rank=0)
     monkeypatch.setenv("LEDGERSERVE_TEST_FAULT_TOKEN_ID", "6")
