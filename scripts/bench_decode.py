@@ -8,7 +8,7 @@ timed with events, against the step's wall time). Prints JSON.
 `--prompt-len` then `--gen-len` greedy tokens, wall time over it all).
 
     python scripts/bench_decode.py --out bench.json
-    python scripts/bench_decode.py --e2e --out ours.json    # batch 32, 32 adapters, 128 + 128
+    python scripts/bench_decode.py --e2e --batch-sizes 32 --adapters 32 --out ours.json  # 128 + 128 tokens
 """
 
 from __future__ import annotations
