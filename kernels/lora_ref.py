@@ -53,9 +53,7 @@ class LoraDelta:
     for each token t on an adapter (slot = token_slots[t] >= 0), slice s at column offset lo_s.
     As in the worker's buffers, h and b are zero past each slot's rank (Triton sums them all)."""
 
-    # [num_tokens, num_slots, num_slices, max_rank]: x A^T of slots [0, num_slots) (or, stride 0 over
-    # slots, of each token's own slot: only that one is read); the model dtype or float32
-    h: torch.Tensor
+    h: torch.Tensor  # [num_tokens, num_slots, num_slices, max_rank]: x A^T of slots [0, num_slots)
     b: torch.Tensor  # [max_loras, num_slices, max_out_slice, max_rank]
     ranks: torch.Tensor  # [max_loras, num_slices] int
     scalings: torch.Tensor  # [max_loras, num_slices] float32
@@ -66,7 +64,7 @@ def add_lora_delta(y: torch.Tensor, delta: LoraDelta, output_sizes: list[int]) -
     """y + delta as a new tensor (y: [num_tokens, sum(output_sizes)]), rounded like lora_expand_tokens."""
     slots = delta.token_slots.long()
     tokens = torch.arange(slots.shape[0], device=slots.device)
-    buf = delta.h[tokens, slots.clamp(min=0)].permute(1, 0, 2).to(delta.b.dtype)  # [num_slices, num_tokens, max_rank]
+    buf = delta.h[tokens, slots.clamp(min=0)].permute(1, 0, 2)  # [num_slices, num_tokens, max_rank]
     out = y.clone()
     lora_expand_tokens(out, buf, delta.b, delta.ranks, delta.scalings, output_sizes, slots)
     return out

@@ -29,16 +29,6 @@ def make_delta(output_sizes: list[int], dtype: torch.dtype, device: str, slots: 
                      torch.tensor(slots, device=device))
 
 
-def own_slot_delta(delta: LoraDelta) -> LoraDelta:
-    """The same delta with h as the side-stream shrink leaves it: float32, each token's own slot's
-    shrink repeated under every slot index (stride 0 over slots)."""
-    tokens = torch.arange(delta.h.shape[0], device=delta.h.device)
-    own = delta.h[tokens, delta.token_slots.clamp(min=0)].float()  # [num_tokens, num_slices, max_rank]
-    own[delta.token_slots < 0] = 0.0  # base rows: the grouped shrink writes nothing there
-    h = own.unsqueeze(1).expand(-1, delta.h.shape[1], -1, -1)
-    return LoraDelta(h, delta.b, delta.ranks, delta.scalings, delta.token_slots)
-
-
 def naive_delta(delta: LoraDelta, output_sizes: list[int]) -> torch.Tensor:  # [num_tokens, sum(output_sizes)] f64
     out = torch.zeros(delta.h.shape[0], sum(output_sizes), dtype=torch.float64)
     h, b = delta.h.cpu().double(), delta.b.cpu().double()

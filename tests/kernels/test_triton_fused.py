@@ -13,7 +13,7 @@ from kernels.fused_ref import (
     rope_cos_sin_cache,
     silu_and_mul_ref,
 )
-from tests.kernels.lora_delta_data import SLOTS, make_delta, naive_delta, own_slot_delta
+from tests.kernels.lora_delta_data import SLOTS, make_delta, naive_delta
 from tests.kernels.triton_device import DEVICE, DTYPES, TOL, requires_triton_device
 
 pytest.importorskip("triton")
@@ -151,21 +151,3 @@ def test_silu_and_mul_adds_pending_lora_delta(dtype: torch.dtype, d: int) -> Non
     x = randn(len(SLOTS), 2 * d, dtype=dtype)
     out = fused.silu_and_mul(x, delta)
     torch.testing.assert_close(out, silu_and_mul_ref(x, delta), atol=TOL[dtype], rtol=TOL[dtype])
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_delta_kernels_take_a_float32_own_slot_h(dtype: torch.dtype) -> None:
-    """h as the side-stream shrink leaves it (float32, stride 0 over slots) gives the same sums."""
-    hidden, d = 1000, 2048 + 24
-    delta = make_delta([hidden], dtype, DEVICE)
-    own = own_slot_delta(delta)
-    assert own.h.stride(1) == 0 and own.h.dtype == torch.float32
-    x, residual = randn(len(SLOTS), hidden, dtype=dtype), randn(len(SLOTS), hidden, dtype=dtype, seed=1)
-    weight = randn(hidden, dtype=dtype, seed=2)
-    for got, want in zip(fused.fused_add_rms_norm(x, residual, weight, 1e-5, own),
-                         fused_add_rms_norm_ref(x, residual, weight, 1e-5, delta)):
-        torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])
-    delta = make_delta([d, d], dtype, DEVICE)
-    x = randn(len(SLOTS), 2 * d, dtype=dtype)
-    torch.testing.assert_close(fused.silu_and_mul(x, own_slot_delta(delta)), silu_and_mul_ref(x, delta),
-                               atol=TOL[dtype], rtol=TOL[dtype])

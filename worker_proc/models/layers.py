@@ -17,21 +17,6 @@ from worker_proc.lora.mapping import LoraMapping
 from worker_proc.lora.weights import LoraWeights
 
 
-# Slot buckets up to this size shrink on a side stream instead of through the stacked GEMM. On
-# an H200 at batch 32, stacking 4 slots' A (64 rows) under o_proj / down_proj (4096 rows) made
-# cuBLAS pick kernels 85 us a step slower for 2.3 MB a layer of A; the grouped shrink reads that
-# beside the base GEMM instead. Larger buckets' A (up to 18.7 MB a layer at 32 slots) would not
-# fit beside it, and there the stacked GEMM's extra rows cost their bytes.
-SIDE_SHRINK_MAX_SLOTS = 4
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
-
-
 class SlotLinear(nn.Module):
     """y = x W^T + b, with the output split into named shards (fused projections).
 
@@ -66,27 +51,8 @@ class SlotLinear(nn.Module):
         the kernel that consumes the output to add (kernels/lora_ref.LoraDelta): one launch fewer."""
         if self.stacked is None or self.lora is None or lora is None or lora.grouped is None:
             return self.forward(x, lora), None
-        if x.is_cuda and 0 < lora.num_slots <= SIDE_SHRINK_MAX_SLOTS:
-            y, h = self._side_shrink_gemm(x, lora.grouped, lora.num_slots)
-        else:
-            y, h = self._stacked_gemm(x, lora.num_slots)
+        y, h = self._stacked_gemm(x, lora.num_slots)
         return y, LoraDelta(h, self.lora.b, self.lora.ranks, self.lora.scalings, lora.token_slots)
-
-    def _side_shrink_gemm(self, x: torch.Tensor, grouped: tuple[torch.Tensor, ...], num_slots: int
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The base GEMM alone (the shape cuBLAS runs fastest), with the grouped shrink beside it
-        on a side stream: y [num_tokens, out] and h [num_tokens, num_slots, num_slices, max_rank]
-        float32, each token's own shrink under every slot index (stride 0 over slots)."""
-        assert self.lora is not None
-        main = torch.cuda.current_stream(x.device)
-        side = _side_stream(x.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            buf = ops.lora_shrink_grouped(x, self.lora.a, self.lora.ranks, *grouped)  # [num_slices, num_tokens, max_rank]
-        y = ops.linear(x, self.weight, self.bias)  # [num_tokens, out]
-        main.wait_stream(side)
-        buf.record_stream(main)
-        return y, buf.permute(1, 0, 2).unsqueeze(1).expand(-1, num_slots, -1, -1)
 
     def _forward_stacked(self, x: torch.Tensor, grouped: tuple[torch.Tensor, ...], num_slots: int) -> torch.Tensor:
         assert self.lora is not None
