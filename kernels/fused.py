@@ -11,8 +11,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora import delta_args, lora_row_delta, rank_pad
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from kernels.lora import delta_args, lora_b_tile, lora_row_delta, lora_tile_delta, rank_pad
 from kernels.lora_ref import LoraDelta
+from kernels.pdl import enabled as pdl_enabled
+
+PREFETCH_B_ELEMS = 16 * 4096  # B elements a norm program holds to load them before gdc_wait (rank 16, hidden 4096)
 
 
 @triton.jit
@@ -22,16 +27,28 @@ def _rms_norm_kernel(
     n_cols, eps,
     h_ptr, b_ptr, scalings_ptr, slots_ptr, max_rank, stride_ht, stride_hl, stride_hs,
     stride_bl, stride_bs, stride_bo, stride_br,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, R_PAD: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, R_PAD: tl.constexpr, PREFETCH_B: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if R_PAD > 0:
+        slot = tl.load(slots_ptr + row)  # the step's input row: written before the graph ran
+        if PREFETCH_B:  # B before the wait: its latency hides behind the previous kernel
+            bt, scale = lora_b_tile(b_ptr, scalings_ptr, slot, 0, 1, max_rank, cols, mask,
+                                    stride_bl, stride_bs, stride_bo, stride_br, R_PAD)
+    if PDL:
+        gdc_wait()  # x, residual and h come from earlier kernels
+        gdc_launch_dependents()  # only now: one kernel ahead at most, never a chain of waiting ones
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if R_PAD > 0:  # x's pending LoRA delta (one slice)
-        slot = tl.load(slots_ptr + row)
-        d = lora_row_delta(h_ptr + row * stride_ht, b_ptr, scalings_ptr, slot, 0, 1, max_rank, cols, mask,
-                           stride_hl, stride_hs, stride_bl, stride_bs, stride_bo, stride_br, BLOCK, R_PAD)
+        if PREFETCH_B:
+            d = lora_tile_delta(h_ptr + row * stride_ht, slot, 0, max_rank, bt, scale, stride_hl, stride_hs, R_PAD)
+        else:
+            d = lora_row_delta(h_ptr + row * stride_ht, b_ptr, scalings_ptr, slot, 0, 1, max_rank, cols, mask,
+                               stride_hl, stride_hs, stride_bl, stride_bs, stride_bo, stride_br, BLOCK, R_PAD)
         x = (x.to(tl.float32) + d).to(x.dtype)
     if HAS_RESIDUAL:
         res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
@@ -40,7 +57,6 @@ def _rms_norm_kernel(
     x32 = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x32 * x32, axis=0) / n_cols + eps)
     normed = (x32 * rstd).to(x.dtype).to(tl.float32)  # cast back before the weight, like HF
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -54,12 +70,13 @@ def _rms_norm_launch(
     res_out = torch.empty_like(x2) if residual is not None else out
     if x2.shape[0] > 0:
         block = triton.next_power_of_2(hidden)
+        r_pad, pdl = rank_pad(delta), pdl_enabled(x.device)
         _rms_norm_kernel[(x2.shape[0],)](
             x2, res2, weight, out, res_out,
             x2.stride(0), res2.stride(0), out.stride(0), res_out.stride(0),
             hidden, eps, *delta_args(delta, x2),
-            HAS_RESIDUAL=residual is not None, BLOCK=block, R_PAD=rank_pad(delta),
-            num_warps=min(16, max(1, block // 256)),
+            HAS_RESIDUAL=residual is not None, BLOCK=block, R_PAD=r_pad, PREFETCH_B=r_pad * block <= PREFETCH_B_ELEMS,
+            PDL=pdl, num_warps=min(16, max(1, block // 256)), launch_pdl=pdl,
         )  # fmt: skip
     new_res = res_out.view(x.shape) if residual is not None else None
     return out.view(x.shape), new_res
@@ -173,13 +190,16 @@ def _rope_and_write_kv_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cache,
     stride_slot, stride_slot_h,
     n_q_heads, n_k_heads,
-    HALF: tl.constexpr, Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr,
+    HALF: tl.constexpr, Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per token: rotate its q and k heads in place, store k and v at its cache slot."""
     token = tl.program_id(0).to(tl.int64)
-    cos, sin = _cos_sin(pos_ptr, cache_ptr, token, stride_cache, HALF)
-    _rope_heads(q_ptr + token * stride_qt, stride_qh, n_q_heads, cos, sin, HALF, Q_HEADS_PAD)
+    cos, sin = _cos_sin(pos_ptr, cache_ptr, token, stride_cache, HALF)  # the step's positions: before the wait
     slot = tl.load(slot_ptr + token).to(tl.int64)  # flat: block * block_size + offset
+    if PDL:
+        gdc_wait()  # q, k, v come from the qkv projection
+        gdc_launch_dependents()  # only now: one kernel ahead at most, never a chain of waiting ones
+    _rope_heads(q_ptr + token * stride_qt, stride_qh, n_q_heads, cos, sin, HALF, Q_HEADS_PAD)
     k_row = k_ptr + token * stride_kt
     k1, k2 = _rotated_halves(k_row, stride_kh, n_k_heads, cos, sin, HALF, K_HEADS_PAD)
     _store_halves(k_row, stride_kh, n_k_heads, k1, k2, HALF, K_HEADS_PAD)
@@ -204,12 +224,14 @@ def rope_and_write_kv(
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[2:] == k.shape[1:]
     if q.shape[0] == 0:
         return
+    pdl = pdl_enabled(q.device)
     _rope_and_write_kv_kernel[(q.shape[0],)](
         q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2),
         q.shape[1], k.shape[1],
         HALF=half, Q_HEADS_PAD=triton.next_power_of_2(q.shape[1]), K_HEADS_PAD=triton.next_power_of_2(k.shape[1]),
+        PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
 
 
@@ -218,11 +240,14 @@ def _silu_and_mul_kernel(
     x_ptr, out_ptr, stride_x, stride_out, d,
     h_ptr, b_ptr, scalings_ptr, slots_ptr, max_rank, stride_ht, stride_hl, stride_hs,
     stride_bl, stride_bs, stride_bo, stride_br,
-    BLOCK: tl.constexpr, R_PAD: tl.constexpr,
+    BLOCK: tl.constexpr, R_PAD: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
+    if PDL:
+        gdc_wait()  # x and h come from the gate_up projection
+        gdc_launch_dependents()  # only now: one kernel ahead at most, never a chain of waiting ones
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0)
     if R_PAD > 0:  # the pending LoRA delta of slices gate (0) and up (1)
@@ -246,7 +271,9 @@ def silu_and_mul(x: torch.Tensor, delta: LoraDelta | None = None) -> torch.Tenso
     d = x.shape[-1] // 2
     out = torch.empty((x.shape[0], d), dtype=x.dtype, device=x.device)
     block = 1024
+    pdl = pdl_enabled(x.device)
     if x.shape[0] > 0:
         _silu_and_mul_kernel[(x.shape[0], triton.cdiv(d, block))](
-            x, out, x.stride(0), out.stride(0), d, *delta_args(delta, x), BLOCK=block, R_PAD=rank_pad(delta))
+            x, out, x.stride(0), out.stride(0), d, *delta_args(delta, x), BLOCK=block, R_PAD=rank_pad(delta),
+            PDL=pdl, launch_pdl=pdl)
     return out

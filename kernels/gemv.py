@@ -5,7 +5,8 @@ cuBLAS reaches 2.6-3.7 TB/s on Llama-3-8B's smaller projections at one row on an
 owns BLOCK_N output features and streams their rows of W over K in BLOCK_K chunks, so every
 byte of W is read once, coalesced along K, with no split and no second launch (o_proj:
 10.6 us). Configurations per shape class are the best of a sweep over block sizes, warps
-and stages on an H200 (figures in BENCHMARKS.md, "GPU"). Reference: torch.nn.functional.linear.
+and stages on an H200 (figures in BENCHMARKS.md, "GPU"). With PDL (kernels/pdl.py) a program
+loads its first chunk of W before the previous kernel has finished. Reference: torch.nn.functional.linear.
 """
 
 from __future__ import annotations
@@ -13,19 +14,28 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from kernels.pdl import enabled as pdl_enabled
 
 
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     n_mask = n < N
     rows = w_ptr + n[:, None].to(tl.int64) * stride_wn
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    w = tl.load(rows + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0.0)  # the first chunk, before x exists
+    if PDL:
+        gdc_wait()  # x is the previous kernel's output
+        gdc_launch_dependents()  # only now: one kernel ahead at most, never a chain of waiting ones
+    x = tl.load(x_ptr + k, mask=k < K, other=0.0)
+    acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)  # [BLOCK_N]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < K
         w = tl.load(rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
         x = tl.load(x_ptr + k, mask=k_mask, other=0.0)  # [BLOCK_K]
@@ -50,8 +60,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     assert x.shape == (1, k) and x.stride(-1) == 1 and weight.stride(-1) == 1
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     block_n, block_k, num_warps, num_stages = gemv_config(n, k)
+    pdl = pdl_enabled(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, x if bias is None else bias, y, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
+        launch_pdl=pdl,
     )  # fmt: skip
     return y

@@ -20,8 +20,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.lora_ref import GROUP_TILE, LoraDelta
+from kernels.pdl import enabled as pdl_enabled
 
 BLOCK_M_SEG = 32  # rows per program in the segment layout
 BLOCK_M_TOK = 16  # the smallest tl.dot tile; one valid row per program in the token layout
@@ -87,9 +89,12 @@ def _expand_kernel(
     size0, size1, size2, num_slices, n_blocks,
     stride_yt, stride_bufl, stride_bufs, stride_buft, stride_bl, stride_bs, stride_bo, stride_br,
     PER_TOKEN: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    BLOCK_R: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     seg, pid1, mblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if PDL:
+        gdc_wait()  # y and the shrink come from the kernels before
+        gdc_launch_dependents()  # only now: one kernel ahead at most, never a chain of waiting ones
     s, nblk = pid1 // n_blocks, pid1 % n_blocks
     start, end, slot = _segment(seg_starts_ptr, seg_slots_ptr, seg, PER_TOKEN)
     start += mblk * BLOCK_M
@@ -153,12 +158,13 @@ def _expand(y, buf, buf_strides: tuple[int, int, int], b, ranks, scalings, outpu
     sizes = list(output_sizes) + [0] * (3 - num_slices)
     n_blocks = triton.cdiv(max(output_sizes), block_n)
     block_r = max(16, triton.next_power_of_2(max_rank))
+    pdl = pdl_enabled(y.device)
     _expand_kernel[(num_segs, num_slices * n_blocks, m_blocks)](
         y, buf, b, ranks, scalings, seg_starts, seg_slots, seg_slots if order is None else order,
         sizes[0], sizes[1], sizes[2], num_slices, n_blocks,
         y.stride(0), *buf_strides, b.stride(0), b.stride(1), b.stride(2), b.stride(3),
         PER_TOKEN=per_token, GATHER=order is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
-        num_warps=num_warps,
+        PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
 
 
@@ -294,6 +300,32 @@ def lora_row_delta(
                      mask=r_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)  # [R_CHUNK, BLOCK]
         acc += tl.sum(hv[:, None] * bt, axis=0)
     return acc * scale
+
+
+@triton.jit
+def lora_b_tile(
+    b_ptr, scalings_ptr, slot, s, num_slices, max_rank, cols, col_mask,
+    stride_bl, stride_bs, stride_bo, stride_br, R_PAD: tl.constexpr,
+):  # fmt: skip
+    """Slice s of the B of one token's slot on columns `cols` [BLOCK]: [R_PAD, BLOCK] (zeros when
+    slot < 0 or past max_rank) and its scaling. Weights only, so a PDL kernel may load it before
+    gdc_wait; lora_tile_delta finishes the delta once h may be read."""
+    on = slot >= 0
+    slot = tl.maximum(slot, 0).to(tl.int64)
+    r = tl.arange(0, R_PAD)
+    bt = tl.load(b_ptr + slot * stride_bl + s * stride_bs + r[:, None] * stride_br + cols[None, :] * stride_bo,
+                 mask=on & (r < max_rank)[:, None] & col_mask[None, :], other=0.0)  # [R_PAD, BLOCK]
+    return bt, tl.load(scalings_ptr + slot * num_slices + s)
+
+
+@triton.jit
+def lora_tile_delta(h_row_ptr, slot, s, max_rank, bt, scale, stride_hl, stride_hs, R_PAD: tl.constexpr):
+    """One token's delta [BLOCK] float32 from its shrink row h and a B tile from lora_b_tile."""
+    on = slot >= 0
+    slot = tl.maximum(slot, 0).to(tl.int64)
+    r = tl.arange(0, R_PAD)
+    hv = tl.load(h_row_ptr + slot * stride_hl + s * stride_hs + r, mask=on & (r < max_rank), other=0.0)
+    return tl.sum(hv.to(tl.float32)[:, None] * bt.to(tl.float32), axis=0) * scale
 
 
 def delta_args(delta: LoraDelta | None, dummy: torch.Tensor) -> list:

@@ -15,6 +15,9 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from kernels.pdl import enabled as pdl_enabled
 
 MAX_PARTITION = 512  # keys per split-K partition, halved down to BLOCK_N for small batches
 BLOCK_N = 64  # keys per tile inside a partition
@@ -46,11 +49,14 @@ def _decode_partition_kernel(
     stride_or, stride_oh, stride_op,
     stride_mr, stride_mh,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     req = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
+    if PDL:
+        gdc_wait()  # q and this step's K/V come from the kernels before
+        gdc_launch_dependents()  # only now: one kernel ahead at most, never a chain of waiting ones
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, D_PAD)
     heads = kv_head * GROUP + offs_g  # [GROUP_PAD] query heads of this kv head
@@ -101,10 +107,13 @@ def _decode_reduce_kernel(
     stride_or, stride_oh, stride_op,
     stride_mr, stride_mh,
     stride_qt, stride_qh,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PARTITION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PARTITION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     req = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    if PDL:
+        gdc_wait()  # the partials come from the partition kernel
+        gdc_launch_dependents()  # only now: one kernel ahead at most, never a chain of waiting ones
     offs_d = tl.arange(0, D_PAD)
     d_mask = offs_d < HEAD_DIM
     out = out_ptr + req * stride_qt + head * stride_qh + offs_d
@@ -154,6 +163,7 @@ def paged_decode_attention(
     if num_reqs == 0:
         return out
     d_pad = max(16, triton.next_power_of_2(head_dim))
+    pdl = pdl_enabled(q.device)
     _decode_partition_kernel[(num_reqs, num_kv_heads, num_parts)](
         q, k_cache, v_cache, block_tables, seq_lens,
         part_out, part_max, part_sum,
@@ -165,13 +175,13 @@ def paged_decode_attention(
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_max.stride(0), part_max.stride(1),
         HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        BLOCK_SIZE=block_size, PARTITION=partition, BLOCK_N=BLOCK_N, num_warps=4,
+        BLOCK_SIZE=block_size, PARTITION=partition, BLOCK_N=BLOCK_N, PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     _decode_reduce_kernel[(num_reqs, num_heads)](
         part_out, part_max, part_sum, seq_lens, out,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_max.stride(0), part_max.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, D_PAD=d_pad, PARTITION=partition, num_warps=1,
+        HEAD_DIM=head_dim, D_PAD=d_pad, PARTITION=partition, PDL=pdl, num_warps=1, launch_pdl=pdl,
     )  # fmt: skip
     return out
