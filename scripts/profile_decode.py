@@ -2,6 +2,8 @@
 and the host's share of `ModelRunner.execute` (plan, inputs + replay, of which the upload and
 the graph launch, sampling with its wait for the GPU, digest).
 Same runner and workload as bench_decode.py. Prints a table per point and JSON with --out.
+Kernels run without programmatic dependent launch unless --pdl: with it a kernel's time
+includes its wait for the one before, so the per-kernel times overlap and sum past the step.
 
     python scripts/profile_decode.py --points 1:0,32:0,32:4,32:32
 """
@@ -12,6 +14,7 @@ import argparse
 import collections
 import functools
 import json
+import os
 import tempfile
 import time
 
@@ -88,8 +91,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--pdl", action="store_true", help="keep PDL on (kernel times then include waits)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
+    if not args.pdl:
+        os.environ["LEDGERSERVE_PDL"] = "0"
     points = [tuple(int(v) for v in p.split(":")) for p in args.points.split(",")]
     root = tempfile.mkdtemp(prefix="profile_decode_")
     base = BaseShapes.from_hf_config(LLAMA3_8B)
