@@ -51,9 +51,7 @@ def _decode_partition_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    req = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
-    part = tl.program_id(2)
+    req, kv_head, part = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     if PDL:
         gdc_wait()  # q and this step's K/V come from the kernels before
         gdc_launch_dependents()  # only now: one kernel ahead at most, never a chain of waiting ones
