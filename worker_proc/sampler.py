@@ -91,18 +91,20 @@ class Sampler:
         return torch.empty(vocab_size, device=self.device).exponential_(generator=gen)
 
 
+def penalised(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
 def edits_logits(req: SamplingReq) -> bool:
     """Whether apply_penalties or mask_stop_tokens may change this request's row."""
-    p = req.params
-    penalised = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-    return penalised or req.num_output_tokens < p.min_tokens
+    return penalised(req.params) or req.num_output_tokens < req.params.min_tokens
 
 
 def apply_penalties(logits: torch.Tensor, reqs: Sequence[SamplingReq]) -> torch.Tensor:
     """vLLM penalties, in place: repetition over prompt+output tokens, presence/frequency over outputs."""
     for i, req in enumerate(reqs):
         p = req.params
-        if p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0:
+        if not penalised(p):
             continue
         vocab_size = logits.shape[1]
         out_ids = torch.tensor(list(req.output_token_ids), dtype=torch.long, device=logits.device)
@@ -112,8 +114,8 @@ def apply_penalties(logits: torch.Tensor, reqs: Sequence[SamplingReq]) -> torch.
             seen = torch.bincount(prompt_ids, minlength=vocab_size)[:vocab_size] > 0
             seen |= out_counts > 0
             row = logits[i]
-            penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-            logits[i] = torch.where(seen, penalised, row)
+            scaled = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            logits[i] = torch.where(seen, scaled, row)
         logits[i] -= p.frequency_penalty * out_counts + p.presence_penalty * (out_counts > 0).to(logits.dtype)
     return logits
 
