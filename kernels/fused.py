@@ -11,11 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
 from kernels.lora import delta_args, lora_b_tile, lora_row_delta, lora_tile_delta, rank_pad
 from kernels.lora_ref import LoraDelta
-from kernels.pdl import enabled as pdl_enabled
+from kernels.pdl import enabled as pdl_enabled, wait_for_previous
 
 PREFETCH_B_ELEMS = 16 * 4096  # B elements a norm program holds to load them before gdc_wait (rank 16, hidden 4096)
 
@@ -39,9 +37,7 @@ def _rms_norm_kernel(
         if PREFETCH_B:  # B before the wait: its latency hides behind the previous kernel
             bt, scale = lora_b_tile(b_ptr, scalings_ptr, slot, 0, 1, max_rank, cols, mask,
                                     stride_bl, stride_bs, stride_bo, stride_br, R_PAD)
-    if PDL:
-        gdc_wait()  # x, residual and h come from earlier kernels
-        gdc_launch_dependents()  # only now: one kernel ahead at most, never a chain of waiting ones
+    wait_for_previous(PDL)  # x, residual and h come from earlier kernels
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if R_PAD > 0:  # x's pending LoRA delta (one slice)
         if PREFETCH_B:
@@ -196,9 +192,7 @@ def _rope_and_write_kv_kernel(
     token = tl.program_id(0).to(tl.int64)
     cos, sin = _cos_sin(pos_ptr, cache_ptr, token, stride_cache, HALF)  # the step's positions: before the wait
     slot = tl.load(slot_ptr + token).to(tl.int64)  # flat: block * block_size + offset
-    if PDL:
-        gdc_wait()  # q, k, v come from the qkv projection
-        gdc_launch_dependents()  # only now: one kernel ahead at most, never a chain of waiting ones
+    wait_for_previous(PDL)  # q, k, v come from the qkv projection
     _rope_heads(q_ptr + token * stride_qt, stride_qh, n_q_heads, cos, sin, HALF, Q_HEADS_PAD)
     k_row = k_ptr + token * stride_kt
     k1, k2 = _rotated_halves(k_row, stride_kh, n_k_heads, cos, sin, HALF, K_HEADS_PAD)
@@ -245,9 +239,7 @@ def _silu_and_mul_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
-    if PDL:
-        gdc_wait()  # x and h come from the gate_up projection
-        gdc_launch_dependents()  # only now: one kernel ahead at most, never a chain of waiting ones
+    wait_for_previous(PDL)  # x and h come from the gate_up projection
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0)
     if R_PAD > 0:  # the pending LoRA delta of slices gate (0) and up (1)

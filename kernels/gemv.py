@@ -14,9 +14,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels.pdl import enabled as pdl_enabled
+from kernels.pdl import enabled as pdl_enabled, wait_for_previous
 
 
 @triton.jit
@@ -29,9 +28,7 @@ def _gemv_kernel(
     rows = w_ptr + n[:, None].to(tl.int64) * stride_wn
     k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
     w = tl.load(rows + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0.0)  # the first chunk, before x exists
-    if PDL:
-        gdc_wait()  # x is the previous kernel's output
-        gdc_launch_dependents()  # only now: one kernel ahead at most, never a chain of waiting ones
+    wait_for_previous(PDL)  # x is the previous kernel's output
     x = tl.load(x_ptr + k, mask=k < K, other=0.0)
     acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)  # [BLOCK_N]
     for k0 in range(BLOCK_K, K, BLOCK_K):

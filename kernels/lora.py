@@ -20,10 +20,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.lora_ref import GROUP_TILE, LoraDelta
-from kernels.pdl import enabled as pdl_enabled
+from kernels.pdl import enabled as pdl_enabled, wait_for_previous
 
 BLOCK_M_SEG = 32  # rows per program in the segment layout
 BLOCK_M_TOK = 16  # the smallest tl.dot tile; one valid row per program in the token layout
@@ -92,9 +91,7 @@ def _expand_kernel(
     BLOCK_R: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     seg, pid1, mblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if PDL:
-        gdc_wait()  # y and the shrink come from the kernels before
-        gdc_launch_dependents()  # only now: one kernel ahead at most, never a chain of waiting ones
+    wait_for_previous(PDL)  # y and the shrink come from the kernels before
     s, nblk = pid1 // n_blocks, pid1 % n_blocks
     start, end, slot = _segment(seg_starts_ptr, seg_slots_ptr, seg, PER_TOKEN)
     start += mblk * BLOCK_M

@@ -15,9 +15,8 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels.pdl import enabled as pdl_enabled
+from kernels.pdl import enabled as pdl_enabled, wait_for_previous
 
 MAX_PARTITION = 512  # keys per split-K partition, halved down to BLOCK_N for small batches
 BLOCK_N = 64  # keys per tile inside a partition
@@ -52,9 +51,7 @@ def _decode_partition_kernel(
     BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     req, kv_head, part = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
-    if PDL:
-        gdc_wait()  # q and this step's K/V come from the kernels before
-        gdc_launch_dependents()  # only now: one kernel ahead at most, never a chain of waiting ones
+    wait_for_previous(PDL)  # q and this step's K/V come from the kernels before
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, D_PAD)
     heads = kv_head * GROUP + offs_g  # [GROUP_PAD] query heads of this kv head
@@ -109,9 +106,7 @@ def _decode_reduce_kernel(
 ):  # fmt: skip
     req = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    if PDL:
-        gdc_wait()  # the partials come from the partition kernel
-        gdc_launch_dependents()  # only now: one kernel ahead at most, never a chain of waiting ones
+    wait_for_previous(PDL)  # the partials come from the partition kernel
     offs_d = tl.arange(0, D_PAD)
     d_mask = offs_d < HEAD_DIM
     out = out_ptr + req * stride_qt + head * stride_qh + offs_d
