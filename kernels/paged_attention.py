@@ -2,7 +2,9 @@
 
 Each program takes one (request, kv head, partition of `partition_size` keys): the query heads
 of that kv head's GQA group share every K/V tile it loads. It writes the partition's
-normalised output, running max and exp-sum; a reduce kernel merges the partitions.
+normalised output, running max and exp-sum; a reduce kernel merges the partitions. When one
+partition covers every sequence (short contexts and enough (request, kv head) pairs to fill
+the SMs), the partition kernel writes the output itself and no reduce is launched.
 The grid is sized from the block table's width, never from seq_lens, so a launch needs
 no host sync and can be captured in a CUDA graph. Reference: attention_ref.paged_decode_attention_ref.
 """
@@ -21,6 +23,7 @@ from kernels.pdl import enabled as pdl_enabled, wait_for_previous
 MAX_PARTITION = 512  # keys per split-K partition, halved down to BLOCK_N for small batches
 BLOCK_N = 64  # keys per tile inside a partition
 PROGRAMS_PER_SM = 4  # enough programs in flight to keep the memory system busy (swept 1..32 on H200)
+DIRECT_PAIRS_PER_SM = 1  # (request, kv head) pairs per SM from which short contexts take one partition, no reduce
 
 
 @functools.lru_cache
@@ -29,7 +32,10 @@ def _num_sms(device: torch.device) -> int:
 
 
 def partition_size(num_reqs: int, num_kv_heads: int, max_len: int, num_sms: int) -> int:
-    """The largest partition that still gives every SM PROGRAMS_PER_SM programs."""
+    """One partition when it covers max_len and the pairs alone give every SM DIRECT_PAIRS_PER_SM
+    programs; else the largest partition that still gives every SM PROGRAMS_PER_SM programs."""
+    if max_len <= MAX_PARTITION and num_reqs * num_kv_heads >= DIRECT_PAIRS_PER_SM * num_sms:
+        return MAX_PARTITION
     partition = MAX_PARTITION
     while partition > BLOCK_N and num_reqs * num_kv_heads * triton.cdiv(max_len, partition) < PROGRAMS_PER_SM * num_sms:
         partition //= 2
@@ -39,7 +45,7 @@ def partition_size(num_reqs: int, num_kv_heads: int, max_len: int, num_sms: int)
 @triton.jit
 def _decode_partition_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    part_out_ptr, part_max_ptr, part_sum_ptr,
+    part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr,
     scale_log2,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -47,9 +53,13 @@ def _decode_partition_kernel(
     stride_bt,
     stride_or, stride_oh, stride_op,
     stride_mr, stride_mh,
+    stride_ot, stride_oth,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    """DIRECT: one partition covers every sequence; write the output [num_reqs, num_heads, head_dim]
+    (zeros for a padding row) instead of the partials."""
     req, kv_head, part = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     wait_for_previous(PDL)  # q and this step's K/V come from the kernels before
     offs_g = tl.arange(0, GROUP_PAD)
@@ -64,6 +74,10 @@ def _decode_partition_kernel(
     )  # fmt: skip  [GROUP_PAD, D_PAD], in flight with seq_len
     start = part * PARTITION
     if start >= seq_len:
+        if DIRECT:  # a padding row (seq_len 0)
+            out = out_ptr + req * stride_ot + heads[:, None] * stride_oth + offs_d[None, :]
+            tl.store(out, tl.zeros([GROUP_PAD, D_PAD], tl.float32).to(out_ptr.dtype.element_ty),
+                     mask=g_mask[:, None] & d_mask[None, :])
         return
     end = tl.minimum(start + PARTITION, seq_len)
 
@@ -89,6 +103,10 @@ def _decode_partition_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
 
+    if DIRECT:
+        out = out_ptr + req * stride_ot + heads[:, None] * stride_oth + offs_d[None, :]
+        tl.store(out, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+        return
     o_ptr = part_out_ptr + req * stride_or + heads[:, None] * stride_oh + part * stride_op + offs_d[None, :]
     tl.store(o_ptr, acc / l[:, None], mask=g_mask[:, None] & d_mask[None, :])
     stat = req * stride_mr + heads * stride_mh + part
@@ -149,8 +167,10 @@ def paged_decode_attention(
     max_len = block_tables.shape[1] * block_size
     partition = partition_size(num_reqs, num_kv_heads, max_len, _num_sms(q.device))
     num_parts = max(1, triton.cdiv(max_len, partition))
-    part_out = torch.empty(num_reqs, num_heads, num_parts, head_dim, dtype=torch.float32, device=q.device)
-    part_max = torch.empty(num_reqs, num_heads, num_parts, dtype=torch.float32, device=q.device)
+    direct = num_parts == 1
+    parts = 0 if direct else num_parts  # the partials are not written when direct
+    part_out = torch.empty(num_reqs, num_heads, parts, head_dim, dtype=torch.float32, device=q.device)
+    part_max = torch.empty(num_reqs, num_heads, parts, dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_reqs == 0:
@@ -159,7 +179,7 @@ def paged_decode_attention(
     pdl = pdl_enabled(q.device)
     _decode_partition_kernel[(num_reqs, num_kv_heads, num_parts)](
         q, k_cache, v_cache, block_tables, seq_lens,
-        part_out, part_max, part_sum,
+        part_out, part_max, part_sum, out,
         scale * math.log2(math.e),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -167,9 +187,13 @@ def paged_decode_attention(
         block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_max.stride(0), part_max.stride(1),
+        out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        BLOCK_SIZE=block_size, PARTITION=partition, BLOCK_N=BLOCK_N, PDL=pdl, num_warps=4, launch_pdl=pdl,
+        BLOCK_SIZE=block_size, PARTITION=partition, BLOCK_N=BLOCK_N, DIRECT=direct, PDL=pdl, num_warps=4,
+        launch_pdl=pdl,
     )  # fmt: skip
+    if direct:
+        return out
     _decode_reduce_kernel[(num_reqs, num_heads)](
         part_out, part_max, part_sum, seq_lens, out,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),

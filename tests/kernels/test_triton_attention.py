@@ -85,3 +85,21 @@ def test_decode_partition_sizes(programs_per_sm: int, monkeypatch: pytest.Monkey
     out = paged_decode_attention(b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, 128**-0.5)
     ref = paged_decode_attention_ref(*as_float(b.q, b.k_cache, b.v_cache), b.block_tables, b.seq_lens, 128**-0.5)
     torch.testing.assert_close(out.float(), ref, atol=TOL[DOT_DTYPES[-1]], rtol=TOL[DOT_DTYPES[-1]])
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("direct_pairs_per_sm", [0, 10**6])  # one partition written directly; split + reduce
+def test_decode_short_contexts_one_partition(dtype: torch.dtype, direct_pairs_per_sm: int,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Contexts within one partition: the partition kernel writes the output (zeros for a padding
+    row) and no reduce runs, or the split path; both equal the reference."""
+    from kernels import paged_attention
+
+    monkeypatch.setattr(paged_attention, "DIRECT_PAIRS_PER_SM", direct_pairs_per_sm)
+    seq_lens = [1, 64, 65, 0, 200, 511, 512]  # 0: padding row
+    b = make_paged_batch([1] * len(seq_lens), seq_lens, 28, 4, 128, 16, dtype, DEVICE, seed=11)
+    tables = b.block_tables[:, : paged_attention.MAX_PARTITION // 16].contiguous()  # as wide as one partition
+    out = paged_decode_attention(b.q, b.k_cache, b.v_cache, tables, b.seq_lens, 128**-0.5)
+    ref = paged_decode_attention_ref(*as_float(b.q, b.k_cache, b.v_cache), tables, b.seq_lens, 128**-0.5)
+    torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    assert not out[3].any()  # the padding row
