@@ -91,27 +91,31 @@ def _expand_kernel(
     BLOCK_R: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     seg, pid1, mblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    wait_for_previous(PDL)  # y and the shrink come from the kernels before
     s, nblk = pid1 // n_blocks, pid1 % n_blocks
+    # Before the PDL wait, what no kernel of the step writes: the step's tile table and token order,
+    # the slot's rank, scaling and B tile. y and the shrink come from the kernels before.
     start, end, slot = _segment(seg_starts_ptr, seg_slots_ptr, seg, PER_TOKEN)
     start += mblk * BLOCK_M
     rank = tl.load(ranks_ptr + tl.maximum(slot, 0) * num_slices + s)
     size = tl.where(s == 0, size0, tl.where(s == 1, size1, size2))
     lo = tl.where(s == 0, 0, tl.where(s == 1, size0, size0 + size1))
-    if (slot >= 0) & (start < end) & (rank > 0) & (nblk * BLOCK_N < size):
-        pos = start + tl.arange(0, BLOCK_M)
-        row_mask = pos < end
-        rows = _rows(idx_ptr, pos, row_mask, GATHER)
-        r = tl.arange(0, BLOCK_R)
-        r_mask = r < rank
-        n = nblk * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = n < size
+    active = (slot >= 0) & (start < end) & (rank > 0) & (nblk * BLOCK_N < size)
+    pos = start + tl.arange(0, BLOCK_M)
+    row_mask = pos < tl.where(active, end, start)  # an inactive program loads no row and no rank of B
+    rows = _rows(idx_ptr, pos, row_mask, GATHER)
+    r = tl.arange(0, BLOCK_R)
+    r_mask = r < tl.where(active, rank, 0)
+    n = nblk * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < size
+    slot = tl.maximum(slot, 0)
+    bt = tl.load(b_ptr + slot * stride_bl + s * stride_bs + n[None, :] * stride_bo + r[:, None] * stride_br,
+                 mask=r_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
+    scale = tl.load(scalings_ptr + slot * num_slices + s)
+    wait_for_previous(PDL)
+    if active:
         h_base = buf_ptr + slot * stride_bufl + s * stride_bufs  # stride_bufl: 0 unless h holds every slot
         h = tl.load(h_base + rows[:, None].to(tl.int64) * stride_buft + r[None, :],
                     mask=row_mask[:, None] & r_mask[None, :], other=0.0).to(b_ptr.dtype.element_ty)  # [BLOCK_M, BLOCK_R]
-        bt = tl.load(b_ptr + slot * stride_bl + s * stride_bs + n[None, :] * stride_bo + r[:, None] * stride_br,
-                     mask=r_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
-        scale = tl.load(scalings_ptr + slot * num_slices + s)
         delta = tl.dot(h, bt) * scale  # [BLOCK_M, BLOCK_N] float32
         mask = row_mask[:, None] & n_mask[None, :]
         out = y_ptr + rows[:, None].to(tl.int64) * stride_yt + lo + n[None, :]
