@@ -1,6 +1,7 @@
 """Where a decode step's time goes: per-kernel GPU time (torch.profiler over graph replays)
 and the host's share of `ModelRunner.execute` (plan, inputs + replay, of which the upload and
-the graph launch, sampling with its wait for the GPU, digest).
+the graph launch, queuing the sampling, the digest while the GPU runs, reading the tokens back,
+which waits for the GPU).
 Same runner and workload as bench_decode.py. Prints a table per point and JSON with --out.
 Kernels run without programmatic dependent launch unless --pdl: with it a kernel's time
 includes its wait for the one before, so the per-kernel times overlap and sum past the step.
@@ -28,10 +29,11 @@ from scripts.bench_decode import BLOCK, Bench
 from scripts.bench_fixtures import LLAMA3_8B, write_adapter, write_model_dir
 from worker_proc.cuda_graphs import DecodeGraphs
 from worker_proc.runner import ModelRunner
+from worker_proc.sampler import Sampler
 from worker_proc.step_inputs import PinnedStaging
 
 HOST_PARTS = [(ModelRunner, "_apply_plan"), (DecodeGraphs, "run"), (PinnedStaging, "upload_into"),
-              (torch.cuda.CUDAGraph, "replay"), (ModelRunner, "_sample"), (ModelRunner, "digest")]
+              (torch.cuda.CUDAGraph, "replay"), (Sampler, "launch"), (Sampler, "finish"), (ModelRunner, "digest")]
 
 
 def time_host_parts(totals: dict[str, float]) -> None:

@@ -101,25 +101,33 @@ class DecodeGraphs:
         top_slot = max(r.lora_slot for r in reqs)
         num_slots = next((s for s in self.sets if s > top_slot), 0) if top_slot >= 0 else 0
         g = self.sets[num_slots][bucket]
-        pad = bucket - n
-        positions = [r.num_computed_tokens for r in reqs]
-        slots = [r.lora_slot for r in reqs] + [-1] * pad
-        order, tile_starts, tile_slots = group_tiles(slots, g.num_tiles) if num_slots else (slots, [0], [])
-        row = [
-            [r.token_ids[p] for r, p in zip(reqs, positions)] + [0] * pad,
-            positions + [0] * pad,
-            [r.block_ids[p // block_size] * block_size + p % block_size for r, p in zip(reqs, positions)]
-            + [self.scratch_slot] * pad,
-            slots,
-            [p + 1 for p in positions] + [0] * pad,
-            order,
-            tile_starts,
-            tile_slots,
-            list(itertools.chain.from_iterable(r.block_ids + [0] * (self.width - len(r.block_ids)) for r in reqs))
-            + [0] * (pad * self.width),
-        ]
-        staging.upload_into(g.inputs, row)
+        staging.upload_into(g.inputs, decode_row(reqs, bucket, self.width, block_size, self.scratch_slot,
+                                                 g.num_tiles if num_slots else None))
         g.graph.replay()
         self.replays += 1
         assert g.logits is not None
         return g.logits[:n]
+
+
+def decode_row(reqs: Sequence[ReqState], bucket: int, width: int, block_size: int, scratch_slot: int,
+               num_tiles: int | None) -> list[list[int]]:
+    """The parts of a DecodeGraph's input row for `reqs` padded to `bucket` rows: token ids,
+    positions, KV slots, adapter slots, sequence lengths, the grouped layout (when num_tiles is
+    given: the LoRA set) and the block tables padded to `width`."""
+    pad = bucket - len(reqs)
+    positions = [r.num_computed_tokens for r in reqs]
+    slots = [r.lora_slot for r in reqs] + [-1] * pad
+    order, tile_starts, tile_slots = group_tiles(slots, num_tiles) if num_tiles is not None else (slots, [0], [])
+    return [
+        [r.token_ids[p] for r, p in zip(reqs, positions)] + [0] * pad,
+        positions + [0] * pad,
+        [r.block_ids[p // block_size] * block_size + p % block_size for r, p in zip(reqs, positions)]
+        + [scratch_slot] * pad,
+        slots,
+        [p + 1 for p in positions] + [0] * pad,
+        order,
+        tile_starts,
+        tile_slots,
+        list(itertools.chain.from_iterable(r.block_ids + [0] * (width - len(r.block_ids)) for r in reqs))
+        + [0] * (pad * width),
+    ]

@@ -80,9 +80,17 @@ class ModelRunner:
         for req_id in [*plan.finished_req_ids, *plan.preempted_req_ids]:
             self.reqs.pop(req_id, None)
         scheduled, failed = self._apply_plan(plan)
-        sampled = self._run(scheduled) if scheduled else []
-        completed = StepCompleted(plan.step, self.rank, sampled if self.rank == 0 else [], failed)
-        return completed, RankDigest(plan.step, self.rank, self.digest())
+        logits, sampling = self._forward(scheduled) if scheduled else (None, [])
+        pending = None
+        if logits is not None:
+            pending = self.sampler.launch(logits, [SamplingReq(r.sampling, r.token_ids, r.num_prompt_tokens)
+                                                   for r in sampling])
+        digest = RankDigest(plan.step, self.rank, self.digest())  # on the host while the device runs the step
+        sampled = []
+        if pending is not None:
+            sampled = [SampledToken(r.req_id, s.token_id, s.logprobs)
+                       for r, s in zip(sampling, self.sampler.finish(pending))]
+        return StepCompleted(plan.step, self.rank, sampled if self.rank == 0 else [], failed), digest
 
     def digest(self) -> int:
         """xxhash64 of the block tables (sorted by req_id) and the slot table (slot -> version_id,
@@ -157,9 +165,11 @@ class ModelRunner:
         req.apply_delta(update)
         return req
 
-    def _run(self, scheduled: list[ReqState]) -> list[SampledToken]:
+    def _forward(self, scheduled: list[ReqState]) -> tuple[torch.Tensor | None, list[ReqState]]:
+        """Queue the step's forward pass: the logits [num_sampling, vocab] float32 of the requests
+        that sample this step (None if none does), and those requests."""
         if self.graphs is not None and self.staging is not None and self.graphs.fits(scheduled):
-            return self._sample(self.graphs.run(scheduled, self.config.block_size, self.staging), scheduled)
+            return self.graphs.run(scheduled, self.config.block_size, self.staging), scheduled
         batch = build_batch(scheduled, self.config.block_size, self.device, self.staging)
         if self.staging is None:  # CPU: slot tensors are host tensors, reading them costs nothing
             hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.layers, batch.meta, batch.lora_slots)
@@ -168,15 +178,9 @@ class ModelRunner:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.layers, batch.meta, lora=batch.lora)
             sample_slots, sample_lora = None, batch.sample_lora
         if not batch.sampling_reqs:
-            return []
-        logits = self.model.compute_logits(hidden[batch.sample_indices], sample_slots, sample_lora)  # [num_sampling, vocab]
-        return self._sample(logits, batch.sampling_reqs)
-
-    def _sample(self, logits: torch.Tensor, reqs: list[ReqState]) -> list[SampledToken]:
-        """logits: [len(reqs), vocab] float32."""
-        sampling = [SamplingReq(r.sampling, r.token_ids, r.num_prompt_tokens) for r in reqs]
-        results = self.sampler.sample(logits, sampling)
-        return [SampledToken(r.req_id, s.token_id, s.logprobs) for r, s in zip(reqs, results)]
+            return None, []
+        logits = self.model.compute_logits(hidden[batch.sample_indices], sample_slots, sample_lora)
+        return logits, batch.sampling_reqs
 
 
 def _fault_token_id() -> int | None:

@@ -47,6 +47,15 @@ class SampleResult:
     logprobs: TokenLogprobs | None
 
 
+@dataclass(frozen=True)
+class PendingSample:
+    """Sampling queued on the device, not yet read back (Sampler.launch -> Sampler.finish)."""
+
+    token_ids: torch.Tensor  # [num_reqs] int64
+    raw_logprobs: torch.Tensor | None  # [num_reqs, vocab] when a request asked for logprobs
+    reqs: Sequence[SamplingReq]
+
+
 def token_seed(seed: int, output_pos: int) -> int:
     """A generator seed that depends only on the request's seed and output position."""
     return xxhash.xxh64_intdigest(msgspec.msgpack.encode([seed, output_pos])) & ((1 << 63) - 1)
@@ -60,19 +69,24 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, reqs: Sequence[SamplingReq]) -> list[SampleResult]:
         """logits: [num_reqs, vocab] float32 (not modified)."""
+        return self.finish(self.launch(logits, reqs))
+
+    def launch(self, logits: torch.Tensor, reqs: Sequence[SamplingReq]) -> PendingSample:
+        """Queue the sampling of `logits` [num_reqs, vocab] float32 (not modified); nothing waits on the device."""
         if logits.shape[0] != len(reqs):
             raise ValueError(f"{logits.shape[0]} logits rows for {len(reqs)} requests")
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(r.params.logprobs is not None for r in reqs) else None
         if any(edits_logits(r) for r in reqs):  # else the logits are read as they are, no copy
             logits = apply_penalties(logits.clone(), reqs)
             mask_stop_tokens(logits, reqs, self.eos_token_ids)
-        token_ids: list[int] = self._choose(logits, reqs).tolist()  # [num_reqs]: the step's one read-back
-        results = []
-        for i, req in enumerate(reqs):
-            token_id = token_ids[i]
-            lp = None if raw_logprobs is None else token_logprobs(raw_logprobs[i], token_id, req.params.logprobs)
-            results.append(SampleResult(token_id, lp))
-        return results
+        return PendingSample(self._choose(logits, reqs), raw_logprobs, reqs)
+
+    def finish(self, pending: PendingSample) -> list[SampleResult]:
+        """The sampled tokens (and logprobs): the step's one read-back from the device."""
+        token_ids: list[int] = pending.token_ids.tolist()
+        raw = pending.raw_logprobs
+        return [SampleResult(t, None if raw is None else token_logprobs(raw[i], t, req.params.logprobs))
+                for i, (t, req) in enumerate(zip(token_ids, pending.reqs))]
 
     def _choose(self, logits: torch.Tensor, reqs: Sequence[SamplingReq]) -> torch.Tensor:  # [num_reqs]
         token_ids = ops.argmax(logits)
