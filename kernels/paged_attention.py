@@ -43,6 +43,44 @@ def partition_size(num_reqs: int, num_kv_heads: int, max_len: int, num_sms: int)
 
 
 @triton.jit
+def _store_heads(base_ptr, heads, offs_d, stride_h, vals, mask):
+    """vals [GROUP_PAD, D_PAD] into rows `heads` at base_ptr (heads stride_h apart), in base_ptr's dtype."""
+    tl.store(base_ptr + heads[:, None] * stride_h + offs_d[None, :], vals.to(base_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _attend(
+    q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, start, end, scale_log2, offs_d, d_mask,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    GROUP_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Online softmax of q [GROUP_PAD, D_PAD] over keys [start, end) of one request (its block
+    table row at table_ptr): running max m and exp-sum l [GROUP_PAD], unnormalised acc [GROUP_PAD, D_PAD]."""
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        toks = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        t_mask = toks < end
+        blocks = tl.load(table_ptr + toks // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+        in_block = toks % BLOCK_SIZE
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k_off = blocks * stride_kb + in_block * stride_ks + kv_head * stride_kh
+        k = tl.load(k_cache_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
+        v_off = blocks * stride_vb + in_block * stride_vs + kv_head * stride_vh
+        v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
+        s = tl.dot(q, tl.trans(k)) * scale_log2  # [GROUP_PAD, BLOCK_N], log2 domain
+        s = tl.where(t_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    return m, l, acc
+
+
+@triton.jit
 def _decode_partition_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr,
@@ -67,48 +105,24 @@ def _decode_partition_kernel(
     heads = kv_head * GROUP + offs_g  # [GROUP_PAD] query heads of this kv head
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
+    hd_mask = g_mask[:, None] & d_mask[None, :]
     seq_len = tl.load(seq_lens_ptr + req)
-    q = tl.load(
-        q_ptr + req * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=g_mask[:, None] & d_mask[None, :], other=0.0,
-    )  # fmt: skip  [GROUP_PAD, D_PAD], in flight with seq_len
+    q = tl.load(q_ptr + req * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=hd_mask,
+                other=0.0)  # [GROUP_PAD, D_PAD], in flight with seq_len
     start = part * PARTITION
     if start >= seq_len:
         if DIRECT:  # a padding row (seq_len 0)
-            out = out_ptr + req * stride_ot + heads[:, None] * stride_oth + offs_d[None, :]
-            tl.store(out, tl.zeros([GROUP_PAD, D_PAD], tl.float32).to(out_ptr.dtype.element_ty),
-                     mask=g_mask[:, None] & d_mask[None, :])
+            _store_heads(out_ptr + req * stride_ot, heads, offs_d, stride_oth, tl.zeros([GROUP_PAD, D_PAD], tl.float32),
+                         hd_mask)
         return
-    end = tl.minimum(start + PARTITION, seq_len)
-
-    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        toks = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        t_mask = toks < end
-        blocks = tl.load(block_tables_ptr + req * stride_bt + toks // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
-        in_block = toks % BLOCK_SIZE
-        kv_mask = t_mask[:, None] & d_mask[None, :]
-        k_off = blocks * stride_kb + in_block * stride_ks + kv_head * stride_kh
-        k = tl.load(k_cache_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
-        v_off = blocks * stride_vb + in_block * stride_vs + kv_head * stride_vh
-        v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
-        s = tl.dot(q, tl.trans(k)) * scale_log2  # [GROUP_PAD, BLOCK_N], log2 domain
-        s = tl.where(t_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
-
+    m, l, acc = _attend(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + req * stride_bt, kv_head, start,
+                        tl.minimum(start + PARTITION, seq_len), scale_log2, offs_d, d_mask,
+                        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                        GROUP_PAD, D_PAD, BLOCK_SIZE, BLOCK_N)
     if DIRECT:
-        out = out_ptr + req * stride_ot + heads[:, None] * stride_oth + offs_d[None, :]
-        tl.store(out, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+        _store_heads(out_ptr + req * stride_ot, heads, offs_d, stride_oth, acc / l[:, None], hd_mask)
         return
-    o_ptr = part_out_ptr + req * stride_or + heads[:, None] * stride_oh + part * stride_op + offs_d[None, :]
-    tl.store(o_ptr, acc / l[:, None], mask=g_mask[:, None] & d_mask[None, :])
+    _store_heads(part_out_ptr + req * stride_or + part * stride_op, heads, offs_d, stride_oh, acc / l[:, None], hd_mask)
     stat = req * stride_mr + heads * stride_mh + part
     tl.store(part_max_ptr + stat, m, mask=g_mask)
     tl.store(part_sum_ptr + stat, l, mask=g_mask)
