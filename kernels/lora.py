@@ -287,7 +287,9 @@ def lora_row_delta(
     """One token's delta on columns `cols` [BLOCK] of slice s, float32; zeros when slot < 0.
     It reads all max_rank columns of h / rows of B, not the slot's rank: past its rank A and B
     are zero (LoraWeights keeps them so), and not loading the rank first saves a round trip."""
-    on = slot >= 0
+    # A base token reads no rank. (`slot >= 0` & a vector mask would do, but Triton's interpreter
+    # turns a scalar bool & a vector into int64, which it then refuses as a mask.)
+    rank_on = tl.where(slot >= 0, max_rank, 0)
     slot = tl.maximum(slot, 0).to(tl.int64)
     scale = tl.load(scalings_ptr + slot * num_slices + s)
     h_base = h_row_ptr + slot * stride_hl + s * stride_hs
@@ -295,7 +297,7 @@ def lora_row_delta(
     acc = tl.zeros([BLOCK], tl.float32)
     for r0 in tl.static_range(0, R_PAD, R_CHUNK):
         r = r0 + tl.arange(0, R_CHUNK)
-        r_mask = on & (r < max_rank)
+        r_mask = r < rank_on
         hv = tl.load(h_base + r, mask=r_mask, other=0.0).to(tl.float32)  # [R_CHUNK]
         bt = tl.load(b_base + r[:, None] * stride_br + cols[None, :] * stride_bo,
                      mask=r_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)  # [R_CHUNK, BLOCK]
@@ -311,21 +313,21 @@ def lora_b_tile(
     """Slice s of the B of one token's slot on columns `cols` [BLOCK]: [R_PAD, BLOCK] (zeros when
     slot < 0 or past max_rank) and its scaling. Weights only, so a PDL kernel may load it before
     gdc_wait; lora_tile_delta finishes the delta once h may be read."""
-    on = slot >= 0
+    rank_on = tl.where(slot >= 0, max_rank, 0)
     slot = tl.maximum(slot, 0).to(tl.int64)
     r = tl.arange(0, R_PAD)
     bt = tl.load(b_ptr + slot * stride_bl + s * stride_bs + r[:, None] * stride_br + cols[None, :] * stride_bo,
-                 mask=on & (r < max_rank)[:, None] & col_mask[None, :], other=0.0)  # [R_PAD, BLOCK]
+                 mask=(r < rank_on)[:, None] & col_mask[None, :], other=0.0)  # [R_PAD, BLOCK]
     return bt, tl.load(scalings_ptr + slot * num_slices + s)
 
 
 @triton.jit
 def lora_tile_delta(h_row_ptr, slot, s, max_rank, bt, scale, stride_hl, stride_hs, R_PAD: tl.constexpr):
     """One token's delta [BLOCK] float32 from its shrink row h and a B tile from lora_b_tile."""
-    on = slot >= 0
+    rank_on = tl.where(slot >= 0, max_rank, 0)
     slot = tl.maximum(slot, 0).to(tl.int64)
     r = tl.arange(0, R_PAD)
-    hv = tl.load(h_row_ptr + slot * stride_hl + s * stride_hs + r, mask=on & (r < max_rank), other=0.0)
+    hv = tl.load(h_row_ptr + slot * stride_hl + s * stride_hs + r, mask=r < rank_on, other=0.0)
     return tl.sum(hv.to(tl.float32)[:, None] * bt.to(tl.float32), axis=0) * scale
 
 
