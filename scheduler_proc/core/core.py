@@ -35,6 +35,7 @@ class Core:
         self.in_flight: InFlightStep | None = None
         self.finished_req_ids: list[str] = []  # to tell workers in the next plan
         self.rank_digests: dict[int, dict[int, int]] = {}  # step -> rank -> digest
+        self.last_agreed_step = 0  # every rank's digest of this step (and those before) arrived, equal
         self.failure: str | None = None
         self._num_arrived = 0
 
@@ -190,6 +191,7 @@ class Core:
         values = [digests[rank] for rank in range(tp)]
         odd_ranks = [rank for rank in range(tp) if values[rank] != values[0]]
         if not odd_ranks:
+            self.last_agreed_step = max(self.last_agreed_step, event.step)
             return []
         listing = ", ".join(f"rank {rank}={values[rank]:#018x}" for rank in range(tp))
         mismatch = ev.DigestMismatch(event.step, values, odd_ranks)
@@ -292,6 +294,8 @@ class Core:
     def _maybe_plan(self) -> Decisions:
         if self.in_flight is not None or not self.scheduler.is_ready or not self.has_unfinished():
             return []
+        if self._digests_lag():
+            return []  # planned when the lagging rank's digest arrives
         scheduled, preempted = self.scheduler.schedule(self.step + 1)
         if not scheduled:
             return self._fail(f"the scheduler can make no progress: {len(self.scheduler.waiting)} waiting, nothing fits")
@@ -303,6 +307,14 @@ class Core:
         self.finished_req_ids = []
         state = digest.state_digest(self.step, self.scheduler, self._live_requests(), self.adapters)
         return decisions + [plan, ev.StateDigest(self.step, state)]
+
+    def _digests_lag(self) -> bool:
+        """With several ranks the core takes rank 0's tokens, so a slow rank's digest could trail
+        by any number of steps and a disagreement surface after its requests finished. Step s + 1
+        is planned only once every rank agreed on step s - 1: at most two steps' tokens go out
+        before a disagreement stops the engine, and ranks in lockstep never wait (each rank sends
+        step s's digest as it finishes step s)."""
+        return self.config.tensor_parallel_size > 1 and self.last_agreed_step < self.step - 1
 
     def _live_requests(self) -> list[Request]:
         return list(self.scheduler.waiting) + self.scheduler.running

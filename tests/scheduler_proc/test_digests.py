@@ -44,3 +44,29 @@ def test_digests_of_one_step_wait_for_every_rank():
     d.arrive("a", 3)
     assert d.send(ev.RankDigest(1, 0, 1)) == []
     assert d.core.rank_digests == {1: {0: 1}}
+
+
+def test_rank_zero_runs_at_most_one_step_ahead_of_the_digest_check():
+    """A slow rank's digests hold back the plan two steps after the last agreed one, so a
+    disagreement cannot surface after its requests finished; its digest releases the plan."""
+    def plans(decisions):
+        return [x.step for x in decisions if isinstance(x, ev.StepPlan)]
+
+    d = Driver(tensor_parallel_size=2)
+    d.arrive("a", 3, max_tokens=8)  # plans step 1
+    assert plans(d.complete()) == [2]  # no digest is due before step 2
+    assert d.send(ev.RankDigest(1, 0, 11)) == []
+    assert plans(d.complete()) == []  # step 3 waits for rank 1's digest of step 1
+    assert plans(d.send(ev.RankDigest(1, 1, 11))) == [3]
+    assert d.send(ev.RankDigest(2, 0, 22)) == []
+    assert plans(d.complete()) == []  # step 4 waits for step 2
+    mismatch, failed = d.send(ev.RankDigest(2, 1, 99))
+    assert mismatch.step == 2 and isinstance(failed, ev.EngineFailed)
+    assert d.core.step == 3  # nothing planned past the disagreement
+
+
+def test_one_rank_never_waits_on_digests():
+    d = Driver()
+    d.arrive("a", 3, max_tokens=5)
+    d.run()
+    assert d.core.step == 5 and d.core.last_agreed_step == 0
