@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import gemm_tuning as _gemm_tuning
 from kernels.attention_ref import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv
 from kernels import lora_ref
 from kernels.lora_ref import LoraDelta
@@ -89,10 +90,14 @@ GEMV_MAX_N = 65536  # lm_head-sized GEMVs stay on cuBLAS, which streams them at 
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; one half-precision CUDA row (batch-1 decode) goes through the Triton GEMV."""
+    """F.linear; one half-precision CUDA row (batch-1 decode) goes through the Triton GEMV, more
+    rows through the cuBLASLt algorithm kernels/gemm_tuning.py chose for the shape, if any."""
     if (use_triton(x) and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1
             and weight.stride(-1) == 1 and weight.shape[0] <= GEMV_MAX_N):
         return _gemv.gemv(x, weight, bias)
+    if (x.is_cuda and bias is None and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)
+            and x.is_contiguous() and weight.is_contiguous() and _gemm_tuning.enabled()):
+        return _gemm_tuning.linear(x, weight)  # the algorithm timed fastest for this shape (decode graphs)
     return torch.nn.functional.linear(x, weight, bias)
 
 

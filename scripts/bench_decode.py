@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from kernels import ops
+from kernels import gemm_tuning, ops
 from shared.adapter_format import BaseShapes
 from shared.config import EngineConfig
 from shared.events import AdapterSlotAssigned, CachedReq, NewReq, StepPlan
@@ -205,7 +205,8 @@ def main() -> None:
     results = sweep(Bench(runner, args.prompt_len, args.warmup, args.steps), base, args, bw)
     report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bw_GBps=round(bw / 1e9, 1),
                   model_load_s=round(load_s, 1), adapters_load_s=round(adapters_s, 1), graphs=not args.eager,
-                  max_loras=args.max_loras, prompt_len=args.prompt_len, rank=args.rank, results=results)
+                  max_loras=args.max_loras, prompt_len=args.prompt_len, rank=args.rank, results=results,
+                  gemm_tuning=gemm_tuning.report())
     _report(report, args.out)
 
 

@@ -16,14 +16,18 @@ slot -1 and write their K/V into a scratch block past the scheduler's blocks.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 
 import torch
 
+from kernels import gemm_tuning
 from kernels.lora_ref import group_tiles, max_tiles
 from worker_proc.batch import ReqState
 from worker_proc.lora.mapping import LoraMapping
 from worker_proc.step_inputs import DeviceAttentionMetadata, PinnedStaging
+
+log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 SLOT_BUCKETS = (4, 16)  # LoRA graphs per number of leading slots, besides max_loras itself
@@ -80,7 +84,10 @@ class DecodeGraphs:
                 g = DecodeGraph(b, self.width, max_tiles(b, num_slots) if num_slots else 0, self.device)
                 g.inputs[3 * b : 4 * b].fill_(-1)  # adapter slots: base (tile table: zeros, empty)
                 g.inputs[2 * b : 3 * b].fill_(self.scratch_slot)  # KV slots: scratch
-                g.forward(self.model, self.kv_layers, num_slots)  # eager warm-up
+                with gemm_tuning.recording() as gemms:
+                    g.forward(self.model, self.kv_layers, num_slots)  # eager warm-up
+                if gemm_tuning.enabled():
+                    _log_tuning(b, num_slots, gemm_tuning.tune(gemms))
                 torch.cuda.synchronize()
                 with torch.cuda.graph(g.graph, pool=self.pool):
                     g.logits = g.forward(self.model, self.kv_layers, num_slots)
@@ -107,6 +114,12 @@ class DecodeGraphs:
         self.replays += 1
         assert g.logits is not None
         return g.logits[:n]
+
+
+def _log_tuning(batch: int, num_slots: int, timings: dict) -> None:
+    for shape, (torch_us, chosen_us, _) in timings.items():
+        log.info("decode GEMM %dx%dx%d (batch %d, %d slots): F.linear %.1f us, chosen %.1f us",
+                 shape.m, shape.n, shape.k, batch, num_slots, torch_us, chosen_us)
 
 
 def decode_row(reqs: Sequence[ReqState], bucket: int, width: int, block_size: int, scratch_slot: int,
