@@ -6,8 +6,8 @@ it often misses: on an H200 at 32 rows, gate_up stacked with 4 adapters' A (2880
 (BENCHMARKS.md, "GPU"; scripts/probe_gemm_algos.py times any shape). So before the decode
 graphs are captured, each GEMM shape the warm-up forward ran is timed: F.linear and each of
 cuBLASLt's heuristic candidates, as a CUDA graph over the very weights the model multiplies at
-that shape (a chain of distinct layers, streaming from HBM as in a step). The fastest wins,
-F.linear on ties; a candidate whose output strays from F.linear's is never chosen.
+that shape (a chain of distinct layers, streaming from HBM as in a step). The fastest wins if
+it beats F.linear by 1%; a candidate whose output strays from F.linear's is never chosen.
 ops.linear then dispatches.
 
 LEDGERSERVE_GEMM_TUNING=0 turns it off (every GEMM is F.linear).
@@ -32,6 +32,7 @@ TUNING_ENV = "LEDGERSERVE_GEMM_TUNING"
 MIN_CHAIN = 8  # GEMMs per timed graph: a shape seen on fewer weights repeats them
 MAX_CHAIN = 32
 REPS = 5
+MIN_GAIN = 0.01  # a candidate must beat F.linear by 1% to replace it
 
 _choices: dict[GemmShape, cublaslt.Algo | None] = {}  # None: F.linear
 _timings: dict[GemmShape, tuple[float, float, int | None]] = {}  # F.linear us, chosen us, candidate index
@@ -70,8 +71,9 @@ def recording() -> Iterator[dict[GemmShape, list[torch.Tensor]]]:
 
 
 def fastest(torch_us: float, candidate_us: Sequence[float | None]) -> int | None:
-    """The index of the fastest candidate that beats F.linear's time (None: keep F.linear)."""
-    best, best_us = None, torch_us
+    """The index of the fastest candidate that beats F.linear's time by MIN_GAIN (None: keep
+    F.linear): a near tie in the chain is noise, and the model may order them the other way."""
+    best, best_us = None, torch_us * (1 - MIN_GAIN)
     for i, us in enumerate(candidate_us):
         if us is not None and us < best_us:
             best, best_us = i, us

@@ -5,8 +5,9 @@ from __future__ import annotations
 from kernels.gemm_tuning import fastest
 
 
-def test_keeps_linear_when_no_candidate_beats_it() -> None:
+def test_keeps_linear_when_no_candidate_beats_it_by_the_margin() -> None:
     assert fastest(10.0, [10.0, 12.5]) is None
+    assert fastest(10.0, [9.95]) is None  # within MIN_GAIN: a tie
     assert fastest(10.0, []) is None
 
 
