@@ -107,15 +107,16 @@ def report() -> list[dict]:
             for s, t in sorted(_timings.items(), key=lambda kv: (kv[0].m, kv[0].n, kv[0].k))]
 
 
-def time_shape(shape: GemmShape, weights: list[torch.Tensor], algos: list[cublaslt.Algo]
-                ) -> tuple[float, list[float | None]]:
+def time_shape(
+    shape: GemmShape, weights: list[torch.Tensor], algos: list[cublaslt.Algo]
+) -> tuple[float, list[float | None]]:
     """us per GEMM of F.linear and of each algorithm (None: failed, or output off F.linear's)."""
     chain = (weights * -(-MIN_CHAIN // len(weights)))[: max(MIN_CHAIN, len(weights))]
     x = torch.randn(shape.m, shape.k, dtype=shape.dtype, device=weights[0].device)
-    ys = [torch.empty(shape.m, shape.n, dtype=shape.dtype, device=x.device) for _ in chain]
+    y = torch.empty(shape.m, shape.n, dtype=shape.dtype, device=x.device)  # [m, n], rewritten by each GEMM
 
     def run_torch() -> None:
-        for w, y in zip(chain, ys):
+        for w in chain:
             torch.matmul(x, w.t(), out=y)
 
     ref = F.linear(x, chain[0]).float()
@@ -124,15 +125,15 @@ def time_shape(shape: GemmShape, weights: list[torch.Tensor], algos: list[cublas
     candidate_us: list[float | None] = []
     for algo in algos:
         def run(algo: cublaslt.Algo = algo) -> None:
-            for w, y in zip(chain, ys):
+            for w in chain:
                 cublaslt.matmul_into(y, x, w, algo)
         try:
             us = _graph_us(run, len(chain))
         except (cublaslt.CublasLtError, RuntimeError):
             candidate_us.append(None)
             continue
-        cublaslt.matmul_into(ys[0], x, chain[0], algo)
-        close = (ys[0].float() - ref).abs().max().item() <= tol
+        cublaslt.matmul_into(y, x, chain[0], algo)
+        close = (y.float() - ref).abs().max().item() <= tol
         candidate_us.append(us if close else None)
     return torch_us, candidate_us
 
