@@ -128,19 +128,26 @@ def _plan(shape: GemmShape) -> _Plan:
     return _Plan(shape)
 
 
-def candidates(shape: GemmShape, device_index: int, max_count: int = 32) -> list[Algo]:
-    """cuBLASLt's heuristic candidates for `shape`, best-estimated first (the first is what the
-    heuristic alone would run)."""
-    lib, plan = _lib(), _plan(shape)
-    pref = ctypes.c_void_p()
+@functools.lru_cache
+def _preference() -> ctypes.c_void_p:
+    """The heuristic's search preference, made once: candidates may use up to WORKSPACE_BYTES."""
+    lib, pref = _lib(), ctypes.c_void_p()
     _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "PreferenceCreate")
     limit = ctypes.c_uint64(WORKSPACE_BYTES)
     _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(limit), 8),
            "PreferenceSetAttribute")
+    return pref
+
+
+def candidates(shape: GemmShape, device_index: int, max_count: int = 32) -> list[Algo]:
+    """cuBLASLt's heuristic candidates for `shape`, best-estimated first (the first is what the
+    heuristic alone would run)."""
+    lib, plan = _lib(), _plan(shape)
     results = (_HeuristicResult * max_count)()
     count = ctypes.c_int(0)
-    _check(lib.cublasLtMatmulAlgoGetHeuristic(_handle(device_index), plan.desc, plan.a, plan.b, plan.d, plan.d, pref,
-                                              max_count, results, ctypes.byref(count)), "AlgoGetHeuristic")
+    _check(lib.cublasLtMatmulAlgoGetHeuristic(_handle(device_index), plan.desc, plan.a, plan.b, plan.d, plan.d,
+                                              _preference(), max_count, results, ctypes.byref(count)),
+           "AlgoGetHeuristic")
     return [_copy_algo(results[i].algo) for i in range(count.value) if results[i].state == 0]
 
 
