@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 SECTIONS = ("queues", "slots", "namespaces", "requests", "adapters")
-_QUEUE_KEYS = ("step", "in_flight_step", "waiting", "running", "num_free_blocks", "num_total_blocks")
+_QUEUE_KEYS = ("step", "in_flight_step", "in_flight_steps", "waiting", "running", "num_free_blocks", "num_total_blocks")
 
 
 def parse_sections(text: str) -> list[str]:

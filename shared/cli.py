@@ -27,6 +27,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add("--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
     add("--tensor-parallel-size", type=int, default=1)
     add("--enforce-eager", action="store_true", help="no CUDA graphs: run every decode step eagerly")
+    add("--async-scheduling", action="store_true",
+        help="plan step s + 1 while step s runs, so the GPU does not wait on the scheduler between steps")
     add("--api-key", default=None, help="require this Bearer key on every /v1 route (or set LEDGERSERVE_API_KEY)")
     add("--max-request-bytes", type=int, default=8 * 1024 * 1024, help="largest HTTP request body")
     add("--max-n", type=int, default=16, help="most choices (n) per request")

@@ -46,6 +46,7 @@ class EngineConfig:
     api_key_required: bool = False  # the key itself travels in LEDGERSERVE_API_KEY, never in config or logs
     event_log_fsync: str = "step"  # never | step | always
     event_log_max_bytes: int = 256 * 1024 * 1024  # rotate segments past this size
+    async_scheduling: bool = False  # plan step s + 1 while step s runs, so the GPU never waits on the host
 
     def __post_init__(self) -> None:
         _validate(self)

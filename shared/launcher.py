@@ -80,6 +80,7 @@ def resolve_config(args: argparse.Namespace, run_dir: str) -> EngineConfig:
         run_dir=run_dir,
         is_demo_model=is_demo,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         max_request_bytes=args.max_request_bytes,
         max_n=args.max_n,
         max_waiting_requests=args.max_waiting_requests,

@@ -32,3 +32,8 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalised(self) -> bool:
+        """Whether sampling reads the request's earlier tokens (so they must be known on the host)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from shared.config import EngineConfig
 
-_POSITIVE = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "tensor_parallel_size", "max_loras", "max_cpu_loras", "lora_aging_steps")
+_POSITIVE = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "tensor_parallel_size", "max_loras", "max_cpu_loras", "lora_aging_steps", "max_steps_in_flight")
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,7 @@ class CoreConfig:
     max_cpu_loras: int = 32  # adapter versions kept in the workers' CPU tier
     enable_lora: bool = False
     lora_aging_steps: int = 16  # steps a cap-blocked request waits before nothing may overtake it
+    max_steps_in_flight: int = 1  # 2: async scheduling, step s + 1 planned while step s runs
 
     def __post_init__(self) -> None:
         for name in _POSITIVE:
@@ -28,6 +29,8 @@ class CoreConfig:
                 raise ValueError(f"CoreConfig.{name} must be a positive int, got {value!r}")
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(f"CoreConfig.max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if self.max_steps_in_flight > 2:
+            raise ValueError(f"CoreConfig.max_steps_in_flight must be 1 or 2, got {self.max_steps_in_flight}")
         if not isinstance(self.enable_lora, bool):
             raise ValueError(f"CoreConfig.enable_lora must be a bool, got {self.enable_lora!r}")
 
@@ -42,4 +45,5 @@ class CoreConfig:
             max_loras=cfg.max_loras,
             max_cpu_loras=cfg.max_cpu_loras,
             enable_lora=cfg.enable_lora,
+            max_steps_in_flight=2 if cfg.async_scheduling else 1,
         )

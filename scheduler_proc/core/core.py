@@ -7,6 +7,7 @@ dicts are only used for lookups; every order comes from the input sequence or fr
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 from shared import events as ev
@@ -32,7 +33,7 @@ class Core:
         self.ready: dict[int, ev.WorkerReady] = {}  # by rank, lookups only
         self.eos_token_ids: list[int] = []
         self.step = 0
-        self.in_flight: InFlightStep | None = None
+        self.in_flight: deque[InFlightStep] = deque()  # planned, not completed; oldest first
         self.finished_req_ids: list[str] = []  # to tell workers in the next plan
         self.rank_digests: dict[int, dict[int, int]] = {}  # step -> rank -> digest
         self.last_agreed_step = 0  # every rank's digest of this step (and those before) arrived, equal
@@ -84,8 +85,8 @@ class Core:
         self.adapters.check_integrity(queued)
 
     def snapshot(self) -> dict[str, Any]:
-        in_flight_step = self.in_flight.step if self.in_flight else None
-        return digest.snapshot(self.step, in_flight_step, self.scheduler, self._live_requests(), self.adapters)
+        in_flight_steps = [step.step for step in self.in_flight]
+        return digest.snapshot(self.step, in_flight_steps, self.scheduler, self._live_requests(), self.adapters)
 
     # ------------------------------------------------------------------ dispatch
 
@@ -155,28 +156,29 @@ class Core:
     def _on_step_completed(self, event: ev.StepCompleted) -> Decisions:
         if event.rank != 0:
             return []  # only rank 0 reports sampled tokens
-        if self.in_flight is None or event.step != self.in_flight.step:
-            expected = self.in_flight.step if self.in_flight else None
-            return self._fail(f"StepCompleted for step {event.step}, but the step in flight is {expected}")
+        if not self.in_flight or event.step != self.in_flight[0].step:
+            expected = self.in_flight[0].step if self.in_flight else None
+            return self._fail(f"StepCompleted for step {event.step}, but the oldest step in flight is {expected}")
         sampled = {token.req_id: token for token in event.sampled}
         failed = {item.req_id: item.message for item in event.failed}
         decisions: Decisions = []
-        for item in self.in_flight.reqs:
+        for item in self.in_flight.popleft().reqs:
             req = self.requests.get(item.req_id)
             if req is None or req.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+                continue  # finished or aborted while the step ran (steps run ahead never preempt)
             if item.req_id in failed:
                 decisions += self._fail_request(req, failed[item.req_id])
                 continue
+            req.num_in_flight_tokens -= item.num_tokens
             req.num_computed_tokens += item.num_tokens
             decisions += prefix.cache_computed(self.scheduler.block_manager, req, self.step)
             if not item.samples:
                 continue  # a prefill chunk that does not reach the end of the prompt
+            req.num_pending_samples -= 1
             token = sampled.get(item.req_id)
             if token is None:
                 return decisions + self._fail(f"step {event.step}: rank 0 sampled no token for request {item.req_id!r}")
             decisions += self._append_token(req, token)
-        self.in_flight = None
         return decisions
 
     def _on_rank_digest(self, event: ev.RankDigest) -> Decisions:
@@ -292,20 +294,34 @@ class Core:
     # ------------------------------------------------------------------ planning
 
     def _maybe_plan(self) -> Decisions:
-        if self.in_flight is not None or not self.scheduler.is_ready or not self.has_unfinished():
-            return []
-        if self._digests_lag():
-            return []  # planned when the lagging rank's digest arrives
-        scheduled, preempted = self.scheduler.schedule(self.step + 1)
+        """Plan steps until `max_steps_in_flight` are in flight (1: the classic loop; 2: async
+        scheduling, step s + 1 planned while step s runs) or nothing more can be scheduled."""
+        decisions: Decisions = []
+        while len(self.in_flight) < self.config.max_steps_in_flight and self.failure is None:
+            if not self.scheduler.is_ready or not self.has_unfinished() or self._digests_lag():
+                break  # a lagging rank: planned when its digest arrives
+            planned = self._plan_step()
+            if not planned:
+                break
+            decisions += planned
+        return decisions
+
+    def _plan_step(self) -> Decisions:
+        """The next step's plan and what it decides, or [] when only a step in flight can make progress."""
+        scheduled, preempted = self.scheduler.schedule(self.step + 1, may_preempt=not self.in_flight)
         if not scheduled:
+            if self.in_flight:
+                return []
             return self._fail(f"the scheduler can make no progress: {len(self.scheduler.waiting)} waiting, nothing fits")
         self.step += 1
         preempted_ids = [req.req_id for req in preempted]
         decisions: Decisions = [ev.RequestPreempted(req_id, self.step) for req_id in preempted_ids]
         decisions += self.adapters.bind_step([item.req for item in scheduled], preempted, self.step)
-        plan, self.in_flight = build_plan(self.step, scheduled, self.finished_req_ids, preempted_ids)
+        plan, in_flight = build_plan(self.step, scheduled, self.finished_req_ids, preempted_ids)
+        self.in_flight.append(in_flight)
         self.finished_req_ids = []
-        state = digest.state_digest(self.step, self.scheduler, self._live_requests(), self.adapters)
+        state = digest.state_digest(self.step, self.scheduler, self._live_requests(), self.adapters,
+                                    with_in_flight=self.config.max_steps_in_flight > 1)
         return decisions + [plan, ev.StateDigest(self.step, state)]
 
     def _digests_lag(self) -> bool:

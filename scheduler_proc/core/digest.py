@@ -14,22 +14,26 @@ from scheduler_proc.core.scheduler import Scheduler
 _encoder = msgspec.msgpack.Encoder()
 
 
-def request_rows(requests: list[Request]) -> list[list[Any]]:
-    return [
-        [
+def request_rows(requests: list[Request], with_in_flight: bool = False) -> list[list[Any]]:
+    """One row per request; `with_in_flight` (async scheduling) adds its in-flight counts, which
+    the one-step-in-flight loop leaves out so that its digests stay what older logs hold."""
+    rows = []
+    for req in sorted(requests, key=lambda r: (r.arrival_order, r.req_id)):
+        row = [
             req.req_id, req.status.value, req.num_prompt_tokens, req.num_output_tokens, req.num_computed_tokens,
             list(req.block_ids), req.version_id, req.lora_slot, req.num_cached_tokens, req.num_shared_blocks,
         ]
-        for req in sorted(requests, key=lambda r: (r.arrival_order, r.req_id))
-    ]
+        rows.append(row + [req.num_in_flight_tokens, req.num_pending_samples] if with_in_flight else row)
+    return rows
 
 
-def state_digest(step: int, scheduler: Scheduler, requests: list[Request], adapters: AdapterManager) -> int:
+def state_digest(step: int, scheduler: Scheduler, requests: list[Request], adapters: AdapterManager,
+                 with_in_flight: bool = False) -> int:
     rows = [
         step,
         [req.req_id for req in scheduler.waiting],
         [req.req_id for req in scheduler.running],
-        request_rows(requests),
+        request_rows(requests, with_in_flight),
         _free_rows(scheduler),
         adapters.rows(),
         scheduler.block_manager.cache.rows() if scheduler.is_ready else [],
@@ -45,11 +49,12 @@ def _free_rows(scheduler: Scheduler) -> list[int]:
     return [pool.num_free, pool.free_membership]
 
 
-def snapshot(step: int, in_flight_step: int | None, scheduler: Scheduler, requests: list[Request], adapters: AdapterManager) -> dict[str, Any]:
+def snapshot(step: int, in_flight_steps: list[int], scheduler: Scheduler, requests: list[Request], adapters: AdapterManager) -> dict[str, Any]:
     ready = scheduler.is_ready
     return {
         "step": step,
-        "in_flight_step": in_flight_step,
+        "in_flight_step": in_flight_steps[0] if in_flight_steps else None,  # the oldest
+        "in_flight_steps": in_flight_steps,
         "num_total_blocks": scheduler.block_manager.num_total_blocks if ready else None,
         "num_free_blocks": scheduler.block_manager.num_free_blocks if ready else None,
         "waiting": [req.req_id for req in scheduler.waiting],
@@ -64,6 +69,8 @@ def snapshot(step: int, in_flight_step: int | None, scheduler: Scheduler, reques
                 "num_prompt_tokens": req.num_prompt_tokens,
                 "num_output_tokens": req.num_output_tokens,
                 "num_computed_tokens": req.num_computed_tokens,
+                "num_in_flight_tokens": req.num_in_flight_tokens,
+                "num_pending_samples": req.num_pending_samples,
                 "num_cached_tokens": req.num_cached_tokens,
                 "num_preemptions": req.num_preemptions,
                 "block_ids": list(req.block_ids),

@@ -15,7 +15,7 @@ from scheduler_proc.core.scheduler import ScheduledReq
 class InFlightReq:
     req_id: str
     num_tokens: int
-    samples: bool  # the scheduled tokens reach the end of the known tokens
+    samples: bool  # the scheduled tokens reach the end of the known (and pending) tokens
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ def new_req(req: Request, num_tokens: int) -> NewReq:
         num_prompt_tokens=req.num_prompt_tokens,
         sampling=req.sampling,
         block_ids=list(req.block_ids),
-        num_computed_tokens=req.num_computed_tokens,
+        num_computed_tokens=req.num_planned_tokens,
         num_scheduled_tokens=num_tokens,
         lora_slot=req.lora_slot,
     )
@@ -42,7 +42,7 @@ def cached_req(req: Request, num_tokens: int) -> CachedReq:
         req_id=req.req_id,
         new_token_ids=req.token_ids[req.num_tokens_on_worker :],
         new_block_ids=req.block_ids[req.num_blocks_on_worker :],
-        num_computed_tokens=req.num_computed_tokens,
+        num_computed_tokens=req.num_planned_tokens,
         num_scheduled_tokens=num_tokens,
         lora_slot=req.lora_slot,
     )
@@ -54,7 +54,9 @@ def build_plan(
     finished_req_ids: list[str],
     preempted_req_ids: list[str],
 ) -> tuple[StepPlan, InFlightStep]:
-    """The plan for `step`; records on each request what the workers now hold."""
+    """The plan for `step`; records on each request what the workers now hold, and what
+    this step puts in flight. A request whose newest token is pending is scheduled past the
+    tokens the workers know: they feed it the token they sampled for it in the step before."""
     new_reqs: list[NewReq] = []
     cached_reqs: list[CachedReq] = []
     in_flight: list[InFlightReq] = []
@@ -67,7 +69,9 @@ def build_plan(
         req.on_worker = True
         req.num_tokens_on_worker = req.num_tokens
         req.num_blocks_on_worker = len(req.block_ids)
-        samples = req.num_computed_tokens + item.num_tokens == req.num_tokens
+        samples = req.num_planned_tokens + item.num_tokens == req.num_tokens + req.num_pending_samples
+        req.num_in_flight_tokens += item.num_tokens
+        req.num_pending_samples += int(samples)
         in_flight.append(InFlightReq(req.req_id, item.num_tokens, samples))
     plan = StepPlan(
         step=step,

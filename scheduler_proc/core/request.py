@@ -58,9 +58,11 @@ class IllegalTransition(RuntimeError):
 
 
 class Request:
-    """One request. `num_computed_tokens` counts tokens whose KV the workers hold;
-    `num_tokens_on_worker` / `num_blocks_on_worker` say what the workers were last sent,
-    so a plan can send a running request as a delta."""
+    """One request. `num_computed_tokens` counts tokens whose KV the workers hold (their steps
+    completed); `num_in_flight_tokens` those scheduled in steps not completed yet, of which
+    `num_pending_samples` are tokens still being sampled (ids unknown; async scheduling runs a
+    request one step ahead of its newest token). `num_tokens_on_worker` / `num_blocks_on_worker`
+    say what the workers were last sent, so a plan can send a running request as a delta."""
 
     def __init__(
         self,
@@ -85,6 +87,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.block_ids: list[int] = []
         self.num_computed_tokens = 0
+        self.num_in_flight_tokens = 0
+        self.num_pending_samples = 0  # 0 or 1: at most one step runs ahead of the newest token
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.num_shared_blocks = 0  # leading blocks of block_ids that sit in the prefix cache
         self.on_worker = False
@@ -109,8 +113,19 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
-    def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+    def num_planned_tokens(self) -> int:
+        """Tokens whose KV the workers hold or will hold once the steps in flight complete."""
+        return self.num_computed_tokens + self.num_in_flight_tokens
+
+    @property
+    def num_unplanned_tokens(self) -> int:
+        """Known or pending tokens not yet scheduled in any step."""
+        return self.num_tokens + self.num_pending_samples - self.num_planned_tokens
+
+    def forget_in_flight(self) -> None:
+        """Steps in flight no longer count for this request (preempted: it recomputes)."""
+        self.num_in_flight_tokens = 0
+        self.num_pending_samples = 0
 
     def __repr__(self) -> str:
         return f"Request({self.req_id!r}, {self.status.name}, tokens={self.num_tokens}, computed={self.num_computed_tokens})"

@@ -63,35 +63,53 @@ class Scheduler:
             self.block_manager.release(req.namespace, req.req_id, req.block_ids, step)
             req.num_shared_blocks = 0
 
-    def schedule(self, step: int) -> tuple[list[ScheduledReq], list[Request]]:
+    def schedule(self, step: int, may_preempt: bool = True) -> tuple[list[ScheduledReq], list[Request]]:
         """Running requests first (a decode token or their next prefill chunk), then
         waiting ones FCFS under the adapter cap. `step` is the step being built (aging).
-        Returns the scheduled requests and the ones preempted."""
+        A step planned ahead of one in flight (`may_preempt` False) stops where blocks run
+        out instead of preempting. Returns the scheduled requests and the ones preempted."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledReq] = []
         preempted: list[Request] = []
+        is_blocked = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_tokens = min(req.num_uncomputed_tokens, budget)
-            if num_tokens <= 0:
+            num_tokens = min(req.num_unplanned_tokens, budget)
+            if num_tokens <= 0 or not self._may_run_ahead(req):
                 i += 1
                 continue
-            if not self._make_room(req, num_tokens, preempted, step):
-                break  # req preempted itself: it was the newest running request
-            self.block_manager.grow(req.namespace, req.req_id, req.block_ids, req.num_computed_tokens + num_tokens)
+            if not self._make_room(req, num_tokens, preempted, step, may_preempt):
+                is_blocked = True  # req preempted itself (the newest running request), or may not preempt
+                break
+            self.block_manager.grow(req.namespace, req.req_id, req.block_ids, req.num_planned_tokens + num_tokens)
             scheduled.append(ScheduledReq(req, num_tokens))
             budget -= num_tokens
             i += 1
-        if not preempted or not scheduled:
+        if (not scheduled) if preempted else not is_blocked:  # nothing overtakes a running request short of blocks
             self._admit_waiting(budget, scheduled, step)
         return scheduled, preempted
 
-    def _make_room(self, req: Request, num_tokens: int, preempted: list[Request], step: int) -> bool:
+    def _may_run_ahead(self, req: Request) -> bool:
+        """A request whose newest token is still being sampled runs a step ahead only if that
+        token cannot be its last by length, and its sampling does not read earlier token ids."""
+        if req.num_pending_samples == 0:
+            return True
+        num_outputs = req.num_output_tokens + req.num_pending_samples
+        return (
+            not req.sampling.penalised
+            and num_outputs < req.sampling.max_tokens
+            and req.num_tokens + req.num_pending_samples < self.config.max_model_len
+        )
+
+    def _make_room(self, req: Request, num_tokens: int, preempted: list[Request], step: int, may_preempt: bool) -> bool:
         """Preempt the newest running requests until `req` can grow (free blocks, then
-        evictable cached ones, are used first); False if req preempted itself."""
-        num_needed = req.num_computed_tokens + num_tokens
+        evictable cached ones, are used first); False if req preempted itself, or if it
+        can't grow and `may_preempt` is False."""
+        num_needed = req.num_planned_tokens + num_tokens
         while not self.block_manager.can_grow(req.block_ids, num_needed):
+            if not may_preempt:
+                return False
             victim = self.running[-1]
             self._preempt(victim, step)
             preempted.append(victim)
@@ -104,6 +122,7 @@ class Scheduler:
         self.block_manager.release(req.namespace, req.req_id, req.block_ids, step)
         transition(req, RequestStatus.PREEMPTED)
         req.num_computed_tokens = 0
+        req.forget_in_flight()
         req.num_shared_blocks = 0
         req.on_worker = False
         req.num_preemptions += 1

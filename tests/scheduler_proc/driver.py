@@ -8,7 +8,11 @@
 
 The fake worker keeps what a real one would (each request's known tokens and block
 table), checks every plan against it, and samples only for requests whose scheduled
-tokens reach the end of their known tokens. It also keeps the adapter slot table (from
+tokens reach the end of their known tokens. With `max_steps_in_flight=2` (async
+scheduling) a plan may arrive while the one before is in flight; it may schedule one
+token past the known ones for a request that sampled in the step before, and the fake
+worker feeds it the token it sampled there, as a real one does on the device. Every
+sampled token the scheduler later sends back must be the one the worker sampled. It also keeps the adapter slot table (from
 AdapterSlotAssigned / AdapterEvicted) and checks that every request's `lora_slot` holds
 that request's version, and that no slot is loaded or evicted while a running request
 uses it.
@@ -73,8 +77,9 @@ class FakeSlots:
 class FakeWorker:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self.num_tokens: dict[str, int] = {}
-        self.token_ids: dict[str, list[int]] = {}
+        self.num_tokens: dict[str, int] = {}  # tokens the plans told the worker about
+        self.token_ids: dict[str, list[int]] = {}  # those, then any this worker sampled since
+        self.last_samplers: list[str] = []  # requests that sampled in the step applied last
         self.block_ids: dict[str, list[int]] = {}
         self.kv: dict[int, tuple[int, tuple[int, ...]]] = {}  # block -> (namespace, prefix it ends)
         self.slots = FakeSlots()
@@ -98,14 +103,29 @@ class FakeWorker:
         for cached in plan.cached_reqs:
             if cached.req_id not in self.num_tokens:
                 raise AssertionError(f"CachedReq for {cached.req_id!r}, which the worker does not hold")
-            self.num_tokens[cached.req_id] += len(cached.new_token_ids)
-            self.token_ids[cached.req_id] += cached.new_token_ids
+            self._learn(cached.req_id, cached.new_token_ids)
             self.block_ids[cached.req_id] += cached.new_block_ids
             self.check_cached_kv(cached.req_id, cached.num_computed_tokens)
             samplers += self._check(cached.req_id, cached.num_computed_tokens, cached.num_scheduled_tokens)
         for req in list(plan.new_reqs) + list(plan.cached_reqs):
             self._write_kv(req.req_id, req.num_computed_tokens, req.num_scheduled_tokens)
         return samplers
+
+    def record_samples(self, sampled: list[ev.SampledToken]) -> None:
+        """The tokens this worker sampled in the step it applied last."""
+        for token in sampled:
+            self.token_ids[token.req_id].append(token.token_id)
+        self.last_samplers = [token.req_id for token in sampled]
+
+    def _learn(self, req_id: str, new_token_ids: list[int]) -> None:
+        """Tokens the scheduler now sends: those this worker sampled must come back unchanged."""
+        tokens, start = self.token_ids[req_id], self.num_tokens[req_id]
+        for i, token_id in enumerate(new_token_ids, start):
+            if i < len(tokens) and tokens[i] != token_id:
+                raise AssertionError(f"{req_id!r}: token {i} sent as {token_id}, but the worker sampled {tokens[i]}")
+            if i >= len(tokens):
+                tokens.append(token_id)
+        self.num_tokens[req_id] += len(new_token_ids)
 
     def namespace(self, req_id: str) -> int:
         return self.req_versions.get(req_id, 0)
@@ -130,11 +150,14 @@ class FakeWorker:
 
     def _check(self, req_id: str, num_computed: int, num_scheduled: int) -> list[str]:
         end = num_computed + num_scheduled
-        if num_scheduled <= 0 or end > self.num_tokens[req_id]:
-            raise AssertionError(f"{req_id!r}: scheduled {num_computed}+{num_scheduled} of {self.num_tokens[req_id]} tokens")
+        num_known = self.num_tokens[req_id]
+        is_placeholder = (end == num_known + 1 == len(self.token_ids[req_id]) and num_scheduled == 1
+                          and req_id in self.last_samplers)
+        if num_scheduled <= 0 or (end > num_known and not is_placeholder):
+            raise AssertionError(f"{req_id!r}: scheduled {num_computed}+{num_scheduled} of {num_known} tokens")
         if len(self.block_ids[req_id]) * self.block_size < end:
             raise AssertionError(f"{req_id!r}: {len(self.block_ids[req_id])} blocks cannot hold {end} tokens")
-        return [req_id] if end == self.num_tokens[req_id] else []
+        return [req_id] if end == len(self.token_ids[req_id]) else []
 
     def check_slots(self, plan: ev.StepPlan) -> None:
         """Slots are checked in stream order, when the plan is sent (a later eviction
@@ -160,10 +183,12 @@ class Driver:
         max_loras: int = 8,
         max_cpu_loras: int = 32,
         lora_aging_steps: int = 16,
+        max_steps_in_flight: int = 1,
     ) -> None:
         self.config = CoreConfig(
             max_num_seqs, max_num_batched_tokens, block_size, max_model_len, tensor_parallel_size,
             max_loras=max_loras, max_cpu_loras=max_cpu_loras, enable_lora=enable_lora, lora_aging_steps=lora_aging_steps,
+            max_steps_in_flight=max_steps_in_flight,
         )
         self.core = Core(self.config)
         self.worker = FakeWorker(block_size)
@@ -176,7 +201,7 @@ class Driver:
         self.finish_reasons: dict[str, str] = {}
         self.emitted: list[ev.TokensEmitted] = []
         self._scripts: dict[str, deque[int]] = {}
-        self._pending_plan: ev.StepPlan | None = None
+        self._pending_plans: deque[ev.StepPlan] = deque()  # sent, not completed; oldest first
         self.registry: dict[str, int] = {}  # name -> version, from the core's decisions
         self.replies: dict[str, ev.AdapterOpReplied] = {}
         self._num_ops = 0
@@ -235,23 +260,28 @@ class Driver:
 
     @property
     def in_flight(self) -> ev.StepPlan | None:
-        return self._pending_plan
+        """The oldest plan in flight."""
+        return self._pending_plans[0] if self._pending_plans else None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._pending_plans)
 
     def complete(self, failed: dict[str, str] | None = None) -> list[Any]:
-        """Run the plan in flight on the fake worker and report rank 0's StepCompleted."""
-        plan = self._pending_plan
-        if plan is None:
+        """Run the oldest plan in flight on the fake worker and report rank 0's StepCompleted."""
+        if not self._pending_plans:
             raise AssertionError("no step in flight")
-        self._pending_plan = None
+        plan = self._pending_plans.popleft()
         samplers = self.worker.apply(plan)
         failed = failed or {}
         sampled = [ev.SampledToken(req_id, self._next_token(req_id)) for req_id in samplers if req_id not in failed]
+        self.worker.record_samples(sampled)
         failed_reqs = [ev.FailedReq(req_id, message) for req_id, message in failed.items()]
         return self.send(ev.StepCompleted(plan.step, 0, sampled, failed_reqs))
 
     def run(self, max_steps: int = 10_000) -> None:
         for _ in range(max_steps):
-            if self._pending_plan is None:
+            if not self._pending_plans:
                 return
             self.complete()
         raise AssertionError(f"still running after {max_steps} steps")
@@ -262,9 +292,9 @@ class Driver:
 
     def _observe(self, decision: Any) -> None:
         if isinstance(decision, ev.StepPlan):
-            if self._pending_plan is not None:
-                raise AssertionError("a second step was planned while one is in flight")
-            self._pending_plan = decision
+            if len(self._pending_plans) >= self.config.max_steps_in_flight:
+                raise AssertionError(f"step {decision.step} planned with {len(self._pending_plans)} in flight")
+            self._pending_plans.append(decision)
             self.plans.append(decision)
             self.worker.check_slots(decision)
         elif isinstance(decision, ev.TokensEmitted):

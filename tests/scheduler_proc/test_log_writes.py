@@ -68,7 +68,7 @@ def drive(shell, num_reqs=3):
     for event in inputs:
         shell.handle(event)
     handled = len(inputs)
-    while shell.core.in_flight is not None:
+    while shell.core.in_flight:
         plan = shell.to_workers[0].sent[-1]
         sampled = [ev.SampledToken(r, 7) for r in worker.apply(plan)]
         shell.handle(ev.StepCompleted(plan.step, 0, sampled))
