@@ -1,11 +1,14 @@
 """ModelRunner: the worker's compute core. Holds per-request state across steps, runs one
 forward pass per StepPlan over a flat batch, samples, loads adapters into LoRA slots as
-told, and digests what it applied (block tables and slot table)."""
+told, and digests what it applied (block tables and slot table). A step is launched (queued
+on the device) and later completed (its sampled tokens read back), so that the next plan can
+be launched in between."""
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 
 import msgspec
 import torch
@@ -23,11 +26,22 @@ from worker_proc.kv_cache import KVCache, num_kv_blocks
 from worker_proc.lora.manager import LoraManager
 from worker_proc.models import build_model, load_eos_token_ids, load_model_config
 from worker_proc.models.llama import FAST_DTYPES
-from worker_proc.sampler import Sampler, SamplingReq
+from worker_proc.sampler import PendingSample, Sampler, SamplingReq
 from worker_proc.step_inputs import PinnedStaging
 
 FAULT_TOKEN_ENV = "LEDGERSERVE_TEST_FAULT_TOKEN_ID"  # test-only: see batch.check_fault
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class InFlightStep:
+    """A launched step whose sampled tokens are not read back yet (ModelRunner.launch -> complete)."""
+
+    step: int
+    sampling_req_ids: list[str]  # in the order of the sampled tokens
+    pending: PendingSample | None  # None when no request samples
+    failed: list[FailedReq]  # requests that failed at launch
+    digest: RankDigest
 
 
 class ModelRunner:
@@ -77,20 +91,27 @@ class ModelRunner:
         )
 
     def execute(self, plan: StepPlan) -> tuple[StepCompleted, RankDigest]:
+        return self.complete(self.launch(plan))
+
+    def launch(self, plan: StepPlan) -> InFlightStep:
+        """Apply the plan and queue its forward pass and sampling; nothing waits on the device."""
         for req_id in [*plan.finished_req_ids, *plan.preempted_req_ids]:
             self.reqs.pop(req_id, None)
         scheduled, failed = self._apply_plan(plan)
         logits, sampling = self._forward(scheduled) if scheduled else (None, [])
         pending = None
         if logits is not None:
-            pending = self.sampler.launch(logits, [SamplingReq(r.sampling, r.token_ids, r.num_prompt_tokens)
-                                                   for r in sampling])
+            pending = self.sampler.launch(logits, [_sampling_req(r) for r in sampling])
         digest = RankDigest(plan.step, self.rank, self.digest())  # on the host while the device runs the step
+        return InFlightStep(plan.step, [r.req_id for r in sampling], pending, failed, digest)
+
+    def complete(self, step: InFlightStep) -> tuple[StepCompleted, RankDigest]:
+        """Read back a launched step's sampled tokens (its one device -> host sync)."""
         sampled = []
-        if pending is not None:
-            sampled = [SampledToken(r.req_id, s.token_id, s.logprobs)
-                       for r, s in zip(sampling, self.sampler.finish(pending))]
-        return StepCompleted(plan.step, self.rank, sampled if self.rank == 0 else [], failed), digest
+        if step.pending is not None:
+            sampled = [SampledToken(req_id, s.token_id, s.logprobs)
+                       for req_id, s in zip(step.sampling_req_ids, self.sampler.finish(step.pending))]
+        return StepCompleted(step.step, self.rank, sampled if self.rank == 0 else [], step.failed), step.digest
 
     def digest(self) -> int:
         """xxhash64 of the block tables (sorted by req_id) and the slot table (slot -> version_id,
@@ -181,6 +202,10 @@ class ModelRunner:
             return None, []
         logits = self.model.compute_logits(hidden[batch.sample_indices], sample_slots, sample_lora)
         return logits, batch.sampling_reqs
+
+
+def _sampling_req(req: ReqState) -> SamplingReq:
+    return SamplingReq(req.sampling, req.token_ids, req.num_prompt_tokens)
 
 
 def _fault_token_id() -> int | None:
