@@ -27,10 +27,13 @@ class SamplingReq:
     params: SamplingParams
     token_ids: Sequence[int]  # the prompt, then the outputs so far (held by the worker, not copied)
     num_prompt_tokens: int
+    # 1 when this step's input is a placeholder: an output sampled but not yet on the host, which
+    # counts towards the position being sampled (never for penalties, which need its id)
+    num_pending_tokens: int = 0
 
     @property
     def num_output_tokens(self) -> int:  # the output position being sampled
-        return len(self.token_ids) - self.num_prompt_tokens
+        return len(self.token_ids) + self.num_pending_tokens - self.num_prompt_tokens
 
     @property
     def prompt_token_ids(self) -> Sequence[int]:  # a copy: penalties alone ask for it
