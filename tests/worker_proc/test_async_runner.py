@@ -210,3 +210,21 @@ def test_cuda_ahead_matches_sync(lora_setup: LoraSetup, enforce_eager: bool) -> 
     (ahead, ahead_replays), (sync, sync_replays) = run(True), run(False)
     assert ahead == sync
     assert (ahead_replays > 0 and sync_replays > 0) != enforce_eager
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_cuda_launch_with_placeholders_never_waits_on_the_device(tiny_checkpoint: str, enforce_eager: bool) -> None:
+    runner = ModelRunner(_config(tiny_checkpoint, device="cuda", dtype="bfloat16", enforce_eager=enforce_eager))
+    params = [REQS[name][2] for name in ("greedy", "seeded", "min-tokens", "seeded-min-tokens")]
+    runner.launch(StepPlan(0, [NewReq(f"r{i}", [3 + i, 4, 5, 6], 4, p, [2 * i, 2 * i + 1], 0, 4)
+                               for i, p in enumerate(params)]))
+    decode = StepPlan(1, cached_reqs=[_decode(f"r{i}", [], 4) for i in range(len(params))])
+    torch.cuda.set_sync_debug_mode("error")  # a synchronizing CUDA call raises
+    try:
+        in_flight = runner.launch(decode)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert in_flight.failed == [] and len(runner.complete(in_flight)[0].sampled) == len(params)
+    assert (runner.graphs is not None and runner.graphs.replays == 1) != enforce_eager
