@@ -159,7 +159,9 @@ def build_batch(
     if placeholders[0]:
         fill_placeholders(ids, as_tensor(placeholders[0]), as_tensor(placeholders[1]), prev_token_ids)
     meta = PagedAttentionMetadata(starts, seq_lens, tables, as_tensor(slots))
-    return ForwardBatch(ids, as_tensor(positions), as_tensor(lora_slots), meta, as_tensor(sample_indices), sampling_reqs)
+    return ForwardBatch(
+        ids, as_tensor(positions), as_tensor(lora_slots), meta, as_tensor(sample_indices), sampling_reqs
+    )
 
 
 def _device_batch(

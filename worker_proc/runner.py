@@ -93,6 +93,7 @@ class ModelRunner:
         )
 
     def execute(self, plan: StepPlan) -> tuple[StepCompleted, RankDigest]:
+        """One step, launched and read back at once (a scheduler in step)."""
         return self.complete(self.launch(plan))
 
     def launch(self, plan: StepPlan) -> InFlightStep:

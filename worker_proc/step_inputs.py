@@ -69,7 +69,9 @@ class PinnedStaging:
         num_parts = host.numel() - sum(len(p) for p in extra)
         assert dst.dtype == torch.long and dst.is_contiguous() and dst.numel() == num_parts
         dst.copy_(host[:num_parts], non_blocking=True)
-        views = list(host[num_parts:].to(self.device, non_blocking=True).split([len(p) for p in extra])) if extra else []
+        views: list[torch.Tensor] = []
+        if extra:
+            views = list(host[num_parts:].to(self.device, non_blocking=True).split([len(p) for p in extra]))
         self.copied.record()
         return views
 

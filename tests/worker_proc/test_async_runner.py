@@ -36,14 +36,19 @@ REQS = {
 }
 
 
-def _config(path: str, **kw) -> EngineConfig:
+def tiny_config(path: str, **kw) -> EngineConfig:
     base = dict(model_dir=path, served_model_name="tiny", max_model_len=128, block_size=BLOCK_SIZE,
                 num_kv_blocks=NUM_BLOCKS, seed=0)
     return EngineConfig(**{**base, **kw})
 
 
+def results(done: dict[str, FakeReq]) -> dict[str, tuple[list[int], list]]:
+    """req_id -> (output tokens, their logprobs)."""
+    return {req_id: (req.outputs, req.logprobs) for req_id, req in done.items()}
+
+
 def _run(path: str, names: list[str], ahead: bool, plan_past_max_tokens: bool = False) -> dict[str, FakeReq]:
-    runner = ModelRunner(_config(path))
+    runner = ModelRunner(tiny_config(path))
     sched = FakeScheduler(BLOCK_SIZE, NUM_BLOCKS, plan_past_max_tokens)
     gen = torch.Generator().manual_seed(11)
     for name, (prompt_len, chunk, params) in REQS.items():
@@ -67,7 +72,7 @@ def test_one_request_ahead_gives_exactly_the_sync_tokens_and_logprobs(tiny_check
 
 def test_a_batch_ahead_gives_exactly_the_sync_tokens_and_logprobs(tiny_checkpoint: str) -> None:
     sync, ahead = _run(tiny_checkpoint, list(REQS), False), _run(tiny_checkpoint, list(REQS), True)
-    assert {k: (r.outputs, r.logprobs) for k, r in ahead.items()} == {k: (r.outputs, r.logprobs) for k, r in sync.items()}
+    assert results(ahead) == results(sync)
 
 
 def test_a_batch_planned_past_max_tokens_gives_the_sync_tokens(tiny_checkpoint: str) -> None:
@@ -117,7 +122,7 @@ def _decode(req_id: str, new_token_ids: list[int], num_computed: int, num_schedu
 
 
 def test_placeholder_takes_the_previous_steps_token_on_the_device(tiny_checkpoint: str) -> None:
-    sync, ahead = ModelRunner(_config(tiny_checkpoint)), ModelRunner(_config(tiny_checkpoint))
+    sync, ahead = ModelRunner(tiny_config(tiny_checkpoint)), ModelRunner(tiny_config(tiny_checkpoint))
     first = _prefill(sync, ["a"])["a"]
     assert _prefill(ahead, ["a"]) == {"a": first}
     want, _ = sync.execute(StepPlan(1, cached_reqs=[_decode("a", [first], 4)]))
@@ -130,7 +135,7 @@ def test_placeholder_takes_the_previous_steps_token_on_the_device(tiny_checkpoin
 
 
 def test_placeholders_the_rule_does_not_allow_fail_their_request_alone(tiny_checkpoint: str) -> None:
-    runner = ModelRunner(_config(tiny_checkpoint))
+    runner = ModelRunner(tiny_config(tiny_checkpoint))
     first = _prefill(runner, ["ok", "two-tokens", "gap"])
     plan = StepPlan(1, [NewReq("mid-prefill", list(range(3, 13)), 10, GREEDY, [20, 21, 22], 0, 4)],
                     [_decode("ok", [], 4), _decode("two-tokens", [], 4, 2)])  # "gap" sits this step out
@@ -151,7 +156,7 @@ def test_placeholders_the_rule_does_not_allow_fail_their_request_alone(tiny_chec
 
 
 def test_a_penalised_request_with_a_placeholder_fails_alone(tiny_checkpoint: str) -> None:
-    runner = ModelRunner(_config(tiny_checkpoint))
+    runner = ModelRunner(tiny_config(tiny_checkpoint))
     first = _prefill(runner, ["ok"])["ok"]
     penalised = SamplingParams(max_tokens=4, temperature=0.0, repetition_penalty=1.3)
     plan = StepPlan(1, [NewReq("pen", [3, 4, 5, 6], 4, penalised, [10, 11], 0, 4)], [_decode("ok", [], 4)])
@@ -159,7 +164,7 @@ def test_a_penalised_request_with_a_placeholder_fails_alone(tiny_checkpoint: str
     done, _ = runner.execute(StepPlan(2, cached_reqs=[_decode("ok", [first], 5), _decode("pen", [], 4)]))
     assert [f.req_id for f in done.failed] == ["pen"] and "penalties" in done.failed[0].message
     assert sorted(runner.reqs) == ["ok"] and runner.reqs["ok"].token_ids == [3, 4, 5, 6, first]
-    clean = ModelRunner(_config(tiny_checkpoint))  # "ok" alone, in step: the same tokens
+    clean = ModelRunner(tiny_config(tiny_checkpoint))  # "ok" alone, in step: the same tokens
     _prefill(clean, ["ok"])
     want = clean.execute(StepPlan(1, cached_reqs=[_decode("ok", [first], 4)]))[0].sampled
     assert [s.token_id for s in want] == [second["ok"]]
@@ -168,7 +173,7 @@ def test_a_penalised_request_with_a_placeholder_fails_alone(tiny_checkpoint: str
 
 
 def test_a_step_with_nothing_scheduled_ends_every_placeholder(tiny_checkpoint: str) -> None:
-    runner = ModelRunner(_config(tiny_checkpoint))
+    runner = ModelRunner(tiny_config(tiny_checkpoint))
     _prefill(runner, ["a", "b"])
     in_flight = runner.launch(StepPlan(1, finished_req_ids=["b"]))
     done, digest = runner.complete(in_flight)
@@ -178,7 +183,7 @@ def test_a_step_with_nothing_scheduled_ends_every_placeholder(tiny_checkpoint: s
 
 
 def test_launch_reports_failures_and_the_digest_before_the_read_back(tiny_checkpoint: str) -> None:
-    runner = ModelRunner(_config(tiny_checkpoint))
+    runner = ModelRunner(tiny_config(tiny_checkpoint))
     plan = StepPlan(0, [NewReq("good", [3, 4, 5], 3, GREEDY, [7], 0, 3),
                         NewReq("bad", [3, 4, 5], 3, GREEDY, [NUM_BLOCKS], 0, 3)])
     in_flight = runner.launch(plan)
@@ -216,7 +221,7 @@ def test_cuda_ahead_matches_sync(lora_setup: LoraSetup, enforce_eager: bool) -> 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
 def test_cuda_launch_with_placeholders_never_waits_on_the_device(tiny_checkpoint: str, enforce_eager: bool) -> None:
-    runner = ModelRunner(_config(tiny_checkpoint, device="cuda", dtype="bfloat16", enforce_eager=enforce_eager))
+    runner = ModelRunner(tiny_config(tiny_checkpoint, device="cuda", dtype="bfloat16", enforce_eager=enforce_eager))
     params = [REQS[name][2] for name in ("greedy", "seeded", "min-tokens", "seeded-min-tokens")]
     runner.launch(StepPlan(0, [NewReq(f"r{i}", [3 + i, 4, 5, 6], 4, p, [2 * i, 2 * i + 1], 0, 4)
                                for i, p in enumerate(params)]))

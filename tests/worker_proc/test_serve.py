@@ -9,7 +9,7 @@ import logging
 
 from shared import codec, events
 from tests.worker_proc.fake_scheduler import FakeScheduler, run_to_completion
-from tests.worker_proc.test_async_runner import REQS, _config
+from tests.worker_proc.test_async_runner import REQS, results, tiny_config
 from worker_proc.main import serve
 from worker_proc.runner import InFlightStep, ModelRunner
 
@@ -191,10 +191,9 @@ def test_a_runner_served_one_step_ahead_gives_the_sync_tokens(tiny_checkpoint: s
             s.add(name, list(range(3 + i, 3 + i + prompt_len)), params, chunk=chunk)
         return s
 
-    sync = run_to_completion(ModelRunner(_config(tiny_checkpoint)), sched())
+    sync = run_to_completion(ModelRunner(tiny_config(tiny_checkpoint)), sched())
     ahead = AheadScheduler(sched())
-    runner = ModelRunner(_config(tiny_checkpoint))
+    runner = ModelRunner(tiny_config(tiny_checkpoint))
     assert serve(runner, 0, ahead, ahead, LOG) == 0  # type: ignore[arg-type]
     assert ahead.max_unanswered == 2 and runner.reqs == {}
-    assert {k: (r.outputs, r.logprobs) for k, r in ahead.sched.done.items()} == \
-        {k: (r.outputs, r.logprobs) for k, r in sync.items()}
+    assert results(ahead.sched.done) == results(sync)
