@@ -220,8 +220,8 @@ def test_cuda_ahead_matches_sync(lora_setup: LoraSetup, enforce_eager: bool) -> 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
-def test_cuda_launch_with_placeholders_never_waits_on_the_device(tiny_checkpoint: str, enforce_eager: bool) -> None:
-    runner = ModelRunner(tiny_config(tiny_checkpoint, device="cuda", dtype="bfloat16", enforce_eager=enforce_eager))
+def test_cuda_launch_with_placeholders_never_waits_on_the_device(lora_setup: LoraSetup, enforce_eager: bool) -> None:
+    runner = ModelRunner(lora_config(lora_setup.base_dir, device="cuda", dtype="bfloat16", enforce_eager=enforce_eager))
     params = [REQS[name][2] for name in ("greedy", "seeded", "min-tokens", "seeded-min-tokens")]
     runner.launch(StepPlan(0, [NewReq(f"r{i}", [3 + i, 4, 5, 6], 4, p, [2 * i, 2 * i + 1], 0, 4)
                                for i, p in enumerate(params)]))
