@@ -26,6 +26,9 @@ class ReqState:
     num_computed_tokens: int
     num_scheduled_tokens: int
     lora_slot: int
+    # this step's placeholder: the row of the previous step's sampled tokens that holds the input id
+    # of token len(token_ids), not yet known on the host (async scheduling); -1 when none
+    placeholder_row: int = -1
 
     @staticmethod
     def from_new(req: NewReq) -> "ReqState":
@@ -40,15 +43,26 @@ class ReqState:
         self.num_computed_tokens = delta.num_computed_tokens
         self.num_scheduled_tokens = delta.num_scheduled_tokens
         self.lora_slot = delta.lora_slot
+        self.placeholder_row = -1
 
     @property
     def num_tokens_after_step(self) -> int:
         return self.num_computed_tokens + self.num_scheduled_tokens
 
     @property
+    def num_known_tokens(self) -> int:
+        """The tokens this step may compute: those on the host, and a placeholder's pending one."""
+        return len(self.token_ids) + (self.placeholder_row >= 0)
+
+    @property
     def samples(self) -> bool:
         """True when this step reaches the end of the known tokens (prefill done, or decode)."""
-        return self.num_scheduled_tokens > 0 and self.num_tokens_after_step == len(self.token_ids)
+        return self.num_scheduled_tokens > 0 and self.num_tokens_after_step == self.num_known_tokens
+
+    def step_input_ids(self) -> list[int]:
+        """The token ids this step computes; a placeholder's is 0 here, written on the device later."""
+        ids = self.token_ids[self.num_computed_tokens : self.num_tokens_after_step]
+        return ids + [0] if self.placeholder_row >= 0 else ids
 
 
 def validate_req(req: ReqState, new_block_ids: Sequence[int], block_size: int, num_blocks: int,
@@ -60,7 +74,7 @@ def validate_req(req: ReqState, new_block_ids: Sequence[int], block_size: int, n
         raise ValueError("negative token counts")
     if not 0 < req.num_prompt_tokens <= len(req.token_ids):
         raise ValueError(f"num_prompt_tokens {req.num_prompt_tokens} out of range for {len(req.token_ids)} tokens")
-    if end > len(req.token_ids):
+    if end > req.num_known_tokens:
         raise ValueError(f"scheduled up to token {end} but only {len(req.token_ids)} tokens are known")
     if end > max_model_len:
         raise ValueError(f"{end} tokens exceed max_model_len {max_model_len}")
@@ -77,6 +91,23 @@ def check_fault(req: ReqState, fault_token_id: int | None) -> None:
         raise ValueError(f"test fault: the prompt holds token id {fault_token_id}")
 
 
+def placeholder_pairs(reqs: Sequence[ReqState], last_token_index: Sequence[int]) -> list[list[int]]:
+    """[dst, src]: for each request with a placeholder, the index in the flat batch of its one
+    scheduled token (`last_token_index` gives each request's last), and its row in the previous
+    step's sampled tokens."""
+    pairs = [(i, r.placeholder_row) for r, i in zip(reqs, last_token_index) if r.placeholder_row >= 0]
+    return [[dst for dst, _ in pairs], [src for _, src in pairs]]
+
+
+def fill_placeholders(input_ids: torch.Tensor, dst: torch.Tensor, src: torch.Tensor,
+                      prev_token_ids: torch.Tensor | None) -> None:
+    """input_ids[dst] = prev_token_ids[src], queued on the device behind the step that sampled them.
+    input_ids: [num_tokens] int64; dst, src: [num_placeholders] int64."""
+    if prev_token_ids is None:
+        raise ValueError("placeholder tokens, but the previous step sampled nothing")
+    input_ids.index_copy_(0, dst, prev_token_ids.index_select(0, src))
+
+
 @dataclass(frozen=True)
 class ForwardBatch:
     input_ids: torch.Tensor  # [num_tokens] int64
@@ -90,11 +121,14 @@ class ForwardBatch:
 
 
 def build_batch(
-    reqs: Sequence[ReqState], block_size: int, device: torch.device, staging: PinnedStaging | None = None
+    reqs: Sequence[ReqState], block_size: int, device: torch.device, staging: PinnedStaging | None = None,
+    prev_token_ids: torch.Tensor | None = None,
 ) -> ForwardBatch:
     """One flat batch of every scheduled token, in the given request order. With `staging`
     (CUDA), the inputs go up in one non-blocking copy and the LoRA mappings are built
-    from the host lists, so building the batch never waits on the GPU."""
+    from the host lists, so building the batch never waits on the GPU. Placeholder ids are
+    taken on the device from `prev_token_ids` [num_prev_sampling] int64, the previous step's
+    sampled tokens (worker_proc/placeholders.py)."""
     input_ids: list[int] = []
     positions: list[int] = []
     lora_slots: list[int] = []
@@ -102,7 +136,7 @@ def build_batch(
     starts, seq_lens, tables, sample_indices, sampling_reqs = [0], [], [], [], []
     for req in reqs:
         start, end = req.num_computed_tokens, req.num_tokens_after_step
-        input_ids += req.token_ids[start:end]
+        input_ids += req.step_input_ids()
         positions += range(start, end)
         lora_slots += [req.lora_slot] * (end - start)
         slots += [req.block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
@@ -113,29 +147,36 @@ def build_batch(
             sample_indices.append(len(input_ids) - 1)
             sampling_reqs.append(req)
 
+    placeholders = placeholder_pairs(reqs, [s - 1 for s in starts[1:]])
     if staging is not None:
         return _device_batch(staging, input_ids, positions, lora_slots, slots, sample_indices, starts, seq_lens,
-                             tables, sampling_reqs)
+                             tables, sampling_reqs, placeholders, prev_token_ids)
 
     def as_tensor(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
 
+    ids = as_tensor(input_ids)  # [num_tokens]
+    if placeholders[0]:
+        fill_placeholders(ids, as_tensor(placeholders[0]), as_tensor(placeholders[1]), prev_token_ids)
     meta = PagedAttentionMetadata(starts, seq_lens, tables, as_tensor(slots))
     return ForwardBatch(
-        as_tensor(input_ids), as_tensor(positions), as_tensor(lora_slots), meta, as_tensor(sample_indices), sampling_reqs
+        ids, as_tensor(positions), as_tensor(lora_slots), meta, as_tensor(sample_indices), sampling_reqs
     )
 
 
 def _device_batch(
     staging: PinnedStaging, input_ids: list[int], positions: list[int], lora_slots: list[int], slots: list[int],
     sample_indices: list[int], starts: list[int], seq_lens: list[int], tables: list[list[int]],
-    sampling_reqs: list[ReqState],
+    sampling_reqs: list[ReqState], placeholders: list[list[int]], prev_token_ids: torch.Tensor | None,
 ) -> ForwardBatch:
     flat_tables, width = padded_tables(tables)
     run_starts, run_slots = runs(lora_slots)
-    ids, pos, lslots, smap, sidx, qsl, slens, bt, rstarts, rslots = staging.upload(
-        [input_ids, positions, lora_slots, slots, sample_indices, starts, seq_lens, flat_tables, run_starts, run_slots]
+    ids, pos, lslots, smap, sidx, qsl, slens, bt, rstarts, rslots, dst, src = staging.upload(
+        [input_ids, positions, lora_slots, slots, sample_indices, starts, seq_lens, flat_tables, run_starts, run_slots,
+         *placeholders]
     )
+    if placeholders[0]:
+        fill_placeholders(ids, dst, src, prev_token_ids)
     max_query_len = max(b - a for a, b in zip(starts, starts[1:]))
     meta = DeviceAttentionMetadata(
         starts, seq_lens, tables, smap, bt.view(len(tables), width).int(), slens.int(), qsl.int(), max_query_len

@@ -23,7 +23,7 @@ import torch
 
 from kernels import gemm_tuning
 from kernels.lora_ref import group_tiles, max_tiles
-from worker_proc.batch import ReqState
+from worker_proc.batch import ReqState, fill_placeholders, placeholder_pairs
 from worker_proc.lora.mapping import LoraMapping
 from worker_proc.step_inputs import DeviceAttentionMetadata, PinnedStaging
 
@@ -100,15 +100,24 @@ class DecodeGraphs:
             r.num_scheduled_tokens == 1 and r.samples and len(r.block_ids) <= self.width for r in reqs
         )
 
-    def run(self, reqs: Sequence[ReqState], block_size: int, staging: PinnedStaging) -> torch.Tensor:
-        """Logits [len(reqs), vocab] float32 of one decode step, by graph replay."""
+    def run(self, reqs: Sequence[ReqState], block_size: int, staging: PinnedStaging,
+            prev_token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [len(reqs), vocab] float32 of one decode step, by graph replay. Placeholder ids
+        come from `prev_token_ids` [num_prev_sampling] int64, written into the static row on the
+        device before the replay. The logits are the graph's static buffer: the next replay
+        overwrites them, so they are read (sampled) on this stream before it."""
         n = len(reqs)
         bucket = next(b for b in self.buckets if b >= n)
         top_slot = max(r.lora_slot for r in reqs)
         num_slots = next((s for s in self.sets if s > top_slot), 0) if top_slot >= 0 else 0
         g = self.sets[num_slots][bucket]
-        staging.upload_into(g.inputs, decode_row(reqs, bucket, self.width, block_size, self.scratch_slot,
-                                                 g.num_tiles if num_slots else None))
+        row = decode_row(reqs, bucket, self.width, block_size, self.scratch_slot, g.num_tiles if num_slots else None)
+        placeholders = placeholder_pairs(reqs, range(n))
+        if placeholders[0]:
+            dst, src = staging.upload_into(g.inputs, row, placeholders)
+            fill_placeholders(g.inputs[:bucket], dst, src, prev_token_ids)  # the row's token ids: [bucket]
+        else:
+            staging.upload_into(g.inputs, row)
         g.graph.replay()
         self.replays += 1
         assert g.logits is not None
@@ -131,7 +140,8 @@ def decode_row(reqs: Sequence[ReqState], bucket: int, width: int, block_size: in
     slots = [r.lora_slot for r in reqs] + [-1] * pad
     order, tile_starts, tile_slots = group_tiles(slots, num_tiles) if num_tiles is not None else (slots, [0], [])
     return [
-        [r.token_ids[p] for r, p in zip(reqs, positions)] + [0] * pad,
+        # a placeholder's id is written on the device later (DecodeGraphs.run)
+        [r.token_ids[p] if r.placeholder_row < 0 else 0 for r, p in zip(reqs, positions)] + [0] * pad,
         positions + [0] * pad,
         [r.block_ids[p // block_size] * block_size + p % block_size for r, p in zip(reqs, positions)]
         + [scratch_slot] * pad,

@@ -1,7 +1,9 @@
 """Worker process entry: `python -m worker_proc.main --config PATH --rank R`.
 
 Receives the StepPlan and adapter-op stream, applies each in order, returns sampled
-tokens (rank 0), adapter load results and a digest of what it applied (every rank)."""
+tokens (rank 0), adapter load results and a digest of what it applied (every rank). A step
+is read back only after the next plan, if one is already waiting, is queued on the device
+(async scheduling); replies still go out in command order."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import zmq
 
 from shared import codec, events, ipc
 from shared.proc import child_args, exit_with_parent, load_config, send_ready, setup_logging
-from worker_proc.runner import ModelRunner
+from worker_proc.runner import InFlightStep, ModelRunner
 
 # Test-only fault switch: this rank reports a wrong digest from this step on.
 FAULT_DIGEST_RANK_ENV = "LEDGERSERVE_TEST_FAULT_DIGEST_RANK"
@@ -45,9 +47,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(runner: ModelRunner, rank: int, inbox: zmq.Socket, outbox: zmq.Socket, log: logging.Logger) -> int:
+    """Apply the commands in order and send their replies. A StepPlan is launched as it arrives
+    and completed (its replies sent) once the next plan is launched, once no command is waiting,
+    or before any other command: replies keep command order, and a scheduler that plans a step
+    ahead gets it queued on the device while the step before is read back."""
     decoder = codec.to_worker_decoder()
     num_dropped_frames = 0
+    steps = StepReplies(runner, rank, outbox, log)
     while True:
+        if steps.in_flight is not None and not inbox.poll(0):  # nothing waiting: read the step back now
+            if not steps.flush():
+                return 1
         frame = inbox.recv()
         try:
             cmd = decoder.decode(frame)
@@ -55,21 +65,66 @@ def serve(runner: ModelRunner, rank: int, inbox: zmq.Socket, outbox: zmq.Socket,
             num_dropped_frames += 1
             log.warning("dropped an undecodable frame (%d so far)", num_dropped_frames)
             continue
+        if isinstance(cmd, events.StepPlan):
+            if not steps.launch(cmd):
+                return 1
+            continue
+        if not steps.flush():
+            return 1
         if isinstance(cmd, events.Shutdown):
             log.info("shutdown: %s (%d undecodable frames dropped)", cmd.reason, num_dropped_frames)
             return 0
         try:
-            replies = apply(runner, rank, cmd)
+            replies = apply(runner, cmd)
         except Exception as e:
-            log.exception("%s failed", type(cmd).__name__)
-            outbox.send(codec.encode(events.WorkerFailed(rank, f"{type(cmd).__name__} failed: {e}")))
+            steps.fail(type(cmd).__name__, e)
             return 1
         for reply in replies:
             outbox.send(codec.encode(reply))
 
 
-def apply(runner: ModelRunner, rank: int, cmd: events.Event) -> list[events.Event]:
-    """One command from the scheduler -> the events to send back."""
+class StepReplies:
+    """Launches StepPlans and sends each step's replies when it completes, with at most one step
+    in flight. A fault in either is reported (WorkerFailed) and the method returns False."""
+
+    def __init__(self, runner: ModelRunner, rank: int, outbox: zmq.Socket, log: logging.Logger) -> None:
+        self.runner, self.rank, self.outbox, self.log = runner, rank, outbox, log
+        self.in_flight: InFlightStep | None = None
+
+    def launch(self, plan: events.StepPlan) -> bool:
+        """Queue `plan` on the device, then complete the step launched before it, if any."""
+        try:
+            launched = self.runner.launch(plan)
+        except Exception as e:
+            self.fail("StepPlan", e)
+            return False
+        done = self.flush()
+        self.in_flight = launched
+        return done
+
+    def flush(self) -> bool:
+        """Complete the step in flight, if any, and send its replies: StepCompleted (rank 0), then RankDigest."""
+        if self.in_flight is None:
+            return True
+        in_flight, self.in_flight = self.in_flight, None
+        try:
+            completed, digest = self.runner.complete(in_flight)
+        except Exception as e:
+            self.fail("StepPlan", e)
+            return False
+        digest = _maybe_fault(digest)
+        for reply in [completed, digest] if self.rank == 0 else [digest]:
+            self.outbox.send(codec.encode(reply))
+        return True
+
+    def fail(self, what: str, e: Exception) -> None:
+        """Report a fault while handling `what` (call from its except block: the traceback is logged)."""
+        self.log.exception("%s failed", what)
+        self.outbox.send(codec.encode(events.WorkerFailed(self.rank, f"{what} failed: {e}")))
+
+
+def apply(runner: ModelRunner, cmd: events.Event) -> list[events.Event]:
+    """One adapter command from the scheduler -> the events to send back."""
     if isinstance(cmd, events.AdapterSlotAssigned):
         return [runner.load_adapter(cmd)]
     if isinstance(cmd, events.AdapterEvicted):
@@ -78,9 +133,7 @@ def apply(runner: ModelRunner, rank: int, cmd: events.Event) -> list[events.Even
     if isinstance(cmd, events.AdapterCpuEvicted):
         runner.drop_cpu_copy(cmd)
         return []
-    completed, digest = runner.execute(cmd)
-    digest = _maybe_fault(digest)
-    return [completed, digest] if rank == 0 else [digest]
+    raise ValueError(f"unexpected command {type(cmd).__name__}")
 
 
 def _maybe_fault(digest: events.RankDigest) -> events.RankDigest:

@@ -1,11 +1,14 @@
 """ModelRunner: the worker's compute core. Holds per-request state across steps, runs one
 forward pass per StepPlan over a flat batch, samples, loads adapters into LoRA slots as
-told, and digests what it applied (block tables and slot table)."""
+told, and digests what it applied (block tables and slot table). A step is launched (queued
+on the device) and later completed (its sampled tokens read back), so that the next plan can
+be launched in between (async scheduling, worker_proc/placeholders.py)."""
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 
 import msgspec
 import torch
@@ -23,11 +26,23 @@ from worker_proc.kv_cache import KVCache, num_kv_blocks
 from worker_proc.lora.manager import LoraManager
 from worker_proc.models import build_model, load_eos_token_ids, load_model_config
 from worker_proc.models.llama import FAST_DTYPES
-from worker_proc.sampler import Sampler, SamplingReq
+from worker_proc.placeholders import SampledRows, mark_placeholder
+from worker_proc.sampler import PendingSample, Sampler, SamplingReq
 from worker_proc.step_inputs import PinnedStaging
 
 FAULT_TOKEN_ENV = "LEDGERSERVE_TEST_FAULT_TOKEN_ID"  # test-only: see batch.check_fault
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class InFlightStep:
+    """A launched step whose sampled tokens are not read back yet (ModelRunner.launch -> complete)."""
+
+    step: int
+    sampling_req_ids: list[str]  # in the order of the sampled tokens
+    pending: PendingSample | None  # None when no request samples
+    failed: list[FailedReq]  # requests that failed at launch
+    digest: RankDigest
 
 
 class ModelRunner:
@@ -52,6 +67,7 @@ class ModelRunner:
                                 scratch_blocks=1 if use_graphs else 0)
         self.sampler = Sampler(self.eos_token_ids, config.seed, self.device)
         self.reqs: dict[str, ReqState] = {}
+        self.prev_sampled = SampledRows()  # the last launched step's, for placeholders
         self.staging = PinnedStaging(self.device) if self.device.type == "cuda" else None
         self.graphs: DecodeGraphs | None = None
         if use_graphs:
@@ -77,20 +93,30 @@ class ModelRunner:
         )
 
     def execute(self, plan: StepPlan) -> tuple[StepCompleted, RankDigest]:
+        """One step, launched and read back at once (a scheduler in step)."""
+        return self.complete(self.launch(plan))
+
+    def launch(self, plan: StepPlan) -> InFlightStep:
+        """Apply the plan and queue its forward pass and sampling; nothing waits on the device.
+        The sampled tokens stay on the device for the next step's placeholders."""
         for req_id in [*plan.finished_req_ids, *plan.preempted_req_ids]:
             self.reqs.pop(req_id, None)
         scheduled, failed = self._apply_plan(plan)
         logits, sampling = self._forward(scheduled) if scheduled else (None, [])
         pending = None
         if logits is not None:
-            pending = self.sampler.launch(logits, [SamplingReq(r.sampling, r.token_ids, r.num_prompt_tokens)
-                                                   for r in sampling])
+            pending = self.sampler.launch(logits, [_sampling_req(r) for r in sampling])
+        self.prev_sampled = SampledRows.of(pending.token_ids, sampling) if pending is not None else SampledRows()
         digest = RankDigest(plan.step, self.rank, self.digest())  # on the host while the device runs the step
+        return InFlightStep(plan.step, [r.req_id for r in sampling], pending, failed, digest)
+
+    def complete(self, step: InFlightStep) -> tuple[StepCompleted, RankDigest]:
+        """Read back a launched step's sampled tokens (its one device -> host sync)."""
         sampled = []
-        if pending is not None:
-            sampled = [SampledToken(r.req_id, s.token_id, s.logprobs)
-                       for r, s in zip(sampling, self.sampler.finish(pending))]
-        return StepCompleted(plan.step, self.rank, sampled if self.rank == 0 else [], failed), digest
+        if step.pending is not None:
+            sampled = [SampledToken(req_id, s.token_id, s.logprobs)
+                       for req_id, s in zip(step.sampling_req_ids, self.sampler.finish(step.pending))]
+        return StepCompleted(step.step, self.rank, sampled if self.rank == 0 else [], step.failed), step.digest
 
     def digest(self) -> int:
         """xxhash64 of the block tables (sorted by req_id) and the slot table (slot -> version_id,
@@ -163,14 +189,16 @@ class ModelRunner:
         if req is None:
             raise ValueError(f"request {update.req_id!r} sent as cached but not held")
         req.apply_delta(update)
+        mark_placeholder(req, self.prev_sampled)
         return req
 
     def _forward(self, scheduled: list[ReqState]) -> tuple[torch.Tensor | None, list[ReqState]]:
         """Queue the step's forward pass: the logits [num_sampling, vocab] float32 of the requests
         that sample this step (None if none does), and those requests."""
+        prev = self.prev_sampled.token_ids
         if self.graphs is not None and self.staging is not None and self.graphs.fits(scheduled):
-            return self.graphs.run(scheduled, self.config.block_size, self.staging), scheduled
-        batch = build_batch(scheduled, self.config.block_size, self.device, self.staging)
+            return self.graphs.run(scheduled, self.config.block_size, self.staging, prev), scheduled
+        batch = build_batch(scheduled, self.config.block_size, self.device, self.staging, prev)
         if self.staging is None:  # CPU: slot tensors are host tensors, reading them costs nothing
             hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.layers, batch.meta, batch.lora_slots)
             sample_slots, sample_lora = batch.lora_slots[batch.sample_indices], None
@@ -181,6 +209,10 @@ class ModelRunner:
             return None, []
         logits = self.model.compute_logits(hidden[batch.sample_indices], sample_slots, sample_lora)
         return logits, batch.sampling_reqs
+
+
+def _sampling_req(req: ReqState) -> SamplingReq:
+    return SamplingReq(req.sampling, req.token_ids, req.num_prompt_tokens, int(req.placeholder_row >= 0))
 
 
 def _fault_token_id() -> int | None:

@@ -27,10 +27,13 @@ class SamplingReq:
     params: SamplingParams
     token_ids: Sequence[int]  # the prompt, then the outputs so far (held by the worker, not copied)
     num_prompt_tokens: int
+    # 1 when this step's input is a placeholder: an output sampled but not yet on the host, which
+    # counts towards the position being sampled (never for penalties, which need its id)
+    num_pending_tokens: int = 0
 
     @property
     def num_output_tokens(self) -> int:  # the output position being sampled
-        return len(self.token_ids) - self.num_prompt_tokens
+        return len(self.token_ids) + self.num_pending_tokens - self.num_prompt_tokens
 
     @property
     def prompt_token_ids(self) -> Sequence[int]:  # a copy: penalties alone ask for it
@@ -92,7 +95,7 @@ class Sampler:
         token_ids = ops.argmax(logits)
         random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if random_rows:
-            rows = torch.tensor(random_rows, device=logits.device)
+            rows = to_device(random_rows, torch.long, logits.device)
             probs = filtered_probs(logits[rows], [reqs[i].params for i in random_rows])  # [num_random, vocab]
             noise = torch.stack([self._exponential(reqs[i], logits.shape[1]) for i in random_rows])
             token_ids[rows] = (probs / noise).argmax(dim=-1)
@@ -103,6 +106,13 @@ class Sampler:
         if req.params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(token_seed(req.params.seed, req.num_output_tokens))
         return torch.empty(vocab_size, device=self.device).exponential_(generator=gen)
+
+
+def to_device(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on `device`. On CUDA it goes through pinned memory without
+    blocking, so queuing a step's sampling never waits for the device to drain its stream."""
+    host = torch.tensor(values, dtype=dtype)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
 
 
 def penalised(p: SamplingParams) -> bool:
@@ -121,10 +131,10 @@ def apply_penalties(logits: torch.Tensor, reqs: Sequence[SamplingReq]) -> torch.
         if not penalised(p):
             continue
         vocab_size = logits.shape[1]
-        out_ids = torch.tensor(list(req.output_token_ids), dtype=torch.long, device=logits.device)
+        out_ids = to_device(list(req.output_token_ids), torch.long, logits.device)
         out_counts = torch.bincount(out_ids, minlength=vocab_size)[:vocab_size].to(logits.dtype)  # [vocab]
         if p.repetition_penalty != 1.0:
-            prompt_ids = torch.tensor(list(req.prompt_token_ids), dtype=torch.long, device=logits.device)
+            prompt_ids = to_device(list(req.prompt_token_ids), torch.long, logits.device)
             seen = torch.bincount(prompt_ids, minlength=vocab_size)[:vocab_size] > 0
             seen |= out_counts > 0
             row = logits[i]
@@ -143,22 +153,22 @@ def mask_stop_tokens(logits: torch.Tensor, reqs: Sequence[SamplingReq], eos_toke
         stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
         stop_ids = [t for t in stop_ids if 0 <= t < logits.shape[1]]
         if stop_ids:
-            logits[i, stop_ids] = float("-inf")
+            logits[i].index_fill_(0, to_device(stop_ids, torch.long, logits.device), float("-inf"))
 
 
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """logits: [num_reqs, vocab] -> probabilities after temperature, min_p, top_k, top_p."""
     device, vocab_size = logits.device, logits.shape[1]
-    temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
+    temperature = to_device([p.temperature for p in params], torch.float32, device)[:, None]
     logits = logits / temperature
-    min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
+    min_p = to_device([p.min_p for p in params], torch.float32, device)[:, None]
     probs = torch.softmax(logits, dim=-1)
     logits = logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], device=device)
+    top_k = to_device([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], torch.long, device)
     sorted_desc = logits.sort(dim=-1, descending=True).values
     kth = sorted_desc.gather(1, (top_k - 1)[:, None])  # [num_reqs, 1]
     logits = logits.masked_fill(logits < kth, float("-inf"))
-    top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
+    top_p = to_device([p.top_p for p in params], torch.float32, device)[:, None]
     return torch.softmax(apply_top_p(logits, top_p), dim=-1)
 
 

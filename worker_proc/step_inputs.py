@@ -60,12 +60,20 @@ class PinnedStaging:
         self.copied.record()
         return list(dev.split([len(p) for p in parts]))
 
-    def upload_into(self, dst: torch.Tensor, parts: list[list[int]]) -> None:
-        """One H2D copy of `parts`, concatenated, into the device int64 tensor `dst` (as many elements)."""
-        host = self._pack(parts)
-        assert dst.dtype == torch.long and dst.is_contiguous() and dst.numel() == host.numel()
-        dst.copy_(host, non_blocking=True)
+    def upload_into(self, dst: torch.Tensor, parts: list[list[int]], extra: list[list[int]] | None = None
+                    ) -> list[torch.Tensor]:
+        """One H2D copy of `parts`, concatenated, into the device int64 tensor `dst` (as many elements);
+        the lists in `extra`, if any, follow from the same pinned buffer in a second copy, as device views."""
+        extra = extra or []
+        host = self._pack(parts + extra)
+        num_parts = host.numel() - sum(len(p) for p in extra)
+        assert dst.dtype == torch.long and dst.is_contiguous() and dst.numel() == num_parts
+        dst.copy_(host[:num_parts], non_blocking=True)
+        views: list[torch.Tensor] = []
+        if extra:
+            views = list(host[num_parts:].to(self.device, non_blocking=True).split([len(p) for p in extra]))
         self.copied.record()
+        return views
 
 
 def _writable_bytes(t: torch.Tensor) -> ctypes.Array:

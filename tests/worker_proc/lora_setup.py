@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.config import EngineConfig
+from shared.events import AdapterLoadCompleted, AdapterSlotAssigned
 from shared.sampling import SamplingParams
 from tests.adapter_factory import load_peft_reference, make_peft_adapter
 from tests.model_factory import load_reference, make_tiny_checkpoint
@@ -55,3 +56,13 @@ def lora_config(base_dir: str, **kw) -> EngineConfig:
                 num_kv_blocks=NUM_BLOCKS, seed=0, enable_lora=True, max_loras=6, max_lora_rank=MAX_LORA_RANK,
                 max_cpu_loras=8)
     return EngineConfig(**{**base, **kw})
+
+
+def load_all(runner, setup: LoraSetup) -> dict[str, int]:
+    """Load every adapter into its own slot of a ModelRunner (version_id = 100 + slot); name -> slot."""
+    slots = {}
+    for slot, name in enumerate(ADAPTERS):
+        done = runner.load_adapter(AdapterSlotAssigned(slot, 100 + slot, setup.adapter_dirs[name]))
+        assert done == AdapterLoadCompleted(0, slot, 100 + slot), done
+        slots[name] = slot
+    return slots

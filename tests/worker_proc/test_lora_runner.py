@@ -9,25 +9,15 @@ import torch
 from shared.events import AdapterEvicted, AdapterLoadCompleted, AdapterSlotAssigned
 from tests.reference import assert_greedy_matches
 from tests.worker_proc.fake_scheduler import FakeScheduler, run_to_completion
-from tests.worker_proc.lora_setup import ADAPTERS, BLOCK_SIZE, GREEDY, NUM_BLOCKS, LoraSetup, lora_config
+from tests.worker_proc.lora_setup import ADAPTERS, BLOCK_SIZE, GREEDY, NUM_BLOCKS, LoraSetup, load_all, lora_config
 from worker_proc.runner import ModelRunner
 
 CHUNKS = {"base": 5, "head": 3, "attn": 7, "mlp": 4, "all": 6}
 
 
-def _load_all(runner: ModelRunner, setup: LoraSetup) -> dict[str, int]:
-    """Load every adapter into its own slot (version_id = 100 + slot); name -> slot."""
-    slots = {}
-    for slot, name in enumerate(ADAPTERS):
-        done = runner.load_adapter(AdapterSlotAssigned(slot, 100 + slot, setup.adapter_dirs[name]))
-        assert done == AdapterLoadCompleted(0, slot, 100 + slot), done
-        slots[name] = slot
-    return slots
-
-
 def _run_mixed(runner: ModelRunner, setup: LoraSetup) -> None:
     """Base requests and every adapter (one twice) in the same steps, checked against PEFT."""
-    slots = _load_all(runner, setup)
+    slots = load_all(runner, setup)
     sched = FakeScheduler(BLOCK_SIZE, NUM_BLOCKS)
     for name, prompt in setup.prompts.items():
         sched.add(name, prompt, GREEDY, chunk=CHUNKS[name], lora_slot=slots.get(name, -1))
@@ -56,7 +46,7 @@ def test_cuda_mixed_adapters_match_peft(lora_setup: LoraSetup) -> None:
 
 def test_evict_and_reload_slot_with_another_adapter(lora_setup: LoraSetup) -> None:
     runner = ModelRunner(lora_config(lora_setup.base_dir))
-    slots = _load_all(runner, lora_setup)
+    slots = load_all(runner, lora_setup)
     slot = slots["head"]  # held an adapter with an lm_head delta; the new one has none
     runner.evict_adapter(AdapterEvicted(slot, 100 + slot))
     assert slot not in runner.lora.slots

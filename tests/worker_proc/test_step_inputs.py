@@ -1,6 +1,6 @@
 """CUDA: PinnedStaging packs int lists into its pinned buffer and copies them to the device,
-as views (upload) or into a given tensor (upload_into), and a step reusing the buffer never
-overwrites what a queued copy is still reading."""
+as views (upload) or into a given tensor (upload_into, with extra lists as views), and a step
+reusing the buffer never overwrites what a queued copy is still reading."""
 
 from __future__ import annotations
 
@@ -28,3 +28,11 @@ def test_upload_into_reuses_the_buffer_behind_a_slow_stream() -> None:
     assert [d.tolist() for d in dsts] == [[i, i + 1] + [i * 10] * 4 for i in range(3)]
     with pytest.raises(AssertionError):
         staging.upload_into(dsts[0], [[1, 2]])  # sizes must match
+
+
+def test_upload_into_returns_the_extra_lists_as_views() -> None:
+    staging = PinnedStaging(torch.device("cuda"))
+    dst = torch.zeros(3, dtype=torch.long, device="cuda")
+    dst_rows, src_rows = staging.upload_into(dst, [[7], [8, 9]], [[0, 2], [5, 6]])
+    assert dst.tolist() == [7, 8, 9] and dst_rows.tolist() == [0, 2] and src_rows.tolist() == [5, 6]
+    assert dst_rows.is_cuda and staging.upload_into(dst, [[1, 2, 3]]) == []
