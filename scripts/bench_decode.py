@@ -3,7 +3,9 @@ Llama-3-8B shapes, dummy bf16 weights, batch sizes 1..256 and 0 / 1 / 4 / 32 dis
 rank-16 adapters on all seven projections. Beside each step time: the memory-bandwidth
 floor (weights + adapters + KV read, over the device copy bandwidth measured here) and
 the share of the step the GPU sits idle (the forward queued behind a sleep kernel and
-timed with events, against the step's wall time). Prints JSON.
+timed with events, against the step's wall time). Prints JSON. `--async-scheduling` drives the
+runner as the engine does with that flag: each step's plan is launched before the step ahead
+of it is read back, its requests fed the tokens that step samples on the device.
 `--e2e` instead runs bench_peft.py's workload end to end (one request per adapter, prefill
 `--prompt-len` then `--gen-len` greedy tokens, wall time over it all).
 
@@ -38,8 +40,9 @@ SLEEP_CYCLES = 500_000_000  # ~0.25 s at ~2 GHz: longer than the CPU takes to qu
 
 
 class Bench:
-    def __init__(self, runner: ModelRunner, prompt_len: int, warmup: int, steps: int) -> None:
+    def __init__(self, runner: ModelRunner, prompt_len: int, warmup: int, steps: int, ahead: bool = False) -> None:
         self.runner, self.prompt_len, self.warmup, self.steps = runner, prompt_len, warmup, steps
+        self.ahead = ahead  # async scheduling: one step in flight while the next is launched
         self.step_no = 0
         self.live: list[str] = []
         self.blocks_per_req = -(-(prompt_len + warmup + steps + 2) // BLOCK)
@@ -78,13 +81,43 @@ class Bench:
             self.lengths[rid] += 1
         return {s.req_id: s.token_id for s in sampled}, wall
 
+    def decode_ahead(self, last: dict[str, int], num_steps: int) -> tuple[dict[str, int], list[float], list[float]]:
+        """`num_steps` decode steps, each launched while the one before runs: its plan sends the
+        tokens read back since the last plan and schedules one token past them (the one the step
+        in flight samples). Returns the last step's tokens, and per step after the first, the wall
+        seconds from its launch to the read-back of the step before it and the mean length then."""
+        walls: list[float] = []
+        lens: list[float] = []
+        to_send = last  # tokens read back, not yet sent to the worker
+        in_flight = None
+        for _ in range(num_steps):
+            cached = [CachedReq(rid, [to_send[rid]] if to_send else [], [], self.lengths[rid], 1, self.slots[rid])
+                      for rid in self.live]
+            self.step_no += 1
+            t0 = time.perf_counter()
+            launched = self.runner.launch(StepPlan(self.step_no, cached_reqs=cached))
+            to_send = {}
+            if in_flight is not None:
+                to_send = self._read(in_flight)
+                walls.append(time.perf_counter() - t0)
+                lens.append(statistics.mean(self.lengths.values()))
+            in_flight = launched
+            for rid in self.live:
+                self.lengths[rid] += 1
+        return self._read(in_flight), walls, lens
+
+    def _read(self, in_flight) -> dict[str, int]:
+        done, _ = self.runner.complete(in_flight)
+        assert not done.failed, done.failed
+        return {s.req_id: s.token_id for s in done.sampled}
+
     def gpu_step(self) -> tuple[float, float]:
         """(GPU-busy ms, CPU enqueue ms) of the forward + logits + argmax (the sampler's, ops.argmax) of the current batch,
         queued behind a sleep kernel so the GPU never waits for the CPU inside it."""
         runner = self.runner
         reqs = [runner.reqs[rid] for rid in self.live]
-        for req in reqs:  # re-run the last decode position (rewrites the same KV slots)
-            req.num_computed_tokens, req.num_scheduled_tokens = len(req.token_ids) - 1, 1
+        for req in reqs:  # re-run the last known decode position (rewrites the same KV slots)
+            req.num_computed_tokens, req.num_scheduled_tokens, req.placeholder_row = len(req.token_ids) - 1, 1, -1
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         torch.cuda._sleep(SLEEP_CYCLES)
@@ -108,7 +141,10 @@ class Bench:
         """(median step ms, GPU-busy ms, enqueue ms, mean sequence length while timed)."""
         last = self.start(batch, num_adapters)
         walls, lens = [], []
-        for i in range(self.warmup + self.steps):
+        if self.ahead:
+            last, walls, lens = self.decode_ahead(last, self.warmup + self.steps + 1)
+            walls, lens = walls[self.warmup:], lens[self.warmup:]
+        for i in range(0 if self.ahead else self.warmup + self.steps):
             last, wall = self.decode(last)
             if i >= self.warmup:
                 walls.append(wall)
@@ -117,18 +153,21 @@ class Bench:
         return statistics.median(walls) * 1e3, gpu_ms, enqueue_ms, statistics.mean(lens)
 
 
-def end_to_end(runner: ModelRunner, batch: int, num_adapters: int, prompt_len: int, gen_len: int) -> dict:
+def end_to_end(runner: ModelRunner, batch: int, num_adapters: int, prompt_len: int, gen_len: int,
+               ahead: bool = False) -> dict:
     """Prefill `batch` prompts then decode to `gen_len` output tokens each; tokens/s over the wall time.
     Each step returns its sampled tokens to the host, so the clock stops on finished work."""
-    bench = Bench(runner, prompt_len, 0, gen_len)
+    bench = Bench(runner, prompt_len, 0, gen_len, ahead)
     bench.start(batch, num_adapters)  # warm-up: prefill of this shape
     t0 = time.perf_counter()
     last = bench.start(batch, num_adapters)  # the first output token
-    for _ in range(gen_len - 1):
+    if ahead:
+        last, _, _ = bench.decode_ahead(last, gen_len - 1)
+    for _ in range(0 if ahead else gen_len - 1):
         last, _ = bench.decode(last)
     wall = time.perf_counter() - t0
     return dict(device=torch.cuda.get_device_name(), batch=batch, adapters=num_adapters, prompt_len=prompt_len,
-                gen_len=gen_len, output_tokens=batch * gen_len, wall_s=round(wall, 3),
+                async_scheduling=ahead, gen_len=gen_len, output_tokens=batch * gen_len, wall_s=round(wall, 3),
                 tok_s=round(batch * gen_len / wall, 1))
 
 
@@ -142,6 +181,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--max-loras", type=int, default=0, help="adapter slots (default: the largest of --adapters)")
     ap.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs)")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="launch each decode step before reading back the one ahead of it (the engine's flag)")
     ap.add_argument("--e2e", action="store_true", help="end to end: batch and adapters from the lists' largest")
     ap.add_argument("--gen-len", type=int, default=128, help="--e2e output tokens per request")
     ap.add_argument("--out", default="")
@@ -199,13 +240,15 @@ def main() -> None:
         runner.load_adapter(AdapterSlotAssigned(i, i, path))
     adapters_s = time.perf_counter() - t0
     if args.e2e:
-        _report(end_to_end(runner, args.batches[0], args.adapter_counts[0], args.prompt_len, args.gen_len), args.out)
+        _report(end_to_end(runner, args.batches[0], args.adapter_counts[0], args.prompt_len, args.gen_len,
+                           args.async_scheduling), args.out)
         return
     bw = copy_bandwidth(runner.device)
-    results = sweep(Bench(runner, args.prompt_len, args.warmup, args.steps), base, args, bw)
+    results = sweep(Bench(runner, args.prompt_len, args.warmup, args.steps, args.async_scheduling), base, args, bw)
     report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bw_GBps=round(bw / 1e9, 1),
                   model_load_s=round(load_s, 1), adapters_load_s=round(adapters_s, 1), graphs=not args.eager,
-                  max_loras=args.max_loras, prompt_len=args.prompt_len, rank=args.rank, results=results,
+                  max_loras=args.max_loras, prompt_len=args.prompt_len, rank=args.rank,
+                  async_scheduling=args.async_scheduling, results=results,
                   gemm_tuning=gemm_tuning.report())
     _report(report, args.out)
 

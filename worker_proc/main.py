@@ -48,15 +48,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve(runner: ModelRunner, rank: int, inbox: zmq.Socket, outbox: zmq.Socket, log: logging.Logger) -> int:
     """Apply the commands in order and send their replies. A StepPlan is launched as it arrives
-    and completed (its replies sent) once the next plan is launched, once no command is waiting,
-    or before any other command: replies keep command order, and a scheduler that plans a step
-    ahead gets it queued on the device while the step before is read back."""
+    and completed (its replies sent) once the next plan is launched, once the device finished it
+    with no command waiting, or before any other command: replies keep command order, and a
+    scheduler that plans a step ahead gets it queued on the device while the step before runs."""
     decoder = codec.to_worker_decoder()
     num_dropped_frames = 0
     steps = StepReplies(runner, rank, outbox, log)
     while True:
-        if steps.in_flight is not None and not inbox.poll(0):  # nothing waiting: read the step back now
-            if not steps.flush():
+        if steps.in_flight is not None and not wait_for_command(inbox, steps.in_flight):
+            if not steps.flush():  # the step is done and nothing is waiting: send its replies now
                 return 1
         frame = inbox.recv()
         try:
@@ -81,6 +81,15 @@ def serve(runner: ModelRunner, rank: int, inbox: zmq.Socket, outbox: zmq.Socket,
             return 1
         for reply in replies:
             outbox.send(codec.encode(reply))
+
+
+def wait_for_command(inbox: zmq.Socket, step: InFlightStep) -> bool:
+    """Spin until a command is waiting (True) or the device finished `step` (False). A plan that
+    arrives while the step runs is launched behind it, so the device never waits for the host."""
+    while not inbox.poll(0):
+        if step.is_done():
+            return bool(inbox.poll(0))
+    return True
 
 
 class StepReplies:

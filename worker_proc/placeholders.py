@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 import torch
 
 from worker_proc.batch import ReqState
-from worker_proc.sampler import penalised
 
 
 @dataclass(frozen=True)
@@ -40,7 +39,7 @@ def mark_placeholder(req: ReqState, prev: SampledRows) -> None:
     row, sampled_index = prev.rows.get(req.req_id, (-1, -1))
     if sampled_index != len(req.token_ids):
         return
-    if penalised(req.sampling):
+    if req.sampling.penalised:
         raise ValueError(f"token {len(req.token_ids)} is scheduled before its id is known, but penalties "
                          "need it on the host: a penalised request can't be scheduled ahead")
     req.placeholder_row = row

@@ -115,20 +115,16 @@ def to_device(values: Sequence[float], dtype: torch.dtype, device: torch.device)
     return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
 
 
-def penalised(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-
-
 def edits_logits(req: SamplingReq) -> bool:
     """Whether apply_penalties or mask_stop_tokens may change this request's row."""
-    return penalised(req.params) or req.num_output_tokens < req.params.min_tokens
+    return req.params.penalised or req.num_output_tokens < req.params.min_tokens
 
 
 def apply_penalties(logits: torch.Tensor, reqs: Sequence[SamplingReq]) -> torch.Tensor:
     """vLLM penalties, in place: repetition over prompt+output tokens, presence/frequency over outputs."""
     for i, req in enumerate(reqs):
         p = req.params
-        if not penalised(p):
+        if not p.penalised:
             continue
         vocab_size = logits.shape[1]
         out_ids = to_device(list(req.output_token_ids), torch.long, logits.device)

@@ -1,5 +1,6 @@
 """The OpenAI API through the real process group and the real `openai` client, on the
-demo model. Greedy outputs are checked against transformers on the same checkpoint."""
+demo model. Greedy outputs are checked against transformers on the same checkpoint.
+Every test runs against the one-step loop and against `--async-scheduling`."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from shared import events as ev
+from shared.eventlog import EventLogReader
 from tests.e2e.server import Server
 from tests.reference import assert_greedy_matches, greedy_reference
 
@@ -26,14 +29,20 @@ PROMPTS = [f"Story {i}: the {w} walked along the" for i, w in
            enumerate(["fox", "old man", "river", "child", "baker", "cat", "storm", "teacher"] * 2)]
 
 
-@pytest.fixture(scope="module")
-def log_dir(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("events"))
+@pytest.fixture(scope="module", params=["one-step", "async"])
+def scheduling(request) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def server(demo_model_dir, log_dir):
-    srv = Server(demo_model_dir, log_dir, SERVER_ARGS).start()
+def log_dir(scheduling, tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp(f"events-{scheduling}"))
+
+
+@pytest.fixture(scope="module")
+def server(demo_model_dir, log_dir, scheduling):
+    args = SERVER_ARGS + (["--async-scheduling"] if scheduling == "async" else [])
+    srv = Server(demo_model_dir, log_dir, args).start()
     yield srv
     srv.stop()
 
@@ -187,10 +196,11 @@ def test_health_and_version(server):
     assert "version" in httpx.get(server.base_url + "/version").json()
 
 
-def test_replay_verifies_the_log_under_two_hash_seeds(server, log_dir):
+def test_replay_verifies_the_log_under_two_hash_seeds(server, log_dir, scheduling):
     assert server.stop() == 0
     logs = glob.glob(os.path.join(log_dir, "*.log"))
     assert len(logs) == 1
+    assert max_steps_in_flight(logs[0]) == (2 if scheduling == "async" else 1)
     outputs = []
     for seed in ("0", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
@@ -200,3 +210,13 @@ def test_replay_verifies_the_log_under_two_hash_seeds(server, log_dir):
         assert "decisions match" in done.stdout
         outputs.append(done.stdout)
     assert outputs[0] == outputs[1]
+
+
+def max_steps_in_flight(path: str) -> int:
+    """The most steps the logged run had in flight, counting each plan until rank 0's StepCompleted."""
+    num_in_flight, most = 0, 0
+    for _, event in EventLogReader(path):
+        num_in_flight += isinstance(event, ev.StepPlan)
+        num_in_flight -= isinstance(event, ev.StepCompleted) and event.rank == 0
+        most = max(most, num_in_flight)
+    return most

@@ -1,5 +1,6 @@
 """Multi-LoRA through the real process group: base and four PEFT adapters served at once
-with `--max-loras 2`, every output equal to PEFT's; the vLLM adapter API; a stress run."""
+with `--max-loras 2`, every output equal to PEFT's; the vLLM adapter API; a stress run. Under the
+one-step loop and under `--async-scheduling`."""
 
 from __future__ import annotations
 
@@ -46,17 +47,23 @@ def adapter_root(demo_model_dir, tmp_path_factory) -> str:
     return str(root)
 
 
-@pytest.fixture(scope="module")
-def log_dir(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("lora-events"))
+@pytest.fixture(scope="module", params=["one-step", "async"])
+def scheduling(request) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def server(demo_model_dir, adapter_root, log_dir):
+def log_dir(scheduling, tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp(f"lora-events-{scheduling}"))
+
+
+@pytest.fixture(scope="module")
+def server(demo_model_dir, adapter_root, log_dir, scheduling):
     modules = [f"{name}={os.path.join(adapter_root, name)}" for name in ADAPTERS]
     args = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "32", "--lora-allowed-dir", adapter_root,
             "--max-model-len", "512", "--num-kv-blocks", "160", "--max-num-batched-tokens", "96",
             "--max-num-seqs", "32", "--lora-modules", *modules]
+    args += ["--async-scheduling"] if scheduling == "async" else []
     srv = Server(demo_model_dir, log_dir, args).start()
     yield srv
     srv.stop()

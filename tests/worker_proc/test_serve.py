@@ -55,15 +55,48 @@ class ScriptedInbox:
         return codec.encode(cmd)
 
 
+class BusyDevice:
+    """Stands in for the CUDA event after a step: reads as running for `num_queries` queries."""
+
+    def __init__(self, num_queries: int) -> None:
+        self.num_queries = num_queries
+
+    def query(self) -> bool:
+        self.num_queries -= 1
+        return self.num_queries < 0
+
+
+class LateInbox(ScriptedInbox):
+    """A ScriptedInbox whose every frame shows up `num_polls` polls after it is due: the
+    scheduler's time to plan, while the device still runs the step."""
+
+    def __init__(self, outbox: Outbox, script: list, num_polls: int) -> None:
+        super().__init__(outbox, script)
+        self.num_polls, self.num_waited = num_polls, 0
+
+    def poll(self, timeout: int = 0) -> bool:
+        if super()._ready() and self.num_waited < self.num_polls:
+            self.num_waited += 1
+            return False
+        return super().poll(timeout)
+
+    def recv(self) -> bytes:
+        self.num_waited = 0
+        return super().recv()
+
+
 class TraceRunner:
     """A runner that records what serve asks of it; step N samples token N for request 'r'."""
 
-    def __init__(self, trace: list[str], rank: int = 0, fail_complete_at: int | None = None) -> None:
+    def __init__(self, trace: list[str], rank: int = 0, fail_complete_at: int | None = None,
+                 num_busy_queries: int = 0) -> None:
         self.trace, self.rank, self.fail_complete_at = trace, rank, fail_complete_at
+        self.num_busy_queries = num_busy_queries  # each step reads as running this many times
 
     def launch(self, plan: events.StepPlan) -> InFlightStep:
         self.trace.append(f"launch {plan.step}")
-        return InFlightStep(plan.step, ["r"], None, [], events.RankDigest(plan.step, self.rank, 1000 + plan.step))
+        digest = events.RankDigest(plan.step, self.rank, 1000 + plan.step)
+        return InFlightStep(plan.step, ["r"], None, [], digest, BusyDevice(self.num_busy_queries))  # type: ignore[arg-type]
 
     def complete(self, step: InFlightStep) -> tuple[events.StepCompleted, events.RankDigest]:
         self.trace.append(f"complete {step.step}")
@@ -124,6 +157,24 @@ def test_a_plan_waiting_is_launched_before_the_step_in_flight_is_read_back() -> 
         "recv Shutdown",
     ]
     assert [ev.sampled[0].token_id for ev in outbox.sent if isinstance(ev, events.StepCompleted)] == [0, 1, 2, 3]
+
+
+def test_a_plan_that_arrives_while_the_device_runs_is_launched_behind_the_step() -> None:
+    """The worker spins on the socket and the device: plan N+1 arriving before step N ends is
+    launched first, so the device never waits for the host; once a step ends with nothing
+    waiting, it is read back."""
+    script = [(0, _plan(0)), (0, _plan(1)), (2, _plan(2)), (6, events.Shutdown())]
+    trace: list[str] = []
+    outbox = Outbox(trace)
+    runner = TraceRunner(trace, num_busy_queries=5)
+    assert serve(runner, 0, LateInbox(outbox, script, num_polls=2), outbox, LOG) == 0  # type: ignore[arg-type]
+    assert trace == [
+        "recv StepPlan 0", "launch 0",
+        "recv StepPlan 1", "launch 1", *_replies(0),
+        "recv StepPlan 2", "launch 2", *_replies(1),
+        *_replies(2),  # step 2 ended with nothing waiting
+        "recv Shutdown",
+    ]
 
 
 def test_other_commands_wait_for_the_step_in_flight() -> None:
