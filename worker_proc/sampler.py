@@ -51,11 +51,38 @@ class SampleResult:
 
 
 @dataclass(frozen=True)
+class HostCopy:
+    """Device tensors copied to the host without blocking: readable once `ready` completed.
+    Waiting on the copy's own event, not on the stream, lets a step launched after it run on."""
+
+    tensors: tuple[torch.Tensor, ...]
+    ready: torch.cuda.Event | None  # None on CPU: the tensors are the host tensors
+
+    @staticmethod
+    def of(*tensors: torch.Tensor) -> "HostCopy":
+        if tensors[0].device.type != "cuda":
+            return HostCopy(tensors, None)
+        host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors)
+        for h, t in zip(host, tensors):
+            h.copy_(t, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return HostCopy(host, ready)
+
+    def wait(self) -> tuple[torch.Tensor, ...]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.tensors
+
+
+@dataclass(frozen=True)
 class PendingSample:
     """Sampling queued on the device, not yet read back (Sampler.launch -> Sampler.finish)."""
 
-    token_ids: torch.Tensor  # [num_reqs] int64
-    raw_logprobs: torch.Tensor | None  # [num_reqs, vocab] when a request asked for logprobs
+    token_ids: torch.Tensor  # [num_reqs] int64, on the device (the next step's placeholders read it there)
+    # on its way to the host: token ids [num_reqs], and with logprobs asked for, the sampled
+    # token's logprob [num_reqs] and the top-k logprobs and ids [num_reqs, k], k the largest asked
+    host: HostCopy
     reqs: Sequence[SamplingReq]
 
 
@@ -82,13 +109,22 @@ class Sampler:
         if any(edits_logits(r) for r in reqs):  # else the logits are read as they are, no copy
             logits = apply_penalties(logits.clone(), reqs)
             mask_stop_tokens(logits, reqs, self.eos_token_ids)
-        return PendingSample(self._choose(logits, reqs), raw_logprobs, reqs)
+        token_ids = self._choose(logits, reqs)
+        if raw_logprobs is None:
+            return PendingSample(token_ids, HostCopy.of(token_ids), reqs)
+        num_top = min(max(r.params.logprobs or 0 for r in reqs), raw_logprobs.shape[1])
+        top_values, top_ids = raw_logprobs.topk(num_top, dim=-1)  # [num_reqs, num_top]
+        chosen = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)  # [num_reqs]
+        return PendingSample(token_ids, HostCopy.of(token_ids, chosen, top_values, top_ids), reqs)
 
     def finish(self, pending: PendingSample) -> list[SampleResult]:
-        """The sampled tokens (and logprobs): the step's one read-back from the device."""
-        token_ids: list[int] = pending.token_ids.tolist()
-        raw = pending.raw_logprobs
-        return [SampleResult(t, None if raw is None else token_logprobs(raw[i], t, req.params.logprobs))
+        """The sampled tokens (and logprobs): the step's one wait, on its own copy to the host."""
+        host = pending.host.wait()
+        token_ids: list[int] = host[0].tolist()
+        if len(host) == 1:
+            return [SampleResult(t, None) for t in token_ids]
+        chosen, top_values, top_ids = host[1].tolist(), host[2].tolist(), host[3].tolist()
+        return [SampleResult(t, token_logprobs(chosen[i], top_ids[i], top_values[i], req.params.logprobs))
                 for i, (t, req) in enumerate(zip(token_ids, pending.reqs))]
 
     def _choose(self, logits: torch.Tensor, reqs: Sequence[SamplingReq]) -> torch.Tensor:  # [num_reqs]
@@ -177,9 +213,12 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
-def token_logprobs(raw: torch.Tensor, token_id: int, num_top: int | None) -> TokenLogprobs:
-    """raw: [vocab] log_softmax of the unmodified logits."""
-    if not num_top:
-        return TokenLogprobs(logprob=float(raw[token_id]))
-    values, ids = raw.topk(min(num_top, raw.shape[0]))
-    return TokenLogprobs(float(raw[token_id]), [int(t) for t in ids], [float(v) for v in values])
+def token_logprobs(chosen: float, top_ids: list[int], top_values: list[float], num_top: int | None) -> TokenLogprobs | None:
+    """One request's logprobs from the step's host copies: its sampled token's, and the first
+    `num_top` of the step's top-k (the largest k any request asked for), all from the log_softmax
+    of the unmodified logits. None when the request asked for none."""
+    if num_top is None:
+        return None
+    if num_top == 0:
+        return TokenLogprobs(logprob=chosen)
+    return TokenLogprobs(chosen, top_ids[:num_top], top_values[:num_top])

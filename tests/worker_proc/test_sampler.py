@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+import pytest
+
 from shared.sampling import SamplingParams
 from worker_proc.sampler import Sampler, SamplingReq, apply_penalties, filtered_probs
 
@@ -103,7 +105,8 @@ def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
 def test_logprobs_are_raw_log_softmax() -> None:
     logits = _logits(2, seed=5)
     reqs = [_req(temperature=0.5, logprobs=3, repetition_penalty=2.0, seed=3), _req(temperature=0.0, logprobs=0)]
-    out = Sampler([], 0, CPU).sample(logits, reqs)
+    out = Sampler([], 0, CPU).sample(torch.cat([logits, logits[:1]]), reqs + [_req(temperature=0.0)])
+    assert out[2].logprobs is None  # asked for none, in a step where others did
     raw = torch.log_softmax(logits, -1)
     lp0 = out[0].logprobs
     assert abs(lp0.logprob - float(raw[0, out[0].token_id])) < 1e-6
@@ -118,3 +121,24 @@ def test_sampling_req_splits_its_token_ids_without_holding_copies() -> None:
     req = SamplingReq(SamplingParams(), token_ids, 3)
     assert req.token_ids is token_ids  # the worker's list, not a per-step copy
     assert (req.prompt_token_ids, req.output_token_ids, req.num_output_tokens) == ([5, 6, 7], [8, 9], 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_reading_a_step_back_does_not_wait_for_the_work_queued_after_it() -> None:
+    """Async scheduling queues step N+1 before step N is read back: N's tokens (and logprobs)
+    come back on their own copy's event, not behind N+1 on the stream."""
+    device = torch.device("cuda")
+    logits = _logits(4, seed=2).to(device)
+    reqs = [_req(temperature=0.0, logprobs=2), _req(temperature=0.7, seed=1), _req(temperature=0.0), _req(logprobs=0)]
+    sampler = Sampler([], 0, device)
+    pending = sampler.launch(logits, reqs)
+    torch.cuda._sleep(4_000_000_000)  # the next step: seconds of work on the same stream
+    next_step_done = torch.cuda.Event()
+    next_step_done.record()
+    out = sampler.finish(pending)
+    assert not next_step_done.query()  # read back while the next step still runs
+    torch.cuda.synchronize()
+    want = Sampler([], 0, CPU).sample(logits.cpu(), reqs)
+    assert [r.token_id for r in out][::2] == [r.token_id for r in want][::2]  # the greedy rows
+    assert abs(out[0].logprobs.logprob - want[0].logprobs.logprob) < 1e-5 and out[2].logprobs is None
