@@ -164,3 +164,23 @@ def test_async_log_replays_and_its_config_travels_in_the_header(tmp_path):
 def test_config_bounds():
     with pytest.raises(ValueError, match="max_steps_in_flight"):
         CoreConfig(4, 16, 4, 32, max_steps_in_flight=3)
+
+
+def test_two_ranks_run_ahead_once_the_step_before_agreed():
+    """With several ranks, step s + 1 still waits until every rank's digest of step s - 1 agreed:
+    planned ahead of step s when the ranks keep up, and the outputs are the one-step loop's."""
+    def run(d: Driver) -> None:
+        d.arrive("a", 5, max_tokens=6)
+        d.arrive("b", 9, max_tokens=4)
+        while d.in_flight is not None:
+            step = d.in_flight.step
+            d.complete()
+            for rank in (0, 1):
+                d.send(ev.RankDigest(step, rank, 0xD16E57))
+
+    sync, ahead = Driver(tensor_parallel_size=2), async_driver(tensor_parallel_size=2)
+    run(sync)
+    run(ahead)
+    assert ahead.outputs == sync.outputs == {"a": [7] * 6, "b": [7] * 4}
+    assert list(_in_flight_when_planned(ahead).values()) == [0, 1, 1, 1, 1, 1] and ahead.core.step == sync.core.step == 6
+    ahead.check_idle()
