@@ -49,7 +49,8 @@ def _attend_tile(
     return m_new, l, acc
 
 
-@triton.jit
+# stride_bt is the batch's widest block table: not specialized (on == 1 or % 16), so no batch recompiles
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
     scale_log2,

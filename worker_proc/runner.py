@@ -6,6 +6,7 @@ be launched in between (async scheduling, worker_proc/placeholders.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from worker_proc.models.llama import FAST_DTYPES
 from worker_proc.placeholders import SampledRows, mark_placeholder
 from worker_proc.sampler import PendingSample, Sampler, SamplingReq
 from worker_proc.step_inputs import PinnedStaging
+from worker_proc.warm_up import warm_up_batches
 
 FAULT_TOKEN_ENV = "LEDGERSERVE_TEST_FAULT_TOKEN_ID"  # test-only: see batch.check_fault
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -80,12 +82,27 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.kv_cache.layers, num_blocks * config.block_size, width,
                                        config.max_num_seqs, config.enable_lora, self.device, config.max_loras)
             self.graphs.capture()
+        if self.device.type == "cuda":
+            self.warm_up()
         self.fault_token_id = _fault_token_id()
 
     def _build_lora(self) -> LoraManager:
         with open(os.path.join(self.config.model_dir, "config.json"), encoding="utf-8") as f:
             base = BaseShapes.from_hf_config(json.load(f))
         return LoraManager(self.model, self.config, base, self.dtype, self.device)
+
+    def warm_up(self) -> None:
+        """Run worker_proc/warm_up.py's batches through the forward pass and the sampler, and drop
+        them: the Triton kernels of prefill, mixed batches and sampling are compiled before the
+        first request, not during it."""
+        slot = 0 if self.lora is not None else -1
+        batches = warm_up_batches(self.config.block_size, self.kv_cache.num_blocks, self.config.max_model_len,
+                                  self.model_cfg.vocab_size, slot)
+        with self.lora.zero_adapter(slot) if self.lora is not None else contextlib.nullcontext():
+            for reqs in batches:
+                logits, sampling = self._forward(reqs, use_graphs=False)  # the graphs compiled theirs
+                if logits is not None:
+                    self.sampler.finish(self.sampler.launch(logits, [_sampling_req(r) for r in sampling]))
 
     def ready(self) -> WorkerReady:
         return WorkerReady(
@@ -201,11 +218,11 @@ class ModelRunner:
         mark_placeholder(req, self.prev_sampled)
         return req
 
-    def _forward(self, scheduled: list[ReqState]) -> tuple[torch.Tensor | None, list[ReqState]]:
+    def _forward(self, scheduled: list[ReqState], use_graphs: bool = True) -> tuple[torch.Tensor | None, list[ReqState]]:
         """Queue the step's forward pass: the logits [num_sampling, vocab] float32 of the requests
         that sample this step (None if none does), and those requests."""
         prev = self.prev_sampled.token_ids
-        if self.graphs is not None and self.staging is not None and self.graphs.fits(scheduled):
+        if use_graphs and self.graphs is not None and self.staging is not None and self.graphs.fits(scheduled):
             return self.graphs.run(scheduled, self.config.block_size, self.staging, prev), scheduled
         batch = build_batch(scheduled, self.config.block_size, self.device, self.staging, prev)
         if self.staging is None:  # CPU: slot tensors are host tensors, reading them costs nothing

@@ -17,6 +17,10 @@ import torch
 
 from kernels.attention_ref import PagedAttentionMetadata
 
+# int64 elements per 16 bytes: every view handed out starts 16-byte aligned, as Triton compiles a
+# kernel apart for pointers that are and aren't, so a batch's layout never costs a new compile
+ALIGN = 2
+
 
 @dataclass(frozen=True)
 class DeviceAttentionMetadata(PagedAttentionMetadata):
@@ -55,25 +59,33 @@ class PinnedStaging:
         return self.host[:total]
 
     def upload(self, parts: list[list[int]]) -> list[torch.Tensor]:
-        """Device int64 views, one per list in `parts`, from a single H2D copy."""
-        dev = self._pack(parts).to(self.device, non_blocking=True)  # [total]
+        """Device int64 views, one per list in `parts`, from a single H2D copy; each starts 16-byte aligned."""
+        padded = [_padded(p) for p in parts]
+        dev = self._pack(padded).to(self.device, non_blocking=True)  # [total]
         self.copied.record()
-        return list(dev.split([len(p) for p in parts]))
+        return [view[: len(p)] for view, p in zip(dev.split([len(p) for p in padded]), parts)]
 
     def upload_into(self, dst: torch.Tensor, parts: list[list[int]], extra: list[list[int]] | None = None
                     ) -> list[torch.Tensor]:
         """One H2D copy of `parts`, concatenated, into the device int64 tensor `dst` (as many elements);
         the lists in `extra`, if any, follow from the same pinned buffer in a second copy, as device views."""
-        extra = extra or []
-        host = self._pack(parts + extra)
-        num_parts = host.numel() - sum(len(p) for p in extra)
+        num_parts = sum(len(p) for p in parts)
+        padded = [_padded(p) for p in extra or []]
+        host = self._pack(parts + [[0] * (-num_parts % ALIGN)] + padded)  # extras start aligned
         assert dst.dtype == torch.long and dst.is_contiguous() and dst.numel() == num_parts
         dst.copy_(host[:num_parts], non_blocking=True)
         views: list[torch.Tensor] = []
-        if extra:
-            views = list(host[num_parts:].to(self.device, non_blocking=True).split([len(p) for p in extra]))
+        if padded:
+            first = num_parts + -num_parts % ALIGN
+            dev = host[first:].to(self.device, non_blocking=True)
+            views = [view[: len(p)] for view, p in zip(dev.split([len(p) for p in padded]), extra or [])]
         self.copied.record()
         return views
+
+
+def _padded(part: list[int]) -> list[int]:
+    """`part` padded with zeros to a whole number of ALIGN elements."""
+    return part + [0] * (-len(part) % ALIGN)
 
 
 def _writable_bytes(t: torch.Tensor) -> ctypes.Array:

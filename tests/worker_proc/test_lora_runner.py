@@ -10,7 +10,9 @@ from shared.events import AdapterEvicted, AdapterLoadCompleted, AdapterSlotAssig
 from tests.reference import assert_greedy_matches
 from tests.worker_proc.fake_scheduler import FakeScheduler, run_to_completion
 from tests.worker_proc.lora_setup import ADAPTERS, BLOCK_SIZE, GREEDY, NUM_BLOCKS, LoraSetup, load_all, lora_config
+from worker_proc.lora.weights import LoraWeights
 from worker_proc.runner import ModelRunner
+from worker_proc.warm_up import warm_up_batches
 
 CHUNKS = {"base": 5, "head": 3, "attn": 7, "mlp": 4, "all": 6}
 
@@ -33,6 +35,26 @@ def test_mixed_adapters_in_one_batch_match_peft(lora_setup: LoraSetup) -> None:
     _run_mixed(runner, lora_setup)
     for name in ADAPTERS:  # every adapter really changes the output
         assert lora_setup.refs[name].token_ids != _base_output(runner, lora_setup.prompts[name])
+
+
+def test_warm_up_leaves_nothing_behind(lora_setup: LoraSetup) -> None:
+    """The start-up warm-up (run by CUDA workers) writes KV into blocks the first requests then
+    get, reads an empty adapter slot and samples: every later output still matches PEFT."""
+    batches = warm_up_batches(BLOCK_SIZE, NUM_BLOCKS, 128, 256, lora_slot=0)
+    assert [[(r.num_computed_tokens, r.num_scheduled_tokens, r.lora_slot) for r in b] for b in batches] == [
+        [(0, 9, -1), (0, 8, 0)], [(0, 8, -1), (0, 4, 0)], [(4, 7, -1), (4, 1, 0)], [(4, 8, -1), (4, 4, 0)], [(4, 1, 0)]]
+    small_pool = warm_up_batches(BLOCK_SIZE, 2, 128, 256, lora_slot=-1)  # only the lone decode row fits
+    assert [[(r.num_computed_tokens, r.num_scheduled_tokens, r.lora_slot) for r in b] for b in small_pool] == [[(4, 1, -1)]]
+    runner = ModelRunner(lora_config(lora_setup.base_dir))
+    calls = []
+    real_apply = LoraWeights.apply
+    with pytest.MonkeyPatch.context() as mp:  # the LoRA kernels really run (an empty slot would skip them)
+        mp.setattr(LoraWeights, "apply", lambda self, *a: (calls.append(self.batch_rank(a[2].slots)), real_apply(self, *a)))
+        runner.warm_up()
+    assert calls and min(calls) == 32
+    assert not runner.reqs and runner.prev_sampled.token_ids is None and not runner.lora.slots
+    assert all(max(w.rank_table[0]) == 0 and not w.b[0].any() for w in runner.lora.weights.values())
+    _run_mixed(runner, lora_setup)  # FakeScheduler hands out block 0 first: the warm-up's blocks
 
 
 @pytest.mark.gpu

@@ -17,6 +17,7 @@ def test_upload_splits_one_copy_into_views() -> None:
     parts = [[1, 2, 3], [], [-4, 2**40]]
     got = staging.upload(parts)
     assert [t.tolist() for t in got] == parts and all(t.is_cuda and t.dtype == torch.long for t in got)
+    assert all(t.data_ptr() % 16 == 0 for t in got)  # odd-length parts: Triton sees one alignment
 
 
 def test_upload_into_reuses_the_buffer_behind_a_slow_stream() -> None:
@@ -33,6 +34,7 @@ def test_upload_into_reuses_the_buffer_behind_a_slow_stream() -> None:
 def test_upload_into_returns_the_extra_lists_as_views() -> None:
     staging = PinnedStaging(torch.device("cuda"))
     dst = torch.zeros(3, dtype=torch.long, device="cuda")
-    dst_rows, src_rows = staging.upload_into(dst, [[7], [8, 9]], [[0, 2], [5, 6]])
-    assert dst.tolist() == [7, 8, 9] and dst_rows.tolist() == [0, 2] and src_rows.tolist() == [5, 6]
+    dst_rows, src_rows = staging.upload_into(dst, [[7], [8, 9]], [[0, 2, 4], [5, 6, 1]])
+    assert dst.tolist() == [7, 8, 9] and dst_rows.tolist() == [0, 2, 4] and src_rows.tolist() == [5, 6, 1]
+    assert dst_rows.data_ptr() % 16 == 0 and src_rows.data_ptr() % 16 == 0
     assert dst_rows.is_cuda and staging.upload_into(dst, [[1, 2, 3]]) == []

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -58,6 +61,24 @@ class LoraManager:
         for weights in self.weights.values():
             weights.clear_slot(slot)
         self.slots.pop(slot, None)
+
+    @contextlib.contextmanager
+    def zero_adapter(self, slot: int) -> Iterator[None]:
+        """Within: `slot` (empty) holds an adapter of full rank on every slice whose weights are all
+        zero, so the LoRA kernels run (an empty slot skips them) and change nothing. The start-up
+        warm-up compiles them this way. Empty again after."""
+        self.check_slot(slot)
+        if slot in self.slots:
+            raise ValueError(f"slot {slot} holds version {self.slots[slot]}")
+        for weights in self.weights.values():
+            rank, num_in = weights.max_rank, weights.a.shape[3]
+            zeros = [(weights.a.new_zeros(rank, num_in), weights.b.new_zeros(size, rank), 0.0)
+                     for size in weights.output_sizes]
+            weights.load_slot(slot, zeros)
+        try:
+            yield
+        finally:
+            self.clear(slot)
 
     def check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.max_loras:

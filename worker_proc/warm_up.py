@@ -1,0 +1,42 @@
+"""Start-up warm-up: the batches a worker runs once before it reports ready, so that the
+first real requests do not wait for Triton to compile the prefill, mixed-batch and
+sampling kernels (seconds each on a fresh machine; the decode kernels compile while the
+CUDA graphs are captured). The batches write KV only into blocks no request holds yet,
+and sample with their own seed, so nothing a later request sees changes."""
+
+from __future__ import annotations
+
+from shared.sampling import SamplingParams
+from worker_proc.batch import ReqState
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, logprobs=2)
+# penalties and min_tokens masking; random draws are torch ops only (nothing to compile), and
+# would touch the CUDA generators, so the warm-up samples greedily
+FILTERED = SamplingParams(max_tokens=4, temperature=0.0, repetition_penalty=1.1, min_tokens=2, logprobs=0)
+
+
+def warm_up_batches(block_size: int, num_blocks: int, max_model_len: int, vocab_size: int,
+                    lora_slot: int) -> list[list[ReqState]]:
+    """Batches of (num_computed, num_tokens) shapes a serving step takes: fresh prefills, prefills
+    over a cached prefix, one beside a decode row (a mixed batch), and a lone decode row. Adapter rows use `lora_slot` (-1: LoRA off). Batches
+    that don't fit the pool or max_model_len are left out."""
+    shapes = [  # Triton compiles apart for integer arguments divisible by 16: token counts of both kinds
+        [(0, block_size + 5, -1, GREEDY), (0, 2 * block_size, lora_slot, GREEDY)],
+        [(0, 2 * block_size, -1, GREEDY), (0, block_size, lora_slot, GREEDY)],
+        [(block_size, 2 * block_size + 3, -1, FILTERED), (block_size, block_size + 1, lora_slot, FILTERED)],
+        [(block_size, 3 * block_size, -1, GREEDY), (block_size, 2 * block_size, lora_slot, GREEDY)],
+        [(block_size, block_size + 1, lora_slot, GREEDY)],
+    ]
+    batches = []
+    for shape in shapes:
+        reqs, next_block = [], 0
+        for i, (num_computed, num_tokens, slot, sampling) in enumerate(shape):
+            num_req_blocks = -(-num_tokens // block_size)
+            token_ids = [(7 * i + t) % vocab_size for t in range(num_tokens)]
+            block_ids = list(range(next_block, next_block + num_req_blocks))
+            reqs.append(ReqState(f"warm-up-{i}", token_ids, min(num_tokens, block_size), sampling, block_ids,
+                                 num_computed, num_tokens - num_computed, slot))
+            next_block += num_req_blocks
+        if next_block <= num_blocks and all(len(r.token_ids) <= max_model_len for r in reqs):
+            batches.append(reqs)
+    return batches
