@@ -14,10 +14,13 @@ from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest
 from tokenizer_proc.responses import chat_choice, chat_logprobs, completion_choice, completion_logprobs, envelope
 
 DONE = "data: [DONE]\n\n"
+# JSON leaves these raw inside strings, but line readers built on str.splitlines (httpx's
+# aiter_lines among them) break a line on them; escaped, an event stays one line for every client
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
 def sse(body: dict[str, Any]) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':')).translate(_LINE_BREAKS)}\n\n"
 
 
 def _worth_sending(delta: Delta, return_token_ids: bool) -> bool:
