@@ -86,7 +86,7 @@ class Scheduler:
             scheduled.append(ScheduledReq(req, num_tokens))
             budget -= num_tokens
             i += 1
-        if (not scheduled) if preempted else not is_blocked:  # nothing overtakes a running request short of blocks
+        if _may_admit(scheduled, preempted, is_blocked):
             self._admit_waiting(budget, scheduled, step)
         return scheduled, preempted
 
@@ -161,6 +161,13 @@ class Scheduler:
         self.block_manager.admit(req, match, step)
         if req.num_preemptions == 0:
             req.num_cached_tokens = match.num_cached_tokens
+
+
+def _may_admit(scheduled: list[ScheduledReq], preempted: list[Request], is_blocked: bool) -> bool:
+    """Whether waiting requests may join the step: after a preemption only if no running request
+    was scheduled (the preempted ones wait at the head); otherwise unless a running request
+    was short of blocks, since nothing overtakes it."""
+    return not scheduled if preempted else not is_blocked
 
 
 def _arrival_order(req: Request) -> int:
