@@ -45,11 +45,10 @@ class InFlightStep:
     pending: PendingSample | None  # None when no request samples
     failed: list[FailedReq]  # requests that failed at launch
     digest: RankDigest
-    done: torch.cuda.Event | None = None  # recorded after the step's sampling (CUDA only)
 
     def is_done(self) -> bool:
-        """Whether the device finished the step, so reading it back would not wait."""
-        return self.done is None or self.done.query()
+        """Whether reading the step back would not wait: its tokens reached the host (or it sampled none)."""
+        return self.pending is None or self.pending.host.is_ready()
 
 
 class ModelRunner:
@@ -130,11 +129,7 @@ class ModelRunner:
             pending = self.sampler.launch(logits, [_sampling_req(r) for r in sampling])
         self.prev_sampled = SampledRows.of(pending.token_ids, sampling) if pending is not None else SampledRows()
         digest = RankDigest(plan.step, self.rank, self.digest())  # on the host while the device runs the step
-        done = None
-        if self.device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record()
-        return InFlightStep(plan.step, [r.req_id for r in sampling], pending, failed, digest, done)
+        return InFlightStep(plan.step, [r.req_id for r in sampling], pending, failed, digest)
 
     def complete(self, step: InFlightStep) -> tuple[StepCompleted, RankDigest]:
         """Read back a launched step's sampled tokens (its one device -> host sync)."""

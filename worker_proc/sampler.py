@@ -69,6 +69,9 @@ class HostCopy:
         ready.record()
         return HostCopy(host, ready)
 
+    def is_ready(self) -> bool:
+        return self.ready is None or self.ready.query()
+
     def wait(self) -> tuple[torch.Tensor, ...]:
         if self.ready is not None:
             self.ready.synchronize()

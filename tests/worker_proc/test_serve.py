@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from shared import codec, events
 from tests.worker_proc.fake_scheduler import FakeScheduler, run_to_completion
 from tests.worker_proc.test_async_runner import REQS, results, tiny_config
 from worker_proc.main import serve
 from worker_proc.runner import InFlightStep, ModelRunner
+from worker_proc.sampler import HostCopy, PendingSample
 
 LOG = logging.getLogger("test-serve")
 
@@ -56,7 +59,7 @@ class ScriptedInbox:
 
 
 class BusyDevice:
-    """Stands in for the CUDA event after a step: reads as running for `num_queries` queries."""
+    """Stands in for the CUDA event after a step's copy to the host: reads as running for `num_queries` queries."""
 
     def __init__(self, num_queries: int) -> None:
         self.num_queries = num_queries
@@ -96,7 +99,8 @@ class TraceRunner:
     def launch(self, plan: events.StepPlan) -> InFlightStep:
         self.trace.append(f"launch {plan.step}")
         digest = events.RankDigest(plan.step, self.rank, 1000 + plan.step)
-        return InFlightStep(plan.step, ["r"], None, [], digest, BusyDevice(self.num_busy_queries))  # type: ignore[arg-type]
+        host = HostCopy((), BusyDevice(self.num_busy_queries))  # type: ignore[arg-type]
+        return InFlightStep(plan.step, ["r"], PendingSample(torch.zeros(1, dtype=torch.long), host, []), [], digest)
 
     def complete(self, step: InFlightStep) -> tuple[events.StepCompleted, events.RankDigest]:
         self.trace.append(f"complete {step.step}")
