@@ -22,9 +22,14 @@ def check_stop(
             return "stop", token_id
         if token_id in sampling.stop_token_ids:
             return "stop", token_id
-    if num_output_tokens >= sampling.max_tokens or num_tokens >= max_model_len:
+    if reaches_length(num_output_tokens, num_tokens, sampling, max_model_len):
         return "length", None
     return None, None
+
+
+def reaches_length(num_output_tokens: int, num_tokens: int, sampling: SamplingParams, max_model_len: int) -> bool:
+    """Whether a request with these counts ends by length (max_tokens or max_model_len)."""
+    return num_output_tokens >= sampling.max_tokens or num_tokens >= max_model_len
 
 
 def max_blocks_needed(num_prompt_tokens: int, max_tokens: int, max_model_len: int, block_size: int) -> int:

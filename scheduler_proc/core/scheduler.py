@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from scheduler_proc.core.block_manager import BlockManager, PrefixMatch
 from scheduler_proc.core.config import CoreConfig
+from scheduler_proc.core.finish import reaches_length
 from scheduler_proc.core.request import Request, RequestStatus, transition
 
 
@@ -95,12 +96,9 @@ class Scheduler:
         token cannot be its last by length, and its sampling does not read earlier token ids."""
         if req.num_pending_samples == 0:
             return True
-        num_outputs = req.num_output_tokens + req.num_pending_samples
-        return (
-            not req.sampling.penalised
-            and num_outputs < req.sampling.max_tokens
-            and req.num_tokens + req.num_pending_samples < self.config.max_model_len
-        )
+        num_pending = req.num_pending_samples
+        return not req.sampling.penalised and not reaches_length(
+            req.num_output_tokens + num_pending, req.num_tokens + num_pending, req.sampling, self.config.max_model_len)
 
     def _make_room(self, req: Request, num_tokens: int, preempted: list[Request], step: int, may_preempt: bool) -> bool:
         """Preempt the newest running requests until `req` can grow (free blocks, then
