@@ -144,11 +144,12 @@ class Bench:
         if self.ahead:
             last, walls, lens = self.decode_ahead(last, self.warmup + self.steps + 1)
             walls, lens = walls[self.warmup:], lens[self.warmup:]
-        for i in range(0 if self.ahead else self.warmup + self.steps):
-            last, wall = self.decode(last)
-            if i >= self.warmup:
-                walls.append(wall)
-                lens.append(statistics.mean(self.lengths.values()))
+        else:
+            for i in range(self.warmup + self.steps):
+                last, wall = self.decode(last)
+                if i >= self.warmup:
+                    walls.append(wall)
+                    lens.append(statistics.mean(self.lengths.values()))
         gpu_ms, enqueue_ms = self.gpu_step()
         return statistics.median(walls) * 1e3, gpu_ms, enqueue_ms, statistics.mean(lens)
 
@@ -162,9 +163,10 @@ def end_to_end(runner: ModelRunner, batch: int, num_adapters: int, prompt_len: i
     t0 = time.perf_counter()
     last = bench.start(batch, num_adapters)  # the first output token
     if ahead:
-        last, _, _ = bench.decode_ahead(last, gen_len - 1)
-    for _ in range(0 if ahead else gen_len - 1):
-        last, _ = bench.decode(last)
+        bench.decode_ahead(last, gen_len - 1)
+    else:
+        for _ in range(gen_len - 1):
+            last, _ = bench.decode(last)
     wall = time.perf_counter() - t0
     return dict(device=torch.cuda.get_device_name(), batch=batch, adapters=num_adapters, prompt_len=prompt_len,
                 async_scheduling=ahead, gen_len=gen_len, output_tokens=batch * gen_len, wall_s=round(wall, 3),

@@ -60,25 +60,21 @@ class PinnedStaging:
 
     def upload(self, parts: list[list[int]]) -> list[torch.Tensor]:
         """Device int64 views, one per list in `parts`, from a single H2D copy; each starts 16-byte aligned."""
-        padded = [_padded(p) for p in parts]
-        dev = self._pack(padded).to(self.device, non_blocking=True)  # [total]
+        dev = self._pack([_padded(p) for p in parts]).to(self.device, non_blocking=True)  # [total]
         self.copied.record()
-        return [view[: len(p)] for view, p in zip(dev.split([len(p) for p in padded]), parts)]
+        return _views(dev, parts)
 
     def upload_into(self, dst: torch.Tensor, parts: list[list[int]], extra: list[list[int]] | None = None
                     ) -> list[torch.Tensor]:
         """One H2D copy of `parts`, concatenated, into the device int64 tensor `dst` (as many elements);
         the lists in `extra`, if any, follow from the same pinned buffer in a second copy, as device views."""
+        extra = extra or []
         num_parts = sum(len(p) for p in parts)
-        padded = [_padded(p) for p in extra or []]
-        host = self._pack(parts + [[0] * (-num_parts % ALIGN)] + padded)  # extras start aligned
+        first = num_parts + -num_parts % ALIGN  # the extras start aligned
+        host = self._pack(parts + [[0] * (first - num_parts)] + [_padded(p) for p in extra])
         assert dst.dtype == torch.long and dst.is_contiguous() and dst.numel() == num_parts
         dst.copy_(host[:num_parts], non_blocking=True)
-        views: list[torch.Tensor] = []
-        if padded:
-            first = num_parts + -num_parts % ALIGN
-            dev = host[first:].to(self.device, non_blocking=True)
-            views = [view[: len(p)] for view, p in zip(dev.split([len(p) for p in padded]), extra or [])]
+        views = _views(host[first:].to(self.device, non_blocking=True), extra) if extra else []
         self.copied.record()
         return views
 
@@ -86,6 +82,11 @@ class PinnedStaging:
 def _padded(part: list[int]) -> list[int]:
     """`part` padded with zeros to a whole number of ALIGN elements."""
     return part + [0] * (-len(part) % ALIGN)
+
+
+def _views(dev: torch.Tensor, parts: list[list[int]]) -> list[torch.Tensor]:
+    """`dev` [sum of padded lengths] split back into one view per part, padding dropped."""
+    return [view[: len(p)] for view, p in zip(dev.split([len(_padded(p)) for p in parts]), parts)]
 
 
 def _writable_bytes(t: torch.Tensor) -> ctypes.Array:

@@ -12,18 +12,19 @@ from worker_proc.batch import ReqState
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, logprobs=2)
 # penalties and min_tokens masking; random draws are torch ops only (nothing to compile), and
 # would touch the CUDA generators, so the warm-up samples greedily
-FILTERED = SamplingParams(max_tokens=4, temperature=0.0, repetition_penalty=1.1, min_tokens=2, logprobs=0)
+PENALISED = SamplingParams(max_tokens=4, temperature=0.0, repetition_penalty=1.1, min_tokens=2, logprobs=0)
 
 
 def warm_up_batches(block_size: int, num_blocks: int, max_model_len: int, vocab_size: int,
                     lora_slot: int) -> list[list[ReqState]]:
     """Batches of (num_computed, num_tokens) shapes a serving step takes: fresh prefills, prefills
-    over a cached prefix, one beside a decode row (a mixed batch), and a lone decode row. Adapter rows use `lora_slot` (-1: LoRA off). Batches
-    that don't fit the pool or max_model_len are left out."""
+    over a cached prefix, one beside a decode row (a mixed batch), and a lone decode row.
+    Adapter rows use `lora_slot` (-1: LoRA off). Batches that don't fit the pool or
+    max_model_len are left out."""
     shapes = [  # Triton compiles apart for integer arguments divisible by 16: token counts of both kinds
         [(0, block_size + 5, -1, GREEDY), (0, 2 * block_size, lora_slot, GREEDY)],
         [(0, 2 * block_size, -1, GREEDY), (0, block_size, lora_slot, GREEDY)],
-        [(block_size, 2 * block_size + 3, -1, FILTERED), (block_size, block_size + 1, lora_slot, FILTERED)],
+        [(block_size, 2 * block_size + 3, -1, PENALISED), (block_size, block_size + 1, lora_slot, PENALISED)],
         [(block_size, 3 * block_size, -1, GREEDY), (block_size, 2 * block_size, lora_slot, GREEDY)],
         [(block_size, block_size + 1, lora_slot, GREEDY)],
     ]
