@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.config import EngineConfig
 from shared.events import CachedReq, NewReq, StepPlan
 from shared.sampling import SamplingParams
 from tests.reference import assert_greedy_matches
@@ -17,10 +16,9 @@ from tests.worker_proc.lora_setup import GREEDY as LORA_GREEDY
 from tests.worker_proc.lora_setup import NUM_BLOCKS as LORA_NUM_BLOCKS
 from tests.worker_proc.lora_setup import LoraSetup, load_all, lora_config
 from tests.worker_proc.test_lora_runner import CHUNKS
+from tests.worker_proc.test_runner import BLOCK_SIZE, NUM_BLOCKS, tiny_config
 from worker_proc.runner import ModelRunner
 
-BLOCK_SIZE = 4
-NUM_BLOCKS = 64
 ODD_IDS = tuple(range(3, 256, 2))  # stop ids that min_tokens must mask: half the vocabulary
 GREEDY = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=2)
 # name -> (prompt length, chunk, sampling): every kind of request the ahead path must reproduce
@@ -34,12 +32,6 @@ REQS = {
     "seeded-min-tokens": (9, 2, SamplingParams(max_tokens=9, temperature=0.8, top_k=40, seed=7, min_tokens=4,
                                                stop_token_ids=ODD_IDS, ignore_eos=True, logprobs=3)),
 }
-
-
-def tiny_config(path: str, **kw) -> EngineConfig:
-    base = dict(model_dir=path, served_model_name="tiny", max_model_len=128, block_size=BLOCK_SIZE,
-                num_kv_blocks=NUM_BLOCKS, seed=0)
-    return EngineConfig(**{**base, **kw})
 
 
 def results(done: dict[str, FakeReq]) -> dict[str, tuple[list[int], list]]:

@@ -17,7 +17,7 @@ NUM_BLOCKS = 64
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
 
 
-def _config(path: str, **kw) -> EngineConfig:
+def tiny_config(path: str, **kw) -> EngineConfig:
     base = dict(model_dir=path, served_model_name="tiny", max_model_len=128, block_size=BLOCK_SIZE,
                 num_kv_blocks=NUM_BLOCKS, seed=0)
     return EngineConfig(**{**base, **kw})
@@ -42,7 +42,7 @@ def _check_greedy_against_reference(ref, prompt: list[int], outputs: list[int], 
 
 
 def test_chunked_prefill_and_decode_match_transformers(tiny_checkpoint: str) -> None:
-    runner = ModelRunner(_config(tiny_checkpoint))
+    runner = ModelRunner(tiny_config(tiny_checkpoint))
     ref = load_reference(tiny_checkpoint)
     sched = FakeScheduler(BLOCK_SIZE, NUM_BLOCKS)
     for i, (prompt, chunk) in enumerate(zip(_prompts(runner.model_cfg.vocab_size), (5, 1, 7, 3))):
@@ -56,7 +56,7 @@ def test_chunked_prefill_and_decode_match_transformers(tiny_checkpoint: str) -> 
 
 
 def test_prefix_cached_blocks_are_reused(tiny_checkpoint: str) -> None:
-    runner = ModelRunner(_config(tiny_checkpoint))
+    runner = ModelRunner(tiny_config(tiny_checkpoint))
     ref = load_reference(tiny_checkpoint)
     sched = FakeScheduler(BLOCK_SIZE, NUM_BLOCKS)
     prompt = _prompts(runner.model_cfg.vocab_size)[2]  # 22 tokens
@@ -76,7 +76,7 @@ def test_seeded_sampling_survives_preemption_and_batch_mix(tiny_checkpoint: str)
     prompts = _prompts(256)
 
     def run(preempt_at: int | None, with_other: bool) -> list[int]:
-        runner = ModelRunner(_config(tiny_checkpoint, seed=99 if with_other else 0))
+        runner = ModelRunner(tiny_config(tiny_checkpoint, seed=99 if with_other else 0))
         sched = FakeScheduler(BLOCK_SIZE, NUM_BLOCKS)
         sched.add("s", prompts[0], params, chunk=6)
         if with_other:
@@ -97,8 +97,8 @@ def test_seeded_sampling_survives_preemption_and_batch_mix(tiny_checkpoint: str)
 
 
 def test_digest_ranks_and_isolated_failures(tiny_checkpoint: str) -> None:
-    rank0 = ModelRunner(_config(tiny_checkpoint), rank=0)
-    rank1 = ModelRunner(_config(tiny_checkpoint), rank=1)
+    rank0 = ModelRunner(tiny_config(tiny_checkpoint), rank=0)
+    rank1 = ModelRunner(tiny_config(tiny_checkpoint), rank=1)
     good = NewReq("good", [3, 4, 5], 3, GREEDY, [7], 0, 3)
     bad_block = NewReq("bad", [3, 4, 5], 3, GREEDY, [NUM_BLOCKS + 1], 0, 3)
     plan = StepPlan(0, [good, bad_block], [CachedReq("ghost", [1], [], 0, 1)])
@@ -115,7 +115,7 @@ def test_digest_ranks_and_isolated_failures(tiny_checkpoint: str) -> None:
 
 
 def test_cached_update_with_a_block_out_of_range_fails_alone(tiny_checkpoint: str) -> None:
-    runner = ModelRunner(_config(tiny_checkpoint))
+    runner = ModelRunner(tiny_config(tiny_checkpoint))
     plan = StepPlan(0, [NewReq(r, [3, 4, 5, 6], 4, GREEDY, [i], 0, 4) for i, r in enumerate(["a", "b"])])
     done, _ = runner.execute(plan)
     last = {s.req_id: s.token_id for s in done.sampled}
@@ -128,9 +128,9 @@ def test_cached_update_with_a_block_out_of_range_fails_alone(tiny_checkpoint: st
 
 
 def test_fault_switch_fails_only_the_request_holding_the_token(tiny_checkpoint: str, monkeypatch) -> None:
-    clean = ModelRunner(_config(tiny_checkpoint), rank=0)
+    clean = ModelRunner(tiny_config(tiny_checkpoint), rank=0)
     monkeypatch.setenv("LEDGERSERVE_TEST_FAULT_TOKEN_ID", "6")
-    faulty = ModelRunner(_config(tiny_checkpoint), rank=0)
+    faulty = ModelRunner(tiny_config(tiny_checkpoint), rank=0)
     good = NewReq("good", [3, 4, 5], 3, GREEDY, [7], 0, 3)
     plan = StepPlan(0, [good, NewReq("bad", [3, 6, 5], 3, GREEDY, [8], 0, 3)])
     done, _ = faulty.execute(plan)
@@ -140,7 +140,7 @@ def test_fault_switch_fails_only_the_request_holding_the_token(tiny_checkpoint: 
 
 
 def test_mid_prefill_chunk_samples_nothing(tiny_checkpoint: str) -> None:
-    runner = ModelRunner(_config(tiny_checkpoint))
+    runner = ModelRunner(tiny_config(tiny_checkpoint))
     done, _ = runner.execute(StepPlan(0, [NewReq("r", list(range(3, 13)), 10, GREEDY, [0, 1, 2], 0, 4)]))
     assert done.sampled == [] and done.failed == []
     done, _ = runner.execute(StepPlan(1, cached_reqs=[CachedReq("r", [], [], 4, 6)]))
@@ -148,7 +148,7 @@ def test_mid_prefill_chunk_samples_nothing(tiny_checkpoint: str) -> None:
 
 
 def test_ready_and_dummy_load(tiny_checkpoint: str) -> None:
-    runner = ModelRunner(_config(tiny_checkpoint, load_format="dummy", num_kv_blocks=None, max_num_seqs=2))
+    runner = ModelRunner(tiny_config(tiny_checkpoint, load_format="dummy", num_kv_blocks=None, max_num_seqs=2))
     ready = runner.ready()
     assert ready.num_kv_blocks == 2 * 32 and ready.vocab_size == 256 and ready.eos_token_ids == [2]
     assert ready.device == "cpu" and ready.dtype == "float32"
@@ -159,7 +159,7 @@ def test_ready_and_dummy_load(tiny_checkpoint: str) -> None:
 
 def test_bad_config_raises(tmp_path) -> None:
     with pytest.raises(FileNotFoundError):
-        ModelRunner(_config(str(tmp_path)))
+        ModelRunner(tiny_config(str(tmp_path)))
 
 
 @pytest.mark.gpu
@@ -167,7 +167,7 @@ def test_bad_config_raises(tmp_path) -> None:
 def test_cuda_runner_matches_cpu(tiny_checkpoint: str) -> None:
     outputs = {}
     for device in ("cpu", "cuda"):
-        runner = ModelRunner(_config(tiny_checkpoint, device=device))
+        runner = ModelRunner(tiny_config(tiny_checkpoint, device=device))
         sched = FakeScheduler(BLOCK_SIZE, NUM_BLOCKS)
         for i, prompt in enumerate(_prompts(256)):
             sched.add(f"req-{i}", prompt, GREEDY, chunk=5)

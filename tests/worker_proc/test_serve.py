@@ -11,7 +11,8 @@ import torch
 
 from shared import codec, events
 from tests.worker_proc.fake_scheduler import FakeScheduler, run_to_completion
-from tests.worker_proc.test_async_runner import REQS, results, tiny_config
+from tests.worker_proc.test_async_runner import REQS, results
+from tests.worker_proc.test_runner import tiny_config
 from worker_proc.main import serve
 from worker_proc.runner import InFlightStep, ModelRunner
 from worker_proc.sampler import HostCopy, PendingSample
