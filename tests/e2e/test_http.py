@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shared import events as ev
 from shared.eventlog import EventLogReader
+from tests.e2e.conftest import SCHEDULING_ARGS
 from tests.e2e.server import Server
 from tests.reference import assert_greedy_matches, greedy_reference
 
@@ -29,11 +30,6 @@ PROMPTS = [f"Story {i}: the {w} walked along the" for i, w in
            enumerate(["fox", "old man", "river", "child", "baker", "cat", "storm", "teacher"] * 2)]
 
 
-@pytest.fixture(scope="module", params=["one-step", "async"])
-def scheduling(request) -> str:
-    return request.param
-
-
 @pytest.fixture(scope="module")
 def log_dir(scheduling, tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp(f"events-{scheduling}"))
@@ -41,7 +37,7 @@ def log_dir(scheduling, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def server(demo_model_dir, log_dir, scheduling):
-    args = SERVER_ARGS + (["--async-scheduling"] if scheduling == "async" else [])
+    args = SERVER_ARGS + SCHEDULING_ARGS[scheduling]
     srv = Server(demo_model_dir, log_dir, args).start()
     yield srv
     srv.stop()

@@ -19,6 +19,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.adapter_factory import make_peft_adapter
+from tests.e2e.conftest import SCHEDULING_ARGS
 from tests.e2e.server import Server
 from tests.reference import assert_greedy_matches, greedy_reference
 
@@ -47,11 +48,6 @@ def adapter_root(demo_model_dir, tmp_path_factory) -> str:
     return str(root)
 
 
-@pytest.fixture(scope="module", params=["one-step", "async"])
-def scheduling(request) -> str:
-    return request.param
-
-
 @pytest.fixture(scope="module")
 def log_dir(scheduling, tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp(f"lora-events-{scheduling}"))
@@ -63,7 +59,7 @@ def server(demo_model_dir, adapter_root, log_dir, scheduling):
     args = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "32", "--lora-allowed-dir", adapter_root,
             "--max-model-len", "512", "--num-kv-blocks", "160", "--max-num-batched-tokens", "96",
             "--max-num-seqs", "32", "--lora-modules", *modules]
-    args += ["--async-scheduling"] if scheduling == "async" else []
+    args += SCHEDULING_ARGS[scheduling]
     srv = Server(demo_model_dir, log_dir, args).start()
     yield srv
     srv.stop()
