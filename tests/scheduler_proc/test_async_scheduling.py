@@ -13,7 +13,7 @@ from shared.eventlog import EventLogWriter
 from scheduler_proc.core import Core, CoreConfig
 from scheduler_proc.replay import replay
 from tests.scheduler_proc.driver import EOS, Driver
-from tests.scheduler_proc.workload import run_adapter_workload, run_workload
+from tests.scheduler_proc.workload import WORKLOAD_SPACE, run_adapter_workload, run_workload
 
 
 def async_driver(num_kv_blocks: int = 64, **kw) -> Driver:
@@ -117,12 +117,7 @@ def _in_flight_when_planned(d: Driver) -> dict[int, int]:
 
 
 @settings(max_examples=40, deadline=None)
-@given(
-    seed=st.integers(0, 2**32 - 1),
-    num_kv_blocks=st.integers(6, 24),
-    max_num_seqs=st.integers(1, 6),
-    max_num_batched_tokens=st.integers(1, 40),
-)
+@given(**WORKLOAD_SPACE)
 def test_random_workloads_match_the_one_step_loop(seed, num_kv_blocks, max_num_seqs, max_num_batched_tokens):
     """Scripted tokens are per request, so the outputs must not depend on how steps interleave;
     aborts land at other moments, so only requests never aborted are compared."""

@@ -7,24 +7,18 @@ import sys
 
 import xxhash
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from shared import codec
 from shared import events as ev
 
 from tests.scheduler_proc.driver import Driver
-from tests.scheduler_proc.workload import run_workload
+from tests.scheduler_proc.workload import WORKLOAD_SPACE, run_workload
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    seed=st.integers(0, 2**32 - 1),
-    num_kv_blocks=st.integers(6, 24),
-    max_num_seqs=st.integers(1, 6),
-    max_num_batched_tokens=st.integers(1, 40),
-)
+@given(**WORKLOAD_SPACE)
 def test_integrity_after_random_workloads(seed, num_kv_blocks, max_num_seqs, max_num_batched_tokens):
     d = Driver(num_kv_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=4, max_model_len=32)
     run_workload(d, seed)  # the driver checks integrity after every event

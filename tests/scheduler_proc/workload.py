@@ -5,9 +5,19 @@ from __future__ import annotations
 
 import random
 
+from hypothesis import strategies as st
+
 from shared import events as ev
 
 from tests.scheduler_proc.driver import EOS, Driver
+
+# run_workload's seed and the pool and batch limits it runs under: small enough to preempt
+WORKLOAD_SPACE = dict(
+    seed=st.integers(0, 2**32 - 1),
+    num_kv_blocks=st.integers(6, 24),
+    max_num_seqs=st.integers(1, 6),
+    max_num_batched_tokens=st.integers(1, 40),
+)
 
 
 def run_workload(d: Driver, seed: int, num_events: int = 60) -> None:
