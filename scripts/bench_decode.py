@@ -2,8 +2,9 @@
 Llama-3-8B shapes, dummy bf16 weights, batch sizes 1..256 and 0 / 1 / 4 / 32 distinct
 rank-16 adapters on all seven projections. Beside each step time: the memory-bandwidth
 floor (weights + adapters + KV read, over the device copy bandwidth measured here) and
-the share of the step the GPU sits idle (the forward queued behind a sleep kernel and
-timed with events, against the step's wall time). Prints JSON. `--async-scheduling` drives the
+the forward's GPU time alone (queued behind a sleep kernel, timed with events), and the share
+of the timed steps in which the GPU sat idle waiting on the host (events around each step's
+launch, see idle_share). Prints JSON. `--async-scheduling` drives the
 runner as the engine does with that flag: each step's plan is launched before the step ahead
 of it is read back, its requests fed the tokens that step samples on the device.
 `--e2e` instead runs bench_peft.py's workload end to end (one request per adapter, prefill
@@ -32,11 +33,41 @@ from scripts.bench_fixtures import (
     LLAMA3_8B, adapter_bytes, copy_bandwidth, kv_bytes, weight_bytes, write_adapter, write_model_dir,
 )
 from worker_proc.batch import build_batch
-from worker_proc.runner import ModelRunner
+from worker_proc.runner import InFlightStep, ModelRunner
 
 BLOCK = 16
 GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
 SLEEP_CYCLES = 500_000_000  # ~0.25 s at ~2 GHz: longer than the CPU takes to queue one step
+
+
+def idle_share(spans: list[tuple[float, float]]) -> float:
+    """The share of [first start, last end] in which the GPU ran no step: spans are each step's
+    (start, end) on the device's clock (ms), in launch order. A step's start event is queued before
+    its first copy, so it fires when the GPU reaches it: the later of the end of the step before
+    and the moment the host queued it; the gap between them is time the GPU waited on the host."""
+    if len(spans) < 2:
+        return 0.0
+    gaps = sum(max(0.0, start - prev_end) for (_, prev_end), (start, _) in zip(spans, spans[1:]))
+    return gaps / (spans[-1][1] - spans[0][0])
+
+
+class StepClock:
+    """CUDA events around each step's launch: the spans idle_share reads, once the steps are done."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def begin(self) -> None:
+        self.events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+        self.events[-1][0].record()
+
+    def end(self) -> None:
+        self.events[-1][1].record()
+
+    def idle_share(self, first: int) -> float:
+        """Over the steps from index `first` on (all of them read back by now)."""
+        origin = self.events[first][0]
+        return idle_share([(origin.elapsed_time(a), origin.elapsed_time(b)) for a, b in self.events[first:]])
 
 
 class Bench:
@@ -48,6 +79,7 @@ class Bench:
         self.blocks_per_req = -(-(prompt_len + warmup + steps + 2) // BLOCK)
         self.slots: dict[str, int] = {}
         self.lengths: dict[str, int] = {}
+        self.clock = StepClock()
 
     def plan(self, **kw) -> list:
         self.step_no += 1
@@ -74,12 +106,14 @@ class Bench:
     def decode(self, last: dict[str, int]) -> tuple[dict[str, int], float]:
         """One decode step of every live request; (req_id -> sampled token, wall seconds)."""
         cached = [CachedReq(rid, [last[rid]], [], self.lengths[rid], 1, self.slots[rid]) for rid in self.live]
+        self.step_no += 1
         t0 = time.perf_counter()
-        sampled = self.plan(cached_reqs=cached)
+        launched = self._launch(StepPlan(self.step_no, cached_reqs=cached))
+        sampled = self._read(launched)
         wall = time.perf_counter() - t0
         for rid in self.live:
             self.lengths[rid] += 1
-        return {s.req_id: s.token_id for s in sampled}, wall
+        return sampled, wall
 
     def decode_ahead(self, last: dict[str, int], num_steps: int) -> tuple[dict[str, int], list[float], list[float]]:
         """`num_steps` decode steps, each launched while the one before runs: its plan sends the
@@ -95,7 +129,7 @@ class Bench:
                       for rid in self.live]
             self.step_no += 1
             t0 = time.perf_counter()
-            launched = self.runner.launch(StepPlan(self.step_no, cached_reqs=cached))
+            launched = self._launch(StepPlan(self.step_no, cached_reqs=cached))
             to_send = {}
             if in_flight is not None:
                 to_send = self._read(in_flight)
@@ -106,7 +140,13 @@ class Bench:
                 self.lengths[rid] += 1
         return self._read(in_flight), walls, lens
 
-    def _read(self, in_flight) -> dict[str, int]:
+    def _launch(self, plan: StepPlan) -> InFlightStep:
+        self.clock.begin()
+        launched = self.runner.launch(plan)
+        self.clock.end()
+        return launched
+
+    def _read(self, in_flight: InFlightStep) -> dict[str, int]:
         done, _ = self.runner.complete(in_flight)
         assert not done.failed, done.failed
         return {s.req_id: s.token_id for s in done.sampled}
@@ -137,10 +177,11 @@ class Bench:
         end.synchronize()
         return start.elapsed_time(end), enqueue_ms
 
-    def run(self, batch: int, num_adapters: int) -> tuple[float, float, float, float]:
-        """(median step ms, GPU-busy ms, enqueue ms, mean sequence length while timed)."""
+    def run(self, batch: int, num_adapters: int) -> tuple[float, float, float, float, float]:
+        """(median step ms, GPU-busy ms, enqueue ms, mean sequence length, GPU idle share) while timed."""
         last = self.start(batch, num_adapters)
         walls, lens = [], []
+        first = len(self.clock.events) + self.warmup
         if self.ahead:
             last, walls, lens = self.decode_ahead(last, self.warmup + self.steps + 1)
             walls, lens = walls[self.warmup:], lens[self.warmup:]
@@ -150,8 +191,9 @@ class Bench:
                 if i >= self.warmup:
                     walls.append(wall)
                     lens.append(statistics.mean(self.lengths.values()))
+        idle = self.clock.idle_share(first)
         gpu_ms, enqueue_ms = self.gpu_step()
-        return statistics.median(walls) * 1e3, gpu_ms, enqueue_ms, statistics.mean(lens)
+        return statistics.median(walls) * 1e3, gpu_ms, enqueue_ms, statistics.mean(lens), idle
 
 
 def end_to_end(runner: ModelRunner, batch: int, num_adapters: int, prompt_len: int, gen_len: int,
@@ -216,14 +258,14 @@ def sweep(bench: Bench, base: BaseShapes, args: argparse.Namespace, bw: float) -
     results = []
     for num_adapters in args.adapter_counts:
         for batch in args.batches:
-            step_ms, gpu_ms, enqueue_ms, mean_len = bench.run(batch, num_adapters)
+            step_ms, gpu_ms, enqueue_ms, mean_len, idle = bench.run(batch, num_adapters)
             distinct = min(num_adapters, batch)
             read = (weight_bytes(bench.runner.model, batch) + distinct * adapter_bytes(base, args.rank)
                     + kv_bytes(base, base.num_layers, [round(mean_len)] * batch))
             floor_ms = read / bw * 1e3
             row = dict(batch=batch, adapters=distinct, step_ms=round(step_ms, 3), tok_s=round(batch / step_ms * 1e3, 1),
                        floor_ms=round(floor_ms, 3), x_floor=round(step_ms / floor_ms, 2), gpu_ms=round(gpu_ms, 3),
-                       gpu_idle=round(max(0.0, 1 - gpu_ms / step_ms), 3), enqueue_ms=round(enqueue_ms, 2))
+                       gpu_idle=round(idle, 3), enqueue_ms=round(enqueue_ms, 2))
             results.append(row)
             print(json.dumps(row), flush=True)
     return results
