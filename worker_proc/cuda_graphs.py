@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels import gemm_tuning
+from kernels import gemm_tuning, pdl
 from kernels.lora_ref import group_tiles, max_tiles
 from worker_proc.batch import ReqState, fill_placeholders, placeholder_pairs
 from worker_proc.lora.mapping import LoraMapping
@@ -46,7 +46,7 @@ class DecodeGraph:
         # [batch * (6 + width) + 2 * num_tiles + 1]: ids, positions, KV slots, adapter slots, seq lens,
         # grouped order, tile starts, tile slots, block tables
         self.inputs = torch.zeros(batch * (6 + width) + 2 * num_tiles + 1, dtype=torch.long, device=device)
-        self.graph = torch.cuda.CUDAGraph()
+        self.graph = torch.cuda.CUDAGraph(keep_graph=True)  # edited (pdl.launch_after_block_start), then instantiated
         self.logits: torch.Tensor | None = None  # [batch, vocab] float32
 
     def forward(self, model: torch.nn.Module, kv_layers: list, num_slots: int) -> torch.Tensor:
@@ -90,6 +90,9 @@ class DecodeGraphs:
                 torch.cuda.synchronize()
                 with torch.cuda.graph(g.graph, pool=self.pool):
                     g.logits = g.forward(self.model, self.kv_layers, num_slots)
+                moved = pdl.launch_after_block_start(g.graph.raw_cuda_graph())
+                log.debug("decode graph batch %d, slots %d: %d edges launch at block start", b, num_slots, moved)
+                g.graph.instantiate()
                 self.pool = g.graph.pool()
                 graphs[b] = g
         torch.cuda.synchronize()

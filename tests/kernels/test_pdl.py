@@ -89,3 +89,36 @@ def test_pdl_launches_match_plain_launches(monkeypatch: pytest.MonkeyPatch, grap
     for a, b in zip(plain, with_pdl):
         assert torch.equal(a, b)
     assert pdl.enabled(torch.device("cuda"))
+
+
+def test_graph_edges_out_of_cublas_launch_at_block_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a captured graph, the two edges from a cuBLAS GEMM into a PDL kernel move to the launch-
+    completion port (the PDL kernels' own edges stay), and the replay equals the eager run."""
+    monkeypatch.setenv("LEDGERSERVE_PDL", "1")
+    gen = torch.Generator().manual_seed(3)
+    rows = len(SLOTS)  # > 1: cuBLAS, not the GEMV
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16).to(DEVICE)
+
+    x, residual, norm_w = randn(rows, H), randn(rows, H), randn(H)
+    w_in, w_gu = randn(H, H, scale=H**-0.5), randn(2 * D, H, scale=H**-0.5)
+    delta_h = make_delta([H], torch.bfloat16, DEVICE, seed=4)
+    delta_gu = make_delta([D, D], torch.bfloat16, DEVICE, seed=5)
+
+    def chain() -> list[torch.Tensor]:
+        normed, new_residual = ops.fused_add_rms_norm(ops.linear(x, w_in), residual, norm_w, 1e-5, delta_h)
+        return [normed, new_residual, ops.silu_and_mul(ops.linear(normed, w_gu), delta_gu)]
+
+    eager = chain()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(g):
+        outs = chain()
+    assert pdl.launch_after_block_start(g.raw_cuda_graph()) == 2  # GEMM -> norm, GEMM -> SiLU-mul
+    assert pdl.launch_after_block_start(g.raw_cuda_graph()) == 0  # nothing left to move
+    g.instantiate()
+    g.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(eager, outs):
+        assert torch.equal(a, b)
