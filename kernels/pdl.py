@@ -92,21 +92,28 @@ def edges_to_move(edges: list[Edge]) -> list[int]:
             if kind == _TYPE_PROGRAMMATIC and port == _PORT_PROGRAMMATIC and src not in pdl_launched]
 
 
-def _move_edge(graph: ctypes.c_void_p, src: int, dst: int, data: _EdgeData) -> None:
+def _move_edge(graph: ctypes.c_void_p, src: int, dst: int, data: _EdgeData) -> bool:
+    """Re-add the edge on the launch-completion port; if the driver refuses, put it back as it was."""
     one_src, one_dst = (ctypes.c_void_p * 1)(src), (ctypes.c_void_p * 1)(dst)
     drv = _driver()
     _call(drv.cuGraphRemoveDependencies_v2, graph, one_src, one_dst, (_EdgeData * 1)(data), ctypes.c_size_t(1))
     early = _EdgeData(_PORT_LAUNCH_COMPLETION, data.to_port, data.type)
-    _call(drv.cuGraphAddDependencies_v2, graph, one_src, one_dst, (_EdgeData * 1)(early), ctypes.c_size_t(1))
+    if drv.cuGraphAddDependencies_v2(graph, one_src, one_dst, (_EdgeData * 1)(early), ctypes.c_size_t(1)) == 0:
+        return True
+    _call(drv.cuGraphAddDependencies_v2, graph, one_src, one_dst, (_EdgeData * 1)(data), ctypes.c_size_t(1))
+    return False
 
 
 def launch_after_block_start(raw_graph: int) -> int:
     """Move edges_to_move's edges to the launch-completion port (see above); returns how many
-    moved. raw_graph: torch's raw_cuda_graph() of a graph captured with keep_graph=True."""
+    moved (0 with a driver older than CUDA 12.3's edge API). raw_graph: torch's raw_cuda_graph()
+    of a graph captured with keep_graph=True."""
+    if not hasattr(_driver(), "cuGraphGetEdges_v2"):
+        return 0
     graph = ctypes.c_void_p(raw_graph)
     edges = _edges(graph)
-    moving = edges_to_move([edge for edge, _ in edges])
-    for i in moving:
+    moved = 0
+    for i in edges_to_move([edge for edge, _ in edges]):
         (src, dst, _, _), data = edges[i]
-        _move_edge(graph, src, dst, data)
-    return len(moving)
+        moved += _move_edge(graph, src, dst, data)
+    return moved
