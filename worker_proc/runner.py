@@ -101,7 +101,7 @@ class ModelRunner:
             for reqs in batches:
                 logits, sampling = self._forward(reqs, use_graphs=False)  # the graphs compiled theirs
                 if logits is not None:
-                    self.sampler.finish(self.sampler.launch(logits, [_sampling_req(r) for r in sampling]))
+                    self.sampler.sample(logits, [_sampling_req(r) for r in sampling])
 
     def ready(self) -> WorkerReady:
         return WorkerReady(
