@@ -81,11 +81,9 @@ class Bench:
         self.lengths: dict[str, int] = {}
         self.clock = StepClock()
 
-    def plan(self, **kw) -> list:
+    def next_plan(self, **kw) -> StepPlan:
         self.step_no += 1
-        done, _ = self.runner.execute(StepPlan(self.step_no, **kw))
-        assert not done.failed, done.failed
-        return done.sampled
+        return StepPlan(self.step_no, **kw)
 
     def start(self, batch: int, num_adapters: int) -> dict[str, int]:
         """Prefill `batch` fresh requests (slot i % num_adapters, or base); req_id -> last token."""
@@ -97,19 +95,17 @@ class Bench:
             slot = i % num_adapters if num_adapters else -1
             new.append(NewReq(f"b{batch}a{num_adapters}r{i}", prompt, self.prompt_len, GREEDY, blocks, 0,
                               self.prompt_len, slot))
-        sampled = self.plan(new_reqs=new, finished_req_ids=self.live)
+        sampled = self._read(self.runner.launch(self.next_plan(new_reqs=new, finished_req_ids=self.live)))
         self.live = [r.req_id for r in new]
         self.slots = {r.req_id: r.lora_slot for r in new}
         self.lengths = {r.req_id: self.prompt_len for r in new}
-        return {s.req_id: s.token_id for s in sampled}
+        return sampled
 
     def decode(self, last: dict[str, int]) -> tuple[dict[str, int], float]:
         """One decode step of every live request; (req_id -> sampled token, wall seconds)."""
         cached = [CachedReq(rid, [last[rid]], [], self.lengths[rid], 1, self.slots[rid]) for rid in self.live]
-        self.step_no += 1
         t0 = time.perf_counter()
-        launched = self._launch(StepPlan(self.step_no, cached_reqs=cached))
-        sampled = self._read(launched)
+        sampled = self._read(self._launch(self.next_plan(cached_reqs=cached)))
         wall = time.perf_counter() - t0
         for rid in self.live:
             self.lengths[rid] += 1
@@ -127,9 +123,8 @@ class Bench:
         for _ in range(num_steps):
             cached = [CachedReq(rid, [to_send[rid]] if to_send else [], [], self.lengths[rid], 1, self.slots[rid])
                       for rid in self.live]
-            self.step_no += 1
             t0 = time.perf_counter()
-            launched = self._launch(StepPlan(self.step_no, cached_reqs=cached))
+            launched = self._launch(self.next_plan(cached_reqs=cached))
             to_send = {}
             if in_flight is not None:
                 to_send = self._read(in_flight)
