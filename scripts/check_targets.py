@@ -50,7 +50,11 @@ def _throughput_verdict(name: str, row: dict, base: dict, limit: float) -> Verdi
 
 
 def judge(targets: dict, e2e: dict, peft: dict) -> list[Verdict]:
-    """The five targets, in the issue's order. Pure: the three reports in, the verdicts out."""
+    """The five targets, in the issue's order. Pure: the three reports in, the verdicts out.
+    Reports from different GPU models are an error: a target compares figures of one device."""
+    devices = {report.get("device") for report in (targets, e2e, peft)}
+    if len(devices) != 1:
+        raise ValueError(f"the reports come from different devices: {sorted(map(str, devices))}")
     results = targets["results"]
     base_32 = _row(results, 32, 0)
     ours, theirs = e2e["tok_s"], peft["tok_s"]

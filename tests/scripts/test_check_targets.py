@@ -26,7 +26,7 @@ def _targets(step_32_adapters_ms: float = 6.0, tok_s_4_adapters: float = 4700.0)
     ]}
 
 
-E2E, PEFT = {"tok_s": 3800.0}, {"tok_s": 22.0}
+E2E, PEFT = {"device": "test GPU", "tok_s": 3800.0}, {"device": "test GPU", "tok_s": 22.0}
 
 
 def test_all_five_met() -> None:
@@ -46,7 +46,7 @@ def test_the_floor_limit_is_inclusive_and_a_step_past_it_misses() -> None:
 def test_throughput_ratio_below_its_limit_misses() -> None:
     verdicts = judge(_targets(tok_s_4_adapters=4590.0), E2E, PEFT)  # 0.918x base
     assert [v.met for v in verdicts] == [True, True, True, False, True]
-    assert not judge(_targets(), E2E, {"tok_s": 40.0})[4].met  # 95x
+    assert not judge(_targets(), E2E, PEFT | {"tok_s": 40.0})[4].met  # 95x
 
 
 def test_a_missing_row_is_an_error_not_a_pass() -> None:
@@ -54,6 +54,11 @@ def test_a_missing_row_is_an_error_not_a_pass() -> None:
     targets["results"] = [r for r in targets["results"] if r["adapters"] != 32]
     with pytest.raises(ValueError, match="batch 32 with 32 adapters"):
         judge(targets, E2E, PEFT)
+
+
+def test_reports_from_another_gpu_are_an_error() -> None:
+    with pytest.raises(ValueError, match="different devices"):
+        judge(_targets(), E2E, PEFT | {"device": "another GPU"})
 
 
 def test_the_command_exits_1_when_a_target_is_missed(tmp_path) -> None:
