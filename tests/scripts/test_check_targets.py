@@ -72,3 +72,15 @@ def test_the_command_exits_1_when_a_target_is_missed(tmp_path) -> None:
     assert done.returncode == 1, done.stderr
     assert "MISSED batch 32, 32 adapters step <= 1.25x floor" in done.stdout
     assert [v["met"] for v in json.loads(out.read_text())["verdicts"]] == [True, False, True, True, True]
+
+
+def test_the_command_says_why_it_cannot_judge(tmp_path) -> None:
+    paths = []
+    for name, report in [("t", _targets()), ("e", E2E), ("p", PEFT | {"device": "another GPU"})]:
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(report))
+    done = subprocess.run([sys.executable, "-m", "scripts.check_targets", *map(str, paths)],
+                          capture_output=True, text=True)
+    assert done.returncode == 1
+    assert done.stderr.strip().startswith("check_targets: the reports come from different devices")
+    assert "Traceback" not in done.stderr
