@@ -87,6 +87,7 @@ def resolve_config(args: argparse.Namespace, run_dir: str) -> EngineConfig:
         api_key_required=bool(api_key(args)),
         event_log_fsync=args.event_log_fsync,
         event_log_max_bytes=args.event_log_max_bytes,
+        event_log_max_total_bytes=args.event_log_max_total_bytes,
         enable_lora=args.enable_lora or bool(args.lora_modules),
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,

@@ -60,3 +60,12 @@ def test_api_key_reaches_only_the_http_process(model_dir, tmp_path, monkeypatch)
     assert envs["tokenizer"]["LEDGERSERVE_API_KEY"] == "s3cret"
     assert all("LEDGERSERVE_API_KEY" not in env for name, env in envs.items() if name != "tokenizer")
     assert os.environ["LEDGERSERVE_API_KEY"] == "from-the-shell"  # the launcher's own environment is untouched
+
+
+def test_event_log_retention_flag(model_dir, tmp_path):
+    assert resolve_config(_args(model_dir, "--device", "cpu"), str(tmp_path)).event_log_max_total_bytes == 4 * 1024**3
+    cfg = resolve_config(_args(model_dir, "--device", "cpu", "--event-log-max-total-bytes", "0"), str(tmp_path))
+    assert cfg.event_log_max_total_bytes == 0  # unlimited
+    with pytest.raises(ValueError, match="at least twice event_log_max_bytes"):
+        resolve_config(_args(model_dir, "--device", "cpu", "--event-log-max-bytes", "1048576",
+                             "--event-log-max-total-bytes", "1048577"), str(tmp_path))
