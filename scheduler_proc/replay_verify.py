@@ -7,6 +7,7 @@ bytes with the core's freshly encoded one. Decoding happens only to describe a d
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +98,13 @@ def require_whole_run(scanner: RunScanner) -> None:
     raise HistoryTrimmed(scanner, last_seq)
 
 
+def core_config(scanner: RunScanner) -> CoreConfig:
+    """The core as the run's engine had it. Schema 1 logs predate forgetting dropped prefix
+    namespaces: their StateDigests list every namespace ever evicted."""
+    config = CoreConfig.from_engine(EngineConfig.from_json(scanner.config_json))
+    return dataclasses.replace(config, keep_dropped_namespaces=scanner.header.schema_version < 2)
+
+
 @dataclass
 class ReplayResult:
     path: str
@@ -122,7 +130,7 @@ def replay(path: str, verify: bool = True, until_seq: int | None = None, until_s
     `until_step`. Read-only: a torn tail is skipped, not cut off."""
     scanner = RunScanner(path, repair=False)
     require_whole_run(scanner)
-    core = Core(CoreConfig.from_engine(EngineConfig.from_json(scanner.config_json)))
+    core = Core(core_config(scanner))
     result = ReplayResult(scanner.path, core, scanner.segments)
     _run(scanner, result, verify, until_seq, until_step)
     result.torn_tail = scanner.torn_tail

@@ -12,7 +12,8 @@ where: the segment's number in its run, the seq of its first record and the hash
 record chains to. So a run whose first segments were removed (retention) still reads, and
 is known to be trimmed.
 
-Schema 1 (still read): the same without `info_len` and `info`.
+Schema 1 (still read): the same without `info_len` and `info`. Its logs also hold
+StateDigests that list every prefix namespace ever evicted (`CoreConfig.keep_dropped_namespaces`).
 """
 
 from __future__ import annotations
