@@ -62,8 +62,8 @@ class EngineConfig:
 
 def _validate(cfg: EngineConfig) -> None:
     checks = [
-        (cfg.max_model_len > 0, "max_model_len must be > 0"),
-        (cfg.max_num_seqs > 0, "max_num_seqs must be > 0"),
+        (cfg.max_model_len > 0, f"max_model_len must be > 0, got {cfg.max_model_len}"),
+        (cfg.max_num_seqs > 0, f"max_num_seqs must be > 0, got {cfg.max_num_seqs}"),
         (cfg.max_num_batched_tokens > 0, "max_num_batched_tokens must be > 0"),
         (cfg.block_size > 0, "block_size must be > 0"),
         (cfg.num_kv_blocks is None or cfg.num_kv_blocks > 0, "num_kv_blocks must be > 0"),
