@@ -122,17 +122,21 @@ class SchedulerShell:
         """Retention (--event-log-max-total-bytes), at start and at each rotation: the oldest
         runs, then this run's oldest segments, never the segment being written. A failure is
         logged, not fatal: a disk that then fills stops the engine through the writer."""
-        max_total_bytes = self.config.event_log_max_total_bytes
+        max_total_bytes, reserve_bytes = self.config.event_log_max_total_bytes, self.config.event_log_max_bytes
         if not max_total_bytes:
             return
         try:
-            removed = enforce_retention(self.config.event_log_dir, max_total_bytes, self.log.current_path,
-                                        self.config.event_log_max_bytes)
+            removed, num_bytes = enforce_retention(self.config.event_log_dir, max_total_bytes, self.log.current_path,
+                                                   reserve_bytes)
         except OSError as exc:
             log.warning("event-log retention failed: %s", exc)
             return
         for path in removed:
             log.info("event-log retention removed %s", path)
+        if num_bytes + reserve_bytes > max_total_bytes:
+            log.warning("event-log directory %s holds %d bytes (+%d for the segment being written), over its bound "
+                        "of %d: the rest is this run's newest segment or runs another engine is writing",
+                        self.config.event_log_dir, num_bytes, reserve_bytes, max_total_bytes)
 
     def _send_stats(self) -> None:
         """Gauges for /metrics, sent when they change (not logged: derived from logged state)."""

@@ -58,12 +58,14 @@ def _removal_order(files: list[LogFile], protected_path: str, live_runs: set[Run
     return groups + [[f] for f in own if f.path != protected_path]
 
 
-def enforce_retention(directory: str, max_total_bytes: int, protected_path: str, reserve_bytes: int) -> list[str]:
-    """Remove the oldest log files of `directory` past the bound; returns the removed paths.
-    Raises OSError if the directory cannot be read or a file cannot be removed."""
+def enforce_retention(directory: str, max_total_bytes: int, protected_path: str, reserve_bytes: int) -> tuple[list[str], int]:
+    """Remove the oldest log files of `directory` past the bound. Returns the removed paths
+    and the bytes of log files left (over the bound only if nothing more may go). Raises
+    OSError if the directory cannot be read or a file cannot be removed."""
     files = _log_files(directory)
-    if sum(f.num_bytes for f in files) + reserve_bytes <= max_total_bytes:
-        return []
+    num_bytes = sum(f.num_bytes for f in files)
+    if num_bytes + reserve_bytes <= max_total_bytes:
+        return [], num_bytes
     own_run = _run_of(protected_path)
     newest: dict[RunKey, str] = {f.run: f.path for f in sorted(files, key=lambda f: f.name)}
     live = {run for run, path in sorted(newest.items()) if run != own_run and _is_held(path)}
@@ -71,10 +73,11 @@ def enforce_retention(directory: str, max_total_bytes: int, protected_path: str,
     for f in plan_removals(files, protected_path, max_total_bytes, reserve_bytes, live):
         try:
             os.remove(f.path)
+            removed.append(f.path)
         except FileNotFoundError:
-            continue  # gone already
-        removed.append(f.path)
-    return removed
+            pass  # gone already
+        num_bytes -= f.num_bytes
+    return removed, num_bytes
 
 
 def _run_of(path: str) -> RunKey | None:

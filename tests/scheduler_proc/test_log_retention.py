@@ -170,10 +170,11 @@ def test_a_run_another_writer_holds_is_never_removed(tmp_path):
         live.append(ev.LogClosed(f"busy {i}"))
     live.flush()
     mine = EventLogWriter(str(tmp_path), ENGINE.to_json(), run_id="mine")
-    removed = enforce_retention(str(tmp_path), 1, mine.current_path, 0)
+    removed, num_bytes = enforce_retention(str(tmp_path), 1, mine.current_path, 0)
     assert removed == [old.path] and os.path.exists(live.path) and os.path.exists(mine.path)
+    assert num_bytes == os.path.getsize(live.path) + os.path.getsize(mine.path)  # still over: reported
     live.close()
-    assert enforce_retention(str(tmp_path), 1, mine.current_path, 0) == [live.path]  # closed now
+    assert enforce_retention(str(tmp_path), 1, mine.current_path, 0) == ([live.path], os.path.getsize(mine.path))
     mine.close()
 
 
