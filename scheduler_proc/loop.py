@@ -13,7 +13,7 @@ import zmq
 from scheduler_proc.core.core import Core, CoreConfig
 from shared import codec, events, ipc
 from shared.config import EngineConfig
-from shared.eventlog import EventLogWriter, LogWriteError
+from shared.eventlog import EventLogWriter, LogWriteError, enforce_retention
 from shared.proc import send_ready
 
 log = logging.getLogger("scheduler")
@@ -51,7 +51,9 @@ class SchedulerShell:
             run_id,
             fsync=config.event_log_fsync,
             max_bytes=config.event_log_max_bytes,
+            on_rotate=self._trim_logs,
         )
+        self._trim_logs()
         self.num_dropped_frames = 0
         self.stop_reason: str | None = None
         self.failed = False
@@ -109,11 +111,32 @@ class SchedulerShell:
         return decisions
 
     def _stop_unlogged(self, exc: LogWriteError) -> None:
-        """Never serve what is not logged: fail every request and stop the engine."""
-        message = f"stopping the engine: cannot write the event log ({exc})"
-        log.error(message)
+        """Never serve what is not logged: fail every request and stop the engine. The
+        clients are told why without the log's path; the server's log names it."""
+        log.error("stopping the engine: cannot write the event log (%s)", exc)
+        message = f"stopping the engine: cannot write the event log ({exc.reason})"
         self.to_tokenizer.send(codec.encode(events.EngineFailed(message)))
         self.failed = True
+
+    def _trim_logs(self) -> None:
+        """Retention (--event-log-max-total-bytes), at start and at each rotation: the oldest
+        runs, then this run's oldest segments, never the segment being written. A failure is
+        logged, not fatal: a disk that then fills stops the engine through the writer."""
+        max_total_bytes, reserve_bytes = self.config.event_log_max_total_bytes, self.config.event_log_max_bytes
+        if not max_total_bytes:
+            return
+        try:
+            removed, num_bytes = enforce_retention(self.config.event_log_dir, max_total_bytes, self.log.current_path,
+                                                   reserve_bytes)
+        except OSError as exc:
+            log.warning("event-log retention failed: %s", exc)
+            return
+        for path in removed:
+            log.info("event-log retention removed %s", path)
+        if num_bytes + reserve_bytes > max_total_bytes:
+            log.warning("event-log directory %s holds %d bytes (+%d for the segment being written), over its bound "
+                        "of %d: the rest is this run's newest segment or runs another engine is writing",
+                        self.config.event_log_dir, num_bytes, reserve_bytes, max_total_bytes)
 
     def _send_stats(self) -> None:
         """Gauges for /metrics, sent when they change (not logged: derived from logged state)."""
@@ -151,4 +174,6 @@ class SchedulerShell:
         except (LogWriteError, ValueError) as exc:
             log.error("could not close the event log cleanly: %s", exc)
             self.failed = True
+        finally:
+            self.log.close()  # once more after a write error: closes the file, removes a run with no record
         log.info("closed the event log after %d dropped frames", self.num_dropped_frames)

@@ -6,7 +6,9 @@
 
 LOG_OR_DIR is any segment of a run (the whole run is read) or a directory (its newest run).
 Exit status: 0 all decisions match (or the logs agree), 1 divergence (or a difference),
-2 the log is corrupt or unreadable. Replay is read-only: a torn tail is skipped, not cut.
+2 the log is corrupt or unreadable, 3 the run's history is trimmed (its first segment is
+gone, to retention): what is left is checked, but cannot be verified or shown without the
+start of the run. Replay is read-only: a torn tail is skipped, not cut.
 """
 
 from __future__ import annotations
@@ -22,11 +24,11 @@ import msgspec
 from shared.eventlog import LogCorruption
 from scheduler_proc.replay_diff import LogDiff, diff_logs
 from scheduler_proc.replay_state import SECTIONS, parse_sections, render, sections
-from scheduler_proc.replay_verify import Divergence, ReplayResult, replay
+from scheduler_proc.replay_verify import Divergence, HistoryTrimmed, ReplayResult, replay
 
-__all__ = ["Divergence", "ReplayResult", "main", "replay"]
+__all__ = ["Divergence", "HistoryTrimmed", "ReplayResult", "main", "replay"]
 
-OK, DIFFERENT, CORRUPT = 0, 1, 2
+OK, DIFFERENT, CORRUPT, TRIMMED = 0, 1, 2, 3
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,15 +54,17 @@ def main(argv: list[str] | None = None) -> int:
         names = parse_sections(args.show) if args.show is not None else []
     except ValueError as exc:
         parser.error(str(exc))
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            outcome = _diff(args) if args.diff else _replay(args, names)
-    except (LogCorruption, OSError, msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
-        return _report_corrupt(args.json, str(exc))
-    for warning in caught:
-        print(f"ledgerserve replay: warning: {warning.message}", file=sys.stderr)
-    return outcome
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            return _diff(args) if args.diff else _replay(args, names)
+        except HistoryTrimmed as exc:
+            return _report_error(args.json, "trimmed", TRIMMED, str(exc))
+        except (LogCorruption, OSError, msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+            return _report_error(args.json, "corrupt", CORRUPT, str(exc))
+        finally:
+            for warning in caught:
+                print(f"ledgerserve replay: warning: {warning.message}", file=sys.stderr)
 
 
 def _replay(args: argparse.Namespace, names: list[str]) -> int:
@@ -110,11 +114,11 @@ def _diff(args: argparse.Namespace) -> int:
     return code
 
 
-def _report_corrupt(as_json: bool, message: str) -> int:
+def _report_error(as_json: bool, status: str, code: int, message: str) -> int:
     if as_json:
-        print(json.dumps({"status": "corrupt", "exit_code": CORRUPT, "error": message}))
+        print(json.dumps({"status": status, "exit_code": code, "error": message}))
     print(f"ledgerserve replay: {message}", file=sys.stderr)
-    return CORRUPT
+    return code
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from shared import events as ev
 from shared.eventlog import RunScanner
 
 from scheduler_proc.replay_format import differing_fields, side_by_side
-from scheduler_proc.replay_verify import DECISION, INPUT, KIND_BY_TAG, decode_event, tag_of
+from scheduler_proc.replay_verify import DECISION, INPUT, KIND_BY_TAG, decode_event, require_whole_run, tag_of
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,8 @@ class LogDiff:
 
 def diff_logs(path: str, other: str) -> LogDiff:
     left, right = RunScanner(path), RunScanner(other)
+    require_whole_run(left)  # a trimmed run's decisions do not line up with a whole one's
+    require_whole_run(right)
     decision = _first_difference(_records(left, DECISION), _records(right, DECISION))
     inputs = _first_difference(_records(left, INPUT), _records(right, INPUT))
     return LogDiff((left.path, right.path), left.config_json != right.config_json, decision, inputs)

@@ -7,6 +7,7 @@ bytes with the core's freshly encoded one. Decoding happens only to describe a d
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +70,41 @@ class Divergence:
         }
 
 
+class HistoryTrimmed(Exception):
+    """The run's first segments are gone: the core cannot be rebuilt without the start of
+    the run, so nothing after it can be verified or shown."""
+
+    def __init__(self, scanner: RunScanner, last_seq: int) -> None:
+        gone = "segment 1" if scanner.first_segment == 2 else f"segments 1-{scanner.first_segment - 1}"
+        super().__init__(
+            f"{scanner.path}: the run's history is trimmed: its {gone} (seq 1-{scanner.first_seq - 1}) are gone, "
+            f"removed by retention (--event-log-max-total-bytes) or by hand. The records left, seq "
+            f"{scanner.first_seq}-{last_seq} in {len(scanner.segments)} segment(s), are intact, but replay rebuilds "
+            f"the scheduler from the start of the run: without it nothing can be verified or shown")
+        self.path = scanner.path
+        self.first_segment = scanner.first_segment
+        self.first_seq = scanner.first_seq
+        self.last_seq = last_seq
+
+
+def require_whole_run(scanner: RunScanner) -> None:
+    """Raise HistoryTrimmed for a trimmed run, after checking what is left of it (a damaged
+    record still raises LogCorruption)."""
+    if not scanner.is_trimmed:
+        return
+    last_seq = scanner.first_seq - 1
+    for last_seq, _ in scanner:
+        pass
+    raise HistoryTrimmed(scanner, last_seq)
+
+
+def core_config(scanner: RunScanner) -> CoreConfig:
+    """The core as the run's engine had it. Schema 1 logs predate forgetting dropped prefix
+    namespaces: their StateDigests list every namespace ever evicted."""
+    config = CoreConfig.from_engine(EngineConfig.from_json(scanner.config_json))
+    return dataclasses.replace(config, keep_dropped_namespaces=scanner.header.schema_version < 2)
+
+
 @dataclass
 class ReplayResult:
     path: str
@@ -88,11 +124,13 @@ class ReplayResult:
 
 
 def replay(path: str, verify: bool = True, until_seq: int | None = None, until_step: int | None = None) -> ReplayResult:
-    """Raises LogCorruption for a damaged log (FileNotFoundError for a missing one); returns
-    at the first divergence, after record `until_seq`, or before the first input once the
-    core has planned step `until_step`. Read-only: a torn tail is skipped, not cut off."""
+    """Raises LogCorruption for a damaged log (FileNotFoundError for a missing one) and
+    HistoryTrimmed for a run whose start is gone; returns at the first divergence, after
+    record `until_seq`, or before the first input once the core has planned step
+    `until_step`. Read-only: a torn tail is skipped, not cut off."""
     scanner = RunScanner(path, repair=False)
-    core = Core(CoreConfig.from_engine(EngineConfig.from_json(scanner.config_json)))
+    require_whole_run(scanner)
+    core = Core(core_config(scanner))
     result = ReplayResult(scanner.path, core, scanner.segments)
     _run(scanner, result, verify, until_seq, until_step)
     result.torn_tail = scanner.torn_tail

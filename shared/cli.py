@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from shared.config import EngineConfig
+
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
@@ -36,6 +38,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add("--event-log-fsync", choices=["never", "step", "always"], default="step",
         help="step: at most one fsync per step, after its records")
     add("--event-log-max-bytes", type=int, default=256 * 1024 * 1024, help="rotate log segments past this size")
+    add("--event-log-max-total-bytes", type=int, default=EngineConfig.event_log_max_total_bytes,
+        help="bound of the event-log directory: past it the oldest runs, then the oldest segments of this run, "
+             "are removed (0: unlimited)")
     add("--enable-lora", action="store_true", help="serve LoRA adapters")
     add("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
         help='adapters loaded at start-up (trusted): NAME=PATH or JSON {"name": ..., "path": ...}')

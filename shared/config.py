@@ -47,6 +47,7 @@ class EngineConfig:
     event_log_fsync: str = "step"  # never | step | always
     event_log_max_bytes: int = 256 * 1024 * 1024  # rotate segments past this size
     async_scheduling: bool = False  # plan step s + 1 while step s runs, so the GPU never waits on the host
+    event_log_max_total_bytes: int = 4 * 1024**3  # retention bound of the log directory; 0: unlimited
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -61,8 +62,8 @@ class EngineConfig:
 
 def _validate(cfg: EngineConfig) -> None:
     checks = [
-        (cfg.max_model_len > 0, "max_model_len must be > 0"),
-        (cfg.max_num_seqs > 0, "max_num_seqs must be > 0"),
+        (cfg.max_model_len > 0, f"max_model_len must be > 0, got {cfg.max_model_len}"),
+        (cfg.max_num_seqs > 0, f"max_num_seqs must be > 0, got {cfg.max_num_seqs}"),
         (cfg.max_num_batched_tokens > 0, "max_num_batched_tokens must be > 0"),
         (cfg.block_size > 0, "block_size must be > 0"),
         (cfg.num_kv_blocks is None or cfg.num_kv_blocks > 0, "num_kv_blocks must be > 0"),
@@ -77,6 +78,10 @@ def _validate(cfg: EngineConfig) -> None:
         (cfg.max_cpu_loras >= cfg.max_loras, "max_cpu_loras must be >= max_loras"),
         (cfg.event_log_fsync in ("never", "step", "always"), f"unknown event_log_fsync {cfg.event_log_fsync!r}"),
         (cfg.event_log_max_bytes >= 4096, "event_log_max_bytes must be >= 4096"),
+        (cfg.event_log_max_total_bytes == 0 or cfg.event_log_max_total_bytes >= 2 * cfg.event_log_max_bytes,
+         f"event_log_max_total_bytes must be 0 (unlimited) or at least twice event_log_max_bytes "
+         f"({2 * cfg.event_log_max_bytes}): room for the segment being written and the one before it; "
+         f"got {cfg.event_log_max_total_bytes}"),
         (cfg.max_request_bytes >= 1024, "max_request_bytes must be >= 1024"),
         (cfg.max_n >= 1, "max_n must be >= 1"),
         (cfg.max_waiting_requests >= 1, "max_waiting_requests must be >= 1"),

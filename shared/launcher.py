@@ -21,9 +21,11 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=os.environ.get("LEDGERSERVE_LOG_LEVEL", "INFO"),
                         format="%(asctime)s launcher %(levelname)s %(message)s")
     started = time.monotonic()
+    run_dir = ipc.make_run_dir()
     try:
-        config = resolve_config(args, ipc.make_run_dir())
+        config = resolve_config(args, run_dir)
     except (ValueError, FileNotFoundError) as e:
+        os.rmdir(run_dir)  # still empty: nothing was started
         print(f"ledgerserve: error: {e}", file=sys.stderr)
         return 2
     if config.is_demo_model:
@@ -56,7 +58,7 @@ def resolve_config(args: argparse.Namespace, run_dir: str) -> EngineConfig:
     device = _resolve_device(args.device)
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     max_pos = int(hf_config.get("max_position_embeddings", 2048))
-    max_model_len = args.max_model_len or max_pos
+    max_model_len = max_pos if args.max_model_len is None else args.max_model_len
     if max_model_len > max_pos:
         raise ValueError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings {max_pos}")
     return EngineConfig(
@@ -67,7 +69,7 @@ def resolve_config(args: argparse.Namespace, run_dir: str) -> EngineConfig:
         port=args.port,
         dtype=dtype,
         device=device,
-        max_num_seqs=args.max_num_seqs or (256 if device == "cuda" else 64),
+        max_num_seqs=(256 if device == "cuda" else 64) if args.max_num_seqs is None else args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
@@ -87,10 +89,11 @@ def resolve_config(args: argparse.Namespace, run_dir: str) -> EngineConfig:
         api_key_required=bool(api_key(args)),
         event_log_fsync=args.event_log_fsync,
         event_log_max_bytes=args.event_log_max_bytes,
+        event_log_max_total_bytes=args.event_log_max_total_bytes,
         enable_lora=args.enable_lora or bool(args.lora_modules),
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
-        max_cpu_loras=args.max_cpu_loras or max(32, args.max_loras),
+        max_cpu_loras=max(32, args.max_loras) if args.max_cpu_loras is None else args.max_cpu_loras,
         lora_modules=tuple(parse_lora_module(spec) for spec in args.lora_modules),
         lora_allowed_dirs=tuple(os.path.realpath(d) for d in args.lora_allowed_dir),
     )

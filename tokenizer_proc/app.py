@@ -10,6 +10,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Response
 
 from shared.config import EngineConfig
+from shared.events import AdapterInfo
 from tokenizer_proc import adapters
 from tokenizer_proc.adapter_routes import (
     StartupAdapterError,
@@ -38,7 +39,12 @@ def build_app(
     registry = adapters.AdapterRegistry()
     served = Served(engine, tokenizer, config, template, len(tokenizer), int(time.time()), Metrics(), registry)
     engine.finished_listeners.append(served.metrics.on_finished)
-    engine.on_adapters = registry.refresh
+
+    def on_adapters(infos: list[AdapterInfo]) -> None:  # the core's registry, after every adapter op
+        registry.refresh(infos)
+        served.metrics.on_adapters(infos)
+
+    engine.on_adapters = on_adapters
     base = adapters.load_base_shapes(config.model_dir) if config.enable_lora else None
     startup = validate_startup_adapters(config, base)
 

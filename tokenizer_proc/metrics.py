@@ -1,13 +1,20 @@
 """`/metrics` in the Prometheus text format: the scheduler's gauges as last reported in
-EngineStats, plus this process's own counters."""
+EngineStats, plus this process's own counters.
+
+Counters labelled by an adapter's name exist only while that adapter is registered: the
+registry travels in every AdapterOpReplied, and an adapter that left it loses its series.
+A request that ends after its adapter was unloaded is not counted, so a name that is no
+longer registered never gets a series again; the label set stays bounded by the registry."""
 
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
-from shared.events import RequestArrived, TokensEmitted
+from shared.events import AdapterInfo, RequestArrived, TokensEmitted
 
-__all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
+__all__ = ["BASE_LABEL", "CONTENT_TYPE_LATEST", "Metrics"]
+
+BASE_LABEL = "base"  # the `namespace` label of base-model requests
 
 
 class Metrics:
@@ -28,10 +35,26 @@ class Metrics:
         counter = lambda name, doc: Counter(name, doc, ["namespace"], registry=self.registry)  # noqa: E731
         self.prompt_tokens = counter("ledgerserve_prompt_tokens", "prompt tokens of finished requests")
         self.prefix_hit_tokens = counter("ledgerserve_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache")
+        self._by_namespace = (self.prompt_tokens, self.prefix_hit_tokens)
+        self._registered: set[str] = set()  # adapter names, as the core last reported them
+        self._labelled: set[str] = set()  # adapter names that have series
+
+    def on_adapters(self, adapters: list[AdapterInfo]) -> None:
+        """The core's registry after an adapter op: drop the series of adapters not in it."""
+        self._registered = {adapter.name for adapter in adapters}
+        for name in sorted(self._labelled - self._registered):
+            for counter in self._by_namespace:
+                counter.remove(name)
+        self._labelled &= self._registered
 
     def on_finished(self, arrived: RequestArrived, last: TokensEmitted) -> None:
-        """Count a finished request under its namespace: `base`, or the adapter's name."""
-        namespace = arrived.lora_name or "base"
+        """Count a finished request under its namespace: `base`, or the adapter's name while
+        that adapter is registered (not at all once it was unloaded)."""
+        namespace = arrived.lora_name or BASE_LABEL
+        if arrived.lora_name is not None and namespace != BASE_LABEL:
+            if namespace not in self._registered:
+                return
+            self._labelled.add(namespace)
         self.prompt_tokens.labels(namespace).inc(len(arrived.prompt_token_ids))
         self.prefix_hit_tokens.labels(namespace).inc(last.num_cached_tokens)
 

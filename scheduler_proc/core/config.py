@@ -21,6 +21,9 @@ class CoreConfig:
     enable_lora: bool = False
     lora_aging_steps: int = 16  # steps a cap-blocked request waits before nothing may overtake it
     max_steps_in_flight: int = 1  # 2: async scheduling, step s + 1 planned while step s runs
+    # True only to replay schema 1 logs: an evicted prefix namespace then stays in the state
+    # (and in every StateDigest) for good, instead of leaving once its version is dropped.
+    keep_dropped_namespaces: bool = False
 
     def __post_init__(self) -> None:
         for name in _POSITIVE:
@@ -31,8 +34,9 @@ class CoreConfig:
             raise ValueError(f"CoreConfig.max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         if self.max_steps_in_flight > 2:
             raise ValueError(f"CoreConfig.max_steps_in_flight must be 1 or 2, got {self.max_steps_in_flight}")
-        if not isinstance(self.enable_lora, bool):
-            raise ValueError(f"CoreConfig.enable_lora must be a bool, got {self.enable_lora!r}")
+        for name in ("enable_lora", "keep_dropped_namespaces"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"CoreConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
     @staticmethod
     def from_engine(cfg: EngineConfig) -> "CoreConfig":

@@ -84,6 +84,11 @@ class Core:
             raise RuntimeError("queues and the request table disagree")
         self.adapters.check_integrity(queued)
 
+    def state_rows(self) -> list[Any]:
+        """What the next StateDigest hashes, as plain data."""
+        return digest.state_rows(self.step, self.scheduler, self._live_requests(), self.adapters,
+                                 with_in_flight=self.config.max_steps_in_flight > 1)
+
     def snapshot(self) -> dict[str, Any]:
         in_flight_steps = [step.step for step in self.in_flight]
         return digest.snapshot(self.step, in_flight_steps, self.scheduler, self._live_requests(), self.adapters)
@@ -97,6 +102,8 @@ class Core:
         if self.failure is not None:
             return self._after_failure(event)
         decisions = handler(self, event)
+        if self.scheduler.is_ready and not self.config.keep_dropped_namespaces:
+            prefix.forget_dropped_namespaces(self.scheduler.block_manager, self.adapters.versions)
         if self.failure is None:
             decisions += self._maybe_plan()
         return decisions
@@ -320,9 +327,7 @@ class Core:
         plan, in_flight = build_plan(self.step, scheduled, self.finished_req_ids, preempted_ids)
         self.in_flight.append(in_flight)
         self.finished_req_ids = []
-        state = digest.state_digest(self.step, self.scheduler, self._live_requests(), self.adapters,
-                                    with_in_flight=self.config.max_steps_in_flight > 1)
-        return decisions + [plan, ev.StateDigest(self.step, state)]
+        return decisions + [plan, ev.StateDigest(self.step, digest.state_digest(self.state_rows()))]
 
     def _digests_lag(self) -> bool:
         """With several ranks the core takes rank 0's tokens, so a slow rank's digest could trail

@@ -27,9 +27,10 @@ def request_rows(requests: list[Request], with_in_flight: bool = False) -> list[
     return rows
 
 
-def state_digest(step: int, scheduler: Scheduler, requests: list[Request], adapters: AdapterManager,
-                 with_in_flight: bool = False) -> int:
-    rows = [
+def state_rows(step: int, scheduler: Scheduler, requests: list[Request], adapters: AdapterManager,
+               with_in_flight: bool = False) -> list[Any]:
+    """The canonical encoding the StateDigest hashes: O(live state), not O(history)."""
+    return [
         step,
         [req.req_id for req in scheduler.waiting],
         [req.req_id for req in scheduler.running],
@@ -38,7 +39,14 @@ def state_digest(step: int, scheduler: Scheduler, requests: list[Request], adapt
         adapters.rows(),
         scheduler.block_manager.cache.rows() if scheduler.is_ready else [],
     ]
-    return xxhash.xxh64_intdigest(_encoder.encode(rows))
+
+
+def encode_rows(rows: list[Any]) -> bytes:
+    return _encoder.encode(rows)
+
+
+def state_digest(rows: list[Any]) -> int:
+    return xxhash.xxh64_intdigest(encode_rows(rows))
 
 
 def _free_rows(scheduler: Scheduler) -> list[int]:

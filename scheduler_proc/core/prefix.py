@@ -1,8 +1,10 @@
 """The core's prefix-cache decisions: PrefixCached when a request's computed blocks
-enter its namespace's tree, NamespaceEvicted when an adapter version is unregistered."""
+enter its namespace's tree, NamespaceEvicted when an adapter version is unregistered,
+and forgetting an evicted namespace once its version is dropped."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from shared import events as ev
@@ -36,6 +38,16 @@ def evict_namespaces(block_manager: BlockManager, version_ids: list[int]) -> lis
         num_blocks, num_locked = block_manager.evict_namespace(version_id)
         decisions.append(ev.NamespaceEvicted(version_id, num_blocks, num_locked))
     return decisions
+
+
+def forget_dropped_namespaces(block_manager: BlockManager, live_versions: Mapping[int, Any]) -> None:
+    """An evicted namespace leaves the prefix cache's state once its version is dropped (not
+    in `live_versions`: no live request holds it, and version ids are never reused) and it
+    holds no block, so the state stays O(live). Walks only the namespaces still barred."""
+    cache = block_manager.cache
+    for namespace in sorted(cache.evicted_namespaces):
+        if namespace not in live_versions and namespace not in cache.roots:
+            cache.forget_namespace(namespace)
 
 
 def before_reply(decisions: list[Any], inserted: list[Any]) -> list[Any]:

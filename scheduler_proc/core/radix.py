@@ -72,7 +72,7 @@ class RadixCache:
         self.block_size = block_size
         self.roots: dict[int, Root] = {}  # namespace -> root, only while it holds blocks
         self.nodes: dict[int, Node] = {}  # block id -> node
-        self.evicted_namespaces: dict[int, bool] = {}  # unloaded versions: no match, no insert
+        self.evicted_namespaces: dict[int, bool] = {}  # unregistered versions: no match, no insert
         self.num_unlocked = 0
         self._lru: list[tuple[int, int]] = []  # (last_used_step, block_id), lazily checked
         self.membership = 0  # XOR of every node's _member_hash, kept as nodes come and go
@@ -182,6 +182,13 @@ class RadixCache:
             self._remove(node)
         return sorted(node.block_id for node in unlocked), len(nodes) - len(unlocked)
 
+    def forget_namespace(self, namespace: int) -> None:
+        """An evicted namespace that holds no block and that no request can reach again (its
+        version is dropped) leaves the cache's state, so that state stays O(live namespaces)."""
+        if namespace in self.roots:
+            raise RuntimeError(f"namespace {namespace} forgotten while it holds {self.roots[namespace].num_blocks} blocks")
+        del self.evicted_namespaces[namespace]
+
     def _remove(self, node: Node) -> None:
         if node.children:
             raise RuntimeError(f"block {node.block_id} removed while it has children")
@@ -215,9 +222,10 @@ class RadixCache:
     # ------------------------------------------------------------------ encoding
 
     def rows(self) -> list[Any]:
-        """Canonical encoding for the StateDigest, O(namespaces) per step: block counts
+        """Canonical encoding for the StateDigest, O(live namespaces) per step: block counts
         per namespace, the set of nodes (block, namespace, parent, hash) as an order-free
-        XOR kept up to date on insert and evict, the lock count, evicted namespaces.
+        XOR kept up to date on insert and evict, the lock count, and the evicted namespaces
+        not yet forgotten (those whose version live requests still hold).
         Recency is left out: it only matters through eviction choices, which are logged."""
         return [
             [[ns, self.roots[ns].num_blocks] for ns in sorted(self.roots)],

@@ -1,4 +1,4 @@
-"""The append-only event log (DESIGN.md §3): format, names, writer, reader."""
+"""The append-only event log (DESIGN.md §3): format, names, writer, reader, retention."""
 
 from shared.eventlog.format import (
     MAGIC,
@@ -7,6 +7,7 @@ from shared.eventlog.format import (
     LogCorruption,
     LogHeader,
     LogWriteError,
+    SegmentInfo,
     encode_header,
     encode_record,
     parse_header,
@@ -14,6 +15,7 @@ from shared.eventlog.format import (
 )
 from shared.eventlog.names import list_logs, log_number, newest_log, next_log_name, run_segments, segment_file_name
 from shared.eventlog.reader import EventLogReader, RunScanner
+from shared.eventlog.retention import LogFile, enforce_retention, plan_removals
 from shared.eventlog.writer import FSYNC_POLICIES, EventLogWriter
 
 __all__ = [
@@ -24,16 +26,20 @@ __all__ = [
     "EventLogReader",
     "EventLogWriter",
     "LogCorruption",
+    "LogFile",
     "LogHeader",
     "LogWriteError",
     "RunScanner",
+    "SegmentInfo",
     "encode_header",
     "encode_record",
+    "enforce_retention",
     "list_logs",
     "log_number",
     "newest_log",
     "next_log_name",
     "parse_header",
+    "plan_removals",
     "record_hash",
     "run_segments",
     "segment_file_name",

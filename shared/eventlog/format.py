@@ -1,15 +1,24 @@
 """On-disk format of the event log (DESIGN.md §3), little-endian:
 
-    header:  b"LSEVTLOG"  u32 schema_version  u32 config_len  config_json  u32 crc32(version..config)
+    header:  b"LSEVTLOG"  u32 schema_version  u32 config_len  config_json
+             u32 info_len  info = msgpack [run_number, run_id, segment, first_seq, prev_record_hash]
+             u32 crc32(version..info)
     records: u32 length  u32 crc32(payload)  payload = msgpack [seq, prev_record_hash, event]
 
 `seq` starts at 1 and grows by one across a run; `prev_record_hash` is xxhash64 of the
 previous record's payload (0 for the first record of a run). Every segment of a run starts
-with its own header; the chain continues across segments.
+with its own header; the chain continues across segments, and the header's `info` says
+where: the segment's number in its run, the seq of its first record and the hash that
+record chains to. So a run whose first segments were removed (retention) still reads, and
+is known to be trimmed.
+
+Schema 1 (still read): the same without `info_len` and `info`. Its logs also hold
+StateDigests that list every prefix namespace ever evicted (`CoreConfig.keep_dropped_namespaces`).
 """
 
 from __future__ import annotations
 
+import os
 import struct
 import zlib
 from dataclasses import dataclass
@@ -21,12 +30,14 @@ import xxhash
 from shared import codec
 
 MAGIC = b"LSEVTLOG"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_SCHEMA_VERSIONS = (1, 2)
 MAX_RECORD_BYTES = 1 << 28
 U32 = struct.Struct("<I")
 RECORD_HEAD = struct.Struct("<II")  # length, crc32
 _HEAD_FIXED = len(MAGIC) + 8
 _envelope_encoder = msgspec.msgpack.Encoder()
+_MAX_INFO_BYTES = 1024
 
 
 class LogCorruption(Exception):
@@ -46,7 +57,24 @@ class LogWriteError(Exception):
     def __init__(self, path: str, action: str, cause: BaseException) -> None:
         super().__init__(f"event log {path}: {action} failed: {cause}")
         self.path = path
+        self.action = action
         self.cause = cause
+
+    @property
+    def reason(self) -> str:
+        """What failed, without the path or the file name: fit to leave this machine."""
+        errno = getattr(self.cause, "errno", None)
+        return f"{self.action} failed: {os.strerror(errno) if errno else type(self.cause).__name__}"
+
+
+class SegmentInfo(msgspec.Struct, array_like=True, frozen=True):
+    """Where a segment sits in its run (schema 2 headers)."""
+
+    run_number: int
+    run_id: str
+    segment: int  # from 1
+    first_seq: int  # the seq of the segment's first record
+    prev_record_hash: int  # what that record's prev_record_hash must be
 
 
 @dataclass(frozen=True)
@@ -54,10 +82,17 @@ class LogHeader:
     schema_version: int
     config_json: bytes
     size: int  # bytes, where the first record starts
+    info: SegmentInfo | None = None  # None in schema 1
 
 
-def encode_header(config_json: bytes, schema_version: int = SCHEMA_VERSION) -> bytes:
+def encode_header(config_json: bytes, info: SegmentInfo | None, schema_version: int = SCHEMA_VERSION) -> bytes:
+    """Schema 2 needs `info`; schema 1 (for tests of old logs) has none."""
     body = U32.pack(schema_version) + U32.pack(len(config_json)) + config_json
+    if schema_version >= 2:
+        if info is None:
+            raise ValueError("a schema 2 header needs its segment info")
+        packed = msgspec.msgpack.encode(info)
+        body += U32.pack(len(packed)) + packed
     return MAGIC + body + U32.pack(zlib.crc32(body))
 
 
@@ -72,15 +107,59 @@ def record_hash(payload: bytes) -> int:
     return xxhash.xxh64_intdigest(payload)
 
 
+def header_end(data: bytes) -> int | None:
+    """How long the header at the start of `data` says it is (crc included), from the
+    length fields present; None while `data` is too short to tell."""
+    if len(data) < _HEAD_FIXED:
+        return None
+    version = U32.unpack_from(data, len(MAGIC))[0]
+    end = _HEAD_FIXED + U32.unpack_from(data, len(MAGIC) + 4)[0]
+    if version >= 2:
+        if len(data) < end + 4:
+            return None
+        end += 4 + U32.unpack_from(data, end)[0]
+    return end + 4
+
+
+def is_cut_header(data: bytes) -> bool:
+    """`data` (a whole file) stops inside its header: what a start that failed while writing
+    it leaves (0 bytes included). A complete but damaged header is not cut."""
+    if not MAGIC.startswith(data[: len(MAGIC)]):
+        return False
+    end = header_end(data)
+    return end is None or len(data) < end
+
+
 def parse_header(data: bytes, path: str | None = None) -> LogHeader:
     """The header at the start of `data` (a whole segment, or at least its header)."""
     if len(data) < _HEAD_FIXED or data[: len(MAGIC)] != MAGIC:
         raise LogCorruption("not an event log: bad magic or short header", None, 0, path)
     version = U32.unpack_from(data, len(MAGIC))[0]
-    config_len = U32.unpack_from(data, len(MAGIC) + 4)[0]
-    end = _HEAD_FIXED + config_len
-    if len(data) < end + 4 or U32.unpack_from(data, end)[0] != zlib.crc32(data[len(MAGIC) : end]):
+    if version not in READABLE_SCHEMA_VERSIONS:
+        raise LogCorruption(f"event log schema version {version}; this build reads {READABLE_SCHEMA_VERSIONS}", None, 0, path)
+    config_end = _HEAD_FIXED + U32.unpack_from(data, len(MAGIC) + 4)[0]
+    end = header_end(data)
+    if end is None or len(data) < end or U32.unpack_from(data, end - 4)[0] != zlib.crc32(data[len(MAGIC) : end - 4]):
         raise LogCorruption("event log header is damaged", None, 0, path)
-    if version != SCHEMA_VERSION:
-        raise LogCorruption(f"event log schema version {version}; this build reads {SCHEMA_VERSION}", None, 0, path)
-    return LogHeader(version, bytes(data[_HEAD_FIXED:end]), end + 4)
+    info = None
+    if version >= 2:
+        try:
+            info = msgspec.msgpack.decode(data[config_end + 4 : end - 4], type=SegmentInfo)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise LogCorruption(f"event log header's segment info does not decode: {exc}", None, 0, path) from None
+    return LogHeader(version, bytes(data[_HEAD_FIXED:config_end]), end, info)
+
+
+def read_header_bytes(path: str) -> bytes:
+    """The bytes of the header at the start of the file `path` (fewer if it is cut)."""
+    with open(path, "rb") as f:
+        data = f.read(_HEAD_FIXED)
+        if len(data) < _HEAD_FIXED:
+            return data
+        version = U32.unpack_from(data, len(MAGIC))[0]
+        config_len = U32.unpack_from(data, len(MAGIC) + 4)[0]
+        data += f.read(min(config_len, MAX_RECORD_BYTES) + 4)
+        if version >= 2 and len(data) == _HEAD_FIXED + config_len + 4:
+            info_len = U32.unpack_from(data, len(data) - 4)[0]
+            data += f.read(min(info_len, _MAX_INFO_BYTES) + 4)
+        return data

@@ -1,14 +1,20 @@
 """Reading a run: every record's checksum, seq and chain are checked, across segments.
 
-A record cut short at the end of the run's last segment (a torn write) is dropped with a
+A run whose first segments were removed (retention) is *trimmed*: it reads from its first
+remaining segment, whose header (schema 2) says where the chain stands there.
+
+The run's last segment may end in a torn write: a record cut short, or bytes that are no
+whole record (zeros, garbage) with no whole record after them. That tail is dropped with a
 warning, and with `repair=True` cut off the file (its bytes are kept aside in
-`<segment>.torn-<offset>`). A torn record anywhere else, a bad checksum, a broken chain or
-an undecodable record raises LogCorruption with the seq and byte offset.
+`<segment>.torn-<offset>`). A bad record anywhere else (followed by a whole record, or in an
+earlier segment), a broken chain or an undecodable record raises LogCorruption with the
+seq and byte offset.
 """
 
 from __future__ import annotations
 
 import os
+import struct
 import warnings
 import zlib
 from collections.abc import Iterator
@@ -18,8 +24,17 @@ import msgspec
 import xxhash
 
 from shared import codec
-from shared.eventlog.format import MAGIC, MAX_RECORD_BYTES, RECORD_HEAD, U32, LogCorruption, LogHeader, parse_header
-from shared.eventlog.names import run_segments
+from shared.eventlog.format import (
+    MAX_RECORD_BYTES,
+    RECORD_HEAD,
+    LogCorruption,
+    LogHeader,
+    SegmentInfo,
+    encode_header,
+    parse_header,
+    read_header_bytes,
+)
+from shared.eventlog.names import parse_name, run_segments
 
 _envelope_decoder = msgspec.msgpack.Decoder(tuple[int, int, msgspec.Raw])
 
@@ -37,33 +52,77 @@ class RunScanner:
         self.segments = run_segments(path)
         self.path = self.segments[0]
         self.repair = repair
-        self.header = parse_header(_read_head(self.path), self.path)
+        self.header = parse_header(read_header_bytes(self.path), self.path)
+        self.first_segment = _segment_number(self.path, self.header)  # 1 unless trimmed
         self.torn_tail: tuple[str, int] | None = None  # (segment, offset) of a dropped torn record
 
     @property
     def config_json(self) -> bytes:
         return self.header.config_json
 
+    @property
+    def is_trimmed(self) -> bool:
+        """The run's first segment is gone: its history before `self.path` is lost."""
+        return self.first_segment > 1
+
+    @property
+    def first_seq(self) -> int:
+        """The seq of the first record read: 1 unless the run is trimmed."""
+        return self._chain_start()[0] + 1
+
     def __iter__(self) -> Iterator[tuple[int, msgspec.Raw]]:
-        seq, prev_hash = 0, 0
+        seq, prev_hash = self._chain_start()
         last = len(self.segments) - 1
         for index, path in enumerate(self.segments):
             data = _read(path)
-            if index == last and index > 0 and self._is_torn_header(data):
+            if index == last and index > 0 and self._is_torn_header(data, index, seq, prev_hash):
                 self._on_torn_segment(path, data)
                 return
             header = parse_header(data, path)
             if header.config_json != self.header.config_json:
-                raise LogCorruption("segment header carries a different engine config than segment 1", seq + 1, 0, path)
+                raise LogCorruption("segment header carries a different engine config than the run's first segment", seq + 1, 0, path)
+            self._check_continues(header, index, seq, prev_hash, path)
             state = [seq, prev_hash]
             yield from _scan(data, header.size, path, state, is_last=index == last, on_torn=self._on_torn)
             seq, prev_hash = state
 
-    def _is_torn_header(self, data: bytes) -> bool:
-        """A segment cut while its header was written: a strict prefix of segment 1's header."""
-        with open(self.path, "rb") as f:
-            first = f.read(self.header.size)
-        return len(data) < len(first) and first.startswith(data)
+    def _chain_start(self) -> tuple[int, int]:
+        """(seq, hash) of the record before the first one read: (0, 0) for a whole run."""
+        info = self.header.info
+        if info is not None:
+            return info.first_seq - 1, info.prev_record_hash
+        if self.is_trimmed:  # schema 1 has no segment info: trust the first record
+            return _first_record_chain(_read(self.path), self.header.size)
+        return 0, 0
+
+    def _expected_info(self, index: int, seq: int, prev_hash: int) -> SegmentInfo | None:
+        first = self.header.info
+        if first is None:
+            return None
+        return SegmentInfo(first.run_number, first.run_id, self.first_segment + index, seq + 1, prev_hash)
+
+    def _check_continues(self, header: LogHeader, index: int, seq: int, prev_hash: int, path: str) -> None:
+        """A schema 2 segment's header says where it sits: it must be where the chain is."""
+        want = self._expected_info(index, seq, prev_hash)
+        if header.info is None or want is None:
+            if (header.info is None) != (want is None):
+                raise LogCorruption("segments of one run have different schema versions", seq + 1, 0, path)
+            return
+        if header.info != want:
+            raise LogCorruption(f"broken chain: the segment header says segment {header.info.segment} from seq "
+                                f"{header.info.first_seq}, expected segment {want.segment} from seq {want.first_seq}",
+                                seq + 1, 0, path)
+        if want.segment == 1 and (want.first_seq, want.prev_record_hash) != (1, 0):
+            raise LogCorruption("broken chain: the run's first segment does not start at seq 1", seq + 1, 0, path)
+
+    def _is_torn_header(self, data: bytes, index: int, seq: int, prev_hash: int) -> bool:
+        """A segment cut while its header was written: a strict prefix of the header it must have."""
+        info = self._expected_info(index, seq, prev_hash)
+        if info is None:
+            expected = read_header_bytes(self.path)  # schema 1: every segment has segment 1's header
+        else:
+            expected = encode_header(self.header.config_json, info, self.header.schema_version)
+        return len(data) < len(expected) and expected.startswith(data)
 
     def _on_torn_segment(self, path: str, data: bytes) -> None:
         warnings.warn(f"{path}: torn segment header ({len(data)} bytes) dropped", stacklevel=3)
@@ -80,11 +139,22 @@ class RunScanner:
             os.truncate(path, offset)
 
 
-def _read_head(path: str) -> bytes:
-    with open(path, "rb") as f:
-        fixed = f.read(len(MAGIC) + 8)
-        config_len = U32.unpack_from(fixed, len(MAGIC) + 4)[0] if len(fixed) == len(MAGIC) + 8 else 0
-        return fixed + f.read(min(config_len, MAX_RECORD_BYTES) + 4)
+def _segment_number(path: str, header: LogHeader) -> int:
+    if header.info is not None:
+        return header.info.segment
+    parsed = parse_name(os.path.basename(path))
+    return parsed.segment if parsed is not None else 1
+
+
+def _first_record_chain(data: bytes, offset: int) -> tuple[int, int]:
+    """(seq - 1, prev_record_hash) of the record at `offset`, or (0, 0) if it does not read
+    (the scan then reports it)."""
+    try:
+        length = RECORD_HEAD.unpack_from(data, offset)[0]
+        seq, prev_hash, _ = _envelope_decoder.decode(data[offset + 8 : offset + 8 + length])
+    except (struct.error, msgspec.DecodeError):
+        return 0, 0
+    return seq - 1, prev_hash
 
 
 def _scan(data: bytes, offset: int, path: str, state: list[int], is_last: bool, on_torn: Any) -> Iterator[tuple[int, msgspec.Raw]]:
@@ -101,19 +171,12 @@ def _scan(data: bytes, offset: int, path: str, state: list[int], is_last: bool, 
             length = crc = -1
         else:
             length, crc = unpack(data, offset)
-        if length > MAX_RECORD_BYTES:
-            raise LogCorruption(f"record length {length} is implausible", seq + 1, offset, path)
         stop = offset + 8 + length
-        if length < 0 or stop > end:
-            if not is_last:
-                raise LogCorruption("segment ends in a torn record, but it is not the run's last segment", seq + 1, offset, path)
-            if _whole_record_after(data, offset + 1):
-                raise LogCorruption(f"record length {length} runs past the end, but whole records follow", seq + 1, offset, path)
+        payload = view[offset + 8 : stop]
+        if length <= 0 or length > MAX_RECORD_BYTES or stop > end or crc32(payload) != crc:
+            _bad_record(data, offset, length, seq + 1, path, is_last)
             on_torn(path, data, offset)
             break
-        payload = view[offset + 8 : stop]
-        if crc32(payload) != crc:
-            raise LogCorruption("bad record checksum", seq + 1, offset, path)
         try:
             got_seq, chained, raw = decode(payload)
         except msgspec.DecodeError as exc:
@@ -129,9 +192,29 @@ def _scan(data: bytes, offset: int, path: str, state: list[int], is_last: bool, 
         offset = stop
 
 
+def _bad_record(data: bytes, offset: int, length: int, seq: int, path: str, is_last: bool) -> None:
+    """No whole record at `offset`. Returns if that is a torn tail: the run's last segment,
+    and no whole record anywhere after it. Raises LogCorruption otherwise."""
+    runs_past = length < 0 or (length <= MAX_RECORD_BYTES and offset + 8 + length > len(data))
+    if not is_last:
+        reason = "segment ends in a torn record, but it is not the run's last segment" if runs_past else _reason(length)
+        raise LogCorruption(reason, seq, offset, path)
+    if _whole_record_after(data, offset + 1):
+        reason = f"record length {length} runs past the end, but whole records follow" if runs_past else _reason(length)
+        raise LogCorruption(reason, seq, offset, path)
+
+
+def _reason(length: int) -> str:
+    if length > MAX_RECORD_BYTES:
+        return f"record length {length} is implausible"
+    if length == 0:
+        return "record of length 0"
+    return "bad record checksum"
+
+
 def _whole_record_after(data: bytes, start: int) -> bool:
-    """Whether a checksummed record starts anywhere in data[start:]: then a record that
-    seems to run past the end has a damaged length, and is no torn tail."""
+    """Whether a checksummed record starts anywhere in data[start:]: then the bad bytes
+    before it are damage, not a torn tail."""
     end = len(data)
     for offset in range(start, end - 8):
         length, crc = RECORD_HEAD.unpack_from(data, offset)
@@ -152,6 +235,8 @@ class EventLogReader:
         self.segments = scanner.segments
         self.header: LogHeader = scanner.header
         self.torn_tail = scanner.torn_tail
+        self.first_segment = scanner.first_segment
+        self.is_trimmed = scanner.is_trimmed
 
     @property
     def config_json(self) -> bytes:

@@ -5,17 +5,22 @@ once per handled input, after that input's records:
     never   flush to the OS only
     step    fsync when the records committed include a StepPlan: at most one per step
     always  fsync at every commit
-Segments rotate when the next record would take the current one past `max_bytes`.
+Segments rotate when the next record would take the current one past `max_bytes`;
+`on_rotate` (retention) is called between closing one segment and opening the next.
+Each segment is flock'ed while it is written, so retention elsewhere can tell a live run.
 Any OSError becomes LogWriteError and leaves the writer broken: every later call raises.
+A run broken before any record reached its file (a start on a full disk) is removed on
+close, so it does not hide the runs before it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
-from shared.eventlog.format import RECORD_HEAD, LogWriteError, encode_header, encode_record, record_hash
+from shared.eventlog.format import RECORD_HEAD, LogWriteError, SegmentInfo, encode_header, encode_record, record_hash
 from shared.eventlog.names import next_log_name, parse_name, segment_file_name
 
 FSYNC_POLICIES = ("never", "step", "always")
@@ -32,6 +37,7 @@ class EventLogWriter:
         fsync: str = "step",
         max_bytes: int | None = None,
         opener: Opener = open,
+        on_rotate: Callable[[], None] | None = None,
     ) -> None:
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync policy must be one of {FSYNC_POLICIES}, got {fsync!r}")
@@ -43,15 +49,17 @@ class EventLogWriter:
         self.max_bytes = max_bytes
         self._config_json = config_json
         self._opener = opener
+        self._on_rotate = on_rotate
         self._seq = 0
         self._prev_hash = 0
+        self._size = self._header_size = 0
         self._broken: LogWriteError | None = None
         self._closed = False
         first = next_log_name(directory, run_id)
         name = parse_name(first)
         if name is None:
             raise ValueError(f"bad log name {first!r}")
-        self._number, self._run_id = name.number, name.run_id or None
+        self._number, self._run_id = name.number, name.run_id
         self.path = os.path.join(directory, first)  # the run's first segment
         self.segment_paths: list[str] = []
         self._file: BinaryIO = self._open_segment(1)
@@ -99,6 +107,8 @@ class EventLogWriter:
                 self._file.close()
             except OSError:
                 pass  # already reported, or nothing left to lose
+            if self._broken is not None:
+                self._remove_if_empty()
 
     def __enter__(self) -> "EventLogWriter":
         return self
@@ -122,23 +132,41 @@ class EventLogWriter:
             raise self._broken from exc
 
     def _open_segment(self, segment: int) -> BinaryIO:
-        path = os.path.join(self.directory, segment_file_name(self._number, self._run_id, segment))
+        path = os.path.join(self.directory, segment_file_name(self._number, self._run_id or None, segment))
         self.segment_paths.append(path)
-        header = encode_header(self._config_json)
+        header = encode_header(self._config_json, SegmentInfo(self._number, self._run_id, segment, self._seq + 1, self._prev_hash))
         try:
             f = self._opener(path, "xb")
         except OSError as exc:
             self._broken = LogWriteError(path, "create", exc)
             raise self._broken from exc
         self._file = f
-        self._guard("write", lambda: f.write(header))
+        _lock(f)
         self._size = self._header_size = len(header)
+        try:
+            self._guard("write", lambda: f.write(header))
+        except LogWriteError:
+            self.close()  # a first segment left without its header is removed
+            raise
         return f
+
+    def _remove_if_empty(self) -> None:
+        """A run that broke before any record reached its only segment holds nothing to
+        replay: remove it (best effort: the disk may refuse that too)."""
+        if len(self.segment_paths) != 1:
+            return
+        try:
+            if os.path.getsize(self.path) <= self._header_size:
+                os.remove(self.path)
+        except OSError:
+            pass
 
     def _rotate(self) -> None:
         sync = self.fsync_policy != "never"
         self.flush(fsync=sync)
         self._guard("close", self._file.close)
+        if self._on_rotate is not None:
+            self._on_rotate()
         self._file = self._open_segment(len(self.segment_paths) + 1)
         if sync:
             self._guard("flush", self._file.flush)
@@ -151,3 +179,11 @@ class EventLogWriter:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _lock(f: BinaryIO) -> None:
+    """flock the segment being written; the lock goes with the file's close (or the process)."""
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (AttributeError, OSError, ValueError):
+        pass  # a file object without a descriptor, or a filesystem without flock

@@ -2,6 +2,7 @@
 except a torn tail, which is dropped with a warning."""
 
 import json
+import random
 
 import pytest
 
@@ -92,3 +93,32 @@ def test_cut_tail_of_the_last_record(tmp_path):
     with pytest.warns(UserWarning):
         result = replay(path)
     assert result.ok and result.torn_tail is not None
+
+
+@pytest.mark.parametrize("tail", [bytes(4096), random.Random(5).randbytes(777)], ids=["zeros", "garbage"])
+def test_zero_filled_or_garbage_tail_is_a_torn_tail(tmp_path, capsys, tail):
+    writer = record(tmp_path)
+    with open(writer.path, "ab") as f:
+        f.write(tail)  # what a crash can leave past the last good record
+    assert main([writer.path, "--verify"]) == 0
+    captured = capsys.readouterr()
+    assert "torn last record" in captured.err and captured.out.startswith("OK")
+    assert f"last seq {writer.last_seq}" in captured.out
+
+
+def test_zeroed_record_followed_by_good_ones_is_corruption(tmp_path, capsys):
+    path = record(tmp_path).path
+    offsets = record_offsets(path)
+    with open(path, "r+b") as f:
+        f.seek(offsets[7])
+        f.write(bytes(offsets[8] - offsets[7]))
+    assert main([path, "--verify"]) == 2
+    assert f"record of length 0 (seq 8, byte offset {offsets[7]})" in capsys.readouterr().err
+
+
+def test_zero_filled_tail_of_an_earlier_segment_is_corruption(tmp_path, capsys):
+    writer = record(tmp_path, num_events=200, max_bytes=2048)
+    with open(writer.segment_paths[0], "ab") as f:
+        f.write(bytes(64))
+    assert main([writer.path]) == 2
+    assert "record of length 0" in capsys.readouterr().err

@@ -12,8 +12,9 @@ from shared.sampling import SamplingParams
 
 from scheduler_proc.core import Core, CoreConfig
 from scheduler_proc.loop import SchedulerShell
+from scheduler_proc.replay import main
 from tests.scheduler_proc.driver import FakeWorker
-from tests.scheduler_proc.logtools import ENGINE
+from tests.scheduler_proc.logtools import ENGINE, record
 
 
 class FailingFile:
@@ -119,17 +120,56 @@ def test_writer_fsync_error(tmp_path, monkeypatch):
         writer.commit(step_planned=True)
 
 
-def test_shell_stops_with_engine_failed_on_a_write_error(tmp_path):
+def test_shell_stops_with_engine_failed_on_a_write_error(tmp_path, caplog):
     files = []
     shell = make_shell(tmp_path, opener=lambda p, m: files.append(FailingFile(p, m)) or files[-1])
     shell.handle(ev.WorkerReady(0, 32, 1000, [2], "cpu", "float32"))
     files[-1].armed = True
-    shell.handle(ev.RequestArrived("a", [5, 5, 5], SamplingParams(max_tokens=2)))
+    with caplog.at_level("ERROR", logger="scheduler"):
+        shell.handle(ev.RequestArrived("a", [5, 5, 5], SamplingParams(max_tokens=2)))
     assert shell.failed
     failed = [m for m in shell.to_tokenizer.sent if isinstance(m, ev.EngineFailed)]
-    assert len(failed) == 1 and shell.log.path in failed[0].message and "cannot write the event log" in failed[0].message
+    assert len(failed) == 1 and "cannot write the event log" in failed[0].message
+    assert "No space left on device" in failed[0].message
+    for secret in (str(tmp_path), os.path.basename(shell.log.path), "events-"):
+        assert secret not in failed[0].message  # what reaches clients names no path or file
+    assert shell.log.path in caplog.text  # the server's own log does
     assert not shell.core.requests  # the input was never applied: nothing served unlogged
     shell.handle(ev.RequestArrived("b", [5], SamplingParams()))
     assert not shell.core.requests
     shell._close()  # no exception: it logs the error and leaves the engine failed
     assert shell.failed
+
+
+class FullDiskFile(FailingFile):
+    """A file on a full disk: every write fails, from the first (the header)."""
+
+    def __init__(self, path, mode):
+        super().__init__(path, mode)
+        self.armed = True
+
+
+def test_a_start_on_a_full_disk_leaves_no_run_behind(tmp_path, capsys):
+    good = record(tmp_path).path
+    with pytest.raises(LogWriteError, match="write failed"):
+        EventLogWriter(str(tmp_path), b"{}", "full", opener=FullDiskFile)  # the header write fails
+    files = []
+    shell = make_shell(tmp_path, opener=lambda p, m: files.append(FailingFile(p, m)) or files[-1])
+    files[-1].armed = True  # the disk fills before the first input is logged
+    shell.handle(ev.WorkerReady(0, 32, 1000, [2], "cpu", "float32"))
+    assert shell.failed
+    shell._close()
+    assert files[-1].closed and sorted(os.listdir(tmp_path)) == [os.path.basename(good)]
+    assert main([str(tmp_path), "--verify"]) == 0 and good in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("content", ["empty", "cut", "header"])
+def test_replay_of_a_directory_passes_over_a_run_without_records(tmp_path, capsys, content):
+    good = record(tmp_path).path
+    empty = EventLogWriter(str(tmp_path), ENGINE.to_json(), "failed")
+    empty.close()  # a header alone
+    size = {"empty": 0, "cut": 20, "header": os.path.getsize(empty.path)}[content]
+    os.truncate(empty.path, size)
+    assert main([str(tmp_path), "--verify"]) == 0
+    captured = capsys.readouterr()
+    assert good in captured.out and f"{empty.path}: skipped: a run without records" in captured.err

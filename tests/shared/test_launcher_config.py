@@ -8,6 +8,7 @@ import os
 import pytest
 
 from shared.cli import build_parser
+from shared.cli import main as cli_main
 from shared.config import EngineConfig
 from shared.launcher import api_key, children, parse_lora_module, resolve_config
 
@@ -60,3 +61,25 @@ def test_api_key_reaches_only_the_http_process(model_dir, tmp_path, monkeypatch)
     assert envs["tokenizer"]["LEDGERSERVE_API_KEY"] == "s3cret"
     assert all("LEDGERSERVE_API_KEY" not in env for name, env in envs.items() if name != "tokenizer")
     assert os.environ["LEDGERSERVE_API_KEY"] == "from-the-shell"  # the launcher's own environment is untouched
+
+
+@pytest.mark.parametrize("flag, field", [("--max-model-len", "max_model_len"), ("--max-num-seqs", "max_num_seqs")])
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_zero_or_negative_sizes_are_refused_at_start(model_dir, tmp_path, capsys, monkeypatch, flag, field, value):
+    with pytest.raises(ValueError, match=f"{field} must be > 0, got {value}"):
+        resolve_config(_args(model_dir, "--device", "cpu", flag, value), str(tmp_path))
+    run_root = tmp_path / "runs"
+    run_root.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(run_root))
+    assert cli_main(["serve", model_dir, "--device", "cpu", flag, value]) == 2
+    assert f"ledgerserve: error: {field} must be > 0, got {value}" in capsys.readouterr().err
+    assert list(run_root.iterdir()) == []  # the run directory made for it is gone again
+
+
+def test_event_log_retention_flag(model_dir, tmp_path):
+    assert resolve_config(_args(model_dir, "--device", "cpu"), str(tmp_path)).event_log_max_total_bytes == 4 * 1024**3
+    cfg = resolve_config(_args(model_dir, "--device", "cpu", "--event-log-max-total-bytes", "0"), str(tmp_path))
+    assert cfg.event_log_max_total_bytes == 0  # unlimited
+    with pytest.raises(ValueError, match="at least twice event_log_max_bytes"):
+        resolve_config(_args(model_dir, "--device", "cpu", "--event-log-max-bytes", "1048576",
+                             "--event-log-max-total-bytes", "1048577"), str(tmp_path))
