@@ -41,3 +41,24 @@ def check_entries(ref: torch.Tensor, prompt_ids: list[int], entries: list[Entry 
         assert torch.allclose(torch.tensor(got_top), row.topk(k).values, atol=ATOL, rtol=0), (p, got_top)
         for token_id, value in entry.top.items():
             assert abs(float(row[token_id]) - value) <= ATOL, (p, token_id, value)
+
+
+def entries_from_json(body: list, prompt_ids: list[int], k: int) -> list[Entry | None]:
+    """vLLM's JSON prompt logprobs as Entry: the prompt token's logprob and rank, and the top k (the
+    prompt token is among them when its rank is within k: the top k overwrite its entry there)."""
+    out: list[Entry | None] = [body[0]]  # None, as check_entries asserts
+    for p, entry in enumerate(body[1:], start=1):
+        token = str(prompt_ids[p])
+        top = {int(t): v["logprob"] for t, v in entry.items() if t != token or v["rank"] <= k}
+        out.append(Entry(entry[token]["logprob"], entry[token]["rank"], top))
+    return out
+
+
+def assert_same_json(got: list, want: list, atol: float = 1e-5) -> None:
+    """Two JSON prompt logprobs of one prompt agree: the same tokens, ranks and text, close logprobs."""
+    assert len(got) == len(want) and got[0] is None and want[0] is None
+    for p, (a, b) in enumerate(zip(got[1:], want[1:]), start=1):
+        assert a.keys() == b.keys(), p
+        for t in a:
+            assert (a[t]["rank"], a[t]["decoded_token"]) == (b[t]["rank"], b[t]["decoded_token"]), (p, t)
+            assert abs(a[t]["logprob"] - b[t]["logprob"]) <= atol, (p, t)
