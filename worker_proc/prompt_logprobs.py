@@ -22,7 +22,7 @@ from worker_proc.batch import ReqState
 from worker_proc.lora.mapping import LoraMapping
 from worker_proc.sampler import HostCopy, to_device
 
-MAX_ROWS = 512  # lm_head rows per pass: bounds the [rows, vocab] float32 logits of a long chunk
+MAX_ROWS = 256  # lm_head rows per pass: bounds the [rows, vocab] float32 logits (~150 MB at a 150k vocabulary)
 MIN_LOGPROB = -9999.0  # what -inf is reported as
 
 

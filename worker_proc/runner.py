@@ -21,6 +21,7 @@ from shared.events import (
     AdapterCpuEvicted, AdapterEvicted, AdapterLoadCompleted, AdapterLoadFailed, AdapterSlotAssigned, CachedReq,
     FailedReq, NewReq, RankDigest, SampledToken, StepCompleted, StepPlan, WorkerReady,
 )
+from worker_proc import prompt_logprobs
 from worker_proc.batch import ReqState, build_batch, check_fault, validate_req
 from worker_proc.cuda_graphs import DecodeGraphs
 from worker_proc.kv_cache import KVCache, num_kv_blocks
@@ -28,7 +29,6 @@ from worker_proc.lora.manager import LoraManager
 from worker_proc.models import build_model, load_eos_token_ids, load_model_config
 from worker_proc.models.llama import FAST_DTYPES
 from worker_proc.placeholders import SampledRows, mark_placeholder
-from worker_proc import prompt_logprobs
 from worker_proc.sampler import PendingSample, Sampler, SamplingReq
 from worker_proc.step_inputs import PinnedStaging
 from worker_proc.warm_up import warm_up_batches
