@@ -17,6 +17,9 @@ AdapterSlotAssigned / AdapterEvicted) and checks that every request's `lora_slot
 that request's version, and that no slot is loaded or evicted while a running request
 uses it.
 
+For a request asking for prompt logprobs, rank 0's StepCompleted reports those of the prompt
+positions each step computes (prompt_reports.py), as a real worker does.
+
 Prefix cache: the fake worker records, for every block it writes, the namespace and the
 whole token prefix whose KV the block ends (`kv`). A plan's already-computed blocks
 must hold exactly that request's own prefix in its own namespace, so stale KV (an
