@@ -2,7 +2,9 @@
 
 Speed: records are checked by the scanner without decoding the event; only inputs are
 decoded (the tag is peeked from the msgpack bytes), and a logged decision is compared by
-bytes with the core's freshly encoded one. Decoding happens only to describe a divergence.
+bytes with the core's freshly encoded one. Only when the bytes differ is the logged decision
+decoded and compared as a value: a struct that gained a trailing field since the log was
+written encodes one more (default) item, and the same decision must still verify.
 """
 
 from __future__ import annotations
@@ -163,7 +165,7 @@ def _run(scanner: RunScanner, result: ReplayResult, verify: bool, until_seq: int
             index, input_seq = 0, seq
             num_inputs += 1
         elif kind == DECISION and verify:
-            if index >= len(pending) or pending[index] != data:
+            if index >= len(pending) or (pending[index] != data and decode_event(data) != made[index]):
                 recomputed = made[index] if index < len(pending) else None
                 result.divergence = Divergence(seq, input_seq, decode_event(data), recomputed)
                 break

@@ -62,6 +62,19 @@ class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True, omit_defaults=
     top_logprobs: list[float] = []
 
 
+class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+    """vLLM's prompt logprobs of one request for the prompt positions `start` (>= 1) onward that one
+    step computed: at each, the log-softmax of the logits at the position before (raw, unmodified
+    by sampling), read at the prompt token there and at the top k. Finite: -inf is sent as -9999.0."""
+
+    req_id: str
+    start: int  # prompt position of the first entry
+    logprobs: list[float]  # of the prompt token, per position
+    ranks: list[int]  # of the prompt token (1 = most likely; ties count against it), per position
+    top_token_ids: list[list[int]] = []  # per position, the k most likely tokens (k = prompt_logprobs)
+    top_logprobs: list[list[float]] = []
+
+
 class TokensEmitted(Event):
     req_id: str
     new_token_ids: list[int]
@@ -70,6 +83,7 @@ class TokensEmitted(Event):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     stop_token_id: int | None = None  # the stop/EOS id that finished it, if any
+    prompt_logprobs: PromptLogprobs | None = None  # positions not sent before; they precede the first token
 
 
 class RequestRejected(Event):
@@ -227,6 +241,7 @@ class StepCompleted(Event):
     rank: int
     sampled: list[SampledToken] = []  # rank 0 only
     failed: list[FailedReq] = []  # requests that failed alone (isolated faults)
+    prompt_logprobs: list[PromptLogprobs] = []  # rank 0 only: of the requests that ask, for this step's positions
 
 
 class FailedReq(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):

@@ -27,7 +27,7 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # None: no logprobs; k >= 0: sampled token + top k
-    prompt_logprobs: int | None = None  # reserved; not computed yet
+    prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's logprob and rank + top k
 
     @property
     def greedy(self) -> bool:

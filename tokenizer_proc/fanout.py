@@ -1,4 +1,6 @@
-"""`n` choices per request: n engine requests run side by side, merged back by index."""
+"""`n` choices per request: n engine requests run side by side, merged back by index. Prompt
+logprobs are the same for every choice: choice 0 alone asks the engine for them (the others
+may then use the prefix cache), and the responses copy them to every choice."""
 
 from __future__ import annotations
 
@@ -20,11 +22,12 @@ def choice_req_id(req_id: str, index: int, n: int) -> str:
 
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Choice i samples with seed + i (wrapped into int64), so choices differ reproducibly."""
-    if params.seed is None or index == 0:
+    """Choice i samples with seed + i (wrapped into int64), so choices differ reproducibly; only
+    choice 0 computes prompt logprobs."""
+    if index == 0:
         return params
-    seed = (params.seed + index - SEED_LOW) % SEED_SPAN + SEED_LOW
-    return msgspec.structs.replace(params, seed=seed)
+    seed = None if params.seed is None else (params.seed + index - SEED_LOW) % SEED_SPAN + SEED_LOW
+    return msgspec.structs.replace(params, seed=seed, prompt_logprobs=None)
 
 
 def total_usage(runs: Sequence[RequestRun]) -> Usage:
@@ -44,20 +47,29 @@ async def collect_all(runs: Sequence[RequestRun]) -> list[Delta]:
         await _cancel(tasks)
 
 
-async def merged(runs: Sequence[RequestRun]) -> AsyncIterator[tuple[int, Delta]]:
-    """(choice index, delta) as each run produces them; stopping early aborts every run."""
+async def merged(runs: Sequence[RequestRun], choice_0_first: bool = False) -> AsyncIterator[tuple[int, Delta]]:
+    """(choice index, delta) as each run produces them; stopping early aborts every run. With
+    `choice_0_first`, the other choices' deltas wait until choice 0's first one (which carries
+    the prompt logprobs every choice's first chunk shows) has gone out."""
     queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
     tasks = [asyncio.ensure_future(_pump(index, run, queue)) for index, run in enumerate(runs)]
+    held: list[tuple[int, Delta]] | None = [] if choice_0_first else None
     try:
         remaining = len(runs)
         while remaining:
             index, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
+            if isinstance(item, BaseException):
                 raise item
-            else:
+            if item is not None and held is not None and index != 0:
+                held.append((index, item))
+                continue
+            if item is not None:
                 yield index, item
+            if held is not None and index == 0:  # choice 0's first delta, or its end
+                for pair in held:
+                    yield pair
+                held = None
+            remaining -= item is None
     finally:
         await _cancel(tasks)
 

@@ -20,6 +20,7 @@ from tokenizer_proc.errors import ApiError
 from tokenizer_proc.fanout import choice_params, choice_req_id, collect_all, total_usage
 from tokenizer_proc.generation import Delta, RequestRun
 from tokenizer_proc.metrics import Metrics
+from tokenizer_proc.prompt_logprobs import PromptLogprobsBody, prompt_logprobs_body
 from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from tokenizer_proc.responses import chat_choice, chat_logprobs, completion_choice, completion_logprobs, envelope
 
@@ -50,6 +51,9 @@ def add_generate_routes(app: FastAPI, served: Served) -> None:
         if deltas is None:
             return Response(status_code=499)
         choices = [_completion_choice(served, req, delta, i, prompt_ids) for i, delta in enumerate(deltas)]
+        if (prompt := _prompt_logprobs(served, prompt_ids, deltas[0])) is not None:
+            for choice in choices:  # vLLM puts them on each choice; choice 0 computed them
+                choice["prompt_logprobs"] = prompt
         body = envelope(req_id, "text_completion", int(time.time()), req.model, choices, total_usage(runs))
         if req.return_token_ids:
             body["prompt_token_ids"] = prompt_ids
@@ -68,6 +72,8 @@ def add_generate_routes(app: FastAPI, served: Served) -> None:
             return Response(status_code=499)
         choices = [_chat_choice(served, req, delta, i) for i, delta in enumerate(deltas)]
         body = envelope(req_id, "chat.completion", int(time.time()), req.model, choices, total_usage(runs))
+        if (prompt := _prompt_logprobs(served, prompt_ids, deltas[0])) is not None:
+            body["prompt_logprobs"] = prompt  # vLLM puts them on the response
         if req.return_token_ids:
             body["prompt_token_ids"] = prompt_ids
         return JSONResponse(body)
@@ -81,6 +87,13 @@ def _completion_choice(
     if req.return_token_ids:
         choice["prompt_token_ids"] = prompt_ids
     return choice
+
+
+def _prompt_logprobs(served: Served, prompt_ids: list[int], first: Delta) -> PromptLogprobsBody | None:
+    """The prompt logprobs of choice 0's delta, if the request asked for them."""
+    if first.prompt_logprobs is None:
+        return None
+    return prompt_logprobs_body(served.tokenizer, prompt_ids, first.prompt_logprobs)
 
 
 def _chat_choice(served: Served, req: ChatCompletionRequest, delta: Delta, index: int) -> dict[str, Any]:

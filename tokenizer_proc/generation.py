@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
-from shared.events import RequestArrived, TokenLogprobs
+from shared.events import PromptLogprobs, RequestArrived, TokenLogprobs
 from tokenizer_proc.detokenizer import IncrementalDetokenizer
 from tokenizer_proc.engine_client import EngineClientBase
 
@@ -19,6 +19,8 @@ class Delta:
     logprobs: list[TokenLogprobs] | None
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    # on a request's first delta, when it asked for them: the engine's reports, every prompt position
+    prompt_logprobs: list[PromptLogprobs] | None = None
 
 
 @dataclass
@@ -58,10 +60,15 @@ class RequestRun:
         detok = IncrementalDetokenizer(
             self.tokenizer, self.arrived.prompt_token_ids, self.stop, self.skip_special_tokens
         )
+        prompt: list[PromptLogprobs] | None = [] if self.arrived.sampling.prompt_logprobs is not None else None
         try:
             async for out in self.engine.generate(self.arrived):
                 self.usage.num_cached_tokens = max(self.usage.num_cached_tokens, out.num_cached_tokens)
                 finished = out.finish_reason is not None
+                if out.prompt_logprobs is not None and prompt is not None:
+                    prompt.append(out.prompt_logprobs)
+                if not out.new_token_ids and not finished:
+                    continue  # a prefill chunk's prompt logprobs: they go with the first delta
                 num_before = len(detok.output_token_ids)
                 text = detok.push(out.new_token_ids, finished)
                 num_taken = len(detok.output_token_ids) - num_before
@@ -71,9 +78,10 @@ class RequestRun:
                 if detok.stopped:
                     if not finished:
                         await self.engine.abort(self.req_id, "stop")
-                    yield Delta(text, token_ids, logprobs, "stop", detok.stop_matched)
+                    yield Delta(text, token_ids, logprobs, "stop", detok.stop_matched, prompt)
                     return
-                yield Delta(text, token_ids, logprobs, out.finish_reason, out.stop_token_id)
+                yield Delta(text, token_ids, logprobs, out.finish_reason, out.stop_token_id, prompt)
+                prompt = None
                 if finished:
                     return
         finally:
@@ -85,11 +93,13 @@ async def collect(run: RequestRun) -> Delta:
     texts: list[str] = []
     token_ids: list[int] = []
     logprobs: list[TokenLogprobs] | None = None
+    prompt: list[PromptLogprobs] | None = None
     last = Delta("", [], None)
     async for delta in run.deltas():
         texts.append(delta.text)
         token_ids.extend(delta.token_ids)
         if delta.logprobs is not None:
             logprobs = (logprobs or []) + list(delta.logprobs)
+        prompt = delta.prompt_logprobs if prompt is None else prompt
         last = delta
-    return Delta("".join(texts), token_ids, logprobs, last.finish_reason, last.stop_reason)
+    return Delta("".join(texts), token_ids, logprobs, last.finish_reason, last.stop_reason, prompt)

@@ -92,6 +92,7 @@ def sampling_params(
         ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens,
         logprobs=num_logprobs,
+        prompt_logprobs=req.prompt_logprobs,
     )
 
 

@@ -60,6 +60,7 @@ class SamplingFields(BaseModel):
     return_token_ids: StrictBool = False
     skip_special_tokens: StrictBool = True
     lora_path: str | None = None  # extension: a loaded adapter's name or path
+    prompt_logprobs: Annotated[StrictInt, Field(ge=-1, le=MAX_LOGPROBS)] | None = None  # vLLM extension
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -78,6 +79,9 @@ class SamplingFields(BaseModel):
             raise InvalidParam(f"at most {MAX_STOP_STRINGS} stop strings are allowed", "stop")
         if any(not s or len(s) > MAX_STOP_STRING_CHARS for s in stops):
             raise InvalidParam(f"stop strings must have 1 to {MAX_STOP_STRING_CHARS} characters", "stop")
+        if self.prompt_logprobs == -1:
+            raise InvalidParam(f"prompt_logprobs=-1 (the whole vocabulary) is not supported; ask for at most "
+                               f"{MAX_LOGPROBS}", "prompt_logprobs")
 
     def check_n(self, max_n: int) -> None:
         if self.n > max_n:

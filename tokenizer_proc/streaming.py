@@ -1,4 +1,6 @@
-"""Server-sent event streams for completions and chat completions."""
+"""Server-sent event streams for completions and chat completions. Prompt logprobs go in each
+choice's first chunk (completions) or on the first chunk of the stream (chat): choice 0 computes
+them, so the other choices' chunks wait for its first delta (fanout.merged)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from tokenizer_proc.engine_client import EngineError
 from tokenizer_proc.errors import error_body
 from tokenizer_proc.fanout import merged, total_usage
 from tokenizer_proc.generation import Delta, RequestRun
+from tokenizer_proc.prompt_logprobs import PromptLogprobsBody, prompt_logprobs_body
 from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest
 from tokenizer_proc.responses import chat_choice, chat_logprobs, completion_choice, completion_logprobs, envelope
 
@@ -34,15 +37,19 @@ async def completion_stream(
     include_usage = req.include_usage()
     text_offsets = [0] * len(runs)
     first = [True] * len(runs)
+    prompt: PromptLogprobsBody | None = None
     try:
-        async for index, delta in merged(runs):
-            if not _worth_sending(delta, req.return_token_ids):
+        async for index, delta in merged(runs, choice_0_first=req.prompt_logprobs is not None):
+            prompt = _prompt_body(prompt, delta, runs, tokenizer)
+            if not _worth_sending(delta, req.return_token_ids) and not (first[index] and prompt is not None):
                 continue
             logprobs = completion_logprobs(tokenizer, delta.token_ids, delta.logprobs, text_offsets[index])
             text_offsets[index] += len(delta.text)
             choice = completion_choice(delta, logprobs, req.return_token_ids, index)
             if first[index] and req.return_token_ids:
                 choice["prompt_token_ids"] = list(runs[index].arrived.prompt_token_ids)
+            if first[index] and prompt is not None:
+                choice["prompt_logprobs"] = prompt
             first[index] = False
             yield sse(envelope(req_id, "text_completion", created, req.model, [choice], None, include_usage))
         if include_usage:
@@ -52,13 +59,24 @@ async def completion_stream(
     yield DONE
 
 
-def _role_chunks(req_id: str, created: int, req: ChatCompletionRequest, runs: Sequence[RequestRun]) -> list[str]:
+def _prompt_body(prompt: PromptLogprobsBody | None, delta: Delta, runs: Sequence[RequestRun], tokenizer: Any
+                 ) -> PromptLogprobsBody | None:
+    """The stream's prompt logprobs: built from choice 0's first delta (the first to go out)."""
+    if prompt is not None or delta.prompt_logprobs is None:
+        return prompt
+    return prompt_logprobs_body(tokenizer, runs[0].arrived.prompt_token_ids, delta.prompt_logprobs)
+
+
+def _role_chunks(req_id: str, created: int, req: ChatCompletionRequest, runs: Sequence[RequestRun],
+                 prompt: PromptLogprobsBody | None) -> list[str]:
     chunks = []
     for index in range(len(runs)):
         role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         head = envelope(req_id, "chat.completion.chunk", created, req.model, [role], None, req.include_usage())
         if req.return_token_ids:
             head["prompt_token_ids"] = list(runs[index].arrived.prompt_token_ids)
+        if index == 0 and prompt is not None:
+            head["prompt_logprobs"] = prompt  # on the response, as in a chat completion
         chunks.append(sse(head))
     return chunks
 
@@ -71,9 +89,9 @@ async def chat_stream(
     obj = "chat.completion.chunk"
     try:
         first_delta = True
-        async for index, delta in merged(runs):
+        async for index, delta in merged(runs, choice_0_first=req.prompt_logprobs is not None):
             if first_delta:  # after the engine accepted the request
-                for chunk in _role_chunks(req_id, created, req, runs):
+                for chunk in _role_chunks(req_id, created, req, runs, _prompt_body(None, delta, runs, tokenizer)):
                     yield chunk
                 first_delta = False
             if not _worth_sending(delta, req.return_token_ids):

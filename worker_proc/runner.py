@@ -21,6 +21,7 @@ from shared.events import (
     AdapterCpuEvicted, AdapterEvicted, AdapterLoadCompleted, AdapterLoadFailed, AdapterSlotAssigned, CachedReq,
     FailedReq, NewReq, RankDigest, SampledToken, StepCompleted, StepPlan, WorkerReady,
 )
+from worker_proc import prompt_logprobs
 from worker_proc.batch import ReqState, build_batch, check_fault, validate_req
 from worker_proc.cuda_graphs import DecodeGraphs
 from worker_proc.kv_cache import KVCache, num_kv_blocks
@@ -45,10 +46,11 @@ class InFlightStep:
     pending: PendingSample | None  # None when no request samples
     failed: list[FailedReq]  # requests that failed at launch
     digest: RankDigest
+    prompt: prompt_logprobs.PendingPromptLogprobs | None = None  # rank 0, when a request asks for them
 
     def is_done(self) -> bool:
-        """Whether reading the step back would not wait: its tokens reached the host (or it sampled none)."""
-        return self.pending is None or self.pending.host.is_ready()
+        """Whether reading the step back would not wait: its tokens (and prompt logprobs) reached the host."""
+        return all(p is None or p.host.is_ready() for p in (self.pending, self.prompt))
 
 
 class ModelRunner:
@@ -99,7 +101,7 @@ class ModelRunner:
                                   self.model_cfg.vocab_size, slot)
         with self.lora.zero_adapter(slot) if self.lora is not None else contextlib.nullcontext():
             for reqs in batches:
-                logits, sampling = self._forward(reqs, use_graphs=False)  # the graphs compiled theirs
+                logits, sampling, _ = self._forward(reqs, use_graphs=False)  # the graphs compiled theirs
                 if logits is not None:
                     self.sampler.sample(logits, [_sampling_req(r) for r in sampling])
 
@@ -123,13 +125,14 @@ class ModelRunner:
         for req_id in [*plan.finished_req_ids, *plan.preempted_req_ids]:
             self.reqs.pop(req_id, None)
         scheduled, failed = self._apply_plan(plan)
-        logits, sampling = self._forward(scheduled) if scheduled else (None, [])
+        logits, sampling, hidden = self._forward(scheduled) if scheduled else (None, [], None)
         pending = None
         if logits is not None:
             pending = self.sampler.launch(logits, [_sampling_req(r) for r in sampling])
         self.prev_sampled = SampledRows.of(pending.token_ids, sampling) if pending is not None else SampledRows()
+        prompt = self._launch_prompt_logprobs(scheduled, hidden) if self.rank == 0 else None
         digest = RankDigest(plan.step, self.rank, self.digest())  # on the host while the device runs the step
-        return InFlightStep(plan.step, [r.req_id for r in sampling], pending, failed, digest)
+        return InFlightStep(plan.step, [r.req_id for r in sampling], pending, failed, digest, prompt)
 
     def complete(self, step: InFlightStep) -> tuple[StepCompleted, RankDigest]:
         """Read back a launched step's sampled tokens (its one device -> host sync)."""
@@ -137,7 +140,9 @@ class ModelRunner:
         if step.pending is not None:
             sampled = [SampledToken(req_id, s.token_id, s.logprobs)
                        for req_id, s in zip(step.sampling_req_ids, self.sampler.finish(step.pending))]
-        return StepCompleted(step.step, self.rank, sampled if self.rank == 0 else [], step.failed), step.digest
+        prompt, failed = prompt_logprobs.finish(step.prompt) if step.prompt is not None else ([], [])
+        completed = StepCompleted(step.step, self.rank, sampled if self.rank == 0 else [], step.failed + failed, prompt)
+        return completed, step.digest
 
     def digest(self) -> int:
         """xxhash64 of the block tables (sorted by req_id) and the slot table (slot -> version_id,
@@ -213,12 +218,14 @@ class ModelRunner:
         mark_placeholder(req, self.prev_sampled)
         return req
 
-    def _forward(self, scheduled: list[ReqState], use_graphs: bool = True) -> tuple[torch.Tensor | None, list[ReqState]]:
+    def _forward(self, scheduled: list[ReqState], use_graphs: bool = True
+                 ) -> tuple[torch.Tensor | None, list[ReqState], torch.Tensor | None]:
         """Queue the step's forward pass: the logits [num_sampling, vocab] float32 of the requests
-        that sample this step (None if none does), and those requests."""
+        that sample this step (None if none does), those requests, and the final hidden states
+        [num_tokens, hidden] (None from a CUDA graph: a pure decode step has no prompt rows)."""
         prev = self.prev_sampled.token_ids
         if use_graphs and self.graphs is not None and self.staging is not None and self.graphs.fits(scheduled):
-            return self.graphs.run(scheduled, self.config.block_size, self.staging, prev), scheduled
+            return self.graphs.run(scheduled, self.config.block_size, self.staging, prev), scheduled, None
         batch = build_batch(scheduled, self.config.block_size, self.device, self.staging, prev)
         if self.staging is None:  # CPU: slot tensors are host tensors, reading them costs nothing
             hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.layers, batch.meta, batch.lora_slots)
@@ -227,9 +234,18 @@ class ModelRunner:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.layers, batch.meta, lora=batch.lora)
             sample_slots, sample_lora = None, batch.sample_lora
         if not batch.sampling_reqs:
-            return None, []
+            return None, [], hidden
         logits = self.model.compute_logits(hidden[batch.sample_indices], sample_slots, sample_lora)
-        return logits, batch.sampling_reqs
+        return logits, batch.sampling_reqs, hidden
+
+    def _launch_prompt_logprobs(self, scheduled: list[ReqState], hidden: torch.Tensor | None
+                                ) -> prompt_logprobs.PendingPromptLogprobs | None:
+        rows = prompt_logprobs.prompt_rows(scheduled)
+        if not rows.spans:
+            return None
+        if hidden is None:
+            raise RuntimeError("prompt rows in a step run by a CUDA graph, which holds pure decode steps only")
+        return prompt_logprobs.launch(self.model, hidden, rows, self.model_cfg.vocab_size)
 
 
 def _sampling_req(req: ReqState) -> SamplingReq:

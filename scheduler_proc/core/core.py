@@ -12,7 +12,7 @@ from typing import Any
 
 from shared import events as ev
 
-from scheduler_proc.core import digest, prefix
+from scheduler_proc.core import digest, prefix, prompt_logprobs
 from scheduler_proc.core.adapters import AdapterManager
 from scheduler_proc.core.block_manager import BlockAccounting, BlockManager
 from scheduler_proc.core.config import CoreConfig
@@ -168,6 +168,7 @@ class Core:
             return self._fail(f"StepCompleted for step {event.step}, but the oldest step in flight is {expected}")
         sampled = {token.req_id: token for token in event.sampled}
         failed = {item.req_id: item.message for item in event.failed}
+        reports = {report.req_id: report for report in event.prompt_logprobs}
         decisions: Decisions = []
         for item in self.in_flight.popleft().reqs:
             req = self.requests.get(item.req_id)
@@ -176,17 +177,31 @@ class Core:
             if item.req_id in failed:
                 decisions += self._fail_request(req, failed[item.req_id])
                 continue
-            req.num_in_flight_tokens -= item.num_tokens
-            req.num_computed_tokens += item.num_tokens
-            decisions += prefix.cache_computed(self.scheduler.block_manager, req, self.step)
-            if not item.samples:
-                continue  # a prefill chunk that does not reach the end of the prompt
+            decisions += self._computed(req, item.num_tokens, reports.get(item.req_id), event.step)
+            if not item.samples or req.status != RequestStatus.RUNNING:
+                continue  # a prefill chunk that does not reach the end of the prompt, or a bad report
             req.num_pending_samples -= 1
             token = sampled.get(item.req_id)
             if token is None:
                 return decisions + self._fail(f"step {event.step}: rank 0 sampled no token for request {item.req_id!r}")
             decisions += self._append_token(req, token)
         return decisions
+
+    def _computed(self, req: Request, num_tokens: int, report: ev.PromptLogprobs | None, step: int) -> Decisions:
+        """`num_tokens` more of req's tokens were computed: their full blocks enter the prefix cache,
+        and their prompt logprobs not sent before go out (a bad report fails the request)."""
+        first, count = prompt_logprobs.step_span(req.num_computed_tokens, num_tokens, req.num_prompt_tokens)
+        req.num_in_flight_tokens -= num_tokens
+        req.num_computed_tokens += num_tokens
+        decisions = prefix.cache_computed(self.scheduler.block_manager, req, self.step)
+        error = prompt_logprobs.report_error(req.sampling, first, count, req.num_prompt_logprobs_sent, report)
+        if error is not None:
+            return decisions + self._fail_request(req, f"step {step}: {error}")
+        new = prompt_logprobs.unsent(report, req.num_prompt_logprobs_sent) if report is not None else None
+        if new is None:
+            return decisions
+        req.num_prompt_logprobs_sent = new.start + len(new.logprobs) - 1
+        return decisions + [self._emitted(req, [], None, None, None, new)]
 
     def _on_rank_digest(self, event: ev.RankDigest) -> Decisions:
         tp = self.config.tensor_parallel_size
@@ -287,7 +302,8 @@ class Core:
             self.finished_req_ids.append(req.req_id)
         return released
 
-    def _emitted(self, req: Request, token_ids: list[int], logprobs: Any, reason: str | None, stop_token_id: int | None) -> ev.TokensEmitted:
+    def _emitted(self, req: Request, token_ids: list[int], logprobs: Any, reason: str | None, stop_token_id: int | None,
+                 prompt: ev.PromptLogprobs | None = None) -> ev.TokensEmitted:
         return ev.TokensEmitted(
             req_id=req.req_id,
             new_token_ids=token_ids,
@@ -296,6 +312,7 @@ class Core:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
             stop_token_id=stop_token_id,
+            prompt_logprobs=prompt,
         )
 
     # ------------------------------------------------------------------ planning

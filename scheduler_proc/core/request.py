@@ -95,6 +95,7 @@ class Request:
         self.num_tokens_on_worker = 0
         self.num_blocks_on_worker = 0
         self.num_preemptions = 0
+        self.num_prompt_logprobs_sent = 0  # prompt positions 1..n whose logprobs went out (a recompute repeats them)
 
     @property
     def num_prompt_tokens(self) -> int:

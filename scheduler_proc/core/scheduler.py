@@ -136,7 +136,7 @@ class Scheduler:
             if req.version_id and (is_barred or not self._fits_cap(req.version_id, version_ids)):
                 is_barred = is_barred or step - req.arrival_step >= self.config.lora_aging_steps
                 continue
-            match = self.block_manager.match_prefix(req.namespace, req.token_ids)
+            match = self._match_prefix(req)
             num_tokens = min(req.num_tokens - match.num_cached_tokens, budget)
             if not self.block_manager.can_admit(match, match.num_cached_tokens + num_tokens):
                 break  # FCFS: nothing overtakes a request short of blocks
@@ -148,6 +148,14 @@ class Scheduler:
             budget -= num_tokens
             if req.version_id and req.version_id not in version_ids:
                 version_ids.append(req.version_id)
+
+    def _match_prefix(self, req: Request) -> PrefixMatch:
+        """The cached prefix `req` starts from. None for a request asking for prompt logprobs (as in
+        vLLM): a cached position has no logits, so every prompt position is computed; its blocks
+        still enter the cache as they complete."""
+        if req.sampling.prompt_logprobs is not None:
+            return PrefixMatch()
+        return self.block_manager.match_prefix(req.namespace, req.token_ids)
 
     def _fits_cap(self, version_id: int, version_ids: list[int]) -> bool:
         return version_id in version_ids or len(version_ids) < self.config.max_loras

@@ -20,6 +20,7 @@ from shared import events as ev
 from shared.eventlog import EventLogReader
 from tests.e2e.conftest import SCHEDULING_ARGS
 from tests.e2e.server import Server
+from tests.prompt_logprobs_ref import assert_same_json, check_entries, entries_from_json, prompt_logprobs_reference
 from tests.reference import assert_greedy_matches, greedy_reference
 
 pytestmark = pytest.mark.slow
@@ -187,6 +188,37 @@ def test_stop_token_ids_and_logprobs(client, model_name):
     assert got == ids[: ids.index(stop_id) + 1] and stopped.choices[0].finish_reason == "stop"
 
 
+def test_prompt_logprobs_match_transformers_and_skip_the_cache(client, model_name, hf):
+    """A prompt prefilled in chunks: completions and chat, stream and not, against transformers; an
+    identical request that could hit the prefix cache computes them again, to the same values."""
+    model, tok = hf
+    prompt = " ".join(PROMPTS)
+    prompt_ids = tok(prompt)["input_ids"]
+    assert len(prompt_ids) > 128  # --max-num-batched-tokens: two prefill chunks at least
+    ref = prompt_logprobs_reference(model, prompt_ids)
+    kwargs = {"model": model_name, "prompt": prompt, "max_tokens": 2, "temperature": 0.0}
+    scored = client.completions.create(n=2, extra_body={"prompt_logprobs": 3}, **kwargs)
+    body = scored.choices[0].model_extra["prompt_logprobs"]
+    check_entries(ref, prompt_ids, entries_from_json(body, prompt_ids, 3), 3)
+    assert scored.choices[1].model_extra["prompt_logprobs"] == body
+    assert body[5][str(prompt_ids[5])]["decoded_token"] == tok.decode([prompt_ids[5]])
+    assert client.completions.create(**kwargs).usage.prompt_tokens_details.cached_tokens >= 128
+    again = client.completions.create(extra_body={"prompt_logprobs": 3}, **kwargs)
+    assert again.usage.prompt_tokens_details.cached_tokens == 0
+    assert_same_json(again.choices[0].model_extra["prompt_logprobs"], body)
+    chunks = list(client.completions.create(stream=True, extra_body={"prompt_logprobs": 3}, **kwargs))
+    assert_same_json(chunks[0].choices[0].model_extra["prompt_logprobs"], body)
+    assert all("prompt_logprobs" not in c.choices[0].model_extra for c in chunks[1:] if c.choices)
+
+    messages = [{"role": "user", "content": prompt}]
+    chat_ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    chat_kwargs = {"model": model_name, "messages": messages, "max_tokens": 2, "extra_body": {"prompt_logprobs": 2}}
+    chat = client.chat.completions.create(**chat_kwargs).model_extra["prompt_logprobs"]
+    check_entries(prompt_logprobs_reference(model, chat_ids), chat_ids, entries_from_json(chat, chat_ids, 2), 2)
+    chat_chunks = list(client.chat.completions.create(stream=True, **chat_kwargs))
+    assert_same_json(chat_chunks[0].model_extra["prompt_logprobs"], chat)
+
+
 def test_health_and_version(server):
     assert httpx.get(server.base_url + "/health").status_code == 200
     assert "version" in httpx.get(server.base_url + "/version").json()
@@ -196,6 +228,7 @@ def test_replay_verifies_the_log_under_two_hash_seeds(server, log_dir, schedulin
     assert server.stop() == 0
     logs = glob.glob(os.path.join(log_dir, "*.log"))
     assert len(logs) == 1
+    assert any(isinstance(e, ev.TokensEmitted) and e.prompt_logprobs for _, e in EventLogReader(logs[0]))
     assert max_steps_in_flight(logs[0]) == (2 if scheduling == "async" else 1)
     outputs = []
     for seed in ("0", "12345"):

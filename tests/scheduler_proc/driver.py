@@ -17,6 +17,9 @@ AdapterSlotAssigned / AdapterEvicted) and checks that every request's `lora_slot
 that request's version, and that no slot is loaded or evicted while a running request
 uses it.
 
+For a request asking for prompt logprobs, rank 0's StepCompleted reports those of the prompt
+positions each step computes (prompt_reports.py), as a real worker does.
+
 Prefix cache: the fake worker records, for every block it writes, the namespace and the
 whole token prefix whose KV the block ends (`kv`). A plan's already-computed blocks
 must hold exactly that request's own prefix in its own namespace, so stale KV (an
@@ -32,6 +35,7 @@ from shared import events as ev
 from shared.sampling import SamplingParams
 
 from scheduler_proc.core import Core, CoreConfig
+from tests.scheduler_proc.prompt_reports import fake_reports
 
 EOS = 2
 FILLER = 7  # sampled when a request has no scripted tokens left
@@ -84,6 +88,7 @@ class FakeWorker:
         self.kv: dict[int, tuple[int, tuple[int, ...]]] = {}  # block -> (namespace, prefix it ends)
         self.slots = FakeSlots()
         self.req_versions: dict[str, int] = {}  # what the client asked for, resolved at arrival
+        self.prompt_asks: dict[str, tuple[int, int]] = {}  # req id -> (num_prompt_tokens, prompt_logprobs k)
 
     def apply(self, plan: ev.StepPlan) -> list[str]:
         """Apply a plan; returns the ids of requests that sample this step, in plan order."""
@@ -97,6 +102,8 @@ class FakeWorker:
                 raise AssertionError(f"NewReq for {new.req_id!r}, which the worker already holds")
             self.num_tokens[new.req_id] = len(new.token_ids)
             self.token_ids[new.req_id] = list(new.token_ids)
+            if new.sampling.prompt_logprobs is not None:
+                self.prompt_asks[new.req_id] = (new.num_prompt_tokens, new.sampling.prompt_logprobs)
             self.block_ids[new.req_id] = list(new.block_ids)
             self.check_cached_kv(new.req_id, new.num_computed_tokens)
             samplers += self._check(new.req_id, new.num_computed_tokens, new.num_scheduled_tokens)
@@ -277,7 +284,8 @@ class Driver:
         sampled = [ev.SampledToken(req_id, self._next_token(req_id)) for req_id in samplers if req_id not in failed]
         self.worker.record_samples(sampled)
         failed_reqs = [ev.FailedReq(req_id, message) for req_id, message in failed.items()]
-        return self.send(ev.StepCompleted(plan.step, 0, sampled, failed_reqs))
+        reports = [r for r in fake_reports(plan, self.worker.prompt_asks) if r.req_id not in failed]
+        return self.send(ev.StepCompleted(plan.step, 0, sampled, failed_reqs, reports))
 
     def run(self, max_steps: int = 10_000) -> None:
         for _ in range(max_steps):

@@ -1,4 +1,5 @@
 """An in-process fake engine: it echoes each request's prompt tokens back, one per event.
+A request asking for prompt logprobs first gets them in two chunks (fake_prompt_logprobs).
 
 It answers adapter ops like the core: a registry of name -> version, 400 for a duplicate
 load (unless load_inplace), 404 for unloading an unknown name, and a 404 RequestRejected
@@ -20,6 +21,7 @@ from shared.events import (
     AdapterUnloadRequested,
     EngineFailed,
     Event,
+    PromptLogprobs,
     RequestAborted,
     RequestArrived,
     RequestRejected,
@@ -48,6 +50,7 @@ class FakeEngine(EngineClientBase):
         self.aborted = asyncio.Event()
         self.hold: asyncio.Event | None = None  # when set: requests wait for it before emitting
         self.encode_events = False  # encode each event like the real transport (catches overflows)
+        self.prompt_delay_s = 0.0  # before a request's prompt logprobs (its first tokens wait too)
 
     @property
     def aborts(self) -> list[RequestAborted]:
@@ -107,6 +110,10 @@ class FakeEngine(EngineClientBase):
         params = arrived.sampling
         if self.hold is not None:
             await self.hold.wait()
+        if params.prompt_logprobs is not None:
+            await asyncio.sleep(self.prompt_delay_s)
+            for report in fake_prompt_logprobs(arrived.req_id, arrived.prompt_token_ids, params.prompt_logprobs):
+                self._dispatch(TokensEmitted(arrived.req_id, [], prompt_logprobs=report))
         for index, token_id in enumerate(ids):
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
@@ -138,3 +145,18 @@ class FakeEngine(EngineClientBase):
         prompt = arrived.prompt_token_ids
         max_tokens = arrived.sampling.max_tokens
         return [prompt[i % len(prompt)] for i in range(max_tokens)]
+
+
+def fake_prompt_logprobs(req_id: str, prompt: list[int], k: int) -> list[PromptLogprobs]:
+    """Position p: logprob -p / 10, rank p + 1; top j (0-based): token prompt[p] + j for odd p (so the
+    prompt token is the top one), else prompt[p] + 1 + j, mod 256, with logprob -(j + 1) / 100. Two
+    chunks, split in the middle of the prompt."""
+    positions = list(range(1, len(prompt)))
+    reports = []
+    for chunk in (positions[: len(positions) // 2], positions[len(positions) // 2 :]):
+        if not chunk:
+            continue
+        tops = [[(prompt[p] + (p % 2 == 0) + j) % 256 for j in range(k)] for p in chunk] if k else []
+        values = [[-(j + 1) / 100 for j in range(k)] for _ in chunk] if k else []
+        reports.append(PromptLogprobs(req_id, chunk[0], [-p / 10 for p in chunk], [p + 1 for p in chunk], tops, values))
+    return reports

@@ -28,6 +28,7 @@ class FakeReq:
     num_blocks_sent: int = 0
     sent: bool = False
     logprobs: list = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)  # rank 0's reports (PromptLogprobs), one per step
 
     @property
     def tokens(self) -> list[int]:
@@ -93,6 +94,8 @@ class FakeScheduler:
     def complete(self, completed: StepCompleted) -> None:
         if completed.failed:
             raise AssertionError(f"unexpected failures: {completed.failed}")
+        for report in completed.prompt_logprobs:
+            self.running[report.req_id].prompt_logprobs.append(report)
         for token in completed.sampled:
             req = self.running.get(token.req_id)
             if req is None:  # run ahead past its last token: dropped
