@@ -90,8 +90,8 @@ def _chat_choice(served: Served, req: ChatCompletionRequest, delta: Delta, index
 
 def check_request(req: SamplingFields, served: Served) -> str | None:
     """Check the request and admit it; return the adapter it asks for (None: the base model)."""
-    lora_name = adapters.resolve_lora(req.model, req.lora_path, served.config, served.adapters)
     req.check()
+    lora_name = adapters.resolve_lora(req.model, req.lora_path, served.config, served.adapters)
     req.check_n(served.config.max_n)
     if (reason := served.engine.unavailable_reason()) is not None:
         raise EngineDeadError(reason)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import re
+from typing import Any, Mapping, Sequence
 
 from shared.sampling import SamplingParams
 from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError, render_char_budget
 from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest, InvalidParam, SamplingFields
+
+
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,12}")  # logit_bias keys: token ids written in decimal
 
 
 def completion_prompt_ids(req: CompletionRequest, tokenizer: Any, max_model_len: int) -> list[int]:
@@ -46,6 +50,20 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> No
     for token_id in token_ids:
         if token_id < 0 or token_id >= vocab_size:
             raise InvalidParam(f"token id {token_id} is out of range [0, {vocab_size})", param)
+
+
+def logit_bias_pairs(bias: Mapping[str | int, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """A request's logit_bias as (token id, bias) pairs in id order, zero biases left out."""
+    by_id: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        if isinstance(key, str) and not _TOKEN_ID_KEY.fullmatch(key):
+            raise InvalidParam("logit_bias keys must be token ids, written in decimal", "logit_bias")
+        token_id = int(key)
+        if token_id in by_id:
+            raise InvalidParam(f"logit_bias names token id {token_id} more than once", "logit_bias")
+        check_token_ids([token_id], vocab_size, "logit_bias")
+        by_id[token_id] = float(value)
+    return tuple((token_id, value) for token_id, value in sorted(by_id.items()) if value != 0.0)
 
 
 def sampling_params(
@@ -92,6 +110,7 @@ def sampling_params(
         ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens,
         logprobs=num_logprobs,
+        logit_bias=logit_bias_pairs(req.logit_bias, vocab_size),
     )
 
 
