@@ -42,7 +42,7 @@ def add_generate_routes(app: FastAPI, served: Served) -> None:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         lora_name = check_request(req, served)
-        prompt_ids = inputs.completion_prompt_ids(req, served.tokenizer, served.config.max_model_len)
+        prompt_ids = await inputs.completion_prompt_ids(req, served.tokenizer, served.config.max_model_len)
         req_id, runs = start_runs(served, req, prompt_ids, req.max_tokens, req.logprobs, "cmpl", lora_name)
         if req.stream:
             return _sse(streaming.completion_stream(req_id, runs, req, served.tokenizer))
@@ -58,7 +58,7 @@ def add_generate_routes(app: FastAPI, served: Served) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         lora_name = check_request(req, served)
-        prompt_ids = inputs.chat_prompt_ids(req, served.tokenizer, served.chat_template, served.config.max_model_len)
+        prompt_ids = await inputs.chat_prompt_ids(req, served.tokenizer, served.chat_template, served.config.max_model_len)
         max_tokens, num_logprobs = req.max_output_tokens(), req.num_logprobs()
         req_id, runs = start_runs(served, req, prompt_ids, max_tokens, num_logprobs, "chatcmpl", lora_name)
         if req.stream:

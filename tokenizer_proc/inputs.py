@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 from typing import Any, Mapping, Sequence
 
@@ -10,21 +11,34 @@ from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError, render
 from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest, InvalidParam, SamplingFields
 
 
+# text longer than this is tokenized on a worker thread (the tokenizer releases the GIL), so a
+# long prompt never stalls the event loop; shorter text is cheaper to tokenize in place
+INLINE_TOKENIZE_CHARS = 64 << 10
 _TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,12}")  # logit_bias keys: token ids written in decimal
 
 
-def completion_prompt_ids(req: CompletionRequest, tokenizer: Any, max_model_len: int) -> list[int]:
+async def encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    if len(text) <= INLINE_TOKENIZE_CHARS:
+        return _encode(tokenizer, text, add_special_tokens)
+    return await asyncio.to_thread(_encode, tokenizer, text, add_special_tokens)
+
+
+def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+async def completion_prompt_ids(req: CompletionRequest, tokenizer: Any, max_model_len: int) -> list[int]:
     prompt = req.single_prompt()
     if isinstance(prompt, str):
         budget = render_char_budget(max_model_len)
         if len(prompt) > budget:  # far past max_model_len tokens: refuse before tokenizing
             raise InvalidParam(f"the prompt is longer than {budget} characters", "prompt")
-        return list(tokenizer.encode(prompt, add_special_tokens=True))
+        return await encode(tokenizer, prompt, add_special_tokens=True)
     check_token_ids(prompt, len(tokenizer), "prompt")
     return list(prompt)
 
 
-def chat_prompt_ids(
+async def chat_prompt_ids(
     req: ChatCompletionRequest, tokenizer: Any, template: ChatTemplate | None, max_model_len: int
 ) -> list[int]:
     if template is None:
@@ -37,7 +51,7 @@ def chat_prompt_ids(
     except ChatTemplateError as exc:
         raise InvalidParam(str(exc), "messages") from exc
     # The template already wrote any BOS/special tokens as text.
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return await encode(tokenizer, text, add_special_tokens=False)
 
 
 def _message_dict(message: Any) -> dict[str, Any]:
