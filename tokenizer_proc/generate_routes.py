@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from shared.config import EngineConfig
 from shared.events import RequestArrived
@@ -21,7 +21,14 @@ from tokenizer_proc.fanout import choice_params, choice_req_id, collect_all, tot
 from tokenizer_proc.generation import Delta, RequestRun
 from tokenizer_proc.metrics import Metrics
 from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from tokenizer_proc.responses import chat_choice, chat_logprobs, completion_choice, completion_logprobs, envelope
+from tokenizer_proc.responses import (
+    chat_choice,
+    chat_logprobs,
+    completion_choice,
+    completion_logprobs,
+    envelope,
+    json_response,
+)
 
 RETRY_AFTER_S = 1
 
@@ -53,7 +60,7 @@ def add_generate_routes(app: FastAPI, served: Served) -> None:
         body = envelope(req_id, "text_completion", int(time.time()), req.model, choices, total_usage(runs))
         if req.return_token_ids:
             body["prompt_token_ids"] = prompt_ids
-        return JSONResponse(body)
+        return json_response(body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
@@ -70,7 +77,7 @@ def add_generate_routes(app: FastAPI, served: Served) -> None:
         body = envelope(req_id, "chat.completion", int(time.time()), req.model, choices, total_usage(runs))
         if req.return_token_ids:
             body["prompt_token_ids"] = prompt_ids
-        return JSONResponse(body)
+        return json_response(body)
 
 
 def _completion_choice(

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import time
+from contextlib import aclosing
 from typing import Any, AsyncIterator, Sequence
 
 from tokenizer_proc.engine_client import EngineError
@@ -11,7 +11,14 @@ from tokenizer_proc.errors import error_body
 from tokenizer_proc.fanout import merged, total_usage
 from tokenizer_proc.generation import Delta, RequestRun
 from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest
-from tokenizer_proc.responses import chat_choice, chat_logprobs, completion_choice, completion_logprobs, envelope
+from tokenizer_proc.responses import (
+    chat_choice,
+    chat_logprobs,
+    completion_choice,
+    completion_logprobs,
+    envelope,
+    to_json,
+)
 
 DONE = "data: [DONE]\n\n"
 # JSON leaves these raw inside strings, but line readers built on str.splitlines (httpx's
@@ -20,7 +27,8 @@ _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": 
 
 
 def sse(body: dict[str, Any]) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':')).translate(_LINE_BREAKS)}\n\n"
+    """One event; NonFiniteOutput (an EngineError: the stream ends with an error event) for NaN."""
+    return f"data: {to_json(body).translate(_LINE_BREAKS)}\n\n"
 
 
 def _worth_sending(delta: Delta, return_token_ids: bool) -> bool:
@@ -35,16 +43,17 @@ async def completion_stream(
     text_offsets = [0] * len(runs)
     first = [True] * len(runs)
     try:
-        async for index, delta in merged(runs):
-            if not _worth_sending(delta, req.return_token_ids):
-                continue
-            logprobs = completion_logprobs(tokenizer, delta.token_ids, delta.logprobs, text_offsets[index])
-            text_offsets[index] += len(delta.text)
-            choice = completion_choice(delta, logprobs, req.return_token_ids, index)
-            if first[index] and req.return_token_ids:
-                choice["prompt_token_ids"] = list(runs[index].arrived.prompt_token_ids)
-            first[index] = False
-            yield sse(envelope(req_id, "text_completion", created, req.model, [choice], None, include_usage))
+        async with aclosing(merged(runs)) as deltas:  # closed (its runs aborted) however the loop ends
+            async for index, delta in deltas:
+                if not _worth_sending(delta, req.return_token_ids):
+                    continue
+                logprobs = completion_logprobs(tokenizer, delta.token_ids, delta.logprobs, text_offsets[index])
+                text_offsets[index] += len(delta.text)
+                choice = completion_choice(delta, logprobs, req.return_token_ids, index)
+                if first[index] and req.return_token_ids:
+                    choice["prompt_token_ids"] = list(runs[index].arrived.prompt_token_ids)
+                first[index] = False
+                yield sse(envelope(req_id, "text_completion", created, req.model, [choice], None, include_usage))
         if include_usage:
             yield sse(envelope(req_id, "text_completion", created, req.model, [], total_usage(runs)))
     except EngineError as exc:
@@ -71,16 +80,17 @@ async def chat_stream(
     obj = "chat.completion.chunk"
     try:
         first_delta = True
-        async for index, delta in merged(runs):
-            if first_delta:  # after the engine accepted the request
-                for chunk in _role_chunks(req_id, created, req, runs):
-                    yield chunk
-                first_delta = False
-            if not _worth_sending(delta, req.return_token_ids):
-                continue
-            logprobs = chat_logprobs(tokenizer, delta.token_ids, delta.logprobs)
-            choice = chat_choice(delta, logprobs, req.return_token_ids, stream=True, index=index)
-            yield sse(envelope(req_id, obj, created, req.model, [choice], None, include_usage))
+        async with aclosing(merged(runs)) as deltas:  # closed (its runs aborted) however the loop ends
+            async for index, delta in deltas:
+                if first_delta:  # after the engine accepted the request
+                    for chunk in _role_chunks(req_id, created, req, runs):
+                        yield chunk
+                    first_delta = False
+                if not _worth_sending(delta, req.return_token_ids):
+                    continue
+                logprobs = chat_logprobs(tokenizer, delta.token_ids, delta.logprobs)
+                choice = chat_choice(delta, logprobs, req.return_token_ids, stream=True, index=index)
+                yield sse(envelope(req_id, obj, created, req.model, [choice], None, include_usage))
         if include_usage:
             yield sse(envelope(req_id, obj, created, req.model, [], total_usage(runs)))
     except EngineError as exc:
