@@ -179,3 +179,17 @@ def test_reading_a_step_back_does_not_wait_for_the_work_queued_after_it() -> Non
     want = Sampler([], 0, CPU).sample(logits.cpu(), reqs)
     assert [r.token_id for r in out][::2] == [r.token_id for r in want][::2]  # the greedy rows
     assert abs(out[0].logprobs.logprob - want[0].logprobs.logprob) < 1e-5 and out[2].logprobs is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_logit_bias_on_cuda_matches_the_cpu() -> None:
+    """The bias scatter runs on the device from pinned host lists: the same greedy tokens as on the CPU."""
+    logits = _logits(4, seed=3)
+    reqs = [_req(temperature=0.0, logit_bias=((2, 50.0),)), _req(temperature=0.0),
+            _req(temperature=0.0, logit_bias=((int(logits[2].argmax()), -100.0), (5, 1.0))),
+            _req(output=[1], temperature=0.0, repetition_penalty=1.5, logit_bias=((1, 3.0), (8, -0.5)))]
+    on_cuda = Sampler([], 0, torch.device("cuda")).sample(logits.cuda(), reqs)
+    on_cpu = Sampler([], 0, CPU).sample(logits, reqs)
+    assert [r.token_id for r in on_cuda] == [r.token_id for r in on_cpu]
+    assert on_cuda[0].token_id == 2 and on_cuda[2].token_id != int(logits[2].argmax())
