@@ -20,7 +20,7 @@ from shared import events as ev
 from shared.eventlog import RunScanner
 
 from scheduler_proc.replay_format import differing_fields, side_by_side
-from scheduler_proc.replay_verify import DECISION, INPUT, KIND_BY_TAG, decode_event, require_whole_run, tag_of
+from scheduler_proc.replay_verify import DECISION, INPUT, KIND_BY_TAG, decode_event, require_whole_run, same_in_current_format, tag_of
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ def _first_difference(left: Iterator[tuple[int, bytes]], right: Iterator[tuple[i
         a, b = next(left, None), next(right, None)
         if a is None and b is None:
             return None
-        if a is None or b is None or a[1] != b[1]:
+        if a is None or b is None or (a[1] != b[1] and not same_in_current_format(a[1], b[1])):
             return _side(a), _side(b)
 
 

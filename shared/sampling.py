@@ -28,6 +28,9 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults
     min_tokens: int = 0
     logprobs: int | None = None  # None: no logprobs; k >= 0: sampled token + top k
     prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's logprob and rank + top k
+    # (token id, bias) pairs, ids unique and ascending, biases in [-100, 100] and nonzero: added to
+    # the logits before penalties, temperature and the filters (vLLM/OpenAI logit_bias)
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:

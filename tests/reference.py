@@ -17,23 +17,27 @@ class Reference:
 
 
 @torch.no_grad()
-def greedy_reference(model, prompt_ids: list[int], num_new_tokens: int) -> Reference:
+def greedy_reference(model, prompt_ids: list[int], num_new_tokens: int,
+                     logit_bias: dict[int, float] | None = None) -> Reference:
     """`model.generate` greedy that does not stop at EOS (like `ignore_eos`), keeping
-    each step's logits."""
+    each step's logits; `logit_bias` is added to them (transformers' sequence_bias)."""
     input_ids = torch.tensor([prompt_ids])
     model.generation_config.eos_token_id = None
+    bias = {(token_id,): value for token_id, value in (logit_bias or {}).items()} or None
     out = model.generate(
         input_ids,
         attention_mask=torch.ones_like(input_ids),
         max_new_tokens=num_new_tokens,
         do_sample=False,
         output_logits=True,
+        output_scores=True,
         return_dict_in_generate=True,
         pad_token_id=0,
+        sequence_bias=bias,
     )
     tokens = out.sequences[0, len(prompt_ids):].tolist()
     gaps = []
-    for logits in out.logits:  # [1, vocab] each
+    for logits in out.scores if bias else out.logits:  # [1, vocab] each; scores: after the bias
         top2 = torch.topk(logits[0].float(), 2).values
         gaps.append(float(top2[0] - top2[1]))
     return Reference(tokens, gaps)

@@ -33,6 +33,8 @@ class AdapterRegistry:
         return self._by_name.get(name)
 
     def by_path(self, path: str) -> AdapterInfo | None:
+        if "\x00" in path:  # no file system path holds one
+            return None
         real = os.path.realpath(path)
         matches = sorted((a for a in self._by_name.values() if a.path == real), key=lambda a: a.name)
         return matches[0] if matches else None

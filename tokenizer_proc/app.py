@@ -24,6 +24,7 @@ from tokenizer_proc.errors import error_response, install_error_handlers
 from tokenizer_proc.generate_routes import Served, add_generate_routes
 from tokenizer_proc.metrics import CONTENT_TYPE_LATEST, Metrics
 from tokenizer_proc.security import ApiKeyMiddleware, BodyLimitMiddleware, api_key_from_env
+from tokenizer_proc.text_check import TextCheckedRoute
 
 VERSION = "0.1.0"
 logger = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ def build_app(
         await engine.close()
 
     app = FastAPI(title="ledgerserve", version=VERSION, lifespan=lifespan)
+    app.router.route_class = TextCheckedRoute  # every route added below refuses bodies that are not valid text
     install_error_handlers(app, secret_paths=(config.model_dir, config.run_dir))
     _add_info_routes(app, served)
     add_generate_routes(app, served)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenizer_proc.engine_client import EngineError
 from tokenizer_proc.protocol import InvalidParam
+from tokenizer_proc.request_fields import shown_name
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,11 @@ BODY_ERRORS = {
 
 
 def validation_error_response(exc: RequestValidationError) -> JSONResponse:
-    """The first pydantic error as a 400 naming its top-level field (None: the whole body)."""
+    """The first pydantic error as a 400 naming its top-level field (None: the whole body).
+
+    The message names the exact place (`messages.0.content`), without pydantic's union-branch
+    labels (`str`, `list[TextPart]`); when the field is a union, it gives what each branch wanted
+    at the deepest place any branch reached."""
     errors = exc.errors()
     if not errors:
         return error_response(400, "invalid request")
@@ -64,11 +69,40 @@ def validation_error_response(exc: RequestValidationError) -> JSONResponse:
     raw_loc = tuple(first.get("loc", ()))
     if raw_loc[:1] == ("body",) and (len(raw_loc) == 1 or first.get("type") == "json_invalid"):
         return error_response(400, BODY_ERRORS.get(str(first.get("type")), "The request body is invalid."))
-    loc = [str(part) for part in raw_loc if part != "body"]
-    param = loc[0] if loc else None
-    where = ".".join(loc)
-    message = f"{where}: {first.get('msg', 'invalid value')}" if where else str(first.get("msg", "invalid request"))
-    return error_response(400, message, param)
+    body = getattr(exc, "body", None)
+    path, message = describe([(field_path(e.get("loc", ()), body, e.get("type")), str(e.get("msg", "invalid value")))
+                              for e in errors])
+    where = ".".join(path)
+    return error_response(400, f"{where}: {message}" if where else message, path[0] if path else None)
+
+
+def describe(located: list[tuple[tuple[str, ...], str]]) -> tuple[tuple[str, ...], str]:
+    """Of (path, message) errors, the first error's field: its deepest path any error reached
+    (a union's best-matching branches) and their messages joined."""
+    field = located[0][0][:1]
+    same_field = [(path, msg) for path, msg in located if path[:1] == field]
+    deepest = max((path for path, _ in same_field), key=len)
+    messages = dict.fromkeys(msg for path, msg in same_field if path == deepest)
+    return deepest, "; or ".join(messages)
+
+
+def field_path(loc: Sequence[Any], body: Any, error_type: Any) -> tuple[str, ...]:
+    """A pydantic error location as the path into the request body: keys and indices the body
+    has, and a missing field's name; union-branch labels (`str`, `list[int]`) are left out."""
+    parts = list(loc[1:]) if tuple(loc[:1]) == ("body",) else list(loc)
+    if body is None:
+        return tuple(shown_name(str(part)) for part in parts)
+    path: list[str] = []
+    node = body
+    for i, part in enumerate(parts):
+        if isinstance(node, dict) and isinstance(part, str) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        elif not (error_type == "missing" and i == len(parts) - 1 and isinstance(node, dict)):
+            continue  # a union-branch label, not a place in the body
+        path.append(shown_name(str(part)))
+    return tuple(path)
 
 
 def redacting(secret_paths: tuple[str, ...]) -> Callable[[str], str]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from shared.config import EngineConfig
 from shared.events import RequestArrived
@@ -22,7 +22,14 @@ from tokenizer_proc.generation import Delta, RequestRun
 from tokenizer_proc.metrics import Metrics
 from tokenizer_proc.prompt_logprobs import PromptLogprobsBody, prompt_logprobs_body
 from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from tokenizer_proc.responses import chat_choice, chat_logprobs, completion_choice, completion_logprobs, envelope
+from tokenizer_proc.responses import (
+    chat_choice,
+    chat_logprobs,
+    completion_choice,
+    completion_logprobs,
+    envelope,
+    json_response,
+)
 
 RETRY_AFTER_S = 1
 
@@ -43,7 +50,7 @@ def add_generate_routes(app: FastAPI, served: Served) -> None:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         lora_name = check_request(req, served)
-        prompt_ids = inputs.completion_prompt_ids(req, served.tokenizer, served.config.max_model_len)
+        prompt_ids = await inputs.completion_prompt_ids(req, served.tokenizer, served.config.max_model_len)
         req_id, runs = start_runs(served, req, prompt_ids, req.max_tokens, req.logprobs, "cmpl", lora_name)
         if req.stream:
             return _sse(streaming.completion_stream(req_id, runs, req, served.tokenizer))
@@ -57,12 +64,12 @@ def add_generate_routes(app: FastAPI, served: Served) -> None:
         body = envelope(req_id, "text_completion", int(time.time()), req.model, choices, total_usage(runs))
         if req.return_token_ids:
             body["prompt_token_ids"] = prompt_ids
-        return JSONResponse(body)
+        return json_response(body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         lora_name = check_request(req, served)
-        prompt_ids = inputs.chat_prompt_ids(req, served.tokenizer, served.chat_template, served.config.max_model_len)
+        prompt_ids = await inputs.chat_prompt_ids(req, served.tokenizer, served.chat_template, served.config.max_model_len)
         max_tokens, num_logprobs = req.max_output_tokens(), req.num_logprobs()
         req_id, runs = start_runs(served, req, prompt_ids, max_tokens, num_logprobs, "chatcmpl", lora_name)
         if req.stream:
@@ -76,7 +83,7 @@ def add_generate_routes(app: FastAPI, served: Served) -> None:
             body["prompt_logprobs"] = prompt  # vLLM puts them on the response
         if req.return_token_ids:
             body["prompt_token_ids"] = prompt_ids
-        return JSONResponse(body)
+        return json_response(body)
 
 
 def _completion_choice(
@@ -103,8 +110,8 @@ def _chat_choice(served: Served, req: ChatCompletionRequest, delta: Delta, index
 
 def check_request(req: SamplingFields, served: Served) -> str | None:
     """Check the request and admit it; return the adapter it asks for (None: the base model)."""
-    lora_name = adapters.resolve_lora(req.model, req.lora_path, served.config, served.adapters)
     req.check()
+    lora_name = adapters.resolve_lora(req.model, req.lora_path, served.config, served.adapters)
     req.check_n(served.config.max_n)
     if (reason := served.engine.unavailable_reason()) is not None:
         raise EngineDeadError(reason)

@@ -2,25 +2,43 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import asyncio
+import re
+from typing import Any, Mapping, Sequence
 
 from shared.sampling import SamplingParams
 from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError, render_char_budget
 from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest, InvalidParam, SamplingFields
 
 
-def completion_prompt_ids(req: CompletionRequest, tokenizer: Any, max_model_len: int) -> list[int]:
+# text longer than this is tokenized on a worker thread (the tokenizer releases the GIL), so a
+# long prompt never stalls the event loop; shorter text is cheaper to tokenize in place
+INLINE_TOKENIZE_CHARS = 64 << 10
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,12}")  # logit_bias keys: token ids written in decimal
+
+
+async def encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    if len(text) <= INLINE_TOKENIZE_CHARS:
+        return _encode(tokenizer, text, add_special_tokens)
+    return await asyncio.to_thread(_encode, tokenizer, text, add_special_tokens)
+
+
+def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+async def completion_prompt_ids(req: CompletionRequest, tokenizer: Any, max_model_len: int) -> list[int]:
     prompt = req.single_prompt()
     if isinstance(prompt, str):
         budget = render_char_budget(max_model_len)
         if len(prompt) > budget:  # far past max_model_len tokens: refuse before tokenizing
             raise InvalidParam(f"the prompt is longer than {budget} characters", "prompt")
-        return list(tokenizer.encode(prompt, add_special_tokens=True))
+        return await encode(tokenizer, prompt, add_special_tokens=True)
     check_token_ids(prompt, len(tokenizer), "prompt")
     return list(prompt)
 
 
-def chat_prompt_ids(
+async def chat_prompt_ids(
     req: ChatCompletionRequest, tokenizer: Any, template: ChatTemplate | None, max_model_len: int
 ) -> list[int]:
     if template is None:
@@ -33,7 +51,7 @@ def chat_prompt_ids(
     except ChatTemplateError as exc:
         raise InvalidParam(str(exc), "messages") from exc
     # The template already wrote any BOS/special tokens as text.
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return await encode(tokenizer, text, add_special_tokens=False)
 
 
 def _message_dict(message: Any) -> dict[str, Any]:
@@ -46,6 +64,20 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> No
     for token_id in token_ids:
         if token_id < 0 or token_id >= vocab_size:
             raise InvalidParam(f"token id {token_id} is out of range [0, {vocab_size})", param)
+
+
+def logit_bias_pairs(bias: Mapping[str | int, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """A request's logit_bias as (token id, bias) pairs in id order, zero biases left out."""
+    by_id: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        if isinstance(key, str) and not _TOKEN_ID_KEY.fullmatch(key):
+            raise InvalidParam("logit_bias keys must be token ids, written in decimal", "logit_bias")
+        token_id = int(key)
+        if token_id in by_id:
+            raise InvalidParam(f"logit_bias names token id {token_id} more than once", "logit_bias")
+        check_token_ids([token_id], vocab_size, "logit_bias")
+        by_id[token_id] = float(value)
+    return tuple((token_id, value) for token_id, value in sorted(by_id.items()) if value != 0.0)
 
 
 def sampling_params(
@@ -93,6 +125,7 @@ def sampling_params(
         min_tokens=req.min_tokens,
         logprobs=num_logprobs,
         prompt_logprobs=req.prompt_logprobs,
+        logit_bias=logit_bias_pairs(req.logit_bias, vocab_size),
     )
 
 

@@ -2,13 +2,18 @@
 
 Responses are plain dicts built in `responses.py`; requests are validated here. Field
 constraints produce pydantic errors that the app turns into 400s naming the `param`.
+A field no model declares is kept aside by pydantic and refused in `check` (request_fields.py
+says which are known but not supported yet).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt
+from pydantic_core import PydanticCustomError
+
+from tokenizer_proc.request_fields import refusal, shown_name
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -16,6 +21,11 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_SEED = (1 << 63) - 1  # seeds are int64; choice i of n uses seed + i, wrapped into range
 MIN_SEED = -(1 << 63)
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+MAX_LOGIT_BIAS_VALUE = 100.0
+MAX_METADATA = 16  # OpenAI's bounds on `metadata`: pairs, key and value lengths
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
 
 
 class InvalidParam(ValueError):
@@ -31,13 +41,21 @@ Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: StrictBool = False
 
 
-class SamplingFields(BaseModel):
-    """Fields shared by both endpoints."""
+BiasValue = Annotated[float, Field(ge=-MAX_LOGIT_BIAS_VALUE, le=MAX_LOGIT_BIAS_VALUE)]
+MetadataKey = Annotated[str, Field(max_length=MAX_METADATA_KEY_CHARS)]
+MetadataValue = Annotated[str, Field(max_length=MAX_METADATA_VALUE_CHARS)]
 
-    model_config = ConfigDict(allow_inf_nan=False, extra="ignore")
+
+class SamplingFields(BaseModel):
+    """Fields shared by both endpoints. Undeclared fields land in `model_extra` and are refused
+    by `check` unless they ask for nothing; the schema says none are allowed."""
+
+    model_config = ConfigDict(allow_inf_nan=False, extra="allow", json_schema_extra={"additionalProperties": False})
 
     model: str
     max_tokens: PositiveInt | None = None
@@ -56,11 +74,18 @@ class SamplingFields(BaseModel):
     n: Annotated[StrictInt, Field(ge=1)] = 1  # at most config.max_n, checked in check_n
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    # token id (a decimal string in JSON) -> bias added to its logit before sampling
+    logit_bias: Annotated[dict[str | StrictInt, BiasValue], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     return_token_ids: StrictBool = False
     skip_special_tokens: StrictBool = True
     lora_path: str | None = None  # extension: a loaded adapter's name or path
     prompt_logprobs: Annotated[StrictInt, Field(ge=-1, le=MAX_LOGPROBS)] | None = None  # vLLM extension
+    # accepted and not acted on: identifiers of the caller, and tool-call options without tools
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    metadata: Annotated[dict[MetadataKey, MetadataValue], Field(max_length=MAX_METADATA)] | None = None
+    parallel_tool_calls: StrictBool | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -71,7 +96,10 @@ class SamplingFields(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def check(self) -> None:
-        """Cross-field checks that pydantic's per-field constraints can't express."""
+        """Undeclared fields, then cross-field checks that pydantic's per-field constraints can't express."""
+        for name, value in (self.model_extra or {}).items():
+            if (message := refusal(name, value)) is not None:
+                raise InvalidParam(message, shown_name(name))
         if self.stream_options is not None and not self.stream:
             raise InvalidParam("stream_options is only allowed when stream is true", "stream_options")
         stops = self.stop_list()
@@ -94,8 +122,6 @@ TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
 class CompletionRequest(SamplingFields):
     prompt: str | TokenIds | list[str] | list[TokenIds]
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: StrictBool = False
-    suffix: str | None = None
     best_of: PositiveInt | None = None  # only best_of == n (no server-side ranking)
 
     def check(self) -> None:
@@ -105,10 +131,6 @@ class CompletionRequest(SamplingFields):
             raise InvalidParam("only one prompt per request is supported", "prompt")
         if self.single_prompt() in ("", []):
             raise InvalidParam("prompt must not be empty", "prompt")
-        if self.echo:
-            raise InvalidParam("echo is not supported", "echo")
-        if self.suffix:
-            raise InvalidParam("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidParam("best_of must equal n (ranking choices is not supported)", "best_of")
 
@@ -119,16 +141,33 @@ class CompletionRequest(SamplingFields):
         return prompt  # type: ignore[return-value]
 
 
+NON_TEXT_PARTS = {  # content part type -> what it carries
+    "image_url": "image", "input_image": "image", "image": "image", "image_embeds": "image",
+    "input_audio": "audio", "audio_url": "audio", "video_url": "video", "file": "file", "input_file": "file",
+}
+
+
+def _text_only(part: Any) -> Any:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if isinstance(kind, str) and kind in NON_TEXT_PARTS:
+        raise PydanticCustomError("content_part_not_supported", "{kind} content parts are not supported yet",
+                                  {"kind": NON_TEXT_PARTS[kind]})
+    return part
+
+
 class TextPart(BaseModel):
     type: Literal["text"]
     text: str
 
 
+ContentPart = Annotated[TextPart, BeforeValidator(_text_only)]
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow")  # e.g. tool_calls of earlier turns: the template renders them
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
     def text(self) -> str:

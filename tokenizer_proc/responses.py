@@ -1,11 +1,45 @@
-"""OpenAI response bodies (plain dicts) for completions and chat completions."""
+"""OpenAI response bodies (plain dicts) for completions and chat completions, and their JSON.
+
+No NaN or infinity is ever written: a logprob of -inf is sent as LOGPROB_FLOOR (vLLM's), and
+a NaN (or +inf) fails the request with a 500; the serializer refuses any non-finite number.
+"""
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Any, Sequence
 
+from fastapi import Response
+
 from shared.events import TokenLogprobs
+from tokenizer_proc.engine_client import EngineError
 from tokenizer_proc.generation import Delta, Usage
+
+LOGPROB_FLOOR = -9999.0
+
+
+class NonFiniteOutput(EngineError):
+    """The output holds a number JSON cannot carry (a NaN logprob): the request fails."""
+
+
+def finite_logprob(value: float) -> float:
+    """-inf (no chance at all) becomes LOGPROB_FLOOR; NaN or +inf fail the request."""
+    if math.isnan(value) or value == math.inf:
+        raise NonFiniteOutput(f"the model produced a logprob of {value}, which is not a number; the request failed")
+    return max(value, LOGPROB_FLOOR)
+
+
+def to_json(body: Any) -> str:
+    """`body` as compact JSON; NonFiniteOutput rather than writing NaN or Infinity."""
+    try:
+        return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except ValueError as exc:
+        raise NonFiniteOutput(f"the response holds a number JSON cannot carry ({exc}); the request failed") from exc
+
+
+def json_response(body: Any) -> Response:
+    return Response(to_json(body).encode("utf-8"), media_type="application/json")
 
 
 def completion_choice(delta: Delta, logprobs: dict | None, return_token_ids: bool, index: int = 0) -> dict[str, Any]:
@@ -60,12 +94,12 @@ def completion_logprobs(
         text_offset += len(token)
     top = []
     for token_id, lp in zip(token_ids, logprobs):
-        entry = {_token_text(tokenizer, t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)}
-        entry.setdefault(_token_text(tokenizer, token_id), lp.logprob)
+        entry = {_token_text(tokenizer, t): finite_logprob(v) for t, v in zip(lp.top_token_ids, lp.top_logprobs)}
+        entry.setdefault(_token_text(tokenizer, token_id), finite_logprob(lp.logprob))
         top.append(entry)
     return {
         "text_offset": offsets,
-        "token_logprobs": [lp.logprob for lp in logprobs],
+        "token_logprobs": [finite_logprob(lp.logprob) for lp in logprobs],
         "tokens": tokens,
         "top_logprobs": top,
     }
@@ -88,7 +122,7 @@ def chat_logprobs(
 
 def _chat_entry(tokenizer: Any, token_id: int, logprob: float) -> dict[str, Any]:
     text = _token_text(tokenizer, token_id)
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    return {"token": text, "logprob": finite_logprob(logprob), "bytes": list(text.encode("utf-8"))}
 
 
 def _token_text(tokenizer: Any, token_id: int) -> str:

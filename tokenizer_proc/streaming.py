@@ -4,8 +4,8 @@ them, so the other choices' chunks wait for its first delta (fanout.merged)."""
 
 from __future__ import annotations
 
-import json
 import time
+from contextlib import aclosing
 from typing import Any, AsyncIterator, Sequence
 
 from tokenizer_proc.engine_client import EngineError
@@ -14,7 +14,14 @@ from tokenizer_proc.fanout import merged, total_usage
 from tokenizer_proc.generation import Delta, RequestRun
 from tokenizer_proc.prompt_logprobs import PromptLogprobsBody, prompt_logprobs_body
 from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest
-from tokenizer_proc.responses import chat_choice, chat_logprobs, completion_choice, completion_logprobs, envelope
+from tokenizer_proc.responses import (
+    chat_choice,
+    chat_logprobs,
+    completion_choice,
+    completion_logprobs,
+    envelope,
+    to_json,
+)
 
 DONE = "data: [DONE]\n\n"
 # JSON leaves these raw inside strings, but line readers built on str.splitlines (httpx's
@@ -23,7 +30,8 @@ _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": 
 
 
 def sse(body: dict[str, Any]) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':')).translate(_LINE_BREAKS)}\n\n"
+    """One event; NonFiniteOutput (an EngineError: the stream ends with an error event) for NaN."""
+    return f"data: {to_json(body).translate(_LINE_BREAKS)}\n\n"
 
 
 def _worth_sending(delta: Delta, return_token_ids: bool) -> bool:
@@ -39,19 +47,21 @@ async def completion_stream(
     first = [True] * len(runs)
     prompt: PromptLogprobsBody | None = None
     try:
-        async for index, delta in merged(runs, choice_0_first=req.prompt_logprobs is not None):
-            prompt = _prompt_body(prompt, delta, runs, tokenizer)
-            if not _worth_sending(delta, req.return_token_ids) and not (first[index] and prompt is not None):
-                continue
-            logprobs = completion_logprobs(tokenizer, delta.token_ids, delta.logprobs, text_offsets[index])
-            text_offsets[index] += len(delta.text)
-            choice = completion_choice(delta, logprobs, req.return_token_ids, index)
-            if first[index] and req.return_token_ids:
-                choice["prompt_token_ids"] = list(runs[index].arrived.prompt_token_ids)
-            if first[index] and prompt is not None:
-                choice["prompt_logprobs"] = prompt
-            first[index] = False
-            yield sse(envelope(req_id, "text_completion", created, req.model, [choice], None, include_usage))
+        first_of_choice_0 = req.prompt_logprobs is not None  # prompt logprobs go out in choice 0's first chunk
+        async with aclosing(merged(runs, choice_0_first=first_of_choice_0)) as deltas:  # closed however the loop ends
+            async for index, delta in deltas:
+                prompt = _prompt_body(prompt, delta, runs, tokenizer)
+                if not _worth_sending(delta, req.return_token_ids) and not (first[index] and prompt is not None):
+                    continue
+                logprobs = completion_logprobs(tokenizer, delta.token_ids, delta.logprobs, text_offsets[index])
+                text_offsets[index] += len(delta.text)
+                choice = completion_choice(delta, logprobs, req.return_token_ids, index)
+                if first[index] and req.return_token_ids:
+                    choice["prompt_token_ids"] = list(runs[index].arrived.prompt_token_ids)
+                if first[index] and prompt is not None:
+                    choice["prompt_logprobs"] = prompt
+                first[index] = False
+                yield sse(envelope(req_id, "text_completion", created, req.model, [choice], None, include_usage))
         if include_usage:
             yield sse(envelope(req_id, "text_completion", created, req.model, [], total_usage(runs)))
     except EngineError as exc:
@@ -89,16 +99,18 @@ async def chat_stream(
     obj = "chat.completion.chunk"
     try:
         first_delta = True
-        async for index, delta in merged(runs, choice_0_first=req.prompt_logprobs is not None):
-            if first_delta:  # after the engine accepted the request
-                for chunk in _role_chunks(req_id, created, req, runs, _prompt_body(None, delta, runs, tokenizer)):
-                    yield chunk
-                first_delta = False
-            if not _worth_sending(delta, req.return_token_ids):
-                continue
-            logprobs = chat_logprobs(tokenizer, delta.token_ids, delta.logprobs)
-            choice = chat_choice(delta, logprobs, req.return_token_ids, stream=True, index=index)
-            yield sse(envelope(req_id, obj, created, req.model, [choice], None, include_usage))
+        first_of_choice_0 = req.prompt_logprobs is not None  # prompt logprobs go out in choice 0's first chunk
+        async with aclosing(merged(runs, choice_0_first=first_of_choice_0)) as deltas:  # closed however the loop ends
+            async for index, delta in deltas:
+                if first_delta:  # after the engine accepted the request
+                    for chunk in _role_chunks(req_id, created, req, runs, _prompt_body(None, delta, runs, tokenizer)):
+                        yield chunk
+                    first_delta = False
+                if not _worth_sending(delta, req.return_token_ids):
+                    continue
+                logprobs = chat_logprobs(tokenizer, delta.token_ids, delta.logprobs)
+                choice = chat_choice(delta, logprobs, req.return_token_ids, stream=True, index=index)
+                yield sse(envelope(req_id, obj, created, req.model, [choice], None, include_usage))
         if include_usage:
             yield sse(envelope(req_id, obj, created, req.model, [], total_usage(runs)))
     except EngineError as exc:

@@ -1,7 +1,8 @@
 """Per-request sampling over a batch of logits, with vLLM semantics.
 
-Order: raw logprobs (log_softmax of the model's logits) -> penalties -> min_tokens stop
-masking -> greedy argmax, or temperature -> min_p -> top_k -> top_p -> draw.
+Order: raw logprobs (log_softmax of the model's logits) -> logit_bias -> penalties ->
+min_tokens stop masking -> greedy argmax, or temperature -> min_p -> top_k -> top_p -> draw.
+Rows that none of the middle steps touch (no bias, penalty or min_tokens) are read as they are.
 A seeded request draws with a generator derived from (seed, output position), so its
 tokens do not depend on the rest of the batch and survive a preemption unchanged.
 """
@@ -110,7 +111,9 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} logits rows for {len(reqs)} requests")
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(r.params.logprobs is not None for r in reqs) else None
         if any(edits_logits(r) for r in reqs):  # else the logits are read as they are, no copy
-            logits = apply_penalties(logits.clone(), reqs)
+            logits = logits.clone()
+            apply_logit_bias(logits, reqs)
+            apply_penalties(logits, reqs)
             mask_stop_tokens(logits, reqs, self.eos_token_ids)
         token_ids = self._choose(logits, reqs)
         if raw_logprobs is None:
@@ -155,8 +158,28 @@ def to_device(values: Sequence[float], dtype: torch.dtype, device: torch.device)
 
 
 def edits_logits(req: SamplingReq) -> bool:
-    """Whether apply_penalties or mask_stop_tokens may change this request's row."""
-    return req.params.penalised or req.num_output_tokens < req.params.min_tokens
+    """Whether apply_logit_bias, apply_penalties or mask_stop_tokens may change this request's row."""
+    p = req.params
+    return p.penalised or bool(p.logit_bias) or req.num_output_tokens < p.min_tokens
+
+
+def apply_logit_bias(logits: torch.Tensor, reqs: Sequence[SamplingReq]) -> None:
+    """Each request's logit_bias added to its row, in place: one scatter for the whole batch."""
+    vocab_size = logits.shape[1]
+    rows: list[int] = []
+    token_ids: list[int] = []
+    biases: list[float] = []
+    for i, req in enumerate(reqs):
+        for token_id, bias in req.params.logit_bias:
+            if 0 <= token_id < vocab_size:  # ids past the model's vocabulary were refused upstream
+                rows.append(i)
+                token_ids.append(token_id)
+                biases.append(bias)
+    if not rows:
+        return
+    device = logits.device
+    index = (to_device(rows, torch.long, device), to_device(token_ids, torch.long, device))  # [num_biases] each
+    logits.index_put_(index, to_device(biases, logits.dtype, device), accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, reqs: Sequence[SamplingReq]) -> torch.Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -217,6 +218,45 @@ def test_prompt_logprobs_match_transformers_and_skip_the_cache(client, model_nam
     check_entries(prompt_logprobs_reference(model, chat_ids), chat_ids, entries_from_json(chat, chat_ids, 2), 2)
     chat_chunks = list(client.chat.completions.create(stream=True, **chat_kwargs))
     assert_same_json(chat_chunks[0].model_extra["prompt_logprobs"], chat)
+
+
+def still_serves(client, model_name) -> None:
+    """A good request right after, within a 1 s client timeout: the HTTP process stays responsive."""
+    done = client.with_options(timeout=1.0).completions.create(model=model_name, prompt="ok", max_tokens=2)
+    assert done.choices[0].finish_reason == "length"
+
+
+def test_logit_bias_steers_greedy_decoding(client, model_name, hf):
+    model, tok = hf
+    prompt_ids = tok(PROMPTS[7])["input_ids"]
+    plain = client.completions.create(model=model_name, prompt=PROMPTS[7], **GREEDY).choices[0].model_extra["token_ids"]
+    target = next(t for t in range(200, len(tok)) if t not in plain)
+    forced = client.completions.create(model=model_name, prompt=PROMPTS[7], logit_bias={str(target): 100}, **GREEDY)
+    assert forced.choices[0].model_extra["token_ids"] == [target] * 24
+    banned = client.completions.create(model=model_name, prompt=PROMPTS[7], logit_bias={str(plain[0]): -100}, **GREEDY)
+    got = banned.choices[0].model_extra["token_ids"]
+    assert plain[0] not in got
+    assert_greedy_matches({"banned": got}, {"banned": greedy_reference(model, prompt_ids, 24, {plain[0]: -100.0})})
+    still_serves(client, model_name)
+
+
+def test_refused_requests_leave_the_server_serving(server, client, model_name):
+    messages = [{"role": "user", "content": "Hello"}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model_name, messages=messages, tools=[tool])
+    assert refused.value.param == "tools" and "not supported yet" in refused.value.message
+    still_serves(client, model_name)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model_name, messages=messages, response_format={"type": "json_object"})
+    assert refused.value.param == "response_format"
+    still_serves(client, model_name)
+    lone_surrogate = json.dumps({"model": model_name, "messages": [{"role": "user", "content": "a\ud800"}]})
+    r = httpx.post(server.base_url + "/v1/chat/completions", content=lone_surrogate,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert "messages.0.content" in r.json()["error"]["message"]
+    still_serves(client, model_name)
 
 
 def test_health_and_version(server):

@@ -44,6 +44,7 @@ class FakeEngine(EngineClientBase):
         self.num_cached_tokens = num_cached_tokens
         self.received: list[Event] = []
         self.script: list[int] | None = None  # ids to emit instead of the echo
+        self.logprob_values = (-0.25, -1.5)  # the sampled token's logprob, and the second top one's
         self.reject_all: str | None = None
         self.eos_token_id: int | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -122,7 +123,8 @@ class FakeEngine(EngineClientBase):
             logprobs = None
             if params.logprobs is not None:
                 top_ids = [token_id, (token_id + 1) % 100][: params.logprobs]
-                logprobs = [TokenLogprobs(-0.25, top_ids, [-0.25, -1.5][: len(top_ids)])]
+                chosen, second = self.logprob_values
+                logprobs = [TokenLogprobs(chosen, top_ids, [chosen, second][: len(top_ids)])]
             self._dispatch(
                 TokensEmitted(
                     req_id=arrived.req_id,

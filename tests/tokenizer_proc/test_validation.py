@@ -164,7 +164,8 @@ async def test_adapter_outside_allowed_dirs_names_only_the_client_path(client, d
 async def test_good_request_with_every_field(client) -> None:
     body = {**GOOD_COMPLETION, "temperature": 0.5, "top_p": 0.9, "top_k": -1, "min_p": 0.1, "seed": -5,
             "presence_penalty": 1.0, "frequency_penalty": -1.0, "repetition_penalty": 1.2, "stop": ["zz"],
-            "stop_token_ids": [3], "min_tokens": 1, "logprobs": 20, "n": 2, "best_of": 2}
+            "stop_token_ids": [3], "min_tokens": 1, "logprobs": 20, "n": 2, "best_of": 2,
+            "logit_bias": {"3": -1.5}, "user": "u"}
     r = await client.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     assert not math.isnan(r.json()["choices"][0]["logprobs"]["token_logprobs"][0])

@@ -116,6 +116,43 @@ def test_logprobs_are_raw_log_softmax() -> None:
     assert out[1].logprobs.top_token_ids == [] and abs(out[1].logprobs.logprob - float(raw[1].max())) < 1e-6
 
 
+def _dense_bias(pairs: tuple[tuple[int, float], ...]) -> torch.Tensor:  # [VOCAB]
+    bias = torch.zeros(VOCAB)
+    for token_id, value in pairs:
+        bias[token_id] += value
+    return bias
+
+
+def test_logit_bias_equals_sampling_from_biased_logits() -> None:
+    """A batch mixing biased and unbiased rows, greedy and seeded: the tokens are those drawn from
+    logits + bias computed apart; logprobs stay the raw ones; the input logits are not touched."""
+    logits = _logits(6, seed=11)
+    before = logits.clone()
+    biases = [((3, 5.0), (7, -2.5)), (), ((0, 100.0),), ((int(logits[3].argmax()), -100.0),),
+              ((1, 1.5), (9, 4.0)), ()]
+    kinds = [dict(temperature=0.0, logprobs=2), dict(temperature=0.0), dict(seed=5), dict(temperature=0.0),
+             dict(seed=9, temperature=0.8, top_k=5, top_p=0.9, min_p=0.01), dict(seed=2)]
+    got = Sampler([], 0, CPU).sample(logits, [_req(logit_bias=b, **k) for b, k in zip(biases, kinds)])
+    biased = logits + torch.stack([_dense_bias(b) for b in biases])
+    want = Sampler([], 0, CPU).sample(biased, [_req(**k) for k in kinds])
+    assert [r.token_id for r in got] == [r.token_id for r in want]
+    for row in (0, 1, 3):  # greedy: the argmax of the biased logits
+        assert got[row].token_id == int(biased[row].argmax())
+    assert got[2].token_id == 0 and got[3].token_id != int(logits[3].argmax())
+    raw = torch.log_softmax(logits[0], -1)
+    assert abs(got[0].logprobs.logprob - float(raw[got[0].token_id])) < 1e-6
+    assert torch.equal(logits, before)
+
+
+def test_logit_bias_comes_before_the_repetition_penalty() -> None:
+    """vLLM's order: (logit + bias) is penalised, not (penalised logit) + bias."""
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 4], logits[0, 5] = -2.0, 0.4
+    req = _req(output=[4], temperature=0.0, repetition_penalty=2.0, logit_bias=((4, 3.0),))
+    # bias first: (-2 + 3) / 2 = 0.5 beats 0.4; penalty first would give -2 * 2 + 3 = -1
+    assert Sampler([], 0, CPU).sample(logits, [req])[0].token_id == 4
+
+
 def test_sampling_req_splits_its_token_ids_without_holding_copies() -> None:
     token_ids = [5, 6, 7, 8, 9]
     req = SamplingReq(SamplingParams(), token_ids, 3)
@@ -142,3 +179,17 @@ def test_reading_a_step_back_does_not_wait_for_the_work_queued_after_it() -> Non
     want = Sampler([], 0, CPU).sample(logits.cpu(), reqs)
     assert [r.token_id for r in out][::2] == [r.token_id for r in want][::2]  # the greedy rows
     assert abs(out[0].logprobs.logprob - want[0].logprobs.logprob) < 1e-5 and out[2].logprobs is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_logit_bias_on_cuda_matches_the_cpu() -> None:
+    """The bias scatter runs on the device from pinned host lists: the same greedy tokens as on the CPU."""
+    logits = _logits(4, seed=3)
+    reqs = [_req(temperature=0.0, logit_bias=((2, 50.0),)), _req(temperature=0.0),
+            _req(temperature=0.0, logit_bias=((int(logits[2].argmax()), -100.0), (5, 1.0))),
+            _req(output=[1], temperature=0.0, repetition_penalty=1.5, logit_bias=((1, 3.0), (8, -0.5)))]
+    on_cuda = Sampler([], 0, torch.device("cuda")).sample(logits.cuda(), reqs)
+    on_cpu = Sampler([], 0, CPU).sample(logits, reqs)
+    assert [r.token_id for r in on_cuda] == [r.token_id for r in on_cpu]
+    assert on_cuda[0].token_id == 2 and on_cuda[2].token_id != int(logits[2].argmax())

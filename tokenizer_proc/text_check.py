@@ -1,0 +1,95 @@
+"""Text is checked at the edge: every string of a JSON request body must encode to UTF-8.
+
+JSON can carry a lone UTF-16 surrogate (`"\\ud800"`, or its raw bytes, which Python's JSON
+decoder lets through), and Python keeps it in a str that no tokenizer, path function or
+response encoder accepts. One route class checks the decoded body of every route before
+its model is validated, and refuses the first such string (or key) with a 400 naming where
+it is, e.g. `messages.0.content`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Coroutine
+
+from fastapi import Request, Response
+from fastapi.routing import APIRoute
+
+from tokenizer_proc.protocol import InvalidParam
+from tokenizer_proc.request_fields import shown_name
+
+# a surrogate written as an escape; a body with other non-ASCII bytes is walked whatever it holds
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+Handler = Callable[[Request], Coroutine[Any, Any, Response]]
+
+
+class TextCheckedRoute(APIRoute):
+    """An APIRoute whose JSON body is refused (400) if any string in it is not valid text."""
+
+    def get_route_handler(self) -> Handler:
+        handler = super().get_route_handler()
+
+        async def checked(request: Request) -> Response:
+            body = await request.body()
+            if body and may_hold_surrogates(body):
+                try:
+                    data = await request.json()  # cached on the request: the route reads it again
+                except ValueError:
+                    data = None  # not JSON: the route's own validation says so
+                check_text(data)
+            return await handler(request)
+
+        return checked
+
+
+def may_hold_surrogates(body: bytes) -> bool:
+    return not body.isascii() or _SURROGATE_ESCAPE.search(body) is not None
+
+
+def check_text(data: Any) -> None:
+    """InvalidParam naming the first string or key in `data` that does not encode to UTF-8."""
+    found = first_bad_text(data)
+    if found is None:
+        return
+    path, is_key = found
+    where = ".".join(shown_name(str(part)) for part in path)
+    param = shown_name(str(path[0])) if path else None
+    if is_key:
+        what = f"a key of `{where}`" if where else "a field name"
+    else:
+        what = f"`{where}`"
+    raise InvalidParam(f"{what} is not valid UTF-8 text (it holds an unpaired UTF-16 surrogate)", param)
+
+
+def first_bad_text(data: Any) -> tuple[tuple[str | int, ...], bool] | None:
+    """(path, is_key) of a string that does not encode to UTF-8, the first in document order but
+    that an object's keys come before its values. Iterative: no nesting exhausts the stack."""
+    stack: list[tuple[tuple[str | int, ...], Any]] = [((), data)]
+    while stack:
+        path, node = stack.pop()
+        if isinstance(node, str):
+            if not encodes(node):
+                return path, False
+        elif isinstance(node, dict):
+            for key in node:
+                if isinstance(key, str) and not encodes(key):
+                    return path, True
+            stack.extend((path + (key,), node[key]) for key in reversed(list(node)) if _may_hold_text(node[key]))
+        elif isinstance(node, list):
+            stack.extend((path + (i,), node[i]) for i in reversed(range(len(node))) if _may_hold_text(node[i]))
+    return None
+
+
+def _may_hold_text(value: Any) -> bool:
+    return isinstance(value, (str, dict, list))
+
+
+def encodes(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
