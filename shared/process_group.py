@@ -8,7 +8,6 @@ scheduler (it closes the event log and tells workers to exit), then the workers.
 from __future__ import annotations
 
 import logging
-import shutil
 import signal
 import subprocess
 import sys
@@ -68,7 +67,6 @@ class ProcessGroup:
         finally:
             self._kill_all()
             control.close()
-            shutil.rmtree(self.config.run_dir, ignore_errors=True)
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         if self._stop_signal is None:

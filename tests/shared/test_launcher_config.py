@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 
 import pytest
 
-from shared.cli import build_parser
+from shared.cli import build_parser, main
 from shared.config import EngineConfig
 from shared.launcher import api_key, children, parse_lora_module, resolve_config
 
@@ -60,3 +61,13 @@ def test_api_key_reaches_only_the_http_process(model_dir, tmp_path, monkeypatch)
     assert envs["tokenizer"]["LEDGERSERVE_API_KEY"] == "s3cret"
     assert all("LEDGERSERVE_API_KEY" not in env for name, env in envs.items() if name != "tokenizer")
     assert os.environ["LEDGERSERVE_API_KEY"] == "from-the-shell"  # the launcher's own environment is untouched
+
+
+@pytest.mark.parametrize("flags", [["--max-model-len", "8192"], ["--block-size", "0"], ["--lora-modules", "nopath"]])
+def test_a_refused_flag_leaves_no_run_directory(model_dir, tmp_path, monkeypatch, capsys, flags):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(runs))  # where the launcher makes its run directory
+    assert main(["serve", model_dir, "--device", "cpu", *flags]) == 2
+    assert capsys.readouterr().err.startswith("ledgerserve: error: ")
+    assert list(runs.iterdir()) == []
