@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(args.config)
     exit_with_parent(config.run_dir)
     shell = SchedulerShell(config)
-    signal.signal(signal.SIGTERM, lambda *_: shell.request_stop("SIGTERM"))
+    signal.signal(signal.SIGTERM, lambda *_: shell.request_stop("stopped by SIGTERM"))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         return shell.run()

@@ -82,7 +82,8 @@ class Server(uvicorn.Server):
         super().handle_exit(sig, None)
 
     def on_engine_dead(self) -> None:
-        self.engine.engine_died(ipc.read_engine_dead_notice(self.run_dir))
+        notice = ipc.read_death_notice(self.run_dir)
+        self.engine.engine_died(notice.message if notice is not None else "an engine process died")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

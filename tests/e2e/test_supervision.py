@@ -1,7 +1,8 @@
 """The launcher supervises its group: a dead child takes the group down, named, within
-10 s, after the tokenizer failed its in-flight requests and turned /health 503; a dead
-launcher takes its children with it; SIGTERM/SIGINT drain in-flight requests (new ones
-and /health get 503) and leave nothing behind."""
+10 s, after the tokenizer failed its in-flight requests and turned /health 503, and the
+scheduler's log ends with a LogClosed naming it; a dead launcher takes its children with
+it; SIGTERM/SIGINT drain in-flight requests (new ones and /health get 503) and leave
+nothing behind."""
 
 from __future__ import annotations
 
@@ -52,11 +53,17 @@ def _post(base_url: str, model: str, out: list[httpx.Response | None]) -> None:
         out.append(None)
 
 
-def _replay_ok(log_dir: str) -> None:
+def _replay_ok(log_dir: str) -> dict:
     proc = subprocess.run([sys.executable, "-m", "shared.cli", "replay", "--verify", "--json", newest_log(log_dir)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert json.loads(proc.stdout)["status"] == "ok"
+    report = json.loads(proc.stdout)
+    assert report["status"] == "ok"
+    return report
+
+
+def _last_record(log_dir: str) -> events.Event:
+    return list(EventLogReader(newest_log(log_dir)))[-1][1]
 
 
 @pytest.mark.parametrize("name", ["scheduler", "worker-0", "tokenizer"])
@@ -86,7 +93,13 @@ def test_kill9_of_any_child_stops_the_group(name, demo_model_dir, tmp_path):
     assert_all_gone(pids, run_dirs)
     for t in threads:
         t.join(timeout=10)
-    _replay_ok(str(tmp_path))
+    closed = _replay_ok(str(tmp_path))["closed"]
+    if name == "scheduler":  # killed with its log open: the log ends where it was
+        assert closed is None and not isinstance(_last_record(str(tmp_path)), events.LogClosed)
+    else:
+        reason = f"engine process {name!r} died (exit code -9)"
+        assert _last_record(str(tmp_path)) == events.LogClosed(reason, name, -9)
+        assert closed == {"reason": reason, "dead_process": name, "exit_code": -9}
 
 
 def _check_in_flight_failed(server, threads, lines, replies, name) -> None:
