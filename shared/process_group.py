@@ -8,6 +8,7 @@ scheduler (it closes the event log and tells workers to exit), then the workers.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import zmq
 
 from shared import ipc
 from shared.config import EngineConfig
+from shared.proc import LAUNCHER_PID_ENV
 
 log = logging.getLogger("launcher")
 
@@ -36,7 +38,8 @@ class Child:
     popen: subprocess.Popen | None = field(default=None, repr=False)
 
     def start(self) -> None:
-        self.popen = subprocess.Popen(self.argv, env=self.env, start_new_session=True)
+        env = {**(os.environ if self.env is None else self.env), LAUNCHER_PID_ENV: str(os.getpid())}
+        self.popen = subprocess.Popen(self.argv, env=env, start_new_session=True)
 
     def exit_code(self) -> int | None:
         return None if self.popen is None else self.popen.poll()
