@@ -55,12 +55,19 @@ class SchedulerShell:
         )
         self._trim_logs()
         self.num_dropped_frames = 0
-        self.stop_reason: str | None = None
-        self.failed = False
+        self.stop: events.LogClosed | None = None  # a stop was asked for: why (the first ask wins)
+        self.failure: str | None = None  # the engine failed: why
         self.last_stats: events.EngineStats | None = None
 
-    def request_stop(self, reason: str) -> None:
-        self.stop_reason = reason
+    @property
+    def failed(self) -> bool:
+        return self.failure is not None
+
+    def request_stop(self, reason: str, dead_process: str = "") -> None:
+        """End the loop after the input in hand. Safe from a signal handler or another
+        thread: one assignment, and the loop and any blocked send look at it often."""
+        if self.stop is None:
+            self.stop = events.LogClosed(reason, dead_process)
 
     def run(self) -> int:
         poller = zmq.Poller()
@@ -68,9 +75,12 @@ class SchedulerShell:
         poller.register(self.from_workers, zmq.POLLIN)
         log.info("event log: %s", self.log.path)
         try:
-            while self.stop_reason is None and not self.failed:
+            while self.stop is None and not self.failed:
                 for sock, _ in poller.poll(POLL_MS):
                     self._receive(sock)
+        except Exception as exc:
+            self.failure = f"scheduler error: {exc!r}"
+            raise
         finally:
             self._close()
         return 1 if self.failed else 0
@@ -115,8 +125,8 @@ class SchedulerShell:
         clients are told why without the log's path; the server's log names it."""
         log.error("stopping the engine: cannot write the event log (%s)", exc)
         message = f"stopping the engine: cannot write the event log ({exc.reason})"
-        self.to_tokenizer.send(codec.encode(events.EngineFailed(message)))
-        self.failed = True
+        self._send(self.to_tokenizer, codec.encode(events.EngineFailed(message)))
+        self.failure = message
 
     def _trim_logs(self) -> None:
         """Retention (--event-log-max-total-bytes), at start and at each rotation: the oldest
@@ -146,34 +156,66 @@ class SchedulerShell:
                                    self.core.num_pinned_slots, self.core.num_deferred_evictions,
                                    self.core.num_cached_blocks)
         if stats != self.last_stats:
-            self.to_tokenizer.send(codec.encode(stats))
+            self._send(self.to_tokenizer, codec.encode(stats))
             self.last_stats = stats
 
     def _route(self, decision: events.Event, frame: bytes) -> None:
         if isinstance(decision, TO_WORKER_TYPES):
             for sock in self.to_workers:
-                sock.send(frame)
+                self._send(sock, frame)
         elif isinstance(decision, TO_TOKENIZER_TYPES):
-            self.to_tokenizer.send(frame)
+            self._send(self.to_tokenizer, frame)
         if isinstance(decision, events.EngineFailed):
             log.error("engine failed: %s", decision.message)
-            self.failed = True
+            self.failure = decision.message
+
+    def _send(self, sock: zmq.Socket, frame: bytes) -> None:
+        """Send, waiting while the peer's queue is full, but never past a stop request: a
+        peer that died leaves no pipe to send on, and the launcher then stops this process."""
+        while True:
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                if self.stop is not None:
+                    log.warning("stopping: dropped a frame for a peer that takes none")
+                    return
+                sock.poll(POLL_MS, zmq.POLLOUT)
 
     def _on_engine_ready(self, ready: events.WorkerReady) -> None:
         """Capacity as the core uses it: the smallest pool over the ranks."""
-        self.to_tokenizer.send(codec.encode(events.EngineReady(self.core.num_total_blocks, ready.vocab_size)))
+        self._send(self.to_tokenizer, codec.encode(events.EngineReady(self.core.num_total_blocks, ready.vocab_size)))
         send_ready(self.config.run_dir, "scheduler")
 
     def _close(self) -> None:
-        shutdown = codec.encode(events.Shutdown(self.stop_reason or "engine failed"))
-        for sock in self.to_workers:
-            sock.send(shutdown, zmq.NOBLOCK)
+        """Never raises or blocks: Shutdown to every worker that takes it, then LogClosed
+        appended and synced, then every socket closed without linger."""
+        closed = self._closed_record()
+        shutdown = codec.encode(events.Shutdown(closed.reason))
+        for rank, sock in enumerate(self.to_workers):
+            try:
+                sock.send(shutdown, zmq.NOBLOCK)
+            except zmq.ZMQError as exc:  # zmq.Again: the worker is gone
+                log.warning("could not tell worker-%d to shut down: %s", rank, exc)
         try:
-            self.log.append(events.LogClosed(self.stop_reason or "engine failed"))
+            self.log.append(closed)
             self.log.close()
         except (LogWriteError, ValueError) as exc:
             log.error("could not close the event log cleanly: %s", exc)
-            self.failed = True
+            self.failure = self.failure or str(exc)
         finally:
             self.log.close()  # once more after a write error: closes the file, removes a run with no record
-        log.info("closed the event log after %d dropped frames", self.num_dropped_frames)
+        log.info("closed the event log (%s) after %d dropped frames", closed.reason, self.num_dropped_frames)
+        for sock in (self.from_tokenizer, self.from_workers, self.to_tokenizer, *self.to_workers):
+            sock.close(linger=0)
+
+    def _closed_record(self) -> events.LogClosed:
+        """Why the log ends. The engine's own failure first; else a death the launcher
+        reported (its notice names the process and exit code; it SIGTERMs this process
+        after writing it); else the stop that was asked for."""
+        if self.failure is not None:
+            return events.LogClosed(f"engine failed: {self.failure}")
+        notice = ipc.read_death_notice(self.config.run_dir)
+        if notice is not None:
+            return events.LogClosed(notice.message, notice.process, notice.exit_code)
+        return self.stop or events.LogClosed("stopped")

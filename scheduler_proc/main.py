@@ -13,9 +13,14 @@ def main(argv: list[str] | None = None) -> int:
     args = child_args(argv)
     log = setup_logging("scheduler")
     config = load_config(args.config)
-    exit_with_parent(config.run_dir)
     shell = SchedulerShell(config)
-    signal.signal(signal.SIGTERM, lambda *_: shell.request_stop("SIGTERM"))
+
+    def launcher_gone(reason: str) -> bool:  # on the parent-watch thread: the loop closes the log and exits
+        shell.request_stop(reason, dead_process="launcher")
+        return True
+
+    exit_with_parent(config.run_dir, launcher_gone)
+    signal.signal(signal.SIGTERM, lambda *_: shell.request_stop("stopped by SIGTERM"))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         return shell.run()

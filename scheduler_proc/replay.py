@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 
 from shared.eventlog import LogCorruption
+from shared.events import LogClosed
 from scheduler_proc.replay_diff import LogDiff, diff_logs
 from scheduler_proc.replay_state import SECTIONS, parse_sections, render, sections
 from scheduler_proc.replay_verify import Divergence, HistoryTrimmed, ReplayResult, replay
@@ -83,7 +84,17 @@ def _replay(args: argparse.Namespace, names: list[str]) -> int:
         tail = " (log ends before the last input's decisions)" if result.truncated_tail else ""
         print(f"OK {result.path}: {result.num_inputs} inputs, {result.num_decisions} decisions match, "
               f"step {result.core.step}, {len(result.segments)} segment(s), last seq {result.last_seq}{tail}")
+        print(describe_closed(result.closed))
     return code
+
+
+def describe_closed(closed: LogClosed | None) -> str:
+    if closed is None:
+        return "log not closed (the scheduler was killed, or the replay stopped early)"
+    died = f" [dead process: {closed.dead_process}" if closed.dead_process else ""
+    if died and closed.exit_code is not None:
+        died += f", exit code {closed.exit_code}"
+    return f"log closed: {closed.reason}{died + ']' if died else ''}"
 
 
 def _result_json(result: ReplayResult, verify: bool, state: dict[str, Any], code: int) -> dict[str, Any]:
@@ -100,8 +111,15 @@ def _result_json(result: ReplayResult, verify: bool, state: dict[str, Any], code
         "truncated_tail": result.truncated_tail,
         "torn_tail": list(result.torn_tail) if result.torn_tail else None,
         "divergence": result.divergence.to_json() if result.divergence else None,
+        "closed": _closed_json(result.closed),
         "state": state,
     }
+
+
+def _closed_json(closed: LogClosed | None) -> dict[str, Any] | None:
+    if closed is None:
+        return None
+    return {"reason": closed.reason, "dead_process": closed.dead_process, "exit_code": closed.exit_code}
 
 
 def _diff(args: argparse.Namespace) -> int:

@@ -128,6 +128,7 @@ class ReplayResult:
     divergence: Divergence | None = None
     truncated_tail: bool = False  # the log ends before the last input's decisions
     torn_tail: tuple[str, int] | None = None  # a dropped torn record: (segment, offset)
+    closed: ev.LogClosed | None = None  # the log's closing record, if the replay reached one
 
     @property
     def ok(self) -> bool:
@@ -173,6 +174,8 @@ def _run(scanner: RunScanner, result: ReplayResult, verify: bool, until_seq: int
             pending = [encode(d) for d in made] if verify else []
             index, input_seq = 0, seq
             num_inputs += 1
+        elif kind == SHELL_ONLY and tag_of(data) == b"LogClosed":
+            result.closed = decode_event(data)
         elif kind == DECISION and verify:
             if index >= len(pending) or (pending[index] != data and decode_event(data) != made[index]):
                 recomputed = made[index] if index < len(pending) else None

@@ -1,7 +1,11 @@
 """A bounded load test of a ledgerserve server on this machine (loopback only).
 
-    python scripts/load_test.py --base-url http://127.0.0.1:8000 --duration-s 30 \\
+    python -m scripts.load_test --base-url http://127.0.0.1:8000 --duration-s 30 \\
         --concurrency 6 --adapters a=/loras/a b=/loras/b
+
+Run it from the repository root (it imports `scripts.lora_stress`). With `--adapters`, the
+server needs `--enable-lora` and a `--lora-allowed-dir` that holds those directories: the
+test loads and unloads them over the API.
 
 For `--duration-s` seconds, `--concurrency` clients send completions (plain and chat,
 streaming and not) to the base model, to an adapter by `model`, or by `lora_path`; a

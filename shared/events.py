@@ -333,9 +333,12 @@ class DigestMismatch(Event):
 
 
 class LogClosed(Event):
-    """Last record of a log that was shut down cleanly."""
+    """Last record of a log the scheduler closed: why it stopped, and which process's death
+    stopped it ("launcher", "tokenizer", "worker-<rank>"; "" when none died, as on SIGTERM)."""
 
     reason: str = ""
+    dead_process: str = ""
+    exit_code: int | None = None  # the dead process's exit status, as the launcher saw it; None: not known
 
 
 # ---------------------------------------------------------------- channel unions

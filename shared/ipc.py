@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 import tempfile
 
+import msgspec
 import zmq
 
 CONTROL = "control"  # children -> launcher: ready handshakes
 SCHED_IN = "sched_in"  # tokenizer -> scheduler
 SCHED_FROM_WORKERS = "sched_from_workers"  # workers -> scheduler
 TO_TOKENIZER = "to_tokenizer"  # scheduler -> tokenizer
-ENGINE_DEAD_NOTICE = "engine_dead"  # launcher -> tokenizer: a file naming the dead process, then SIGUSR1
+DEATH_NOTICE = "death_notice"  # launcher -> tokenizer (then SIGUSR1) and scheduler (then SIGTERM): who died
 
 
 def make_run_dir() -> str:
@@ -43,17 +44,27 @@ def connect(ctx: zmq.Context, kind: int, run_dir: str, name: str) -> zmq.Socket:
     return sock
 
 
-def write_engine_dead_notice(run_dir: str, message: str) -> None:
-    """Atomically write the notice the tokenizer reads on SIGUSR1 (see process_group)."""
-    path = os.path.join(run_dir, ENGINE_DEAD_NOTICE)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.write(message)
+class DeathNotice(msgspec.Struct, frozen=True):
+    """A child of the launcher died: which one, its exit status, and the message for clients."""
+
+    process: str  # "scheduler", "worker-<rank>" or "tokenizer"
+    exit_code: int  # as the launcher saw it; negative: killed by that signal
+    message: str
+
+
+def write_death_notice(run_dir: str, notice: DeathNotice) -> None:
+    """Atomically write the notice the tokenizer reads on SIGUSR1 and the scheduler when it
+    closes its log (see process_group)."""
+    path = os.path.join(run_dir, DEATH_NOTICE)
+    with open(path + ".tmp", "wb") as f:
+        f.write(msgspec.json.encode(notice))
     os.replace(path + ".tmp", path)
 
 
-def read_engine_dead_notice(run_dir: str) -> str:
+def read_death_notice(run_dir: str) -> DeathNotice | None:
+    """The notice, or None when there is none (no child died) or it cannot be read."""
     try:
-        with open(os.path.join(run_dir, ENGINE_DEAD_NOTICE), encoding="utf-8") as f:
-            return f.read().strip() or "an engine process died"
-    except OSError:
-        return "an engine process died"
+        with open(os.path.join(run_dir, DEATH_NOTICE), "rb") as f:
+            return msgspec.json.decode(f.read(), type=DeathNotice)
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        return None

@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 
@@ -18,14 +19,21 @@ log = logging.getLogger("launcher")
 
 
 def serve(args: argparse.Namespace) -> int:
+    """Run the group; the run directory is removed however it ends, a failed start included."""
     logging.basicConfig(level=os.environ.get("LEDGERSERVE_LOG_LEVEL", "INFO"),
                         format="%(asctime)s launcher %(levelname)s %(message)s")
     started = time.monotonic()
     run_dir = ipc.make_run_dir()
     try:
+        return _serve_in(args, run_dir, started)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _serve_in(args: argparse.Namespace, run_dir: str, started: float) -> int:
+    try:
         config = resolve_config(args, run_dir)
     except (ValueError, FileNotFoundError) as e:
-        os.rmdir(run_dir)  # still empty: nothing was started
         print(f"ledgerserve: error: {e}", file=sys.stderr)
         return 2
     if config.is_demo_model:

@@ -9,6 +9,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -16,7 +17,10 @@ import zmq
 from shared import ipc
 from shared.config import EngineConfig
 
-PARENT_POLL_S = 0.5
+LAUNCHER_PID_ENV = "LEDGERSERVE_LAUNCHER_PID"  # set by the launcher for each child it starts
+PARENT_POLL_S = 0.05
+PARENT_GONE_GRACE_S = 0.8  # a child's time to flush and close once the launcher is gone, before it exits anyway
+PARENT_GONE_EXIT = 3  # the exit status of a child that outlived its launcher
 
 
 def child_args(argv: list[str] | None = None, with_rank: bool = False) -> argparse.Namespace:
@@ -49,16 +53,39 @@ def send_ready(run_dir: str, process: str) -> None:
     sock.close()
 
 
-def exit_with_parent(run_dir: str | None = None) -> None:
-    """Start a daemon thread that ends this process when its parent (the launcher) dies,
-    first removing the launcher's run directory (`run_dir`), which nobody else will."""
-    parent = os.getppid()
+def exit_with_parent(run_dir: str, on_parent_gone: Callable[[str], bool] | None = None) -> None:
+    """Start a daemon thread that ends this process within a second of its launcher's death.
+
+    It polls the parent every PARENT_POLL_S; once the launcher is gone it removes the
+    launcher's run directory (nobody else will), then calls `on_parent_gone(reason)`. When
+    that returns True the process is closing itself (a flush, a log record): it gets
+    PARENT_GONE_GRACE_S to do so before the thread ends it; otherwise it ends at once."""
+    launcher = _launcher_pid()
 
     def watch() -> None:
-        while os.getppid() == parent:
+        while os.getppid() == launcher:
             time.sleep(PARENT_POLL_S)
-        if run_dir:
-            shutil.rmtree(run_dir, ignore_errors=True)
-        os._exit(3)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        if _closes_itself(on_parent_gone, f"the launcher (pid {launcher}) died"):
+            time.sleep(PARENT_GONE_GRACE_S)
+        os._exit(PARENT_GONE_EXIT)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _launcher_pid() -> int:
+    """The pid the launcher gave this process (its parent then), so a launcher that died
+    before this call is noticed too; the parent's pid for a process started by hand. The
+    variable is taken out of the environment so this process's own children never see it."""
+    given = os.environ.pop(LAUNCHER_PID_ENV, "")
+    return int(given) if given.isdigit() else os.getppid()
+
+
+def _closes_itself(on_parent_gone: Callable[[str], bool] | None, reason: str) -> bool:
+    if on_parent_gone is None:
+        return False
+    try:
+        return on_parent_gone(reason)
+    except Exception:  # e.g. an event loop already closed: nothing left to flush
+        logging.getLogger("parent-watch").exception("could not close after: %s", reason)
+        return False

@@ -8,7 +8,7 @@ scheduler (it closes the event log and tells workers to exit), then the workers.
 from __future__ import annotations
 
 import logging
-import shutil
+import os
 import signal
 import subprocess
 import sys
@@ -20,6 +20,7 @@ import zmq
 
 from shared import ipc
 from shared.config import EngineConfig
+from shared.proc import LAUNCHER_PID_ENV
 
 log = logging.getLogger("launcher")
 
@@ -37,7 +38,8 @@ class Child:
     popen: subprocess.Popen | None = field(default=None, repr=False)
 
     def start(self) -> None:
-        self.popen = subprocess.Popen(self.argv, env=self.env, start_new_session=True)
+        env = {**(os.environ if self.env is None else self.env), LAUNCHER_PID_ENV: str(os.getpid())}
+        self.popen = subprocess.Popen(self.argv, env=env, start_new_session=True)
 
     def exit_code(self) -> int | None:
         return None if self.popen is None else self.popen.poll()
@@ -68,7 +70,6 @@ class ProcessGroup:
         finally:
             self._kill_all()
             control.close()
-            shutil.rmtree(self.config.run_dir, ignore_errors=True)
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         if self._stop_signal is None:
@@ -108,24 +109,27 @@ class ProcessGroup:
         return self._drain()
 
     def _fail(self, dead: Child, notify: bool = False) -> int:
-        message = f"process {dead.name!r} (pid {dead.popen.pid}) died with exit code {dead.exit_code()}; stopping the group"
+        """Stop the group after `dead` died: write the death notice first (the scheduler names
+        `dead` in its log's LogClosed), tell a serving tokenizer (`notify`), then stop the rest."""
+        code = dead.exit_code()
+        message = f"process {dead.name!r} (pid {dead.popen.pid}) died with exit code {code}; stopping the group"
         log.error(message)
         print(f"ledgerserve: {message}", file=sys.stderr, flush=True)
+        notice = ipc.DeathNotice(dead.name, code, f"engine process {dead.name!r} died (exit code {code})")
+        try:
+            ipc.write_death_notice(self.config.run_dir, notice)
+        except OSError as e:
+            log.error("could not write the death notice: %s", e)
         if notify and dead.name != "tokenizer":
-            self._notify_tokenizer(f"engine process {dead.name!r} died (exit code {dead.exit_code()})")
+            self._notify_tokenizer()
         self._stop_in_order()
         return 1
 
-    def _notify_tokenizer(self, message: str) -> None:
-        """Tell the serving tokenizer first, so it fails every in-flight request with a
-        clear error and turns /health 503; then give it a moment to flush."""
+    def _notify_tokenizer(self) -> None:
+        """SIGUSR1 tells the serving tokenizer to read the notice and fail every in-flight
+        request with a clear error (and turn /health 503); then give it a moment to flush."""
         tokenizer = self._named("tokenizer")
         if tokenizer.exit_code() is not None:
-            return
-        try:
-            ipc.write_engine_dead_notice(self.config.run_dir, message)
-        except OSError as e:
-            log.error("could not write the engine-dead notice: %s", e)
             return
         tokenizer.signal(signal.SIGUSR1)
         time.sleep(NOTICE_FLUSH_S)

@@ -3,8 +3,8 @@
 Loads the tokenizer, connects to the scheduler, serves HTTP with uvicorn (uvloop), and
 tells the launcher it is ready once the HTTP socket listens. SIGTERM: drain (503 for
 /health and new requests, in-flight ones finish, up to shutdown_timeout_s), then exit 0.
-SIGUSR1: an engine process died; fail in-flight requests. Exits if the launcher (its
-parent) goes away.
+SIGUSR1: an engine process died; fail in-flight requests. If the launcher (its parent)
+dies, in-flight requests fail the same way, get a moment to flush, and the process exits.
 """
 
 from __future__ import annotations
@@ -24,14 +24,15 @@ import zmq
 
 from shared import ipc
 from shared.config import EngineConfig
+from shared.proc import PARENT_GONE_EXIT, exit_with_parent
 from tokenizer_proc.adapter_routes import StartupAdapterError
 from tokenizer_proc.security import StartupRefused
 from tokenizer_proc.app import build_app
 from tokenizer_proc.engine_client import EngineClient
 
 logger = logging.getLogger("tokenizer_proc")
-PARENT_POLL_S = 0.5
 DRAIN_POLL_S = 0.05
+FLUSH_S = 0.4  # after the launcher died: the longest wait for in-flight requests to send their error
 
 
 class Server(uvicorn.Server):
@@ -43,6 +44,7 @@ class Server(uvicorn.Server):
       timeout are cut. A second signal ends the wait at once.
     - SIGUSR1: the launcher saw an engine process die (its notice file names it): every
       in-flight request fails with EngineDeadError and /health turns 503.
+    - the launcher's death (`on_launcher_gone`): the same failure, a moment to flush, exit.
     """
 
     def __init__(self, config: uvicorn.Config, engine: EngineClient, run_dir: str, drain_timeout_s: float) -> None:
@@ -51,6 +53,7 @@ class Server(uvicorn.Server):
         self.run_dir = run_dir
         self.drain_timeout_s = drain_timeout_s
         self._drain_task: asyncio.Task[None] | None = None
+        self.launcher_gone = False
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -82,7 +85,25 @@ class Server(uvicorn.Server):
         super().handle_exit(sig, None)
 
     def on_engine_dead(self) -> None:
-        self.engine.engine_died(ipc.read_engine_dead_notice(self.run_dir))
+        notice = ipc.read_death_notice(self.run_dir)
+        self.engine.engine_died(notice.message if notice is not None else "an engine process died")
+
+    def on_launcher_gone(self, reason: str) -> None:
+        """Fail every in-flight request (a stream gets an error event, then [DONE]; a plain
+        request a 503), give the responses a moment to leave, then exit."""
+        logger.error("%s: failing %d in-flight requests, then exiting", reason, self.engine.num_in_flight)
+        self.launcher_gone = True
+        self.engine.engine_died(reason)
+        asyncio.get_running_loop().create_task(self._exit_after_flush())
+
+    async def _exit_after_flush(self) -> None:
+        """Until every request handler has sent its response (at most FLUSH_S), then
+        uvicorn's shutdown, which closes the connections."""
+        deadline = time.monotonic() + FLUSH_S
+        await asyncio.sleep(DRAIN_POLL_S)
+        while (self.engine.num_in_flight or self.server_state.tasks) and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        self.should_exit = True
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -113,17 +134,6 @@ def send_ready(run_dir: str) -> None:
         sock.close()
 
 
-async def watch_parent(server: uvicorn.Server, parent_pid: int) -> None:
-    """Stop serving if the launcher dies (we get re-parented)."""
-    while not server.should_exit:
-        if os.getppid() != parent_pid:
-            logger.error("launcher (pid %d) is gone; exiting", parent_pid)
-            server.should_exit = True
-            server.force_exit = True
-            return
-        await asyncio.sleep(PARENT_POLL_S)
-
-
 async def announce_when_listening(server: uvicorn.Server, run_dir: str) -> None:
     while not server.started:
         if server.should_exit:
@@ -133,7 +143,7 @@ async def announce_when_listening(server: uvicorn.Server, run_dir: str) -> None:
     logger.info("tokenizer ready on http://%s:%d", server.config.host, server.config.port)
 
 
-async def serve(config: EngineConfig, parent_pid: int) -> None:
+async def serve(config: EngineConfig) -> None:
     tokenizer = load_tokenizer(config.model_dir)
     engine = EngineClient(config.run_dir)
     try:
@@ -150,16 +160,22 @@ async def serve(config: EngineConfig, parent_pid: int) -> None:
         timeout_graceful_shutdown=config.shutdown_timeout_s,  # type: ignore[arg-type]
     )
     server = Server(uv_config, engine, config.run_dir, config.shutdown_timeout_s)
-    helpers = [
-        asyncio.create_task(announce_when_listening(server, config.run_dir)),
-        asyncio.create_task(watch_parent(server, parent_pid)),
-    ]
+    loop = asyncio.get_running_loop()
+
+    def launcher_gone(reason: str) -> bool:  # on the parent-watch thread
+        loop.call_soon_threadsafe(server.on_launcher_gone, reason)
+        return True
+
+    exit_with_parent(config.run_dir, launcher_gone)
+    helpers = [asyncio.create_task(announce_when_listening(server, config.run_dir))]
     try:
         await server.serve()
     finally:
         for task in helpers:
             task.cancel()
         await asyncio.gather(*helpers, return_exceptions=True)
+    if server.launcher_gone:  # nobody waits for this process: skip the interpreter's teardown (a second or more)
+        os._exit(PARENT_GONE_EXIT)
     if not server.started:
         raise SystemExit("tokenizer: HTTP server failed to start (see the log above; a refused "
                          "start-up adapter is named there)")
@@ -171,10 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(args.config)
     if not config.run_dir:
         raise SystemExit("tokenizer: config.run_dir is empty")
-    parent_pid = os.getppid()
     import uvloop
 
-    uvloop.run(serve(config, parent_pid))
+    uvloop.run(serve(config))
     return 0
 
 

@@ -4,20 +4,27 @@ broken after registration, bad loads under load, and the load test itself."""
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import shutil
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
 
+import scripts.load_test
 from scripts.load_test import leaks, main as load_test_main
 from tests.adapter_factory import make_peft_adapter
 from tests.e2e.server import Server, assert_all_gone
 
 pytestmark = pytest.mark.slow
 
+ROOT = Path(__file__).resolve().parents[2]
 FAULT_TOKEN_ID = 777
 GOOD_PROMPTS = [[11, 12, 13, 14, 15], [200, 201, 202], [42, 43, 44, 45, 46, 47, 48], [300, 9, 301, 9]]
 ADAPTER = dict(r=4, alpha=8, targets=["q_proj", "v_proj"])
@@ -160,3 +167,23 @@ def test_load_test_with_bad_loads_has_no_errors(server, adapter_root, tmp_path):
     assert report["ok"] and report["num_requests"] > 50 and report["num_aborted"] > 0, report
     assert report["counts"].get("load", {}).get("200", 0) > 0
     assert _unload(server, "owned").status_code == 200
+
+
+def _documented_load_test() -> list[str]:
+    """The command in scripts/load_test.py's docstring, as a shell would split it."""
+    usage = scripts.load_test.__doc__.split("\n\n")[1]
+    return shlex.split(usage.replace("\\\n", " "))
+
+
+def test_load_test_runs_as_its_docstring_says(server, adapter_root):
+    argv = _documented_load_test()
+    values = {"--base-url": [server.base_url], "--duration-s": ["3"], "--concurrency": ["2"],
+              "--adapters": [f"{n}={os.path.join(adapter_root, n)}" for n in ("good-a", "good-b")]}
+    flags = [a for a in argv if a.startswith("--")]
+    assert argv[0] == "python" and sorted(flags) == sorted(values), argv  # the documented flags, this server's values
+    argv = [sys.executable, *argv[1:argv.index(flags[0])], *(x for f in flags for x in [f, *values[f]])]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # a shell in the repository root
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    assert report["ok"] and report["num_requests"] > 0 and report["counts"]["load"]["200"] > 0, report

@@ -1,14 +1,19 @@
 """The launcher supervises its group: a dead child takes the group down, named, within
 10 s, after the tokenizer failed its in-flight requests and turned /health 503; a dead
-launcher takes its children with it; SIGTERM/SIGINT drain in-flight requests (new ones
-and /health get 503) and leave nothing behind."""
+launcher takes its children with it within a second, after the tokenizer failed its
+in-flight requests the same way; the scheduler's log ends with a LogClosed naming the dead
+process; SIGTERM/SIGINT drain in-flight requests (new ones and /health get 503) and leave
+nothing behind; a start that fails leaves no run directory."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -20,6 +25,7 @@ import pytest
 from shared import events
 from shared.eventlog import EventLogReader, newest_log
 from tests.e2e.server import Server, assert_all_gone
+from tests.netutil import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -52,11 +58,17 @@ def _post(base_url: str, model: str, out: list[httpx.Response | None]) -> None:
         out.append(None)
 
 
-def _replay_ok(log_dir: str) -> None:
+def _replay_ok(log_dir: str) -> dict:
     proc = subprocess.run([sys.executable, "-m", "shared.cli", "replay", "--verify", "--json", newest_log(log_dir)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert json.loads(proc.stdout)["status"] == "ok"
+    report = json.loads(proc.stdout)
+    assert report["status"] == "ok"
+    return report
+
+
+def _last_record(log_dir: str) -> events.Event:
+    return list(EventLogReader(newest_log(log_dir)))[-1][1]
 
 
 @pytest.mark.parametrize("name", ["scheduler", "worker-0", "tokenizer"])
@@ -86,7 +98,13 @@ def test_kill9_of_any_child_stops_the_group(name, demo_model_dir, tmp_path):
     assert_all_gone(pids, run_dirs)
     for t in threads:
         t.join(timeout=10)
-    _replay_ok(str(tmp_path))
+    closed = _replay_ok(str(tmp_path))["closed"]
+    if name == "scheduler":  # killed with its log open: the log ends where it was
+        assert closed is None and not isinstance(_last_record(str(tmp_path)), events.LogClosed)
+    else:
+        reason = f"engine process {name!r} died (exit code -9)"
+        assert _last_record(str(tmp_path)) == events.LogClosed(reason, name, -9)
+        assert closed == {"reason": reason, "dead_process": name, "exit_code": -9}
 
 
 def _check_in_flight_failed(server, threads, lines, replies, name) -> None:
@@ -101,14 +119,86 @@ def _check_in_flight_failed(server, threads, lines, replies, name) -> None:
     assert replies[0] is not None and replies[0].status_code >= 500 and name in replies[0].json()["error"]["message"]
 
 
-def test_kill9_of_the_launcher_takes_its_children(demo_model_dir, tmp_path):
-    server = Server(demo_model_dir, str(tmp_path)).start()
-    children, run_dirs = server.children(), server.run_dirs()
+def test_kill9_of_the_launcher_fails_in_flight_requests_and_takes_its_children(demo_model_dir, tmp_path):
+    server = Server(demo_model_dir, str(tmp_path), ["--max-model-len", "2048"]).start()
+    pids, run_dirs = [p.pid for p in server.children()], server.run_dirs()
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+    model = client.models.list().data[0].id
+    lines: list[str] = []
+    streamed: list[object] = []  # the openai stream's chunks, then what ended it
+    plain: list[openai.APIStatusError] = []
+    first, first_chunk = threading.Event(), threading.Event()
+    threads = [threading.Thread(target=_stream_lines, args=(server.base_url, model, lines, first)),
+               threading.Thread(target=_openai_stream, args=(client, model, streamed, first_chunk)),
+               threading.Thread(target=_openai_plain, args=(client, model, plain))]
+    for t in threads:
+        t.start()
+    assert first.wait(30) and first_chunk.wait(30)
+    time.sleep(0.3)  # the plain request is in flight too
+    killed_at = time.monotonic()
     server.proc.send_signal(signal.SIGKILL)
-    server.proc.wait(timeout=5)
-    gone, alive = psutil.wait_procs(children, timeout=5)
-    assert not alive, [p.cmdline() for p in alive]
+    gone_s = _wait_gone(pids, killed_at, timeout_s=3)  # within a second; the margin is for a loaded machine
+    print(f"children gone {gone_s:.2f} s after the launcher's death")
     assert_all_gone([], run_dirs, timeout_s=1)
+    server.proc.wait(timeout=5)
+    for t in threads:
+        t.join(timeout=10)
+    assert isinstance(streamed[-1], openai.APIError) and len(streamed) > 1, streamed[-1]
+    _assert_dead_launcher_error(streamed[-1].body)
+    assert lines[-1] == "data: [DONE]"
+    _assert_dead_launcher_error(json.loads(lines[-2][len("data: "):])["error"])
+    assert len(plain) == 1 and plain[0].status_code == 503
+    _assert_dead_launcher_error(plain[0].body)
+    assert _last_record(str(tmp_path)).dead_process == "launcher"
+    assert _replay_ok(str(tmp_path))["closed"]["dead_process"] == "launcher"
+
+
+def _openai_stream(client: openai.OpenAI, model: str, out: list[object], first: threading.Event) -> None:
+    stream = client.completions.create(model=model, prompt="The river", max_tokens=1000, stream=True,
+                                       extra_body={"ignore_eos": True})
+    try:
+        for chunk in stream:
+            out.append(chunk)
+            first.set()
+    except openai.APIError as e:  # the SSE error event, raised by the client
+        out.append(e)
+
+
+def _openai_plain(client: openai.OpenAI, model: str, out: list[openai.APIStatusError]) -> None:
+    try:
+        client.completions.create(model=model, prompt="The river", max_tokens=1000, extra_body={"ignore_eos": True})
+    except openai.APIStatusError as e:
+        out.append(e)
+
+
+def _wait_gone(pids: list[int], since: float, timeout_s: float) -> float:
+    """Seconds from `since` until none of `pids` runs (a zombie has exited)."""
+    while time.monotonic() - since < timeout_s:
+        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+            return time.monotonic() - since
+        time.sleep(0.01)
+    raise AssertionError(f"children still running {timeout_s} s after the launcher's death")
+
+
+def _assert_dead_launcher_error(error: object) -> None:
+    """The OpenAI error shape, a 503 that names the launcher."""
+    assert isinstance(error, dict) and sorted(error) == ["code", "message", "param", "type"], error
+    assert error["code"] == 503 and error["type"] == "ServiceUnavailableError"
+    assert "launcher" in error["message"] and "died" in error["message"]
+
+
+def test_a_child_failing_at_start_leaves_no_run_directory(demo_model_dir, tmp_path):
+    not_a_dir = tmp_path / "events"
+    not_a_dir.write_text("")  # the scheduler cannot create its event log here
+    runs = tempfile.mkdtemp(prefix="ls-runs-")  # short: ipc socket paths are limited to ~100 bytes
+    try:
+        proc = subprocess.run([sys.executable, "-m", "shared.cli", "serve", demo_model_dir, "--port", str(free_port()),
+                               "--event-log-dir", str(not_a_dir)], env={**os.environ, "TMPDIR": runs},
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1 and "process 'scheduler'" in proc.stderr, proc.stderr
+        assert os.listdir(runs) == []
+    finally:
+        shutil.rmtree(runs, ignore_errors=True)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

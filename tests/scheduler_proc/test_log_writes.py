@@ -1,11 +1,16 @@
-"""fsync policy and write errors, in the writer and in the shell (SchedulerShell.handle)."""
+"""fsync policy and write errors, in the writer and in the shell (SchedulerShell.handle);
+the shell's close after a fault: never raising or blocking, naming the dead process."""
 
+import dataclasses
 import errno
+import json
 import os
 
 import pytest
+import zmq
 
-from shared import codec
+from scheduler_proc.replay import main as replay_main
+from shared import codec, ipc
 from shared import events as ev
 from shared.eventlog import EventLogReader, EventLogWriter, LogWriteError
 from shared.sampling import SamplingParams
@@ -42,23 +47,39 @@ class FailingFile:
 
 
 class FakeSocket:
-    def __init__(self, decoder):
+    """Records what is sent; once `dead`, sends fail as zmq does for a peer that is gone."""
+
+    def __init__(self, decoder=None):
         self.decoder = decoder
         self.sent = []
+        self.dead = False
+        self.closed_linger = None
+        self.on_poll = lambda: None  # called by each wait for room to send
 
     def send(self, frame, flags=0):
+        if self.dead:
+            assert flags & zmq.NOBLOCK, "a blocking send to a dead peer never returns"
+            raise zmq.Again()
         self.sent.append(self.decoder.decode(frame))
+
+    def poll(self, timeout_ms, flags):
+        self.on_poll()
+        return 0
+
+    def close(self, linger=None):
+        self.closed_linger = linger
 
 
 def make_shell(tmp_path, fsync="step", opener=open):
     shell = SchedulerShell.__new__(SchedulerShell)  # no sockets: the IO is faked below
-    shell.config = ENGINE
+    shell.config = dataclasses.replace(ENGINE, run_dir=str(tmp_path))
     shell.core = Core(CoreConfig.from_engine(ENGINE))
     shell.log = EventLogWriter(str(tmp_path), ENGINE.to_json(), "shell", fsync=fsync, opener=opener)
+    shell.from_tokenizer, shell.from_workers = FakeSocket(), FakeSocket()
     shell.to_tokenizer = FakeSocket(codec.from_scheduler_decoder())
     shell.to_workers = [FakeSocket(codec.to_worker_decoder())]
     shell.num_dropped_frames = 0
-    shell.stop_reason, shell.failed, shell.last_stats = None, False, None
+    shell.stop, shell.failure, shell.last_stats = None, None, None
     return shell
 
 
@@ -173,3 +194,60 @@ def test_replay_of_a_directory_passes_over_a_run_without_records(tmp_path, capsy
     assert main([str(tmp_path), "--verify"]) == 0
     captured = capsys.readouterr()
     assert good in captured.out and f"{empty.path}: skipped: a run without records" in captured.err
+
+
+def _closed_record(shell) -> ev.LogClosed:
+    records = list(EventLogReader(shell.log.path))
+    assert isinstance(records[-1][1], ev.LogClosed)
+    return records[-1][1]
+
+
+def _replay_json(path, capsys) -> dict:
+    assert replay_main([path, "--verify", "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_close_after_a_worker_died_names_it_and_replays(tmp_path, capsys):
+    shell = make_shell(tmp_path)
+    drive(shell, num_reqs=2)
+    shell.handle(ev.RequestArrived("late", [5, 6, 7], SamplingParams(max_tokens=4)))  # its step never completes
+    reason = "engine process 'worker-0' died (exit code -9)"
+    ipc.write_death_notice(str(tmp_path), ipc.DeathNotice("worker-0", -9, reason))
+    shell.to_workers[0].dead = True
+    shell.request_stop("stopped by SIGTERM")  # the launcher's SIGTERM after it wrote the notice
+    shell._close()  # the Shutdown to the dead worker fails: no exception
+    assert _closed_record(shell) == ev.LogClosed(reason, "worker-0", -9)
+    sockets = [shell.from_tokenizer, shell.from_workers, shell.to_tokenizer, *shell.to_workers]
+    assert all(sock.closed_linger == 0 for sock in sockets)
+    report = _replay_json(shell.log.path, capsys)
+    assert report["closed"] == {"reason": reason, "dead_process": "worker-0", "exit_code": -9}
+
+
+def test_a_send_to_a_dead_peer_gives_up_once_a_stop_is_asked(tmp_path, capsys):
+    shell = make_shell(tmp_path)
+    shell.handle(ev.WorkerReady(0, 32, 1000, [2], "cpu", "float32"))
+    tokenizer = shell.to_tokenizer
+    tokenizer.dead = True
+    polls = []
+
+    def on_poll():  # the 4th wait for room is interrupted by a stop (a signal, or the launcher's death)
+        polls.append(1)
+        if len(polls) == 4:
+            shell.request_stop("gone", "launcher")
+
+    tokenizer.on_poll = on_poll
+    shell.handle(ev.RequestArrived("a", [5, 5, 5], SamplingParams(max_tokens=2)))  # its stats meet the dead tokenizer
+    assert len(polls) == 4 and shell.stop == ev.LogClosed("gone", "launcher")
+    shell._close()
+    assert _closed_record(shell) == ev.LogClosed("gone", "launcher")
+    assert replay_main([shell.log.path, "--verify"]) == 0
+    assert "log closed: gone [dead process: launcher]" in capsys.readouterr().out
+
+
+def test_a_plain_stop_closes_the_log_naming_no_process(tmp_path):
+    shell = make_shell(tmp_path)
+    drive(shell, num_reqs=1)
+    shell.request_stop("stopped by SIGTERM")
+    shell.request_stop("later", "launcher")  # the first ask wins
+    shell._close()
+    assert _closed_record(shell) == ev.LogClosed("stopped by SIGTERM")

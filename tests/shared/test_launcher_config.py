@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 
 import pytest
 
@@ -83,3 +84,13 @@ def test_event_log_retention_flag(model_dir, tmp_path):
     with pytest.raises(ValueError, match="at least twice event_log_max_bytes"):
         resolve_config(_args(model_dir, "--device", "cpu", "--event-log-max-bytes", "1048576",
                              "--event-log-max-total-bytes", "1048577"), str(tmp_path))
+
+
+@pytest.mark.parametrize("flags", [["--max-model-len", "8192"], ["--block-size", "0"], ["--lora-modules", "nopath"]])
+def test_a_refused_flag_leaves_no_run_directory(model_dir, tmp_path, monkeypatch, capsys, flags):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(runs))  # where the launcher makes its run directory
+    assert cli_main(["serve", model_dir, "--device", "cpu", *flags]) == 2
+    assert capsys.readouterr().err.startswith("ledgerserve: error: ")
+    assert list(runs.iterdir()) == []

@@ -10,17 +10,21 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import msgspec
+import pytest
+import uvicorn
 import zmq
 
 from shared import codec, ipc
 from shared.config import EngineConfig
 from tests.netutil import free_port
+from tests.tokenizer_proc.fake_engine import FakeEngine
 from shared.events import RequestArrived, TokensEmitted
-from tokenizer_proc.main import watch_parent
+from shared.sampling import SamplingParams
+from tokenizer_proc.engine_client import EngineDeadError
+from tokenizer_proc.main import Server
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,7 +75,33 @@ def test_process_handshake_serves_and_drains_on_sigterm(demo_model_dir: str) -> 
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def test_watch_parent_stops_server_when_reparented() -> None:
-    server = SimpleNamespace(should_exit=False, force_exit=False)
-    asyncio.run(asyncio.wait_for(watch_parent(server, parent_pid=-1), 5))  # type: ignore[arg-type]
-    assert server.should_exit and server.force_exit
+def test_launcher_death_fails_in_flight_requests_then_exits() -> None:
+    async def scenario() -> None:
+        engine = FakeEngine()
+        engine.hold = asyncio.Event()  # the request stays in flight
+        server = Server(uvicorn.Config(app=None), engine, run_dir="", drain_timeout_s=30)
+        stream = engine.generate(RequestArrived("r", [1, 2], SamplingParams(max_tokens=4)))
+        pending = asyncio.ensure_future(stream.__anext__())
+        responding = asyncio.Event()  # an HTTP handler still writing its error response
+        handler = asyncio.ensure_future(responding.wait())
+        server.server_state.tasks.add(handler)
+        await asyncio.sleep(0.01)
+        assert engine.num_in_flight == 1
+        server.on_launcher_gone("the launcher (pid 1) died")
+        with pytest.raises(EngineDeadError, match=r"the launcher \(pid 1\) died") as info:
+            await pending
+        assert info.value.status_code == 503 and not engine.is_healthy and engine.num_in_flight == 0
+        await asyncio.sleep(0.1)  # FLUSH_S is 0.4
+        assert not server.should_exit  # the handler has not sent its response yet
+        responding.set()
+        await handler
+        server.server_state.tasks.discard(handler)
+        await asyncio.wait_for(_until(lambda: server.should_exit), 1)
+        assert server.launcher_gone
+
+    asyncio.run(scenario())
+
+
+async def _until(condition) -> None:
+    while not condition():
+        await asyncio.sleep(0.01)
