@@ -91,23 +91,27 @@ class Simulation:
         self.moves: dict[tuple[int, str, bool, bool], int] = {}  # (set id, char, at end, at start) -> set id
 
     def run(self, name: str, prefix: bool) -> bool:
-        """`re.fullmatch` of the pattern on `name`; with `prefix`, `re.match` (any prefix may match)."""
+        """`re.fullmatch` of the pattern on `name`; with `prefix`, `re.match` (any prefix may match).
+        A remembered move costs one step; a new one also the states it visits."""
         if len(self.sets) > MAX_REMEMBERED_SETS:
             self._forget()
+        moves, sets, accepting = self.moves, self.sets, self.accepting
         set_id = self._move(-1, "", _at_end(name, 0), True)
+        num_chars = 0
         for pos, ch in enumerate(name):
-            if prefix and self.accepting[set_id]:
-                return True
-            if not self.sets[set_id]:
-                return False
-            set_id = self._move(set_id, ch, _at_end(name, pos + 1), False)
-        return self.accepting[set_id]
+            if (prefix and accepting[set_id]) or not sets[set_id]:
+                break
+            num_chars += 1
+            at_end = pos + 2 >= len(name) and _at_end(name, pos + 1)
+            known = moves.get((set_id, ch, at_end, False))
+            set_id = known if known is not None else self._move(set_id, ch, at_end, False)
+        self.nfa.budget.spend(num_chars)
+        return accepting[set_id]
 
     def _move(self, set_id: int, ch: str, at_end: bool, at_start: bool) -> int:
-        """The live set after reading `ch` from set `set_id` (-1, "": the start)."""
+        """The live set after reading `ch` from set `set_id` (-1, "": the start), computed once."""
         key = (set_id, ch, at_end, at_start)
         known = self.moves.get(key)
-        self.nfa.budget.spend(1)
         if known is not None:
             return known
         seeds = [self.nfa.start] if set_id < 0 else self._step(self.sets[set_id], ch)
