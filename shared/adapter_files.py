@@ -5,7 +5,8 @@ roots (adapters loaded at run time), every file read from it must also resolve i
 of the roots once links are followed. Adapters elsewhere (start-up `--lora-modules`, which
 are trusted) may link anywhere, e.g. into a Hugging Face cache's `blobs/`. The resolved file
 is opened, not the link, and anything but a regular file (a FIFO, a device) is refused
-without blocking.
+without blocking; on Linux the opened file's path is checked again, so a directory swapped
+for a link between the check and the open is refused too.
 """
 
 from __future__ import annotations
@@ -45,7 +46,18 @@ def open_file(directory: str, name: str, roots: Sequence[str]) -> tuple[int, str
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise AdapterError(f"{name} is not a regular file.")
+    if _opened_path(fd) not in (real, None):  # a directory on the way was swapped for a link since
+        os.close(fd)
+        raise AdapterError(f"{name} changed while it was being opened; refused.")
     return fd, real
+
+
+def _opened_path(fd: int) -> str | None:
+    """The path the kernel opened for `fd` (Linux); None where that cannot be known."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
 
 
 def read_at(fd: int, offset: int, num_bytes: int, name: str) -> bytes:

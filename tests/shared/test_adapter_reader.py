@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from shared import adapter_format, safetensors_header
+from shared import adapter_files, adapter_format, safetensors_header
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterError, BaseShapes, read_manifest
 from shared.safetensors_header import read_header
 from tests.model_factory import make_tiny_checkpoint
@@ -160,3 +160,19 @@ def test_unforeseen_failures_become_a_400_with_their_cause(copy: Path, base: Bas
 
 def test_a_nul_byte_in_the_path_is_a_refusal(base: BaseShapes) -> None:
     _refused(Path("/tmp/a\0b"), base, "NUL")
+
+
+def test_a_directory_swapped_for_a_link_while_opening_is_refused(copy: Path, root: Path, base: BaseShapes,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    outside = Path(shutil.copytree(copy, root.parent / "outside" / "copy"))
+    real_open = os.open
+
+    def racing_open(path: str, flags: int, *args: int) -> int:  # the race: checked, then swapped, then opened
+        if Path(path).parent == copy and not copy.is_symlink():
+            os.replace(copy, root / "moved")
+            copy.symlink_to(outside)
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(adapter_files.os, "open", racing_open)
+    error = _refused(copy, base, "changed while it was being opened", roots=(root,))
+    assert str(outside) not in error.message
