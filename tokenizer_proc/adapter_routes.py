@@ -50,7 +50,7 @@ def add_adapter_routes(app: FastAPI, engine: EngineClientBase, config: EngineCon
         real = adapters.allowed_real_path(req.lora_path, config.lora_allowed_dirs)
         if base is None:  # enable_lora implies base shapes; kept for the type checker
             raise RuntimeError("LoRA is enabled but the base shapes are unknown")
-        manifest = await asyncio.to_thread(adapters.validate, real, base, config.max_lora_rank)
+        manifest = await asyncio.to_thread(adapters.validate, real, base, config)
         reply = await engine.adapter_op(_load_event(req.lora_name, manifest, req.load_inplace))
         if reply.code != 200:
             return error_response(reply.code, reply.message, "lora_name")
@@ -66,7 +66,8 @@ def add_adapter_routes(app: FastAPI, engine: EngineClientBase, config: EngineCon
 
 
 def validate_startup_adapters(config: EngineConfig, base: BaseShapes | None) -> list[tuple[str, AdapterManifest]]:
-    """Check every `--lora-modules` adapter (trusted: no allowed-dir check) before serving."""
+    """Check every `--lora-modules` adapter before serving (trusted: its directory may lie
+    outside every --lora-allowed-dir, and its files then link anywhere)."""
     if config.lora_modules and not config.enable_lora:
         raise StartupAdapterError("--lora-modules needs --enable-lora")
     checked = []
@@ -74,7 +75,8 @@ def validate_startup_adapters(config: EngineConfig, base: BaseShapes | None) -> 
         if base is None:
             raise StartupAdapterError("LoRA is enabled but the base shapes are unknown")
         try:
-            checked.append((name, read_manifest(path, base, config.max_lora_rank)))
+            checked.append((name, read_manifest(path, base, config.max_lora_rank, config.lora_allowed_dirs,
+                                                check_weights=True)))
         except AdapterError as e:
             raise StartupAdapterError(f"start-up adapter '{name}' at {path}: {e.message}") from None
     return checked

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import unicodedata
 from typing import Any
 
 from shared.adapter_format import AdapterError, AdapterManifest, BaseShapes, read_manifest
@@ -53,9 +54,19 @@ def require_lora(config: EngineConfig) -> None:
         raise ApiError(400, "LoRA is not enabled; start the server with --enable-lora.", "lora_name")
 
 
+MAX_NAME_CHARS = 256
+_REFUSED_CATEGORIES = ("Cc", "Cs", "Zl", "Zp")  # controls, lone surrogates, line/paragraph separators
+
+
 def check_name(name: str, config: EngineConfig) -> None:
+    """An adapter name is a model id and a metrics label: short, no control characters or stray spaces."""
     if not name or name != name.strip():
         raise ApiError(400, "lora_name must be a non-empty name without surrounding spaces.", "lora_name")
+    if len(name) > MAX_NAME_CHARS:
+        raise ApiError(400, f"lora_name is longer than {MAX_NAME_CHARS} characters.", "lora_name")
+    if any(unicodedata.category(ch) in _REFUSED_CATEGORIES for ch in name):
+        raise ApiError(400, "lora_name must not hold control characters, line separators or lone surrogates.",
+                       "lora_name")
     if name == config.served_model_name:
         raise ApiError(400, f"lora_name `{name}` is the base model's name.", "lora_name")
 
@@ -75,14 +86,14 @@ def allowed_real_path(path: str, roots: tuple[str, ...]) -> str:
     raise ApiError(400, f"lora_path `{path}` is not inside any --lora-allowed-dir.", "lora_path")
 
 
-def validate(path: str, base: BaseShapes, max_lora_rank: int) -> AdapterManifest:
-    """read_manifest, its refusals turned into OpenAI-shaped errors."""
+def validate(path: str, base: BaseShapes, config: EngineConfig) -> AdapterManifest:
+    """read_manifest (weights included: NaN or infinite values are refused), its refusals
+    turned into OpenAI-shaped errors. Called off the event loop (asyncio.to_thread): it reads
+    the whole adapter."""
     try:
-        return read_manifest(path, base, max_lora_rank)
+        return read_manifest(path, base, config.max_lora_rank, config.lora_allowed_dirs, check_weights=True)
     except AdapterError as e:
         raise ApiError(e.code, e.message, e.param) from None
-    except OSError as e:  # e.g. permission denied: say what, never how
-        raise ApiError(400, f"The adapter at `{path}` cannot be read ({type(e).__name__}).", "lora_path") from None
 
 
 def resolve_lora(model: str, lora_path: str | None, config: EngineConfig, registry: AdapterRegistry) -> str | None:

@@ -29,9 +29,11 @@ class CpuAdapter:
 
 
 class CpuTier:
-    def __init__(self, base: BaseShapes, max_lora_rank: int, dtype: torch.dtype, pin_memory: bool) -> None:
+    def __init__(self, base: BaseShapes, max_lora_rank: int, allowed_dirs: tuple[str, ...], dtype: torch.dtype,
+                 pin_memory: bool) -> None:
         self.base = base
         self.max_lora_rank = max_lora_rank
+        self.allowed_dirs = allowed_dirs  # the same containment rule as the HTTP process
         self.dtype = dtype
         self.pin_memory = pin_memory
         self.adapters: dict[int, CpuAdapter] = {}  # version_id -> CPU copy
@@ -48,10 +50,10 @@ class CpuTier:
         self.adapters.pop(version_id, None)
 
     def _read(self, version_id: int, path: str) -> CpuAdapter:
-        manifest = read_manifest(path, self.base, self.max_lora_rank)
+        manifest = read_manifest(path, self.base, self.max_lora_rank, self.allowed_dirs)
         tensors = {}
         try:
-            with safe_open(f"{manifest.path}/{WEIGHTS_FILE}", framework="pt", device="cpu") as f:
+            with safe_open(manifest.weights_path, framework="pt", device="cpu") as f:  # the checked file, not a link
                 for m in manifest.modules:
                     a, b = self._tensor(f, m.a_key), self._tensor(f, m.b_key)
                     tensors[(m.layer, m.kind)] = (a, b, m.scaling)

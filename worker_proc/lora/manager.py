@@ -38,7 +38,7 @@ class LoraManager:
                 self.weights[name] = module.attach_lora(config.max_loras, config.max_lora_rank, name != "lm_head")
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the unstacked weights just freed
-        self.cpu = CpuTier(base, config.max_lora_rank, dtype, pin_memory=device.type == "cuda")
+        self.cpu = CpuTier(base, config.max_lora_rank, config.lora_allowed_dirs, dtype, pin_memory=device.type == "cuda")
         self.slots: dict[int, int] = {}  # slot -> version_id
 
     def load(self, slot: int, version_id: int, path: str) -> None:

@@ -1,0 +1,64 @@
+"""Adapter names are model ids and metrics labels: `/v1/load_lora_adapter` refuses long names
+and names with control characters, line separators or lone surrogates, before the path is
+looked at, and registers nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import AsyncIterator
+
+import httpx
+import pytest
+
+from shared.config import EngineConfig
+from tests.peft_util import make_tiny_peft_adapter
+from tests.tokenizer_proc.fake_engine import FakeEngine
+from tokenizer_proc.adapters import MAX_NAME_CHARS
+from tokenizer_proc.app import build_app
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(scope="module")
+def lora_root(demo_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("loras")
+    make_tiny_peft_adapter(demo_model_dir, root / "sql", seed=1)
+    return root
+
+
+@pytest.fixture
+async def client(tokenizer, demo_model_dir: str, lora_root: Path) -> AsyncIterator[tuple[httpx.AsyncClient, FakeEngine]]:
+    engine = FakeEngine()
+    config = EngineConfig(model_dir=demo_model_dir, served_model_name="demo", max_model_len=64, enable_lora=True,
+                          lora_allowed_dirs=(str(lora_root),))
+    app = build_app(engine, tokenizer, config)
+    await engine.start()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+        yield c, engine
+
+
+def _body(name: str, path: Path) -> bytes:
+    return json.dumps({"lora_name": name, "lora_path": str(path)}).encode()  # ensure_ascii: "\ud800" stays escaped
+
+
+@pytest.mark.parametrize("name", ["x" * (MAX_NAME_CHARS + 1), "new\nline", "tab\there", "bell\x07", "del\x7f",
+                                  "c1\x85", "sep\u2028", "para\u2029", "lone\ud800"])
+async def test_bad_names_are_refused(client, lora_root: Path, name: str) -> None:
+    c, engine = client
+    r = await c.post("/v1/load_lora_adapter", content=_body(name, lora_root / "sql"),
+                     headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "lora_name" and error["code"] == 400
+    assert engine.registry == {} and not engine.received
+
+
+@pytest.mark.parametrize("name", ["x" * MAX_NAME_CHARS, "sql-v2.1_ß", "日本語", "emoji-\U0001f600"])
+async def test_good_names_load(client, lora_root: Path, name: str) -> None:
+    c, engine = client
+    r = await c.post("/v1/load_lora_adapter", content=_body(name, lora_root / "sql"),
+                     headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    assert list(engine.registry) == [name]
+    assert name in [m["id"] for m in (await c.get("/v1/models")).json()["data"]]
