@@ -8,6 +8,7 @@ from typing import Any
 from shared import events as ev
 from shared.config import EngineConfig
 from shared.eventlog import EventLogReader, EventLogWriter, parse_header
+from shared.eventlog.format import SCHEMA_VERSION, encode_header
 
 from tests.scheduler_proc.driver import Driver
 from tests.scheduler_proc.workload import run_workload
@@ -26,12 +27,25 @@ def record(directory: Any, seed: int = 3, num_events: int = 80, **writer_args: A
 
 
 def rewrite(path: str, directory: Any, change: Any) -> str:
-    """Copy the log into `directory`, passing each (seq, event) through `change`."""
+    """Copy the log into `directory`, passing each (seq, event) through `change`. The copy
+    keeps the source's schema version, so replay reads its decisions by the same rules."""
     reader = EventLogReader(path)
     with EventLogWriter(str(directory), reader.config_json, run_id="copy") as writer:
         for seq, event in reader:
             writer.append(change(seq, event))
+    with open(path, "rb") as f:
+        schema_version = parse_header(f.read()).schema_version
+    if schema_version < SCHEMA_VERSION:
+        _with_old_header(writer.path, reader.config_json, schema_version)
     return writer.path
+
+
+def _with_old_header(path: str, config_json: bytes, schema_version: int) -> None:
+    """Give a one-segment log written today the header of an older schema (no segment info)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(encode_header(config_json, None, schema_version) + data[parse_header(data).size :])
 
 
 def record_offsets(path: str) -> list[int]:

@@ -43,6 +43,9 @@ class Sink:
     def send(self, frame: bytes, flags: int = 0) -> None:
         self.sent.append(frame)
 
+    def close(self, linger: int | None = None) -> None:
+        pass
+
 
 def _log_bytes(directory: str) -> int:
     return sum(os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory) if parse_name(n))

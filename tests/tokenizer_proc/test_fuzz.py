@@ -10,11 +10,14 @@ ending in [DONE]).
 2. Unicode edge cases in every text field (EDGE_EXAMPLES each, derandomized): lone
    surrogates, NUL, U+2028/2029, U+0085, combining and right-to-left marks, emoji and other
    astral characters, long strings; streamed and not.
+3. Adapter configs: random values for every adapter_config.json field (the reader's own
+   property-test strategies) loaded through /v1/load_lora_adapter.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from typing import Any, Callable
 
@@ -173,3 +176,51 @@ def _is_utf8_text(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+ADAPTER_EXAMPLES = 60
+
+
+@pytest.fixture(scope="module")
+def adapter_client(tokenizer, demo_model_dir: str, tmp_path_factory: pytest.TempPathFactory):
+    """An app whose allowed dir holds one good adapter of the demo model, whose config each case rewrites."""
+    from tests.adapter_factory import make_peft_adapter
+
+    root = tmp_path_factory.mktemp("fuzz-adapters")
+    path = make_peft_adapter(demo_model_dir, root / "a", r=4, alpha=8, targets=["q_proj", "v_proj"])
+    config = EngineConfig(model_dir=demo_model_dir, served_model_name="demo", max_model_len=64,
+                          enable_lora=True, max_lora_rank=16, lora_allowed_dirs=(str(root),))
+    engine = FakeEngine()
+    return TestClient(build_app(engine, tokenizer, config), raise_server_exceptions=False), engine, path
+
+
+def test_adapter_configs_over_http(adapter_client) -> None:
+    """Random adapter configs (every field, plausible and hostile values) through
+    /v1/load_lora_adapter: a 200 that registers, or a 400 in the OpenAI shape; never a 5xx,
+    and the server answers a completion after each."""
+    from tests.shared.test_adapter_fuzz import FIELDS, PLAUSIBLE
+
+    client, engine, path = adapter_client
+    config_path = os.path.join(path, "adapter_config.json")
+    good = json.loads(open(config_path).read())
+    statuses: Counter[int] = Counter()
+
+    @settings(max_examples=ADAPTER_EXAMPLES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(changes=st.fixed_dictionaries({}, optional={field: PLAUSIBLE[field] for field in FIELDS}))
+    def run(changes: dict[str, Any]) -> None:
+        with open(config_path, "w") as f:
+            json.dump({**good, **changes}, f)
+        name = f"a{sum(statuses.values())}"
+        response = client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+        statuses[response.status_code] += 1
+        assert response.status_code in (200, 400), (changes, response.status_code, response.text[:300])
+        if response.status_code == 400:
+            error = _strict_json(response.text)["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["code"] == 400, response.text
+        assert (name in engine.registry) == (response.status_code == 200)
+        done = client.post("/v1/completions", json=COMPLETION)
+        assert done.status_code == 200, done.text[:300]
+
+    run()
+    assert statuses[200] > 0 and statuses[400] > 0, statuses
