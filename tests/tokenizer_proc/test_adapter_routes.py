@@ -30,11 +30,6 @@ def lora_root(demo_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> 
     return root
 
 
-@pytest.fixture
-def engine() -> FakeEngine:
-    return FakeEngine()
-
-
 def _config(demo_model_dir: str, **kw: object) -> EngineConfig:
     return EngineConfig(model_dir=demo_model_dir, served_model_name=MODEL, max_model_len=64, **kw)  # type: ignore[arg-type]
 

@@ -15,11 +15,6 @@ MODEL = "demo"
 
 
 @pytest.fixture
-def engine() -> FakeEngine:
-    return FakeEngine()
-
-
-@pytest.fixture
 async def client(engine: FakeEngine, tokenizer, demo_model_dir: str) -> AsyncIterator[httpx.AsyncClient]:
     config = EngineConfig(model_dir=demo_model_dir, served_model_name=MODEL, max_model_len=64)
     transport = httpx.ASGITransport(app=build_app(engine, tokenizer, config))

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, AsyncIterator
+from typing import Any
 
-import httpx
 import pytest
 
-from tests.tokenizer_proc.app_client import MODEL, app_client, assert_error, assert_still_serves
-from tests.tokenizer_proc.fake_engine import FakeEngine
+from tests.tokenizer_proc.app_client import MODEL, assert_error, assert_still_serves
 from tokenizer_proc.responses import LOGPROB_FLOOR, NonFiniteOutput, to_json
 
 pytestmark = pytest.mark.anyio
@@ -32,17 +30,6 @@ def stream_events(body: str) -> list[Any]:
     chunks = [line[len("data: "):] for line in body.split("\n\n") if line.startswith("data: ")]
     assert chunks[-1] == "[DONE]", body[-200:]
     return [strict_json(chunk) for chunk in chunks[:-1]]
-
-
-@pytest.fixture
-def engine() -> FakeEngine:
-    return FakeEngine()
-
-
-@pytest.fixture
-async def client(engine, tokenizer, demo_model_dir: str) -> AsyncIterator[httpx.AsyncClient]:
-    async with app_client(engine, tokenizer, demo_model_dir) as c:
-        yield c
 
 
 async def test_minus_infinity_becomes_the_floor(client, engine) -> None:

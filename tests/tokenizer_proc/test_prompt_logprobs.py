@@ -21,11 +21,6 @@ MESSAGES = [{"role": "user", "content": "hi there"}]
 
 
 @pytest.fixture
-def engine() -> FakeEngine:
-    return FakeEngine()
-
-
-@pytest.fixture
 async def client(engine: FakeEngine, tokenizer, demo_model_dir: str) -> AsyncIterator[httpx.AsyncClient]:
     config = EngineConfig(model_dir=demo_model_dir, served_model_name=MODEL, max_model_len=64)
     app = build_app(engine, tokenizer, config)

@@ -5,14 +5,11 @@ reaches the engine. Each refusal is followed by a good request within a 1 s clie
 
 from __future__ import annotations
 
-from typing import AsyncIterator
 
-import httpx
 import openai
 import pytest
 
-from tests.tokenizer_proc.app_client import MODEL, app_client, assert_error, assert_still_serves
-from tests.tokenizer_proc.fake_engine import FakeEngine
+from tests.tokenizer_proc.app_client import MODEL, assert_error, assert_still_serves
 from tokenizer_proc.protocol import MAX_LOGIT_BIAS
 
 pytestmark = pytest.mark.anyio
@@ -22,17 +19,6 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 BASE = {CHAT: {"model": MODEL, "messages": MESSAGES, "max_tokens": 2},
         COMPLETIONS: {"model": MODEL, "prompt": "hi", "max_tokens": 2}}
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
-
-
-@pytest.fixture
-def engine() -> FakeEngine:
-    return FakeEngine()
-
-
-@pytest.fixture
-async def client(engine, tokenizer, demo_model_dir: str) -> AsyncIterator[httpx.AsyncClient]:
-    async with app_client(engine, tokenizer, demo_model_dir) as c:
-        yield c
 
 
 @pytest.mark.parametrize(

@@ -30,11 +30,6 @@ CHAT = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
 
 
 @pytest.fixture
-def engine() -> FakeEngine:
-    return FakeEngine()
-
-
-@pytest.fixture
 async def client(engine, tokenizer, demo_model_dir: str, tmp_path) -> AsyncIterator[httpx.AsyncClient]:
     async with app_client(engine, tokenizer, demo_model_dir, enable_lora=True,
                           lora_allowed_dirs=(str(tmp_path),)) as c:
