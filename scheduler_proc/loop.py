@@ -26,7 +26,9 @@ TO_TOKENIZER_TYPES = (
     events.EngineReady,
     events.AdapterOpReplied,
 )
-TO_WORKER_TYPES = (events.StepPlan, events.AdapterSlotAssigned, events.AdapterEvicted, events.AdapterCpuEvicted)
+TO_WORKER_TYPES = (
+    events.StepPlan, events.AdapterSlotAssigned, events.AdapterEvicted, events.AdapterCpuEvicted, events.AdapterPrefetched,
+)
 
 
 class SchedulerShell:

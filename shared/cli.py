@@ -49,6 +49,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add("--max-cpu-loras", type=int, default=None, help="adapter versions kept in CPU memory (default: max(32, --max-loras))")
     add("--lora-allowed-dir", action="append", default=[], metavar="DIR",
         help="root that adapters loaded at run time must resolve inside (repeatable); none: runtime loading is refused")
+    add("--lora-overlap-loading", action=argparse.BooleanOptionalAction, default=EngineConfig.lora_overlap_loading,
+        help="load adapters (disk -> CPU -> GPU slot) beside the running steps, prefetching from the waiting queue; "
+             "--no-lora-overlap-loading loads each in command order, before the step that needs it")
+    add("--lora-max-wait-steps", type=int, default=EngineConfig.lora_max_wait_steps,
+        help="steps an adapter request may be overtaken by requests of resident adapters before nothing may pass it")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -48,6 +48,8 @@ class EngineConfig:
     event_log_max_bytes: int = 256 * 1024 * 1024  # rotate segments past this size
     async_scheduling: bool = False  # plan step s + 1 while step s runs, so the GPU never waits on the host
     event_log_max_total_bytes: int = 4 * 1024**3  # retention bound of the log directory; 0: unlimited
+    lora_overlap_loading: bool = True  # adapter loads run beside the steps; False: in command order (the reference)
+    lora_max_wait_steps: int = 16  # steps a waiting adapter request may be overtaken before nothing may pass it
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -76,6 +78,7 @@ def _validate(cfg: EngineConfig) -> None:
         (cfg.max_loras >= 1, "max_loras must be >= 1"),
         (cfg.max_lora_rank >= 1, "max_lora_rank must be >= 1"),
         (cfg.max_cpu_loras >= cfg.max_loras, "max_cpu_loras must be >= max_loras"),
+        (cfg.lora_max_wait_steps >= 1, "lora_max_wait_steps must be >= 1"),
         (cfg.event_log_fsync in ("never", "step", "always"), f"unknown event_log_fsync {cfg.event_log_fsync!r}"),
         (cfg.event_log_max_bytes >= 4096, "event_log_max_bytes must be >= 4096"),
         (cfg.event_log_max_total_bytes == 0 or cfg.event_log_max_total_bytes >= 2 * cfg.event_log_max_bytes,

@@ -46,6 +46,7 @@ class AdapterLoadRequested(Event):
     max_rank: int
     num_bytes: int
     load_inplace: bool = False
+    content_digest: int = 0  # xxh64 of the files as the HTTP process read them (shared.adapter_digest)
 
 
 class AdapterUnloadRequested(Event):
@@ -179,11 +180,22 @@ class StepPlan(Event):
 
 class AdapterSlotAssigned(Event):
     """Load adapter `version_id` (from `path`, or from the worker's CPU copy) into GPU
-    `slot`, replacing whatever was there. Sent before the StepPlan that first uses it."""
+    `slot`, which is free. Sent before the StepPlan that first uses it; with overlapped
+    loading a plan uses the slot only once every rank reported AdapterLoadCompleted."""
 
     slot: int
     version_id: int
     path: str
+    content_digest: int = 0  # what the files must still hash to (0: not checked)
+
+
+class AdapterPrefetched(Event):
+    """Stage `version_id` into the workers' CPU tier (disk -> pinned memory) ahead of use:
+    at registration, or for a request near the head of the waiting queue."""
+
+    version_id: int
+    path: str
+    content_digest: int = 0
 
 
 class AdapterEvicted(Event):
@@ -216,13 +228,20 @@ class WorkerReady(Event):
 
 
 class AdapterLoadCompleted(Event):
+    """One rank finished a load: into GPU `slot`, or into its CPU tier (`slot` -1, an
+    AdapterPrefetched). Wall-clock facts of the load travel with it, as input."""
+
     rank: int
     slot: int
     version_id: int
+    source_tier: str = ""  # where the bytes came from: "disk" or "cpu"
+    duration_ms: float = 0.0  # from the command's arrival on the worker to the load's end
+    num_bytes: int = 0  # bytes moved
 
 
 class AdapterLoadFailed(Event):
-    """A worker could not load an adapter version (file gone, truncated, ...)."""
+    """A worker could not load an adapter version (file gone, truncated, its content no
+    longer the registered version's, ...); `slot` -1: a CPU-tier staging failed."""
 
     rank: int
     slot: int
@@ -288,6 +307,7 @@ class AdapterRegistered(Event):
     version_id: int
     path: str
     replaced_version_id: int = 0  # the version a load_inplace superseded, 0 if none
+    content_digest: int = 0
 
 
 class AdapterUnloaded(Event):
@@ -345,7 +365,7 @@ class LogClosed(Event):
 
 ToScheduler = Union[RequestArrived, RequestAborted, AdapterLoadRequested, AdapterUnloadRequested]
 FromScheduler = Union[TokensEmitted, RequestRejected, EngineFailed, EngineReady, EngineStats, AdapterOpReplied]
-ToWorker = Union[StepPlan, Shutdown, AdapterSlotAssigned, AdapterEvicted, AdapterCpuEvicted]
+ToWorker = Union[StepPlan, Shutdown, AdapterSlotAssigned, AdapterEvicted, AdapterCpuEvicted, AdapterPrefetched]
 FromWorker = Union[WorkerReady, StepCompleted, RankDigest, WorkerFailed, AdapterLoadCompleted, AdapterLoadFailed]
 # What the core takes in, and what it decides; the log holds both, and LogClosed.
 INPUT_TYPES: tuple[type, ...] = (
@@ -356,7 +376,7 @@ DECISION_TYPES: tuple[type, ...] = (
     StepPlan, TokensEmitted, RequestRejected, EngineFailed, RequestFinished, RequestPreempted,
     StateDigest, Shutdown, AdapterOpReplied, AdapterRegistered, AdapterUnloaded,
     AdapterSlotAssigned, AdapterEvicted, AdapterEvictionDeferred, AdapterCpuEvicted,
-    DigestMismatch, PrefixCached, NamespaceEvicted,
+    DigestMismatch, PrefixCached, NamespaceEvicted, AdapterPrefetched,
 )
 CoreInput = Union[INPUT_TYPES]  # type: ignore[valid-type]
 Decision = Union[DECISION_TYPES]  # type: ignore[valid-type]

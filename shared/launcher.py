@@ -104,6 +104,8 @@ def resolve_config(args: argparse.Namespace, run_dir: str) -> EngineConfig:
         max_cpu_loras=max(32, args.max_loras) if args.max_cpu_loras is None else args.max_cpu_loras,
         lora_modules=tuple(parse_lora_module(spec) for spec in args.lora_modules),
         lora_allowed_dirs=tuple(os.path.realpath(d) for d in args.lora_allowed_dir),
+        lora_overlap_loading=args.lora_overlap_loading,
+        lora_max_wait_steps=args.lora_max_wait_steps,
     )
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from shared.config import EngineConfig
 
-_POSITIVE = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "tensor_parallel_size", "max_loras", "max_cpu_loras", "lora_aging_steps", "max_steps_in_flight")
+_POSITIVE = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "tensor_parallel_size", "max_loras", "max_cpu_loras", "lora_max_wait_steps", "max_steps_in_flight")
 
 
 @dataclass(frozen=True)
@@ -19,11 +19,15 @@ class CoreConfig:
     max_loras: int = 8  # GPU slots = distinct adapters per step
     max_cpu_loras: int = 32  # adapter versions kept in the workers' CPU tier
     enable_lora: bool = False
-    lora_aging_steps: int = 16  # steps a cap-blocked request waits before nothing may overtake it
+    lora_max_wait_steps: int = 16  # steps a cap-blocked request waits before nothing may overtake it
     max_steps_in_flight: int = 1  # 2: async scheduling, step s + 1 planned while step s runs
     # True only to replay schema 1 logs: an evicted prefix namespace then stays in the state
     # (and in every StateDigest) for good, instead of leaving once its version is dropped.
     keep_dropped_namespaces: bool = False
+    # True: slots are loaded ahead (prefetch from the waiting queue) and a request runs once its
+    # slot is ready on every rank (AdapterLoadCompleted). False, the reference path: a step's
+    # slots are assigned as it is planned and the workers load them in command order before it.
+    lora_overlap_loading: bool = False
 
     def __post_init__(self) -> None:
         for name in _POSITIVE:
@@ -34,7 +38,7 @@ class CoreConfig:
             raise ValueError(f"CoreConfig.max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         if self.max_steps_in_flight > 2:
             raise ValueError(f"CoreConfig.max_steps_in_flight must be 1 or 2, got {self.max_steps_in_flight}")
-        for name in ("enable_lora", "keep_dropped_namespaces"):
+        for name in ("enable_lora", "keep_dropped_namespaces", "lora_overlap_loading"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CoreConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -49,5 +53,7 @@ class CoreConfig:
             max_loras=cfg.max_loras,
             max_cpu_loras=cfg.max_cpu_loras,
             enable_lora=cfg.enable_lora,
+            lora_max_wait_steps=cfg.lora_max_wait_steps,
             max_steps_in_flight=2 if cfg.async_scheduling else 1,
+            lora_overlap_loading=cfg.lora_overlap_loading,
         )

@@ -6,7 +6,7 @@ every running request (their slots are pinned) and those admitted this step. Wai
 requests go FCFS with adapter affinity: one whose adapter would exceed the cap is skipped
 (it keeps its place) and later requests of adapters already in the step, or of the base
 model, go ahead. Aging bounds this: once a skipped request has waited
-`lora_aging_steps` steps since arrival, no adapter request behind it may overtake it, so
+`lora_max_wait_steps` steps since arrival, no adapter request behind it may overtake it, so
 the running adapters drain and it gets a slot. Only admitted requests count toward the cap.
 """
 
@@ -134,7 +134,7 @@ class Scheduler:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if req.version_id and (is_barred or not self._fits_cap(req.version_id, version_ids)):
-                is_barred = is_barred or step - req.arrival_step >= self.config.lora_aging_steps
+                is_barred = is_barred or step - req.arrival_step >= self.config.lora_max_wait_steps
                 continue
             match = self._match_prefix(req)
             num_tokens = min(req.num_tokens - match.num_cached_tokens, budget)

@@ -14,6 +14,9 @@ is known to be trimmed.
 
 Schema 1 (still read): the same without `info_len` and `info`. Its logs also hold
 StateDigests that list every prefix namespace ever evicted (`CoreConfig.keep_dropped_namespaces`).
+
+Schema 2 (still read): the format of schema 3; its engines loaded every adapter in command
+order, so it replays with `CoreConfig.lora_overlap_loading` off whatever its config says.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ import xxhash
 from shared import codec
 
 MAGIC = b"LSEVTLOG"
-SCHEMA_VERSION = 2
-READABLE_SCHEMA_VERSIONS = (1, 2)
+SCHEMA_VERSION = 3
+READABLE_SCHEMA_VERSIONS = (1, 2, 3)
 MAX_RECORD_BYTES = 1 << 28
 U32 = struct.Struct("<I")
 RECORD_HEAD = struct.Struct("<II")  # length, crc32

@@ -189,12 +189,12 @@ class Driver:
         enable_lora: bool = False,
         max_loras: int = 8,
         max_cpu_loras: int = 32,
-        lora_aging_steps: int = 16,
+        lora_max_wait_steps: int = 16,
         max_steps_in_flight: int = 1,
     ) -> None:
         self.config = CoreConfig(
             max_num_seqs, max_num_batched_tokens, block_size, max_model_len, tensor_parallel_size,
-            max_loras=max_loras, max_cpu_loras=max_cpu_loras, enable_lora=enable_lora, lora_aging_steps=lora_aging_steps,
+            max_loras=max_loras, max_cpu_loras=max_cpu_loras, enable_lora=enable_lora, lora_max_wait_steps=lora_max_wait_steps,
             max_steps_in_flight=max_steps_in_flight,
         )
         self.core = Core(self.config)

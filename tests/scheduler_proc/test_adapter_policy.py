@@ -10,7 +10,7 @@ def _first_step_of(d: Driver, req_id: str) -> int | None:
 
 def _skewed(aging_steps: int, num_steps: int = 40) -> Driver:
     """One slot; a new request for `a` every step keeps `a` pinned; `b1` arrives at step 1."""
-    d = Driver(enable_lora=True, max_loras=1, lora_aging_steps=aging_steps, max_num_seqs=8)
+    d = Driver(enable_lora=True, max_loras=1, lora_max_wait_steps=aging_steps, max_num_seqs=8)
     d.load("a")
     d.load("b")
     d.arrive("a0", 3, lora="a", max_tokens=4)

@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def _driver(num_kv_blocks=8, max_num_seqs=4, max_num_batched_tokens=16, max_loras=2, aging=4, log=None) -> Driver:
     return Driver(
         num_kv_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=4,
-        max_model_len=32, enable_lora=True, max_loras=max_loras, max_cpu_loras=max_loras + 1, lora_aging_steps=aging, log=log,
+        max_model_len=32, enable_lora=True, max_loras=max_loras, max_cpu_loras=max_loras + 1, lora_max_wait_steps=aging, log=log,
     )
 
 

@@ -144,7 +144,7 @@ def test_random_adapter_workloads_keep_slots_and_blocks_exact(seed):
 
 def test_async_log_replays_and_its_config_travels_in_the_header(tmp_path):
     engine = EngineConfig(model_dir="m", served_model_name="m", max_model_len=32, max_num_seqs=4,
-                          max_num_batched_tokens=16, block_size=4, async_scheduling=True)
+                          max_num_batched_tokens=16, block_size=4, async_scheduling=True, lora_overlap_loading=False)
     writer = EventLogWriter(str(tmp_path), engine.to_json(), run_id="async")
     d = async_driver(10, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=32, log=writer)
     assert CoreConfig.from_engine(engine) == d.config
