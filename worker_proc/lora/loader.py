@@ -23,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from shared.adapter_types import AdapterError
-from shared.events import AdapterLoadCompleted, AdapterLoadFailed, Event
+from shared.events import AdapterLoadCompleted, AdapterLoadFailed
 from worker_proc.lora.cpu_tier import CpuEntry, CpuTier
 from worker_proc.lora.pinned_pool import PinnedPool
 from worker_proc.lora.reader import ChangedOnDisk, ReadSpec, SlotImage, read_image
