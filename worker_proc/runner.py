@@ -182,6 +182,8 @@ class ModelRunner(AdapterCommands):
             raise ValueError(f"LoRA slot {slot} requested but LoRA is not enabled")
         if 0 <= slot < self.config.max_loras:
             self.lora.loader.ensure_ready(slot)
+            if self.lora.loader.failure(slot):
+                raise ValueError(self.lora.loader.failure(slot))
         if slot not in self.lora.slots:
             raise ValueError(f"LoRA slot {slot} holds no loaded adapter")
 

@@ -18,6 +18,7 @@ from shared.adapter_digest import content_digest
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE
 from shared.events import (
     AdapterCpuEvicted, AdapterEvicted, AdapterLoadCompleted, AdapterLoadFailed, AdapterPrefetched, AdapterSlotAssigned,
+    NewReq, StepPlan,
 )
 from tests.reference import assert_greedy_matches
 from tests.worker_proc.fake_scheduler import FakeScheduler, run_to_completion
@@ -221,3 +222,18 @@ def test_a_prefetched_version_loads_from_the_cpu_tier(lora_setup: LoraSetup) -> 
     assert [(r.slot, r.source_tier) for r in done] == [(4, "cpu")]
     assert done[0].num_bytes == runner.lora.loader.cpu.entries[9].image.layout.num_bytes
     _generate(runner, lora_setup, {"head": 4, "base": -1})
+
+
+def test_a_step_on_a_slot_whose_load_failed_fails_that_request_naming_the_adapter(lora_setup: LoraSetup,
+                                                                                    tmp_path) -> None:
+    runner = _runner(lora_setup)
+    path = str(tmp_path / "gone-adapter")
+    _assign(runner, 0, 1, path)
+    prompt = lora_setup.prompts["base"]
+    blocks = list(range(-(-len(prompt) // BLOCK_SIZE)))
+    reqs = [NewReq("on-slot", prompt, len(prompt), GREEDY, blocks, 0, len(prompt), 0),
+            NewReq("base", prompt, len(prompt), GREEDY, [b + len(blocks) for b in blocks], 0, len(prompt))]
+    done, _ = runner.execute(StepPlan(0, reqs))
+    assert [(f.req_id, f.message.split(":")[0]) for f in done.failed] == [("on-slot", "adapter gone-adapter")]
+    assert [t.req_id for t in done.sampled] == ["base"]
+    assert [(type(r).__name__, r.slot) for r in settle(runner)] == [("AdapterLoadFailed", 0)]

@@ -136,6 +136,11 @@ class AdapterLoader:
         if load is not None and load.done is None and not load.error:
             self._advance(load, block=True)
 
+    def failure(self, slot: int) -> str:
+        """The message of the slot's failed load not reported yet, or ''."""
+        load = self.loads.get(slot)
+        return self._message(load.path, load.error) if load is not None and load.error else ""
+
     def is_busy(self) -> bool:
         return bool(self.loads) or bool(self.replies) or self.cpu.is_busy()
 

@@ -12,7 +12,6 @@ contiguous; a piece that straddles two extents is converted apart and split.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +21,7 @@ from shared.safetensors_header import Header
 from worker_proc.lora.weights import LoraWeights
 
 ALIGN_BYTES = 64
+CHECK_CHUNK_BYTES = 8 << 20  # the finiteness check's temporaries stay this small
 FILE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 # PEFT module kind -> (our module path under a decoder layer, slice of that fused module)
 SLICES = {
@@ -145,6 +145,15 @@ class ImageBytes:
                 return view[start : start + num_bytes] if start + num_bytes <= view.numel() else None
         raise ValueError(f"offset {offset} is outside the image")
 
+    def ranges(self, start: int, stop: int) -> list[torch.Tensor]:
+        """uint8 views covering bytes [start, stop) of the image, one per extent touched."""
+        out = []
+        for i, view in enumerate(self.views):
+            lo, hi = max(start, self.starts[i]), min(stop, self.starts[i + 1])
+            if lo < hi:
+                out.append(view[lo - self.starts[i] : hi - self.starts[i]])
+        return out
+
     def write(self, offset: int, data: torch.Tensor) -> None:
         """Copy `data` [n] uint8 into the image at `offset`, across extents."""
         done = 0
@@ -159,7 +168,8 @@ def fill_image(image: ImageBytes, layout: ImageLayout, slot_layout: SlotLayout, 
                data: torch.Tensor) -> None:
     """Convert the adapter's tensors from `data` (the file's data section, [n] uint8) into the
     image: one fused copy (dtype conversion and B's transpose included), one fused zeroing of
-    B^T's padding columns; AdapterError if a converted value is not finite."""
+    B^T's padding columns and of the alignment gaps; AdapterError if a converted value is not
+    finite (checked over the image's pieces, contiguous, in bounded chunks)."""
     meta = image.region(0, 12 * layout.num_slices)
     assert meta is not None  # the table is smaller than any page
     meta[: 8 * layout.num_slices].view(torch.int64).copy_(torch.tensor(layout.ranks, dtype=torch.int64))
@@ -178,10 +188,33 @@ def fill_image(image: ImageBytes, layout: ImageLayout, slot_layout: SlotLayout, 
     torch._foreach_copy_(dsts, srcs)
     if pads:
         torch._foreach_zero_(pads)
-    if dsts and not bool(torch.stack(torch._foreach_norm(dsts, math.inf)).isfinite().all()):
-        raise AdapterError("the adapter's weights hold NaN or infinite values (in the model's dtype).")
     for offset, tmp in split:
         image.write(offset, tmp.view(-1).view(torch.uint8))
+    _zero_gaps(image, layout, slot_layout)
+    if layout.pieces and not _all_finite(image, layout.pieces[0].a_offset, layout.num_bytes, layout.dtype):
+        raise AdapterError("the adapter's weights hold NaN or infinite values (in the model's dtype).")
+
+
+def _zero_gaps(image: ImageBytes, layout: ImageLayout, slot_layout: SlotLayout) -> None:
+    """Zero the alignment bytes between pieces (stale page contents otherwise)."""
+    elem = layout.dtype.itemsize
+    ends = []  # (end of a piece's data, start of the next thing)
+    for i, p in enumerate(layout.pieces):
+        spec = slot_layout.slices[p.slice]
+        following = layout.pieces[i + 1].a_offset if i + 1 < len(layout.pieces) else layout.num_bytes
+        ends += [(p.a_offset + p.rank * spec.in_features * elem, p.b_offset),
+                 (p.b_offset + p.rank * spec.max_out * elem, following)]
+    for start, stop in ends:
+        for view in image.ranges(start, stop):
+            view.zero_()
+
+
+def _all_finite(image: ImageBytes, start: int, stop: int, dtype: torch.dtype) -> bool:
+    for view in image.ranges(start, stop):
+        for chunk in view.split(CHECK_CHUNK_BYTES):
+            if not bool(torch.isfinite(chunk.view(dtype)).all()):
+                return False
+    return True
 
 
 def _piece(image: ImageBytes, offset: int, rank: int, cols: int, dtype: torch.dtype,
