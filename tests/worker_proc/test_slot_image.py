@@ -11,8 +11,12 @@ import os
 import pytest
 import torch
 
-from shared.adapter_format import BaseShapes, read_manifest
-from shared.events import AdapterCpuEvicted, AdapterEvicted, AdapterLoadCompleted, AdapterSlotAssigned
+from safetensors.torch import load_file, save_file
+
+from shared.adapter_format import WEIGHTS_FILE, BaseShapes, read_manifest
+from shared.events import (
+    AdapterCpuEvicted, AdapterEvicted, AdapterLoadCompleted, AdapterLoadFailed, AdapterSlotAssigned,
+)
 from tests.worker_proc.lora_files import reference_load, write_adapter
 from tests.worker_proc.lora_setup import ALL_SEVEN, LoraSetup, lora_config
 from worker_proc.lora.pinned_pool import PinnedPool, PoolFull
@@ -103,3 +107,21 @@ def test_pool_pages_are_accounted_and_bounded() -> None:
     assert pool.num_used_pages == 0
     with pytest.raises(RuntimeError, match="already free"):
         pool.free(c)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_values_not_finite_in_the_model_dtype_are_refused(lora_setup: LoraSetup, tmp_path, dtype: str) -> None:
+    """A float32 value past float16's range becomes infinite there: refused like a NaN is."""
+    base = _base(lora_setup)
+    runner = ModelRunner(lora_config(lora_setup.base_dir, dtype=dtype))
+    path = write_adapter(str(tmp_path / "big"), base, r=4, targets=["q_proj", "down_proj"], seed=1)
+    weights = os.path.join(path, WEIGHTS_FILE)
+    tensors = load_file(weights)
+    key = sorted(tensors)[-1]
+    tensors[key][0, 0] = 1e6 if dtype == "float16" else float("nan")
+    save_file(tensors, weights)
+    failed = runner.load_adapter(AdapterSlotAssigned(0, 1, path))
+    assert isinstance(failed, AdapterLoadFailed) and "NaN or infinite" in failed.message, failed
+    fine = write_adapter(str(tmp_path / "fine"), base, r=4, targets=["q_proj", "down_proj"], seed=2)
+    assert isinstance(runner.load_adapter(AdapterSlotAssigned(0, 2, fine)), AdapterLoadCompleted)
+    assert runner.lora.slot_table() == [[0, 2]]
