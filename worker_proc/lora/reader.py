@@ -11,6 +11,7 @@ Runs on a loader thread: the reads, the hash and the torch ops release the GIL.
 from __future__ import annotations
 
 import os
+import queue
 import threading
 from dataclasses import dataclass
 
@@ -22,7 +23,8 @@ from shared.adapter_files import file_size, is_inside, open_file, read_at
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterError, BaseShapes, max_tensors, read_manifest
 from shared.safetensors_header import read_header
 from worker_proc.lora.pinned_pool import Extent, PinnedPool
-from worker_proc.lora.slot_image import ImageBytes, ImageLayout, SlotLayout, fill_image
+from worker_proc.lora.image_fill import fill_image
+from worker_proc.lora.slot_image import ImageBytes, ImageLayout, SlotLayout
 
 READ_CHUNK_BYTES = 16 << 20
 _local = threading.local()  # each thread's reusable read buffer
@@ -92,23 +94,48 @@ def _hash_config(directory: str, roots: tuple[str, ...], digest: ContentDigest) 
 
 
 def _read_hashed(fd: int, num_bytes: int, data_offset: int, digest: ContentDigest) -> torch.Tensor:
-    """Hash the whole file; return its data section, read into this thread's buffer."""
+    """Hash the whole file; return its data section, read into this thread's buffer. Each chunk
+    is hashed on a helper thread while the next one is read."""
     digest.update(read_at(fd, 0, data_offset, WEIGHTS_FILE))  # the header (bounded by read_header)
     num_data = num_bytes - data_offset
     buffer = _buffer(num_data)
     view = memoryview(buffer.numpy())
-    done = 0
-    while done < num_data:
-        chunk = view[done : min(num_data, done + READ_CHUNK_BYTES)]
-        try:
-            n = os.preadv(fd, [chunk], data_offset + done)
-        except OSError as e:
-            raise AdapterError(f"{WEIGHTS_FILE} cannot be read ({type(e).__name__}).") from None
-        if n == 0:
-            raise AdapterError(f"{WEIGHTS_FILE} is truncated.")
-        digest.update(chunk[:n])
-        done += n
+    hasher = _Hasher(digest)
+    try:
+        done = 0
+        while done < num_data:
+            chunk = view[done : min(num_data, done + READ_CHUNK_BYTES)]
+            try:
+                n = os.preadv(fd, [chunk], data_offset + done)
+            except OSError as e:
+                raise AdapterError(f"{WEIGHTS_FILE} cannot be read ({type(e).__name__}).") from None
+            if n == 0:
+                raise AdapterError(f"{WEIGHTS_FILE} is truncated.")
+            hasher.feed(chunk[:n])
+            done += n
+    finally:
+        hasher.finish()
     return buffer[:num_data]
+
+
+class _Hasher:
+    """Feeds chunks, in order, to a digest on its own thread (xxhash releases the GIL)."""
+
+    def __init__(self, digest: ContentDigest) -> None:
+        self.chunks: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, args=(digest,), name="adapter-hash", daemon=True)
+        self.thread.start()
+
+    def feed(self, chunk: memoryview) -> None:
+        self.chunks.put(chunk)
+
+    def finish(self) -> None:
+        self.chunks.put(None)
+        self.thread.join()
+
+    def _run(self, digest: ContentDigest) -> None:
+        while (chunk := self.chunks.get()) is not None:
+            digest.update(chunk)
 
 
 def _buffer(num_bytes: int) -> torch.Tensor:

@@ -16,16 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.adapter_types import AdapterError, AdapterManifest
-from shared.safetensors_header import Header
+from shared.adapter_types import AdapterManifest
 from worker_proc.lora.weights import LoraWeights
 
 ALIGN_BYTES = 64
-CHECK_CHUNK_BYTES = 4 << 20  # the finiteness check's temporaries stay this small
-# model dtype -> (its bits as an int, the exponent mask): all exponent bits set is inf or NaN
-EXPONENT_BITS = {torch.float32: (torch.int32, 0x7F800000), torch.bfloat16: (torch.int16, 0x7F80),
-                 torch.float16: (torch.int16, 0x7C00)}
-FILE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 # PEFT module kind -> (our module path under a decoder layer, slice of that fused module)
 SLICES = {
     "q_proj": ("self_attn.qkv_proj", 0),
@@ -165,82 +159,3 @@ class ImageBytes:
             if lo < hi:
                 view[lo - self.starts[i] : hi - self.starts[i]].copy_(data[lo - offset : hi - offset])
                 done = hi - offset
-
-
-def fill_image(image: ImageBytes, layout: ImageLayout, slot_layout: SlotLayout, header: Header,
-               data: torch.Tensor) -> None:
-    """Convert the adapter's tensors from `data` (the file's data section, [n] uint8) into the
-    image: one fused copy (dtype conversion and B's transpose included), one fused zeroing of
-    B^T's padding columns and of the alignment gaps; AdapterError if a converted value is not
-    finite (checked over the image's pieces, contiguous, in bounded chunks)."""
-    meta = image.region(0, 12 * layout.num_slices)
-    assert meta is not None  # the table is smaller than any page
-    meta[: 8 * layout.num_slices].view(torch.int64).copy_(torch.tensor(layout.ranks, dtype=torch.int64))
-    meta[8 * layout.num_slices :].view(torch.float32).copy_(torch.tensor(layout.scalings, dtype=torch.float32))
-    dsts, srcs, pads, split = [], [], [], []
-    for p in layout.pieces:
-        spec = slot_layout.slices[p.slice]
-        a = _file_tensor(data, header, p.a_key).view(p.rank, spec.in_features)  # [rank, in]
-        b = _file_tensor(data, header, p.b_key).view(spec.out_features, p.rank).t()  # [rank, out]
-        for offset, src, cols in ((p.a_offset, a, spec.in_features), (p.b_offset, b, spec.max_out)):
-            dst = _piece(image, offset, p.rank, cols, layout.dtype, split)  # [rank, cols]
-            dsts.append(dst[:, : src.shape[1]])
-            srcs.append(src)
-            if cols > src.shape[1]:
-                pads.append(dst[:, src.shape[1] :])
-    torch._foreach_copy_(dsts, srcs)
-    if pads:
-        torch._foreach_zero_(pads)
-    for offset, tmp in split:
-        image.write(offset, tmp.view(-1).view(torch.uint8))
-    _zero_gaps(image, layout, slot_layout)
-    if layout.pieces and not _all_finite(image, layout.pieces[0].a_offset, layout.num_bytes, layout.dtype):
-        raise AdapterError("the adapter's weights hold NaN or infinite values (in the model's dtype).")
-
-
-def _zero_gaps(image: ImageBytes, layout: ImageLayout, slot_layout: SlotLayout) -> None:
-    """Zero the alignment bytes between pieces (stale page contents otherwise)."""
-    elem = layout.dtype.itemsize
-    ends = []  # (end of a piece's data, start of the next thing)
-    for i, p in enumerate(layout.pieces):
-        spec = slot_layout.slices[p.slice]
-        following = layout.pieces[i + 1].a_offset if i + 1 < len(layout.pieces) else layout.num_bytes
-        ends += [(p.a_offset + p.rank * spec.in_features * elem, p.b_offset),
-                 (p.b_offset + p.rank * spec.max_out * elem, following)]
-    for start, stop in ends:
-        for view in image.ranges(start, stop):
-            view.zero_()
-
-
-def _all_finite(image: ImageBytes, start: int, stop: int, dtype: torch.dtype) -> bool:
-    """No NaN or infinity in bytes [start, stop) of the image, read as `dtype` (its exponent bits)."""
-    if dtype not in EXPONENT_BITS:
-        return all(bool(torch.isfinite(v.view(dtype)).all()) for v in image.ranges(start, stop))
-    bits, mask = EXPONENT_BITS[dtype]
-    for view in image.ranges(start, stop):
-        for chunk in view.split(CHECK_CHUNK_BYTES):
-            if bool(((chunk.view(bits) & mask) == mask).any()):
-                return False
-    return True
-
-
-def _piece(image: ImageBytes, offset: int, rank: int, cols: int, dtype: torch.dtype,
-           split: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
-    """The [rank, cols] destination of a piece: in place, or a temporary written after (split)."""
-    num_bytes = rank * cols * dtype.itemsize
-    region = image.region(offset, num_bytes)
-    if region is not None:
-        return region.view(dtype).view(rank, cols)
-    tmp = torch.empty(rank, cols, dtype=dtype)
-    split.append((offset, tmp))
-    return tmp
-
-
-def _file_tensor(data: torch.Tensor, header: Header, key: str) -> torch.Tensor:
-    """Tensor `key` of the file as a flat view of `data` (copied when its offset is misaligned)."""
-    entry = header.tensors[key]
-    dtype = FILE_DTYPES[entry.dtype]
-    raw = data[entry.start : entry.stop]
-    if entry.start % dtype.itemsize:
-        raw = raw.clone()
-    return raw.view(dtype)
