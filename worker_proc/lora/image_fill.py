@@ -1,14 +1,16 @@
-"""Filling a slot image from an adapter file's data section (worker_proc/lora/slot_image.py).
+"""Filling a slot image from an adapter file's data section (worker_proc/lora/slot_image.py),
+while that section is being read.
 
 Every tensor is converted into its piece in the model dtype, B transposed into B^T (in
 blocks of TRANSPOSE_COLS columns, which torch copies several times faster than a plain 2-D
-transpose), B^T's padding columns and the alignment gaps are zeroed, then the pieces are
-checked finite (exponent bits, in bounded chunks). The copies and the checks are split over a
-few threads in balanced groups; torch releases the GIL in each.
+transpose), as soon as its bytes have arrived; then B^T's padding columns and the alignment
+gaps are zeroed and the pieces checked finite (exponent bits, in bounded chunks). Copies and
+checks run on a few threads in balanced groups; torch releases the GIL in each.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -28,31 +30,91 @@ EXPONENT_BITS = {torch.float32: (torch.int32, 0x7F800000), torch.bfloat16: (torc
 _pool = ThreadPoolExecutor(NUM_FILL_THREADS, "adapter-fill")
 
 
-@dataclass
-class Copies:
-    dsts: list[torch.Tensor]
-    srcs: list[torch.Tensor]
-    pads: list[torch.Tensor]  # B^T's columns past the slice's outputs
-    split: list[tuple[int, torch.Tensor]]  # (offset, temporary) of pieces across two extents
+@dataclass(frozen=True)
+class Copy:
+    end: int  # the source tensor's last byte + 1 in the data section
+    dst: torch.Tensor  # [rank, cols]
+    key: str  # the source tensor
+    shape: tuple[int, int]  # its [rows, cols] in the file
+    transpose: bool  # B: the source's transpose goes to dst
 
 
-def fill_image(image: ImageBytes, layout: ImageLayout, slot_layout: SlotLayout, header: Header,
-               data: torch.Tensor) -> None:
-    """Convert the adapter's tensors from `data` (the file's data section, [n] uint8) into
-    the image; AdapterError if a converted value is not finite."""
-    _write_tables(image, layout)
-    copies = _plan(image, layout, slot_layout, header, data)
-    list(_pool.map(_copy_group, _balanced(list(zip(copies.dsts, copies.srcs)), lambda c: c[0].numel())))
-    if copies.pads:
-        torch._foreach_zero_(copies.pads)
-    for offset, tmp in copies.split:
-        image.write(offset, tmp.view(-1).view(torch.uint8))
-    _zero_gaps(image, layout, slot_layout)
-    if not layout.pieces:
-        return
-    chunks = [c for v in image.ranges(layout.pieces[0].a_offset, layout.num_bytes) for c in v.split(CHECK_CHUNK_BYTES)]
-    if not all(_pool.map(lambda group: _all_finite(group, layout.dtype), _balanced(chunks, torch.Tensor.numel))):
-        raise AdapterError("the adapter's weights hold NaN or infinite values (in the model's dtype).")
+class ImageFiller:
+    """Fills an image while the file's data section (`data`, [n] uint8) is being read: the
+    copies whose source bytes have arrived run on the fill threads meanwhile. `finish` waits
+    for them, zeroes padding and gaps, and checks the pieces are finite (AdapterError). Call
+    `wait` before the data buffer or the image is reused, whatever happened."""
+
+    def __init__(self, image: ImageBytes, layout: ImageLayout, slot_layout: SlotLayout, header: Header,
+                 data: torch.Tensor) -> None:
+        self.image, self.layout, self.slot_layout, self.header, self.data = image, layout, slot_layout, header, data
+        _write_tables(image, layout)
+        self.pads: list[torch.Tensor] = []  # B^T's columns past the slice's outputs
+        self.split: list[tuple[int, torch.Tensor]] = []  # (offset, temporary) of pieces across two extents
+        self.copies = sorted(self._plan(), key=lambda c: c.end)
+        self.num_started = 0
+        self.futures: list = []
+
+    def arrived(self, num_bytes: int) -> None:
+        """Bytes [0, num_bytes) of the data section are in: start the copies they complete."""
+        ready = []
+        while self.num_started < len(self.copies) and self.copies[self.num_started].end <= num_bytes:
+            ready.append(self.copies[self.num_started])
+            self.num_started += 1
+        for group in _balanced(ready, lambda c: c.dst.numel()):
+            self.futures.append(_pool.submit(self._copy_group, group))
+
+    def finish(self) -> None:
+        self.arrived(self.data.numel())
+        self.wait()
+        if self.pads:
+            torch._foreach_zero_(self.pads)
+        for offset, tmp in self.split:
+            self.image.write(offset, tmp.view(-1).view(torch.uint8))
+        _zero_gaps(self.image, self.layout, self.slot_layout)
+        if not self.layout.pieces:
+            return
+        views = self.image.ranges(self.layout.pieces[0].a_offset, self.layout.num_bytes)
+        groups = _balanced([c for v in views for c in v.split(CHECK_CHUNK_BYTES)], torch.Tensor.numel)
+        if not all(_pool.map(lambda group: _all_finite(group, self.layout.dtype), groups)):
+            raise AdapterError("the adapter's weights hold NaN or infinite values (in the model's dtype).")
+
+    def abandon(self) -> None:
+        """Wait for every copy started, ignoring failures (the load fails for another reason)."""
+        for future in self.futures:
+            future.exception()
+        self.futures = []
+
+    def wait(self) -> None:
+        """Wait for every copy started; re-raise the first failure."""
+        futures, self.futures = self.futures, []
+        errors = [f.exception() for f in futures]  # waits for all of them
+        for error in errors:
+            if error is not None:
+                raise error
+
+    def _plan(self) -> list[Copy]:
+        copies = []
+        dtype = self.layout.dtype
+        for p in self.layout.pieces:
+            spec = self.slot_layout.slices[p.slice]
+            dst_a = _piece(self.image, p.a_offset, p.rank, spec.in_features, dtype, self.split)
+            copies.append(Copy(self.header.tensors[p.a_key].stop, dst_a, p.a_key, (p.rank, spec.in_features), False))
+            dst_b = _piece(self.image, p.b_offset, p.rank, spec.max_out, dtype, self.split)  # [rank, max_out]
+            copies.append(Copy(self.header.tensors[p.b_key].stop, dst_b[:, : spec.out_features], p.b_key,
+                               (spec.out_features, p.rank), True))
+            if spec.max_out > spec.out_features:
+                self.pads.append(dst_b[:, spec.out_features :])
+        return copies
+
+    def _copy_group(self, group: list[Copy]) -> None:
+        dsts, srcs = [], []
+        for c in group:
+            src = _file_tensor(self.data, self.header, c.key).view(c.shape)
+            dst, src = _transposing(c.dst, src) if c.transpose else (c.dst, src)
+            dsts.append(dst)
+            srcs.append(src)
+        torch._foreach_copy_(dsts, srcs)
 
 
 def _write_tables(image: ImageBytes, layout: ImageLayout) -> None:
@@ -62,25 +124,6 @@ def _write_tables(image: ImageBytes, layout: ImageLayout) -> None:
     assert meta is not None  # the table is smaller than any page
     meta[: 8 * n].view(torch.int64).copy_(torch.tensor(layout.ranks, dtype=torch.int64))
     meta[8 * n :].view(torch.float32).copy_(torch.tensor(layout.scalings, dtype=torch.float32))
-
-
-def _plan(image: ImageBytes, layout: ImageLayout, slot_layout: SlotLayout, header: Header,
-          data: torch.Tensor) -> Copies:
-    copies = Copies([], [], [], [])
-    for p in layout.pieces:
-        spec = slot_layout.slices[p.slice]
-        a = _file_tensor(data, header, p.a_key).view(p.rank, spec.in_features)  # [rank, in]
-        dst_a = _piece(image, p.a_offset, p.rank, spec.in_features, layout.dtype, copies.split)
-        copies.dsts.append(dst_a)
-        copies.srcs.append(a)
-        b = _file_tensor(data, header, p.b_key).view(spec.out_features, p.rank)  # [out, rank]
-        dst_b = _piece(image, p.b_offset, p.rank, spec.max_out, layout.dtype, copies.split)  # [rank, max_out]
-        dst, src = _transposing(dst_b[:, : spec.out_features], b)
-        copies.dsts.append(dst)
-        copies.srcs.append(src)
-        if spec.max_out > spec.out_features:
-            copies.pads.append(dst_b[:, spec.out_features :])
-    return copies
 
 
 def _transposing(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,7 +136,7 @@ def _transposing(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, to
     return dst.view(rank, blocks, TRANSPOSE_COLS), src.view(blocks, TRANSPOSE_COLS, rank).permute(2, 0, 1)
 
 
-def _balanced(items: list, size) -> list[list]:
+def _balanced(items: list, size: Callable) -> list[list]:
     """`items` in NUM_FILL_THREADS groups of about equal total size (largest first, to the lightest)."""
     groups: list[list] = [[] for _ in range(NUM_FILL_THREADS)]
     totals = [0] * NUM_FILL_THREADS
@@ -102,10 +145,6 @@ def _balanced(items: list, size) -> list[list]:
         groups[i].append(item)
         totals[i] += size(item)
     return [g for g in groups if g]
-
-
-def _copy_group(group: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    torch._foreach_copy_([d for d, _ in group], [s for _, s in group])
 
 
 def _zero_gaps(image: ImageBytes, layout: ImageLayout, slot_layout: SlotLayout) -> None:

@@ -4,8 +4,9 @@ The files are checked by the bounded reader (`read_manifest`: containment, confi
 shapes), then read whole with positional reads into a reusable per-thread buffer (no
 per-tensor allocation, nothing unpickled) while they are hashed: the config's bytes, then
 the weights file's. A version registered with a content digest must hash the same, or the
-load fails. Then every tensor is converted into the image (worker_proc/lora/slot_image.py).
-Runs on a loader thread: the reads, the hash and the torch ops release the GIL.
+load fails. Every tensor is converted into the image (worker_proc/lora/image_fill.py) as soon
+as its bytes are in. Runs on a loader thread: the reads, the hash and the torch ops release
+the GIL.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from shared.adapter_digest import ContentDigest
 from shared.adapter_files import file_size, is_inside, open_file, read_at
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterError, BaseShapes, max_tensors, read_manifest
 from shared.safetensors_header import read_header
+from worker_proc.lora.image_fill import ImageFiller
 from worker_proc.lora.pinned_pool import Extent, PinnedPool
-from worker_proc.lora.image_fill import fill_image
 from worker_proc.lora.slot_image import ImageBytes, ImageLayout, SlotLayout
 
 READ_CHUNK_BYTES = 16 << 20
@@ -66,18 +67,19 @@ def read_image(spec: ReadSpec, pool: PinnedPool, version_id: int, path: str, con
     try:
         num_bytes = file_size(fd)
         header = read_header(fd, num_bytes, max_tensors(spec.base))
-        data = _read_hashed(fd, num_bytes, header.data_offset, digest)  # [num_data_bytes] uint8
+        extents = pool.alloc(layout.num_bytes)
+        try:
+            image = ImageBytes([pool.view(e) for e in extents])
+            _read_into(fd, num_bytes, digest, ImageFiller(image, layout, spec.slot_layout, header,
+                                                          _buffer(num_bytes - header.data_offset)))
+            if content_digest and digest.value != content_digest:
+                raise ChangedOnDisk(f"changed on disk since it was registered (its files hash to "
+                                    f"{digest.value:#018x}, registered {content_digest:#018x})")
+        except BaseException:
+            pool.free(extents)
+            raise
     finally:
         os.close(fd)
-    if content_digest and digest.value != content_digest:
-        raise ChangedOnDisk(f"changed on disk since it was registered (its files hash to {digest.value:#018x}, "
-                            f"registered {content_digest:#018x})")
-    extents = pool.alloc(layout.num_bytes)
-    try:
-        fill_image(ImageBytes([pool.view(e) for e in extents]), layout, spec.slot_layout, header, data)
-    except BaseException:
-        pool.free(extents)
-        raise
     return SlotImage(version_id, digest.value, layout, tuple(extents), num_config_bytes + num_bytes)
 
 
@@ -93,13 +95,14 @@ def _hash_config(directory: str, roots: tuple[str, ...], digest: ContentDigest) 
     return num_bytes
 
 
-def _read_hashed(fd: int, num_bytes: int, data_offset: int, digest: ContentDigest) -> torch.Tensor:
-    """Hash the whole file; return its data section, read into this thread's buffer. Each chunk
-    is hashed on a helper thread while the next one is read."""
+def _read_into(fd: int, num_bytes: int, digest: ContentDigest, filler: ImageFiller) -> None:
+    """Hash the whole file and fill the image from its data section, read into this thread's
+    buffer: each chunk is hashed on a helper thread, and the tensors it completes converted on
+    the fill threads, while the next chunk is read."""
+    data_offset = filler.header.data_offset
     digest.update(read_at(fd, 0, data_offset, WEIGHTS_FILE))  # the header (bounded by read_header)
     num_data = num_bytes - data_offset
-    buffer = _buffer(num_data)
-    view = memoryview(buffer.numpy())
+    view = memoryview(filler.data.numpy())
     hasher = _Hasher(digest)
     try:
         done = 0
@@ -113,9 +116,13 @@ def _read_hashed(fd: int, num_bytes: int, data_offset: int, digest: ContentDiges
                 raise AdapterError(f"{WEIGHTS_FILE} is truncated.")
             hasher.feed(chunk[:n])
             done += n
-    finally:
+            filler.arrived(done)
+    except BaseException:
         hasher.finish()
-    return buffer[:num_data]
+        filler.abandon()
+        raise
+    hasher.finish()
+    filler.finish()
 
 
 class _Hasher:
@@ -139,10 +146,10 @@ class _Hasher:
 
 
 def _buffer(num_bytes: int) -> torch.Tensor:
-    """This thread's read buffer, grown (to a power of two) when too small: [>= num_bytes] uint8."""
+    """This thread's read buffer, grown (to a power of two) when too small: [num_bytes] uint8."""
     buffer: torch.Tensor | None = getattr(_local, "buffer", None)
     if buffer is None or buffer.numel() < num_bytes:
         size = 1 << max(20, (num_bytes - 1).bit_length())
         buffer = torch.empty(size, dtype=torch.uint8)
         _local.buffer = buffer
-    return buffer
+    return buffer[:num_bytes]
