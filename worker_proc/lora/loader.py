@@ -52,6 +52,7 @@ class SlotLoad:
     source_tier: str
     future: Future | None = None  # the scatter views (and the read, from disk); None: waits for entry
     done: CopyEvent | None = None  # the copy's end, once queued
+    num_bytes: int = 0  # to report: read from disk, or copied to the device
     error: str = ""
 
 
@@ -120,10 +121,8 @@ class AdapterLoader:
             if load.error:
                 replies.append(AdapterLoadFailed(self.rank, slot, load.version_id, self._message(load.path, load.error)))
             elif load.done is not None and load.done.query():
-                image = load.entry.image
-                num_bytes = image.num_file_bytes if load.source_tier == "disk" else image.layout.num_bytes
                 replies.append(AdapterLoadCompleted(self.rank, slot, load.version_id, load.source_tier,
-                                                    _ms_since(load.arrival_s), num_bytes))
+                                                    _ms_since(load.arrival_s), load.num_bytes))
             else:
                 continue
             del self.loads[slot]
@@ -171,7 +170,9 @@ class AdapterLoader:
             return
         finally:
             entry.num_users -= 1
-        entry.fences.append(load.done)
+        entry.fences.append(load.done)  # the pages stay until the copy ends, even if the tier drops them
+        image = entry.image
+        load.num_bytes = image.num_file_bytes if load.source_tier == "disk" else image.layout.num_bytes
         self.on_ready(load.slot, load.version_id, entry.image.layout, load.done)
 
     def _settle(self, entry: CpuEntry) -> None:
