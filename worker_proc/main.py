@@ -71,8 +71,8 @@ def serve(runner: ModelRunner, rank: int, inbox: zmq.Socket, outbox: zmq.Socket,
                     return 1
             if steps.in_flight is None:
                 loads.wait_idle(inbox)
-        except Exception as e:  # a device fault seen while a load ends
-            steps.fail("adapter load", e)
+        except Exception as e:  # a device fault seen while a step or an adapter load ran
+            steps.fail("waiting on the device", e)
             return 1
         frame = inbox.recv()
         arrival_s = time.monotonic()
