@@ -3,9 +3,9 @@ while that section is being read.
 
 Every tensor is converted into its piece in the model dtype, B transposed into B^T (in
 blocks of TRANSPOSE_COLS columns, which torch copies several times faster than a plain 2-D
-transpose), as soon as its bytes have arrived; B^T's padding columns are zeroed and the piece
-checked finite (its exponent bits) right after. This runs on a few threads, in balanced
-groups; torch releases the GIL in each. The alignment bytes between pieces are never read.
+transpose), as soon as its bytes have arrived; then B^T's padding columns and the alignment
+gaps are zeroed and the pieces checked finite (exponent bits, in bounded chunks). Copies and
+checks run on a few threads in balanced groups; torch releases the GIL in each.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from worker_proc.lora.slot_image import ImageBytes, ImageLayout, SlotLayout
 
 NUM_FILL_THREADS = 4
 TRANSPOSE_COLS = 64
+CHECK_CHUNK_BYTES = 4 << 20  # the finiteness check's temporaries stay this small
 FILE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 # model dtype -> (its bits as an int, the exponent mask): all exponent bits set is inf or NaN
 EXPONENT_BITS = {torch.float32: (torch.int32, 0x7F800000), torch.bfloat16: (torch.int16, 0x7F80),
@@ -32,22 +33,23 @@ _pool = ThreadPoolExecutor(NUM_FILL_THREADS, "adapter-fill")
 @dataclass(frozen=True)
 class Copy:
     end: int  # the source tensor's last byte + 1 in the data section
-    piece: torch.Tensor  # [rank, cols]: the whole piece, padding included
+    dst: torch.Tensor  # [rank, cols]
     key: str  # the source tensor
     shape: tuple[int, int]  # its [rows, cols] in the file
-    transpose: bool  # B: the source's transpose goes to the piece's first `rows` columns
+    transpose: bool  # B: the source's transpose goes to dst
 
 
 class ImageFiller:
     """Fills an image while the file's data section (`data`, [n] uint8) is being read: the
     copies whose source bytes have arrived run on the fill threads meanwhile. `finish` waits
-    for them (AdapterError if a piece is not finite); after a failure elsewhere, `abandon`
-    does: either before the data buffer or the image is reused."""
+    for them, zeroes padding and gaps, and checks the pieces are finite (AdapterError). Call
+    `wait` before the data buffer or the image is reused, whatever happened."""
 
     def __init__(self, image: ImageBytes, layout: ImageLayout, slot_layout: SlotLayout, header: Header,
                  data: torch.Tensor) -> None:
         self.image, self.layout, self.slot_layout, self.header, self.data = image, layout, slot_layout, header, data
         _write_tables(image, layout)
+        self.pads: list[torch.Tensor] = []  # B^T's columns past the slice's outputs
         self.split: list[tuple[int, torch.Tensor]] = []  # (offset, temporary) of pieces across two extents
         self.copies = sorted(self._plan(), key=lambda c: c.end)
         self.num_started = 0
@@ -59,14 +61,23 @@ class ImageFiller:
         while self.num_started < len(self.copies) and self.copies[self.num_started].end <= num_bytes:
             ready.append(self.copies[self.num_started])
             self.num_started += 1
-        for group in _balanced(ready, lambda c: c.piece.numel()):
+        for group in _balanced(ready, lambda c: c.dst.numel()):
             self.futures.append(_pool.submit(self._copy_group, group))
 
     def finish(self) -> None:
         self.arrived(self.data.numel())
         self.wait()
+        if self.pads:
+            torch._foreach_zero_(self.pads)
         for offset, tmp in self.split:
             self.image.write(offset, tmp.view(-1).view(torch.uint8))
+        _zero_gaps(self.image, self.layout, self.slot_layout)
+        if not self.layout.pieces:
+            return
+        views = self.image.ranges(self.layout.pieces[0].a_offset, self.layout.num_bytes)
+        groups = _balanced([c for v in views for c in v.split(CHECK_CHUNK_BYTES)], torch.Tensor.numel)
+        if not all(_pool.map(lambda group: _all_finite(group, self.layout.dtype), groups)):
+            raise AdapterError("the adapter's weights hold NaN or infinite values (in the model's dtype).")
 
     def abandon(self) -> None:
         """Wait for every copy started, ignoring failures (the load fails for another reason)."""
@@ -87,32 +98,23 @@ class ImageFiller:
         dtype = self.layout.dtype
         for p in self.layout.pieces:
             spec = self.slot_layout.slices[p.slice]
-            a = _piece(self.image, p.a_offset, p.rank, spec.in_features, dtype, self.split)  # [rank, in]
-            copies.append(Copy(self.header.tensors[p.a_key].stop, a, p.a_key, (p.rank, spec.in_features), False))
-            b = _piece(self.image, p.b_offset, p.rank, spec.max_out, dtype, self.split)  # [rank, max_out]
-            copies.append(Copy(self.header.tensors[p.b_key].stop, b, p.b_key, (spec.out_features, p.rank), True))
+            dst_a = _piece(self.image, p.a_offset, p.rank, spec.in_features, dtype, self.split)
+            copies.append(Copy(self.header.tensors[p.a_key].stop, dst_a, p.a_key, (p.rank, spec.in_features), False))
+            dst_b = _piece(self.image, p.b_offset, p.rank, spec.max_out, dtype, self.split)  # [rank, max_out]
+            copies.append(Copy(self.header.tensors[p.b_key].stop, dst_b[:, : spec.out_features], p.b_key,
+                               (spec.out_features, p.rank), True))
+            if spec.max_out > spec.out_features:
+                self.pads.append(dst_b[:, spec.out_features :])
         return copies
 
     def _copy_group(self, group: list[Copy]) -> None:
-        """Convert a group of pieces, zero their padding, check them finite."""
-        dsts, srcs, pads = [], [], []
+        dsts, srcs = [], []
         for c in group:
             src = _file_tensor(self.data, self.header, c.key).view(c.shape)
-            if not c.transpose:
-                dsts.append(c.piece)
-                srcs.append(src)
-                continue
-            out = c.shape[0]
-            dst, src = _transposing(c.piece[:, :out], src)
+            dst, src = _transposing(c.dst, src) if c.transpose else (c.dst, src)
             dsts.append(dst)
             srcs.append(src)
-            if c.piece.shape[1] > out:
-                pads.append(c.piece[:, out:])
         torch._foreach_copy_(dsts, srcs)
-        if pads:
-            torch._foreach_zero_(pads)
-        if not _all_finite([c.piece for c in group], self.layout.dtype):
-            raise AdapterError("the adapter's weights hold NaN or infinite values (in the model's dtype).")
 
 
 def _write_tables(image: ImageBytes, layout: ImageLayout) -> None:
@@ -145,12 +147,24 @@ def _balanced(items: list, size: Callable) -> list[list]:
     return [g for g in groups if g]
 
 
-def _all_finite(pieces: list[torch.Tensor], dtype: torch.dtype) -> bool:
-    """No NaN or infinity in these contiguous pieces of `dtype` (their exponent bits)."""
+def _zero_gaps(image: ImageBytes, layout: ImageLayout, slot_layout: SlotLayout) -> None:
+    """Zero the alignment bytes between pieces (stale page contents otherwise)."""
+    elem = layout.dtype.itemsize
+    for i, p in enumerate(layout.pieces):
+        spec = slot_layout.slices[p.slice]
+        following = layout.pieces[i + 1].a_offset if i + 1 < len(layout.pieces) else layout.num_bytes
+        for start, stop in ((p.a_offset + p.rank * spec.in_features * elem, p.b_offset),
+                            (p.b_offset + p.rank * spec.max_out * elem, following)):
+            for view in image.ranges(start, stop):
+                view.zero_()
+
+
+def _all_finite(chunks: list[torch.Tensor], dtype: torch.dtype) -> bool:
+    """No NaN or infinity in these uint8 chunks read as `dtype` (its exponent bits)."""
     if dtype not in EXPONENT_BITS:
-        return all(bool(torch.isfinite(p).all()) for p in pieces)
+        return all(bool(torch.isfinite(c.view(dtype)).all()) for c in chunks)
     bits, mask = EXPONENT_BITS[dtype]
-    return not any(bool(((p.view(bits) & mask) == mask).any()) for p in pieces)
+    return not any(bool(((c.view(bits) & mask) == mask).any()) for c in chunks)
 
 
 def _piece(image: ImageBytes, offset: int, rank: int, cols: int, dtype: torch.dtype,
