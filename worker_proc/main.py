@@ -3,7 +3,9 @@
 Receives the StepPlan and adapter-op stream, applies each in order, returns sampled
 tokens (rank 0), adapter load results and a digest of what it applied (every rank). A step
 is read back only after the next plan, if one is already waiting, is queued on the device
-(async scheduling); replies still go out in command order."""
+(async scheduling); step replies go out in command order. With overlapped adapter loading an
+adapter command neither waits for the step in flight nor makes any step wait (unless the step
+uses that slot): its load runs beside the steps and its reply goes out when it ends."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 import msgspec
 import zmq
@@ -43,22 +46,36 @@ def main(argv: list[str] | None = None) -> int:
     log.info("ready: %d KV blocks on %s (%s)", ready.num_kv_blocks, ready.device, ready.dtype)
     to_scheduler.send(codec.encode(ready))
     send_ready(config.run_dir, f"worker-{args.rank}")
-    return serve(runner, args.rank, from_scheduler, to_scheduler, log)
+    try:
+        return serve(runner, args.rank, from_scheduler, to_scheduler, log, config.lora_overlap_loading)
+    finally:
+        runner.close()
 
 
-def serve(runner: ModelRunner, rank: int, inbox: zmq.Socket, outbox: zmq.Socket, log: logging.Logger) -> int:
+def serve(runner: ModelRunner, rank: int, inbox: zmq.Socket, outbox: zmq.Socket, log: logging.Logger,
+          overlap_loading: bool = False) -> int:
     """Apply the commands in order and send their replies. A StepPlan is launched as it arrives
     and completed (its replies sent) once the next plan is launched, once the device finished it
-    with no command waiting, or before any other command: replies keep command order, and a
-    scheduler that plans a step ahead gets it queued on the device while the step before runs."""
+    with no command waiting, or before any other command (with `overlap_loading`, before a
+    Shutdown only): step replies keep command order, and a scheduler that plans a step ahead gets
+    it queued on the device while the step before runs. Adapter loads that end are reported
+    between steps, as they end."""
     decoder = codec.to_worker_decoder()
     num_dropped_frames = 0
     steps = StepReplies(runner, rank, outbox, log)
+    loads = LoadReplies(runner, outbox)
     while True:
-        if steps.in_flight is not None and not wait_for_command(inbox, steps.in_flight):
-            if not steps.flush():  # the step is done and nothing is waiting: send its replies now
-                return 1
+        try:
+            if steps.in_flight is not None and not wait_for_command(inbox, steps.in_flight, loads):
+                if not steps.flush():  # the step is done and nothing is waiting: send its replies now
+                    return 1
+            if steps.in_flight is None:
+                loads.wait_idle(inbox)
+        except Exception as e:  # a device fault seen while a step or an adapter load ran
+            steps.fail("waiting on the device", e)
+            return 1
         frame = inbox.recv()
+        arrival_s = time.monotonic()
         try:
             cmd = decoder.decode(frame)
         except (msgspec.DecodeError, msgspec.ValidationError):
@@ -69,13 +86,13 @@ def serve(runner: ModelRunner, rank: int, inbox: zmq.Socket, outbox: zmq.Socket,
             if not steps.launch(cmd):
                 return 1
             continue
-        if not steps.flush():
+        if (not overlap_loading or isinstance(cmd, events.Shutdown)) and not steps.flush():
             return 1
         if isinstance(cmd, events.Shutdown):
             log.info("shutdown: %s (%d undecodable frames dropped)", cmd.reason, num_dropped_frames)
             return 0
         try:
-            replies = apply(runner, cmd)
+            replies = runner.adapter_command(cmd, arrival_s)
         except Exception as e:
             steps.fail(type(cmd).__name__, e)
             return 1
@@ -83,13 +100,43 @@ def serve(runner: ModelRunner, rank: int, inbox: zmq.Socket, outbox: zmq.Socket,
             outbox.send(codec.encode(reply))
 
 
-def wait_for_command(inbox: zmq.Socket, step: InFlightStep) -> bool:
+def wait_for_command(inbox: zmq.Socket, step: InFlightStep, loads: "LoadReplies") -> bool:
     """Spin until a command is waiting (True) or the device finished `step` (False). A plan that
-    arrives while the step runs is launched behind it, so the device never waits for the host."""
+    arrives while the step runs is launched behind it, so the device never waits for the host.
+    While loads run, their replies go out as they end, and each turn yields the GIL to the
+    loader threads (a pure spin would hold it for the whole switch interval, starving them)."""
     while not inbox.poll(0):
         if step.is_done():
             return bool(inbox.poll(0))
+        if loads.busy():
+            loads.send_due()
+            time.sleep(0)
     return True
+
+
+class LoadReplies:
+    """Sends the replies of adapter loads as they end."""
+
+    IDLE_POLL_MS = 1  # with no step in flight, how often a running load is looked at
+
+    def __init__(self, runner: ModelRunner, outbox: zmq.Socket) -> None:
+        self.runner, self.outbox = runner, outbox
+
+    def busy(self) -> bool:
+        return self.runner.adapters_busy()
+
+    def send_due(self) -> None:
+        for reply in self.runner.poll_adapters():
+            self.outbox.send(codec.encode(reply))
+
+    def wait_idle(self, inbox: zmq.Socket) -> None:
+        """No step in flight: send load replies as they come due until a command is waiting or no
+        load is under way any more (the caller then blocks on the socket)."""
+        while self.busy():
+            self.send_due()
+            if inbox.poll(self.IDLE_POLL_MS):
+                return
+        self.send_due()
 
 
 class StepReplies:
@@ -130,19 +177,6 @@ class StepReplies:
         """Report a fault while handling `what` (call from its except block: the traceback is logged)."""
         self.log.exception("%s failed", what)
         self.outbox.send(codec.encode(events.WorkerFailed(self.rank, f"{what} failed: {e}")))
-
-
-def apply(runner: ModelRunner, cmd: events.Event) -> list[events.Event]:
-    """One adapter command from the scheduler -> the events to send back."""
-    if isinstance(cmd, events.AdapterSlotAssigned):
-        return [runner.load_adapter(cmd)]
-    if isinstance(cmd, events.AdapterEvicted):
-        runner.evict_adapter(cmd)
-        return []
-    if isinstance(cmd, events.AdapterCpuEvicted):
-        runner.drop_cpu_copy(cmd)
-        return []
-    raise ValueError(f"unexpected command {type(cmd).__name__}")
 
 
 def _maybe_fault(digest: events.RankDigest) -> events.RankDigest:

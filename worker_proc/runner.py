@@ -1,6 +1,7 @@
 """ModelRunner: the worker's compute core. Holds per-request state across steps, runs one
-forward pass per StepPlan over a flat batch, samples, loads adapters into LoRA slots as
-told, and digests what it applied (block tables and slot table). A step is launched (queued
+forward pass per StepPlan over a flat batch, samples, moves adapters into the CPU tier and
+LoRA slots as told (beside the steps with overlapped loading: worker_proc/lora/loader.py),
+and digests what it applied (block tables and the slot table as the commands set it). A step is launched (queued
 on the device) and later completed (its sampled tokens read back), so that the next plan can
 be launched in between (async scheduling, worker_proc/placeholders.py)."""
 
@@ -16,12 +17,10 @@ import torch
 import xxhash
 
 from shared.config import EngineConfig
-from shared.adapter_format import AdapterError, BaseShapes
-from shared.events import (
-    AdapterCpuEvicted, AdapterEvicted, AdapterLoadCompleted, AdapterLoadFailed, AdapterSlotAssigned, CachedReq,
-    FailedReq, NewReq, RankDigest, SampledToken, StepCompleted, StepPlan, WorkerReady,
-)
+from shared.adapter_format import BaseShapes
+from shared.events import CachedReq, FailedReq, NewReq, RankDigest, SampledToken, StepCompleted, StepPlan, WorkerReady
 from worker_proc import prompt_logprobs
+from worker_proc.adapter_commands import AdapterCommands
 from worker_proc.batch import ReqState, build_batch, check_fault, validate_req
 from worker_proc.cuda_graphs import DecodeGraphs
 from worker_proc.kv_cache import KVCache, num_kv_blocks
@@ -53,7 +52,7 @@ class InFlightStep:
         return all(p is None or p.host.is_ready() for p in (self.pending, self.prompt))
 
 
-class ModelRunner:
+class ModelRunner(AdapterCommands):
     def __init__(self, config: EngineConfig, rank: int = 0) -> None:
         self.config = config
         self.rank = rank
@@ -90,7 +89,7 @@ class ModelRunner:
     def _build_lora(self) -> LoraManager:
         with open(os.path.join(self.config.model_dir, "config.json"), encoding="utf-8") as f:
             base = BaseShapes.from_hf_config(json.load(f))
-        return LoraManager(self.model, self.config, base, self.dtype, self.device)
+        return LoraManager(self.model, self.config, base, self.dtype, self.device, self.rank)
 
     def warm_up(self) -> None:
         """Run worker_proc/warm_up.py's batches through the forward pass and the sampler, and drop
@@ -125,6 +124,8 @@ class ModelRunner:
         for req_id in [*plan.finished_req_ids, *plan.preempted_req_ids]:
             self.reqs.pop(req_id, None)
         scheduled, failed = self._apply_plan(plan)
+        if self.lora is not None:  # the compute stream waits for the copies of the slots it reads
+            self.lora.prepare(sorted({r.lora_slot for r in scheduled if r.lora_slot >= 0}))
         logits, sampling, hidden = self._forward(scheduled) if scheduled else (None, [], None)
         pending = None
         if logits is not None:
@@ -145,34 +146,11 @@ class ModelRunner:
         return completed, step.digest
 
     def digest(self) -> int:
-        """xxhash64 of the block tables (sorted by req_id) and the slot table (slot -> version_id,
-        sorted by slot), as canonical msgpack."""
+        """xxhash64 of the block tables (sorted by req_id) and the slot table as the commands set it
+        (slot -> version_id, content digest; sorted by slot; not when loads end), as canonical msgpack."""
         tables = [[req_id, self.reqs[req_id].block_ids] for req_id in sorted(self.reqs)]
-        slots = self.lora.slot_table() if self.lora is not None else []
+        slots = self.lora.digest_table() if self.lora is not None else []
         return xxhash.xxh64_intdigest(msgspec.msgpack.encode([tables, slots]))
-
-    def load_adapter(self, ev: AdapterSlotAssigned) -> AdapterLoadCompleted | AdapterLoadFailed:
-        """Load `ev.version_id` into `ev.slot`; a bad adapter fails the load, never the worker,
-        and leaves the slot empty."""
-        name = os.path.basename(os.path.normpath(ev.path)) or ev.path
-        if self.lora is None:
-            return AdapterLoadFailed(self.rank, ev.slot, ev.version_id, f"adapter {name}: LoRA is not enabled (--enable-lora)")
-        try:
-            self.lora.load(ev.slot, ev.version_id, ev.path)
-        except Exception as e:  # any bad adapter (unreadable, malformed, wrong shapes) fails only its load
-            if 0 <= ev.slot < self.config.max_loras:
-                self.lora.clear(ev.slot)
-            message = e.message if isinstance(e, AdapterError) else str(e)
-            return AdapterLoadFailed(self.rank, ev.slot, ev.version_id, f"adapter {name}: {message}")
-        return AdapterLoadCompleted(self.rank, ev.slot, ev.version_id)
-
-    def evict_adapter(self, ev: AdapterEvicted) -> None:
-        if self.lora is not None and 0 <= ev.slot < self.config.max_loras:
-            self.lora.evict(ev.slot, ev.version_id)
-
-    def drop_cpu_copy(self, ev: AdapterCpuEvicted) -> None:
-        if self.lora is not None:
-            self.lora.cpu.drop(ev.version_id)
 
     def _apply_plan(self, plan: StepPlan) -> tuple[list[ReqState], list[FailedReq]]:
         """Update held state from the plan; a request whose update is invalid fails alone."""
@@ -196,11 +174,16 @@ class ModelRunner:
         return scheduled, failed
 
     def _check_slot(self, slot: int) -> None:
-        """Raise ValueError unless `slot` is the base model (-1) or holds a loaded adapter."""
+        """Raise ValueError unless `slot` is the base model (-1) or holds a loaded adapter (a load
+        still under way for it finishes its host side first)."""
         if slot == -1:
             return
         if self.lora is None:
             raise ValueError(f"LoRA slot {slot} requested but LoRA is not enabled")
+        if 0 <= slot < self.config.max_loras:
+            self.lora.loader.ensure_ready(slot)
+            if self.lora.loader.failure(slot):
+                raise ValueError(self.lora.loader.failure(slot))
         if slot not in self.lora.slots:
             raise ValueError(f"LoRA slot {slot} holds no loaded adapter")
 

@@ -63,6 +63,6 @@ def load_all(runner, setup: LoraSetup) -> dict[str, int]:
     slots = {}
     for slot, name in enumerate(ADAPTERS):
         done = runner.load_adapter(AdapterSlotAssigned(slot, 100 + slot, setup.adapter_dirs[name]))
-        assert done == AdapterLoadCompleted(0, slot, 100 + slot), done
+        assert isinstance(done, AdapterLoadCompleted) and (done.slot, done.version_id) == (slot, 100 + slot), done
         slots[name] = slot
     return slots

@@ -22,6 +22,11 @@ def _assigned(slot: int, version_id: int, path: str) -> AdapterSlotAssigned:
     return AdapterSlotAssigned(slot, version_id, path)
 
 
+def _done(reply) -> tuple[int, int, str]:
+    assert isinstance(reply, AdapterLoadCompleted), reply
+    return reply.slot, reply.version_id, reply.source_tier
+
+
 def _run_one(runner: ModelRunner, setup: LoraSetup, name: str, slot: int) -> list[int]:
     sched = FakeScheduler(BLOCK_SIZE, NUM_BLOCKS)
     sched.add(name, setup.prompts[name], GREEDY, chunk=5, lora_slot=slot)
@@ -74,10 +79,10 @@ def _check_unloaded_slot_fails_alone(runner: ModelRunner, setup: LoraSetup) -> N
 def test_cpu_tier_reload_skips_disk_until_dropped(lora_setup: LoraSetup, tmp_path) -> None:
     runner = ModelRunner(lora_config(lora_setup.base_dir))
     path = shutil.copytree(lora_setup.adapter_dirs["mlp"], tmp_path / "mlp-copy")
-    assert runner.load_adapter(_assigned(0, 7, str(path))) == AdapterLoadCompleted(0, 0, 7)
+    assert _done(runner.load_adapter(_assigned(0, 7, str(path)))) == (0, 7, "disk")
     shutil.rmtree(path)
     runner.evict_adapter(AdapterEvicted(0, 7))
-    assert runner.load_adapter(_assigned(3, 7, str(path))) == AdapterLoadCompleted(0, 3, 7)
+    assert _done(runner.load_adapter(_assigned(3, 7, str(path)))) == (3, 7, "cpu")
     assert_greedy_matches({"mlp": _run_one(runner, lora_setup, "mlp", 3)}, {"mlp": lora_setup.refs["mlp"]})
     runner.drop_cpu_copy(AdapterCpuEvicted(7))
     gone = runner.load_adapter(_assigned(4, 7, str(path)))

@@ -110,12 +110,19 @@ class TraceRunner:
         sampled = [events.SampledToken("r", step.step)] if self.rank == 0 else []
         return events.StepCompleted(step.step, self.rank, sampled), step.digest
 
-    def load_adapter(self, ev: events.AdapterSlotAssigned) -> events.AdapterLoadCompleted:
-        self.trace.append(f"load {ev.slot}")
-        return events.AdapterLoadCompleted(self.rank, ev.slot, ev.version_id)
+    def adapter_command(self, cmd: events.Event, arrival_s: float) -> list[events.Event]:
+        if isinstance(cmd, events.AdapterSlotAssigned):
+            self.trace.append(f"load {cmd.slot}")
+            return [events.AdapterLoadCompleted(self.rank, cmd.slot, cmd.version_id)]
+        assert isinstance(cmd, events.AdapterEvicted)
+        self.trace.append(f"evict {cmd.slot}")
+        return []
 
-    def evict_adapter(self, ev: events.AdapterEvicted) -> None:
-        self.trace.append(f"evict {ev.slot}")
+    def poll_adapters(self) -> list[events.Event]:
+        return []
+
+    def adapters_busy(self) -> bool:
+        return False
 
 
 def _describe(ev: events.Event) -> str:

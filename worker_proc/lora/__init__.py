@@ -1,5 +1,7 @@
 """Multi-LoRA in the worker: per-slot stacked buffers (weights.py), the per-batch slot
-mapping (mapping.py), the CPU tier (cpu_tier.py) and the slot table (manager.py).
+mapping (mapping.py), the slot tables (manager.py) and adapter movement: disk -> CPU tier
+(reader.py, into slot images: slot_image.py, in pages of pinned_pool.py, held by cpu_tier.py)
+-> GPU slot (slot_copy.py), driven beside the steps by loader.py.
 
 Import the submodules directly; models/layers.py imports mapping and weights, and
 manager imports models/layers, so this package's root stays empty of imports."""

@@ -1,68 +1,83 @@
-"""The CPU tier: adapter versions read from disk once, kept as (pinned) CPU tensors.
+"""The CPU tier: adapter versions held as slot images in pool pages.
 
-Filled by `load`, emptied only by `drop` (the scheduler owns the LRU and tells the worker
-which version to drop with AdapterCpuEvicted). Weights come from safetensors by the
-manifest's keys; nothing is unpickled.
+The scheduler owns the tier's LRU: a version enters when a load or prefetch reads it and
+leaves on AdapterCpuEvicted. Leaving is deferred while the image is still being read, while
+a slot load still needs it, or while a copy out of its pages may still run on the device
+(each copy's event fences the pages). Main-thread only; loader threads only produce images.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
-import torch
-from safetensors import SafetensorError, safe_open
-
-from shared.adapter_format import WEIGHTS_FILE, AdapterError, AdapterManifest, BaseShapes, read_manifest
-
-ModuleKey = tuple[int, str]  # (layer, kind); layer -1 for lm_head
+from worker_proc.lora.pinned_pool import PinnedPool
+from worker_proc.lora.reader import SlotImage
+from worker_proc.lora.slot_copy import Event
 
 
-@dataclass(frozen=True)
-class CpuAdapter:
+@dataclass
+class CpuEntry:
     version_id: int
-    manifest: AdapterManifest
-    tensors: dict[ModuleKey, tuple[torch.Tensor, torch.Tensor, float]]  # A [rank, in], B [out, rank], scaling
+    future: Future | None  # the read in flight (its result's `image`), None once settled
+    path: str = ""
+    image: SlotImage | None = None
+    num_users: int = 0  # slot loads that will still copy out of it
+    fences: list[Event] = field(default_factory=list)  # copies out of it that may still run
+    dropped: bool = False  # evicted; freed once nothing uses it
+    error: str = ""  # why the read failed
+    report_arrival_s: float | None = None  # a prefetch to report (slot -1): when it arrived
 
     @property
-    def num_bytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b, _ in self.tensors.values())
+    def is_busy(self) -> bool:
+        self.fences = [e for e in self.fences if not e.query()]
+        return self.future is not None or self.num_users > 0 or bool(self.fences)
 
 
 class CpuTier:
-    def __init__(self, base: BaseShapes, max_lora_rank: int, allowed_dirs: tuple[str, ...], dtype: torch.dtype,
-                 pin_memory: bool) -> None:
-        self.base = base
-        self.max_lora_rank = max_lora_rank
-        self.allowed_dirs = allowed_dirs  # the same containment rule as the HTTP process
-        self.dtype = dtype
-        self.pin_memory = pin_memory
-        self.adapters: dict[int, CpuAdapter] = {}  # version_id -> CPU copy
+    def __init__(self, pool: PinnedPool) -> None:
+        self.pool = pool
+        self.entries: dict[int, CpuEntry] = {}  # version_id -> entry (reading or held)
+        self.leaving: list[CpuEntry] = []  # evicted, waiting for their users and fences
 
-    def get_or_load(self, version_id: int, path: str) -> CpuAdapter:
-        """The CPU copy of `version_id`, read from `path` only if not held yet."""
-        adapter = self.adapters.get(version_id)
-        if adapter is None:
-            adapter = self._read(version_id, path)
-            self.adapters[version_id] = adapter
-        return adapter
+    def ready(self, version_id: int) -> SlotImage | None:
+        entry = self.entries.get(version_id)
+        return entry.image if entry is not None else None
+
+    def add(self, entry: CpuEntry) -> None:
+        if entry.version_id in self.entries:
+            raise ValueError(f"version {entry.version_id} is already in the CPU tier")
+        self.entries[entry.version_id] = entry
+
+    def settle(self, entry: CpuEntry, image: SlotImage | None, error: str = "") -> None:
+        """The read of `entry` ended (image None: failed, saying `error`); a failed read leaves the tier."""
+        entry.future, entry.image, entry.error = None, image, error
+        if image is None and self.entries.get(entry.version_id) is entry:
+            del self.entries[entry.version_id]
+        self.release()
 
     def drop(self, version_id: int) -> None:
-        self.adapters.pop(version_id, None)
+        """AdapterCpuEvicted: the version leaves now; its pages once nothing uses them."""
+        entry = self.entries.pop(version_id, None)
+        if entry is not None:
+            entry.dropped = True
+            self.leaving.append(entry)
+            self.release()
 
-    def _read(self, version_id: int, path: str) -> CpuAdapter:
-        manifest = read_manifest(path, self.base, self.max_lora_rank, self.allowed_dirs)
-        tensors = {}
-        try:
-            with safe_open(manifest.weights_path, framework="pt", device="cpu") as f:  # the checked file, not a link
-                for m in manifest.modules:
-                    a, b = self._tensor(f, m.a_key), self._tensor(f, m.b_key)
-                    tensors[(m.layer, m.kind)] = (a, b, m.scaling)
-        except (OSError, RuntimeError, ValueError, SafetensorError) as e:
-            raise AdapterError(f"could not read {WEIGHTS_FILE}: {e}") from None
-        return CpuAdapter(version_id, manifest, tensors)
+    def release(self) -> None:
+        """Free the pages of evicted entries nothing uses any more."""
+        still = []
+        for entry in self.leaving:
+            if entry.is_busy:
+                still.append(entry)
+            elif entry.image is not None:
+                self.pool.free(list(entry.image.extents))
+                entry.image = None
+        self.leaving = still
 
-    def _tensor(self, f, key: str) -> torch.Tensor:
-        t = f.get_tensor(key).to(self.dtype).contiguous()
-        if not torch.isfinite(t).all():
-            raise AdapterError(f"tensor {key} holds non-finite values")
-        return t.pin_memory() if self.pin_memory else t
+    def reading(self) -> list[CpuEntry]:
+        """Entries whose read is in flight, held or evicted."""
+        return [e for e in [*self.entries.values(), *self.leaving] if e.future is not None]
+
+    def is_busy(self) -> bool:
+        return bool(self.leaving) or bool(self.reading())

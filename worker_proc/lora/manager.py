@@ -1,66 +1,133 @@
-"""The worker's LoRA state: stacked buffers hung on every SlotLinear, the slot table
-(slot -> version_id) and the CPU tier behind it."""
+"""The worker's LoRA state: stacked buffers hung on every SlotLinear, the slot tables and the
+adapter movement behind them (worker_proc/lora/loader.py).
+
+Two slot tables: `assigned` follows the commands (AdapterSlotAssigned and AdapterEvicted in
+command order, with each version's content digest) and is what the rank digest covers, so
+ranks agree whatever their load timing; `slots` holds the slots whose copy is queued, the
+ones a step may use (behind the copy's event)."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
 
 from shared.adapter_format import BaseShapes
 from shared.config import EngineConfig
-from worker_proc.lora.cpu_tier import CpuAdapter, CpuTier
-from worker_proc.lora.weights import LoraWeights, SliceWeights
+from worker_proc.lora.loader import AdapterLoader, Reply
+from worker_proc.lora.pinned_pool import PinnedPool, page_bytes_for
+from worker_proc.lora.reader import ReadSpec
+from worker_proc.lora.slot_copy import Event, SlotCopier, flat_tables
+from worker_proc.lora.slot_image import ImageLayout, SlotLayout
+from worker_proc.lora.weights import LoraWeights
 from worker_proc.models.layers import SlotLinear
-
-# PEFT module kind -> (our module path under a decoder layer, slice of that fused module)
-_SLICES = {
-    "q_proj": ("self_attn.qkv_proj", 0),
-    "k_proj": ("self_attn.qkv_proj", 1),
-    "v_proj": ("self_attn.qkv_proj", 2),
-    "o_proj": ("self_attn.o_proj", 0),
-    "gate_proj": ("mlp.gate_up_proj", 0),
-    "up_proj": ("mlp.gate_up_proj", 1),
-    "down_proj": ("mlp.down_proj", 0),
-    "lm_head": ("lm_head", 0),
-}
 
 
 class LoraManager:
     def __init__(self, model: nn.Module, config: EngineConfig, base: BaseShapes,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, rank: int = 0) -> None:
         self.max_loras = config.max_loras
+        self.device = device
         self.weights: dict[str, LoraWeights] = {}  # module path -> its slot buffers
         for name, module in model.named_modules():
             if isinstance(module, SlotLinear):  # lm_head unstacked: it may share the embedding table
                 self.weights[name] = module.attach_lora(config.max_loras, config.max_lora_rank, name != "lm_head")
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the unstacked weights just freed
-        self.cpu = CpuTier(base, config.max_lora_rank, config.lora_allowed_dirs, dtype, pin_memory=device.type == "cuda")
-        self.slots: dict[int, int] = {}  # slot -> version_id
+        ranks, scalings = flat_tables(self.weights)
+        self.layout = SlotLayout(self.weights)
+        max_image_bytes = self.layout.max_image_bytes(config.max_lora_rank, dtype)
+        self.copier = SlotCopier(self.weights, self.layout, ranks, scalings, max_image_bytes, device)
+        page_bytes = page_bytes_for(max_image_bytes)
+        max_pages = -(-max_image_bytes // page_bytes)  # one image; the tier holds max_cpu_loras, plus slack for
+        num_images = config.max_cpu_loras + config.max_loras  # evicted ones whose copies are still fenced
+        self.pool = PinnedPool(num_images * max_pages * page_bytes, page_bytes, pin=device.type == "cuda")
+        spec = ReadSpec(base, config.max_lora_rank, config.lora_allowed_dirs, self.layout, dtype)
+        self.loader = AdapterLoader(spec, self.pool, self.copier, rank, config.lora_overlap_loading, self._on_ready)
+        self.slots: dict[int, int] = {}  # slot -> version_id whose copy is queued: steps may use it
+        self.events: dict[int, Event] = {}  # slot -> its copy's end, until seen complete
+        self.assigned: dict[int, tuple[int, int]] = {}  # slot -> (version_id, content_digest), in command order
 
-    def load(self, slot: int, version_id: int, path: str) -> None:
-        """Load `version_id` into `slot` (from the CPU tier, or disk first). On any error the
-        slot is left empty and the error propagates (AdapterError / ValueError)."""
+    def assign(self, slot: int, version_id: int, path: str, content_digest: int, arrival_s: float) -> None:
+        """Start loading `version_id` into `slot`, replacing whatever it held (ValueError: no such slot)."""
         self.check_slot(slot)
-        self.clear(slot)
-        adapter = self.cpu.get_or_load(version_id, path)
-        per_module = self._slices(adapter)
-        for name, weights in self.weights.items():
-            weights.load_slot(slot, per_module.get(name, [None] * len(weights.output_sizes)))
-        self.slots[slot] = version_id
+        self._vacate(slot)
+        self.assigned[slot] = (version_id, content_digest)
+        after = None
+        if self.device.type == "cuda":  # steps launched so far may still read the slot
+            after = torch.cuda.Event()
+            after.record()
+        self.loader.assign(slot, version_id, path, content_digest, arrival_s, after)
+
+    def load_now(self, slot: int, version_id: int, path: str, content_digest: int, arrival_s: float) -> list[Reply]:
+        """assign, then finish the load before returning: its reply is among those returned."""
+        self.assign(slot, version_id, path, content_digest, arrival_s)
+        self.loader.ensure_ready(slot)
+        if slot in self.events:
+            self.events[slot].synchronize()
+        return self.loader.poll()
+
+    def prefetch(self, version_id: int, path: str, content_digest: int, arrival_s: float) -> None:
+        self.loader.prefetch(version_id, path, content_digest, arrival_s)
 
     def evict(self, slot: int, version_id: int) -> None:
-        """Free `slot` if it holds `version_id` (a stale evict never wipes a newer version)."""
-        if self.slots.get(slot) == version_id:
-            self.clear(slot)
+        """Free `slot` if it holds (or is loading) `version_id`; a stale evict never wipes a newer version.
+        A load in flight is then never reported, and its copy, if queued, is undone behind it."""
+        if self.assigned.get(slot, (None,))[0] == version_id:
+            del self.assigned[slot]
+        load = self.loader.loads.get(slot)
+        if self.slots.get(slot) == version_id or (load is not None and load.version_id == version_id):
+            self._vacate(slot)
 
-    def clear(self, slot: int) -> None:
-        for weights in self.weights.values():
-            weights.clear_slot(slot)
+    def drop_cpu(self, version_id: int) -> None:
+        self.loader.cpu.drop(version_id)
+
+    def poll(self) -> list[Reply]:
+        return self.loader.poll()
+
+    def prepare(self, slots: Iterable[int]) -> None:
+        """Before a step that uses `slots`: finish their pending loads' host side (a plan may name a
+        slot still loading) and make the current stream wait for their copies."""
+        for slot in slots:
+            self.loader.ensure_ready(slot)
+            event = self.events.get(slot)
+            if event is None:
+                continue
+            if event.query():
+                del self.events[slot]
+            else:
+                torch.cuda.current_stream(self.device).wait_event(event)
+
+    def is_busy(self) -> bool:
+        return self.loader.is_busy()
+
+    def close(self) -> None:
+        self.loader.close()
+
+    def _on_ready(self, slot: int, version_id: int, layout: ImageLayout, event: Event) -> None:
+        """The slot's copy is queued: steps may use it, and the host tables take its ranks."""
+        self.slots[slot] = version_id
+        self.events[slot] = event
+        for spec, rank, scaling in zip(self.layout.slices, layout.ranks, layout.scalings):
+            w = self.weights[spec.module]
+            w.rank_table[slot][spec.index] = rank
+            w.scale_table[slot][spec.index] = scaling
+
+    def _vacate(self, slot: int) -> None:
+        """Forget the slot's load or adapter; its device tables are zeroed behind its copy."""
+        cancelled = self.loader.cancel(slot)  # the copy's event, if the load had queued it
+        event = self.events.pop(slot, cancelled)
+        if slot not in self.slots and event is None:
+            return
+        if isinstance(event, torch.cuda.Event) and not event.query():
+            torch.cuda.current_stream(self.device).wait_event(event)
+        self.copier.clear_tables(slot)
         self.slots.pop(slot, None)
+        for w in self.weights.values():
+            w.rank_table[slot] = [0] * len(w.output_sizes)
+            w.scale_table[slot] = [0.0] * len(w.output_sizes)
 
     @contextlib.contextmanager
     def zero_adapter(self, slot: int) -> Iterator[None]:
@@ -68,8 +135,8 @@ class LoraManager:
         zero, so the LoRA kernels run (an empty slot skips them) and change nothing. The start-up
         warm-up compiles them this way. Empty again after."""
         self.check_slot(slot)
-        if slot in self.slots:
-            raise ValueError(f"slot {slot} holds version {self.slots[slot]}")
+        if slot in self.slots or slot in self.assigned:
+            raise ValueError(f"slot {slot} holds an adapter")
         for weights in self.weights.values():
             rank, num_in = weights.max_rank, weights.a.shape[3]
             zeros = [(weights.a.new_zeros(rank, num_in), weights.b.new_zeros(size, rank), 0.0)
@@ -78,25 +145,17 @@ class LoraManager:
         try:
             yield
         finally:
-            self.clear(slot)
+            for weights in self.weights.values():
+                weights.clear_slot(slot)
 
     def check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.max_loras:
             raise ValueError(f"slot {slot} is outside [0, {self.max_loras})")
 
     def slot_table(self) -> list[list[int]]:
-        """[[slot, version_id], ...] sorted by slot."""
+        """[[slot, version_id], ...] of the slots steps may use, sorted by slot."""
         return [[slot, self.slots[slot]] for slot in sorted(self.slots)]
 
-    def _slices(self, adapter: CpuAdapter) -> dict[str, list[SliceWeights | None]]:
-        """Module path -> per-slice weights of this adapter, every slice checked against the buffers."""
-        per_module: dict[str, list[SliceWeights | None]] = {}
-        for (layer, kind), weights in sorted(adapter.tensors.items()):
-            suffix, s = _SLICES[kind]
-            name = suffix if kind == "lm_head" else f"model.layers.{layer}.{suffix}"
-            buffers = self.weights.get(name)
-            if buffers is None:
-                raise ValueError(f"the model has no module {name} for this adapter")
-            buffers.check_slice(s, weights)
-            per_module.setdefault(name, [None] * len(buffers.output_sizes))[s] = weights
-        return per_module
+    def digest_table(self) -> list[list[int]]:
+        """[[slot, version_id, content_digest], ...] as the commands assigned them, sorted by slot."""
+        return [[slot, *self.assigned[slot]] for slot in sorted(self.assigned)]
