@@ -85,7 +85,7 @@ def test_adapter_decisions_identical_across_pythonhashseed():
 def test_recorded_adapter_run_replays(tmp_path):
     engine = EngineConfig(
         model_dir="m", served_model_name="m", max_model_len=32, max_num_seqs=4, max_num_batched_tokens=16,
-        block_size=4, enable_lora=True, max_loras=2, max_cpu_loras=3,
+        block_size=4, enable_lora=True, max_loras=2, max_cpu_loras=3, lora_overlap_loading=False,
     )
     writer = EventLogWriter(str(tmp_path), engine.to_json(), run_id="lora")
     d = _driver(aging=16, log=writer)  # 16: CoreConfig's default, which replay uses
