@@ -341,8 +341,8 @@ class Core:
         """Overlapped loading: slots and CPU staging for the head of the waiting queue."""
         if not self.config.lora_overlap_loading or not self.scheduler.is_ready:
             return []
-        oldest_in_flight = self.in_flight[0].step if self.in_flight else None
-        return prefetch.prefetch(self.adapters, self.scheduler.waiting, self.step, oldest_in_flight)
+        busy_slots = [slot for step in self.in_flight for slot in step.lora_slots]
+        return prefetch.prefetch(self.adapters, self.scheduler.waiting, self.step, busy_slots)
 
     def _maybe_plan(self) -> Decisions:
         """Plan steps until `max_steps_in_flight` are in flight (1: the classic loop; 2: async

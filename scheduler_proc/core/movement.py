@@ -28,12 +28,15 @@ def load_completed(adapters: AdapterManager, event: ev.AdapterLoadCompleted) -> 
     config = adapters.config
     if not config.lora_overlap_loading or not 0 <= event.rank < config.tensor_parallel_size:
         return []
-    _note_staged(adapters, event.version_id, event.rank)
+    if event.slot == -1:
+        _note_staged(adapters, event.version_id, event.rank)
+        return []
     if not 0 <= event.slot < len(adapters.slots.slots):
         return []
     slot = adapters.slots.slots[event.slot]
     if slot.state != SlotState.LOADING or slot.version_id != event.version_id:
         return []
+    _note_staged(adapters, event.version_id, event.rank)
     adapters.slots.report_done(slot.index, event.rank)
     if len(slot.ready_ranks) < config.tensor_parallel_size:
         return []

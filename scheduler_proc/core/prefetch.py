@@ -9,10 +9,11 @@ next, without walking a long queue on every input).
 
 Slots, for each version of the lookahead without one, in lookahead order: the lowest FREE
 slot, else a LOADED slot (unpinned, not loading) whose version no running request and no
-earlier-in-the-lookahead request needs, and that no step still in flight reads; among those
+earlier-in-the-lookahead request needs; among those
 first a version no waiting request needs at all, then the least recently used (logical
-step), then the lowest index. AdapterEvicted (if it held one) and AdapterSlotAssigned; the
-slot is LOADING until every rank reports it done. The pass stops at the first version
+step), then the lowest index; never a slot (FREE or LOADED) that a step still in flight
+reads, so a load never overwrites what a running step uses. AdapterEvicted (if it held one)
+and AdapterSlotAssigned; the slot is LOADING until every rank reports it done. The pass stops at the first version
 that cannot have a slot: a version never takes a slot from one ahead of it.
 
 CPU tier, for the versions after that point which are in no slot and not staged:
@@ -36,7 +37,7 @@ Decisions = list[Any]
 LOOKAHEAD_VERSIONS_PER_SLOT = 4
 
 
-def prefetch(adapters: AdapterManager, waiting: Iterable[Request], step: int, oldest_in_flight_step: int | None) -> Decisions:
+def prefetch(adapters: AdapterManager, waiting: Iterable[Request], step: int, busy_slots: list[int]) -> Decisions:
     """The prefetch pass: slots for the head of the lookahead, then the CPU tier for the rest."""
     config = adapters.config
     order = lookahead(waiting, config.max_num_seqs, LOOKAHEAD_VERSIONS_PER_SLOT * config.max_loras)
@@ -44,7 +45,7 @@ def prefetch(adapters: AdapterManager, waiting: Iterable[Request], step: int, ol
     num_slotted = 0  # versions of the lookahead, from its head, that are in a slot
     for version_id in order:
         if adapters.slots.find(version_id) < 0:
-            slot = slot_victim(adapters.slots.slots, order[:num_slotted], _waiting_needs(adapters), oldest_in_flight_step)
+            slot = slot_victim(adapters.slots.slots, order[:num_slotted], _waiting_needs(adapters), busy_slots)
             if slot is None:
                 break
             decisions += _load_into(adapters, slot, version_id, order, step)
@@ -64,17 +65,16 @@ def lookahead(waiting: Iterable[Request], max_num_reqs: int, max_num_versions: i
     return versions
 
 
-def slot_victim(slots: list[Slot], protected: list[int], waiting_needs: dict[int, bool], oldest_in_flight_step: int | None) -> Slot | None:
-    """The slot to load into: the lowest FREE one, else the LOADED one (not `protected`, not
-    read by a step in flight) whose version no waiting request needs, then LRU, then the
-    lowest index. None if there is none."""
+def slot_victim(slots: list[Slot], protected: list[int], waiting_needs: dict[int, bool], busy_slots: list[int]) -> Slot | None:
+    """The slot to load into, never one in `busy_slots` (read by a step in flight): the lowest
+    FREE one, else the LOADED one whose version is not `protected` and no waiting request
+    needs, then LRU, then the lowest index. None if there is none."""
     for slot in slots:
-        if slot.state == SlotState.FREE:
+        if slot.state == SlotState.FREE and slot.index not in busy_slots:
             return slot
     candidates = [
         s for s in slots
-        if s.state == SlotState.LOADED and s.version_id not in protected
-        and (oldest_in_flight_step is None or s.last_used_step < oldest_in_flight_step)
+        if s.state == SlotState.LOADED and s.version_id not in protected and s.index not in busy_slots
     ]
     if not candidates:
         return None
