@@ -20,7 +20,8 @@ uses it (fake_adapters.py).
 With `lora_overlap_loading=True` adapter loads are asynchronous: each rank's load ends when
 the test delivers it (`finish_loads`, `fail_load`) or, given a `load_policy`, at random
 after steps; `run()` delivers what is pending when no step is in flight (and, without a
-policy, before each step). A plan may only use slots every rank finished loading. With
+policy, before each step). A plan may only use slots every rank finished loading, and no
+slot is assigned while a step in flight reads it. With
 `digests=True` every rank reports each completed step's digest (tensor_parallel_size > 1).
 
 For a request asking for prompt logprobs, rank 0's StepCompleted reports those of the prompt
@@ -272,7 +273,7 @@ class Driver:
         """Complete steps, and deliver pending loads, until nothing is left to do."""
         for _ in range(max_steps):
             if self.pending_loads and (not self._pending_plans or self.load_policy is None):
-                self.finish_loads() if self.load_policy is None else self._deliver_one()
+                self.finish_loads() if self.load_policy is None else self.deliver_one()
             elif self._pending_plans:
                 self.complete()
             else:
@@ -299,8 +300,10 @@ class Driver:
         (load,) = [x for x in self.pending_loads if (x.slot, x.rank) == (slot, rank)]
         return self._deliver(load, message)
 
-    def _deliver_one(self) -> list[Any]:
-        assert self.load_policy is not None
+    def deliver_one(self) -> list[Any]:
+        """The load policy picks one pending load and ends it."""
+        if self.load_policy is None or not self.pending_loads:
+            raise AssertionError("no load policy, or no load pending")
         load = self.load_policy.rng.choice(self.pending_loads)
         return self._deliver(load, self.load_policy.failure(load))
 
@@ -331,7 +334,15 @@ class Driver:
             self.registry[decision.name] = decision.version_id
         elif isinstance(decision, ev.AdapterUnloaded) and self.registry.get(decision.name) == decision.version_id:
             del self.registry[decision.name]
+        elif isinstance(decision, ev.AdapterSlotAssigned) and self.config.lora_overlap_loading:
+            self._check_not_read_in_flight(decision.slot)
         self.worker.slots.apply(decision)
+
+    def _check_not_read_in_flight(self, slot: int) -> None:
+        """A load runs beside the steps: it must not overwrite a slot a step in flight reads."""
+        for plan in self._pending_plans:
+            if any(req.lora_slot == slot for req in list(plan.new_reqs) + list(plan.cached_reqs)):
+                raise AssertionError(f"slot {slot} assigned while step {plan.step}, in flight, reads it")
 
     # ---------------------------------------------------------------- queries
 
