@@ -4,8 +4,11 @@ slot that is loading, pinned, read by a step in flight or needed earlier in the 
 the CPU tier is staged at registration and from the queue within max_cpu_loras."""
 
 from shared import events as ev
+from shared.sampling import SamplingParams
 
+from scheduler_proc.core import Core, CoreConfig
 from tests.scheduler_proc.driver import Driver
+from tests.scheduler_proc.test_log_writes import make_shell
 
 
 def overlap_driver(**kwargs) -> Driver:
@@ -165,7 +168,9 @@ def test_staging_reports_are_views_only():
     d = overlap_driver(tensor_parallel_size=2, digests=True)
     d.load("a")
     assert [(x.rank, x.slot) for x in d.pending_loads] == [(0, -1), (1, -1)]
+    before = d.core.state_rows()
     d.finish_loads(rank=0)
+    assert d.core.state_rows() != before  # and which ranks staged a version
     assert d.core.snapshot()["adapters"]["cpu_staged_on_every_rank"] == []
     d.arrive("a1", 3, lora="a", max_tokens=1)  # the slot load need not wait for the staging
     d.finish_loads(slot=0)
@@ -184,6 +189,7 @@ def test_stale_and_repeated_completions_change_nothing():
         assert d.send(stale) == []  # wrong version, no such slot, no such rank, a free slot
     assert d.core.state_rows() == before
     d.finish_loads(slot=0, rank=0)
+    assert d.core.state_rows() != before  # the StateDigest covers which ranks are done
     assert d.send(ev.AdapterLoadCompleted(0, 0, 1)) == [] and _slot_states(d)[0] == ("LOADING", 1)  # rank 0 twice
     assert d.core.snapshot()["adapters"]["loads_in_flight"] == [{"slot": 0, "version_id": 1, "ready_ranks": [0]}]
     assert isinstance(d.finish_loads(slot=0, rank=1)[0], ev.StepPlan)
@@ -199,3 +205,17 @@ def test_reference_path_assigns_ready_slots_and_ignores_completions():
     assert d.send(ev.AdapterLoadCompleted(0, 0, 1)) == [] and d.core.num_loading_slots == 0
     d.run()
     assert d.core.num_lora_wait_steps == 0 and d.core.num_cpu_tier_versions == 1
+
+
+def test_shell_stats_carry_the_movement_gauges(tmp_path):
+    shell = make_shell(tmp_path)
+    shell.core = Core(CoreConfig(4, 16, 4, 32, max_loras=2, max_cpu_loras=2, enable_lora=True, lora_overlap_loading=True))
+    shell.handle(ev.WorkerReady(0, 16, 1000, [2], "cpu", "float32"))
+    shell.handle(ev.AdapterLoadRequested("op-1", "a", "/adapters/a", 8, 1000))
+    shell.handle(ev.AdapterLoadRequested("op-2", "b", "/adapters/b", 8, 3000))
+    shell.handle(ev.RequestArrived("a1", [5, 6, 7], SamplingParams(max_tokens=2), lora_name="a"))
+    shell.handle(ev.RequestArrived("z", [5, 6, 7], SamplingParams(max_tokens=2)))
+    stats = [x for x in shell.to_tokenizer.sent if isinstance(x, ev.EngineStats)][-1]
+    assert (stats.num_loading_slots, stats.num_cpu_tier_versions, stats.cpu_tier_bytes, stats.num_lora_wait_steps) == (1, 2, 4000, 1)
+    sent = [type(x).__name__ for x in shell.to_workers[0].sent]
+    assert sent == ["AdapterPrefetched", "AdapterPrefetched", "AdapterSlotAssigned", "StepPlan"]
