@@ -51,7 +51,7 @@ def _check_cpu_tier(manager: AdapterManager) -> None:
     for version_id in sorted(manager.cpu_staged_ranks):
         ranks = manager.cpu_staged_ranks[version_id]
         if version_id not in tier or not _ascending(ranks) or not 0 <= ranks[0] <= ranks[-1] < manager.config.tensor_parallel_size:
-            raise RuntimeError(f"version {version_id} is noted staged on ranks {ranks} but is not in the CPU tier")
+            raise RuntimeError(f"version {version_id} is noted staged on ranks {ranks}: not in the CPU tier, or ranks out of order or range")
 
 
 def _check_req_slot(req: Request, slots: SlotTable) -> None:

@@ -42,10 +42,11 @@ def prefetch(adapters: AdapterManager, waiting: Iterable[Request], step: int, bu
     config = adapters.config
     order = lookahead(waiting, config.max_num_seqs, LOOKAHEAD_VERSIONS_PER_SLOT * config.max_loras)
     decisions: Decisions = []
+    waiting_needs = _waiting_needs(adapters)  # the pass moves adapters, never requests
     num_slotted = 0  # versions of the lookahead, from its head, that are in a slot
     for version_id in order:
         if adapters.slots.find(version_id) < 0:
-            slot = slot_victim(adapters.slots.slots, order[:num_slotted], _waiting_needs(adapters), busy_slots)
+            slot = slot_victim(adapters.slots.slots, order[:num_slotted], waiting_needs, busy_slots)
             if slot is None:
                 break
             decisions += _load_into(adapters, slot, version_id, order, step)

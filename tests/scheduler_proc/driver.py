@@ -42,7 +42,7 @@ from shared import events as ev
 from shared.sampling import SamplingParams
 
 from scheduler_proc.core import Core, CoreConfig
-from tests.scheduler_proc.fake_adapters import FakeSlots, LoadPolicy, PendingLoad
+from tests.scheduler_proc.fake_adapters import AdapterLoads, FakeSlots, LoadPolicy
 from tests.scheduler_proc.prompt_reports import fake_reports
 
 EOS = 2
@@ -144,7 +144,7 @@ class FakeWorker:
             self.slots.check_req(req.req_id, req.lora_slot, self.req_versions.get(req.req_id, 0))
 
 
-class Driver:
+class Driver(AdapterLoads):
     def __init__(
         self,
         num_kv_blocks: int = 64,
@@ -280,36 +280,6 @@ class Driver:
                 return
         raise AssertionError(f"still running after {max_steps} steps")
 
-    # ---------------------------------------------------------------- adapter loads (overlapped loading)
-
-    @property
-    def pending_loads(self) -> list[PendingLoad]:
-        """Loads some rank started and has not finished, oldest first."""
-        return list(self.worker.slots.pending)
-
-    def finish_loads(self, slot: int | None = None, rank: int | None = None, version_id: int | None = None) -> list[Any]:
-        """Deliver the matching pending loads' completions, oldest first."""
-        out: list[Any] = []
-        for load in self.pending_loads:
-            if slot in (None, load.slot) and rank in (None, load.rank) and version_id in (None, load.version_id):
-                out += self._deliver(load, None)
-        return out
-
-    def fail_load(self, slot: int, rank: int, message: str) -> list[Any]:
-        """Rank `rank`'s pending load of `slot` fails."""
-        (load,) = [x for x in self.pending_loads if (x.slot, x.rank) == (slot, rank)]
-        return self._deliver(load, message)
-
-    def deliver_one(self) -> list[Any]:
-        """The load policy picks one pending load and ends it."""
-        if self.load_policy is None or not self.pending_loads:
-            raise AssertionError("no load policy, or no load pending")
-        load = self.load_policy.rng.choice(self.pending_loads)
-        return self._deliver(load, self.load_policy.failure(load))
-
-    def _deliver(self, load: PendingLoad, failure: str | None) -> list[Any]:
-        return self.send(self.worker.slots.finish(load, failure))
-
     def _next_token(self, req_id: str) -> int:
         script = self._scripts.get(req_id)
         return script.popleft() if script else FILLER
@@ -338,11 +308,6 @@ class Driver:
             self._check_not_read_in_flight(decision.slot)
         self.worker.slots.apply(decision)
 
-    def _check_not_read_in_flight(self, slot: int) -> None:
-        """A load runs beside the steps: it must not overwrite a slot a step in flight reads."""
-        for plan in self._pending_plans:
-            if any(req.lora_slot == slot for req in list(plan.new_reqs) + list(plan.cached_reqs)):
-                raise AssertionError(f"slot {slot} assigned while step {plan.step}, in flight, reads it")
 
     # ---------------------------------------------------------------- queries
 
