@@ -3,6 +3,7 @@ and the snapshot `replay --show` prints). Pure reads of the manager's state."""
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
 from scheduler_proc.core.request import Request, RequestStatus
@@ -120,7 +121,7 @@ def snapshot(manager: AdapterManager) -> dict[str, Any]:
 
 
 def _ascending(ranks: list[int]) -> bool:
-    return all(a < b for a, b in zip(ranks, ranks[1:]))
+    return all(a < b for a, b in pairwise(ranks))
 
 
 def _sorted_versions(manager: AdapterManager) -> list[AdapterVersion]:
