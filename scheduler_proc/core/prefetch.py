@@ -9,12 +9,12 @@ next, without walking a long queue on every input).
 
 Slots, for each version of the lookahead without one, in lookahead order: the lowest FREE
 slot, else a LOADED slot (unpinned, not loading) whose version no running request and no
-earlier-in-the-lookahead request needs; among those
-first a version no waiting request needs at all, then the least recently used (logical
-step), then the lowest index; never a slot (FREE or LOADED) that a step still in flight
-reads, so a load never overwrites what a running step uses. AdapterEvicted (if it held one)
-and AdapterSlotAssigned; the slot is LOADING until every rank reports it done. The pass stops at the first version
-that cannot have a slot: a version never takes a slot from one ahead of it.
+earlier-in-the-lookahead request needs: first one whose version no waiting request needs at
+all, then the least recently used (logical step), then the lowest index. Never a slot,
+FREE or LOADED, that a step still in flight reads, so a load never overwrites what a
+running step uses. Decisions: AdapterEvicted (if it held one), AdapterSlotAssigned; the
+slot is LOADING until every rank reports it done. The pass stops at the first version that
+cannot have a slot: a version never takes a slot from one ahead of it.
 
 CPU tier, for the versions after that point which are in no slot and not staged:
 AdapterPrefetched while the tier has room or holds a version in no slot that no request of
