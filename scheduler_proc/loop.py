@@ -153,10 +153,12 @@ class SchedulerShell:
     def _send_stats(self) -> None:
         """Gauges for /metrics, sent when they change (not logged: derived from logged state)."""
         sched = self.core.scheduler
-        stats = events.EngineStats(self.core.step, len(sched.running), len(sched.waiting),
-                                   self.core.num_free_blocks, self.core.num_total_blocks,
-                                   self.core.num_pinned_slots, self.core.num_deferred_evictions,
-                                   self.core.num_cached_blocks)
+        core = self.core
+        stats = events.EngineStats(core.step, len(sched.running), len(sched.waiting),
+                                   core.num_free_blocks, core.num_total_blocks,
+                                   core.num_pinned_slots, core.num_deferred_evictions,
+                                   core.num_cached_blocks, core.num_loading_slots,
+                                   core.num_cpu_tier_versions, core.cpu_tier_bytes, core.num_lora_wait_steps)
         if stats != self.last_stats:
             self._send(self.to_tokenizer, codec.encode(stats))
             self.last_stats = stats

@@ -132,6 +132,10 @@ class EngineStats(Event):
     num_pinned_slots: int = 0
     num_deferred_evictions: int = 0
     num_cached_blocks: int = 0  # in the prefix cache, reclaimable when unlocked
+    num_loading_slots: int = 0  # adapter slot loads in flight (overlapped loading)
+    num_cpu_tier_versions: int = 0  # adapter versions in the workers' CPU tier
+    cpu_tier_bytes: int = 0  # their bytes (as registered)
+    num_lora_wait_steps: int = 0  # cumulative: steps that left a request waiting only on its adapter's load
 
 
 class EngineFailed(Event):

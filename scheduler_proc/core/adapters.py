@@ -3,6 +3,10 @@ tier, and deferred evictions. Every method returns the decisions it took.
 
 A version lives until it is unregistered (unload, a load_inplace under its name, a failed
 load) and no live request holds it; while unregistered but held it is a deferred eviction.
+With overlapped loading, a version whose slot is still LOADING also stays until that load
+ends (every rank done, or one failed): a slot is never evicted mid-load. The CPU tier
+(`cpu_last_used_step`) holds a version from its AdapterPrefetched or AdapterSlotAssigned on,
+never more than `max_cpu_loras`, and never drops a version that is in a slot.
 Dicts here are lookups only; every walk goes through sorted ids or the slot list.
 """
 
@@ -13,10 +17,11 @@ from typing import Any
 
 from shared import events as ev
 
+from scheduler_proc.core import adapter_views
 from scheduler_proc.core.config import CoreConfig
-from scheduler_proc.core.request import Request, RequestStatus
+from scheduler_proc.core.request import Request
 from scheduler_proc.core.scheduler import distinct
-from scheduler_proc.core.slots import SlotState, SlotTable, lru_victim
+from scheduler_proc.core.slots import Slot, SlotState, SlotTable, lru_victim
 
 Decisions = list[Any]
 
@@ -30,6 +35,7 @@ class AdapterVersion:
     num_bytes: int
     is_registered: bool = True
     num_reqs: int = 0  # live (waiting or running) requests holding this version
+    content_digest: int = 0  # what its files must hash to when read again (0: not checked)
 
 
 class AdapterManager:
@@ -39,6 +45,7 @@ class AdapterManager:
         self.versions: dict[int, AdapterVersion] = {}  # live versions by id
         self.slots = SlotTable(config.max_loras)
         self.cpu_last_used_step: dict[int, int] = {}  # the CPU tier: version id -> last use
+        self.cpu_staged_ranks: dict[int, list[int]] = {}  # CPU-tier version -> ranks that reported it staged
         self._num_versions = 0  # version ids count from 1; 0 is the base model
 
     # ------------------------------------------------------------------ views
@@ -51,15 +58,35 @@ class AdapterManager:
     def num_pinned_slots(self) -> int:
         return self.slots.num_pinned
 
+    @property
+    def num_loading_slots(self) -> int:
+        return self.slots.num_loading
+
+    @property
+    def num_cpu_tier_versions(self) -> int:
+        return len(self.cpu_last_used_step)
+
+    @property
+    def cpu_tier_bytes(self) -> int:
+        return sum(self.versions[v].num_bytes for v in sorted(self.cpu_last_used_step))
+
     def resolve(self, name: str) -> int | None:
         return self.registry.get(name)
 
     def infos(self) -> list[ev.AdapterInfo]:
         return [ev.AdapterInfo(name, self.registry[name], self.versions[self.registry[name]].path) for name in sorted(self.registry)]
 
+    def slot_readiness(self) -> dict[int, bool] | None:
+        """For admission with overlapped loading: version -> True if its slot is ready on
+        every rank, False while it loads; a version in no slot is absent. None: the reference
+        path, where a step's slots are assigned as it is built."""
+        if not self.config.lora_overlap_loading:
+            return None
+        return {s.version_id: s.state != SlotState.LOADING for s in self.slots.slots if s.state != SlotState.FREE}
+
     # ------------------------------------------------------------------ load / unload
 
-    def load(self, event: ev.AdapterLoadRequested) -> Decisions:
+    def load(self, event: ev.AdapterLoadRequested, step: int) -> Decisions:
         if not self.config.enable_lora:
             return [self._reply(event.op_id, 400, "LoRA is disabled; start the server with --enable-lora to load adapters.")]
         old_version_id = self.registry.get(event.name, 0)
@@ -67,11 +94,14 @@ class AdapterManager:
             return [self._reply(event.op_id, 400, f"The lora adapter '{event.name}' has already been loaded; pass load_inplace=true to replace it.")]
         self._num_versions += 1
         version_id = self._num_versions
-        self.versions[version_id] = AdapterVersion(version_id, event.name, event.path, event.max_rank, event.num_bytes)
+        self.versions[version_id] = AdapterVersion(
+            version_id, event.name, event.path, event.max_rank, event.num_bytes, content_digest=event.content_digest)
         self.registry[event.name] = version_id
-        decisions: Decisions = [ev.AdapterRegistered(event.name, version_id, event.path, old_version_id)]
+        decisions: Decisions = [ev.AdapterRegistered(event.name, version_id, event.path, old_version_id, event.content_digest)]
         if old_version_id:
             decisions += self._unregister(old_version_id)
+        if self.config.lora_overlap_loading and len(self.cpu_last_used_step) < self.config.max_cpu_loras:
+            decisions.append(self.stage(version_id, step))  # into a free CPU entry only: never evicts here
         return decisions + [self._reply(event.op_id, 200, "", version_id)]
 
     def unload(self, event: ev.AdapterUnloadRequested) -> Decisions:
@@ -95,20 +125,23 @@ class AdapterManager:
     def _unregister(self, version_id: int) -> Decisions:
         version = self.versions[version_id]
         version.is_registered = False
-        if version.num_reqs == 0:
-            return self._drop(version_id)
-        return [ev.AdapterEvictionDeferred(version_id, self.slots.find(version_id), version.num_reqs)]
+        index = self.slots.find(version_id)
+        if version.num_reqs == 0 and not self.slots.is_loading(index):
+            return self.drop(version_id)
+        return [ev.AdapterEvictionDeferred(version_id, index, version.num_reqs)]
 
-    def _drop(self, version_id: int) -> Decisions:
-        """Free the slot and the CPU copy of an unregistered version nobody holds."""
+    def drop(self, version_id: int) -> Decisions:
+        """Free the slot and the CPU copy of an unregistered version nobody holds; one whose
+        slot still loads is dropped when that load ends (movement.py)."""
         decisions: Decisions = []
         index = self.slots.find(version_id)
+        if self.slots.is_loading(index):
+            return []
         if index >= 0:
             self.slots.evict(index)
             decisions.append(ev.AdapterEvicted(index, version_id))
         if version_id in self.cpu_last_used_step:
-            del self.cpu_last_used_step[version_id]
-            decisions.append(ev.AdapterCpuEvicted(version_id))
+            decisions.append(self.evict_cpu(version_id))
         del self.versions[version_id]
         return decisions
 
@@ -132,14 +165,16 @@ class AdapterManager:
         version = self.versions[req.version_id]
         version.num_reqs -= 1
         if version.num_reqs == 0 and not version.is_registered:
-            return self._drop(req.version_id)
+            return self.drop(req.version_id)
         return []
 
     # ------------------------------------------------------------------ building a step
 
     def bind_step(self, reqs: list[Request], preempted: list[Request], step: int) -> Decisions:
-        """Give this step's requests their slots. Preempted requests unpin first; then every
-        adapter the step needs is known before any slot is chosen, so no victim is needed."""
+        """Give this step's requests their slots. Preempted requests unpin first. Reference
+        path: every adapter the step needs is known before any slot is chosen, so no victim
+        is needed. Overlapped loading: admission took only requests whose slot is ready, so
+        this pins and never assigns or evicts."""
         for req in preempted:
             if req.lora_slot >= 0:
                 self.slots.unpin(req.lora_slot)
@@ -147,12 +182,19 @@ class AdapterManager:
         needed = distinct([req.version_id for req in reqs if req.version_id])
         decisions: Decisions = []
         for version_id in needed:
-            decisions += self._ensure_slot(version_id, needed, step)
+            decisions += self._use_slot(version_id, step) if self.config.lora_overlap_loading else self._ensure_slot(version_id, needed, step)
         for req in reqs:
             if req.version_id and req.lora_slot < 0:
                 req.lora_slot = self.slots.find(req.version_id)
                 self.slots.pin(req.lora_slot)
-        return decisions + self._trim_cpu_tier()
+        return decisions if self.config.lora_overlap_loading else decisions + self._trim_cpu_tier()
+
+    def _use_slot(self, version_id: int, step: int) -> Decisions:
+        if not self.slots.is_ready(version_id):
+            raise RuntimeError(f"adapter version {version_id} was scheduled before its slot is ready on every rank")
+        self.slots.touch(self.slots.find(version_id), step)
+        self.cpu_last_used_step[version_id] = step
+        return []
 
     def _ensure_slot(self, version_id: int, needed: list[int], step: int) -> Decisions:
         decisions: Decisions = []
@@ -165,7 +207,7 @@ class AdapterManager:
             if victim.state == SlotState.LOADED:
                 decisions.append(ev.AdapterEvicted(index, self.slots.evict(index)))
             self.slots.assign(index, version_id, step)
-            decisions.append(ev.AdapterSlotAssigned(index, version_id, self.versions[version_id].path))
+            decisions.append(self._slot_assigned(index, version_id))
         self.slots.touch(index, step)
         self.cpu_last_used_step[version_id] = step
         return decisions
@@ -176,80 +218,48 @@ class AdapterManager:
         while len(self.cpu_last_used_step) > self.config.max_cpu_loras:
             candidates = [v for v in sorted(self.cpu_last_used_step) if self.slots.find(v) < 0]
             victim = min(candidates, key=lambda v: (self.cpu_last_used_step[v], v))
-            del self.cpu_last_used_step[victim]
-            decisions.append(ev.AdapterCpuEvicted(victim))
+            decisions.append(self.evict_cpu(victim))
         return decisions
+
+    # ------------------------------------------------------------------ overlapped movement
+
+    def evict_slot(self, slot: Slot) -> ev.AdapterEvicted:
+        return ev.AdapterEvicted(slot.index, self.slots.evict(slot.index))
+
+    def start_slot_load(self, slot: Slot, version_id: int, step: int) -> ev.AdapterSlotAssigned:
+        """Load `version_id` into a FREE slot; it enters the CPU tier (the caller made room)."""
+        if version_id not in self.cpu_last_used_step and len(self.cpu_last_used_step) >= self.config.max_cpu_loras:
+            raise RuntimeError(f"adapter version {version_id} would overfill the CPU tier")
+        self.slots.start_load(slot.index, version_id, step)
+        self.cpu_last_used_step[version_id] = step
+        return self._slot_assigned(slot.index, version_id)
+
+    def stage(self, version_id: int, step: int) -> ev.AdapterPrefetched:
+        """Stage a version into the workers' CPU tier (the caller made room)."""
+        if len(self.cpu_last_used_step) >= self.config.max_cpu_loras:
+            raise RuntimeError(f"adapter version {version_id} would overfill the CPU tier")
+        version = self.versions[version_id]
+        self.cpu_last_used_step[version_id] = step
+        return ev.AdapterPrefetched(version_id, version.path, version.content_digest)
+
+    def evict_cpu(self, version_id: int) -> ev.AdapterCpuEvicted:
+        if self.slots.find(version_id) >= 0:
+            raise RuntimeError(f"adapter version {version_id} would leave the CPU tier while in a GPU slot")
+        del self.cpu_last_used_step[version_id]
+        self.cpu_staged_ranks.pop(version_id, None)
+        return ev.AdapterCpuEvicted(version_id)
+
+    def _slot_assigned(self, index: int, version_id: int) -> ev.AdapterSlotAssigned:
+        version = self.versions[version_id]
+        return ev.AdapterSlotAssigned(index, version_id, version.path, version.content_digest)
 
     # ------------------------------------------------------------------ checks and views
 
     def check_integrity(self, live_reqs: list[Request]) -> None:
-        num_pins = [0] * len(self.slots.slots)
-        num_reqs: dict[int, int] = {}
-        for req in live_reqs:
-            _check_req_slot(req, self.slots)
-            if req.lora_slot >= 0:
-                num_pins[req.lora_slot] += 1
-            if req.version_id:
-                num_reqs[req.version_id] = num_reqs.get(req.version_id, 0) + 1
-        for slot in self.slots.slots:
-            _check_slot(slot, num_pins[slot.index], self.versions.get(slot.version_id))
-            if slot.state != SlotState.FREE and (self.slots.find(slot.version_id) != slot.index or slot.version_id not in self.cpu_last_used_step):
-                raise RuntimeError(f"slot {slot.index}: version {slot.version_id} is in two slots or not in the CPU tier")
-        for version_id in sorted(self.versions):
-            version = self.versions[version_id]
-            if version.num_reqs != num_reqs.get(version_id, 0):
-                raise RuntimeError(f"adapter version {version_id} counts {version.num_reqs} requests, {num_reqs.get(version_id, 0)} hold it")
-            if version.is_registered != (self.registry.get(version.name) == version_id):
-                raise RuntimeError(f"adapter version {version_id} and the registry disagree")
-        for name in sorted(self.registry):
-            if self.registry[name] not in self.versions:
-                raise RuntimeError(f"the registry maps {name!r} to a dropped version")
-        if len(self.cpu_last_used_step) > self.config.max_cpu_loras:
-            raise RuntimeError(f"the CPU tier holds {len(self.cpu_last_used_step)} versions > max_cpu_loras {self.config.max_cpu_loras}")
+        adapter_views.check_adapters(self, live_reqs)
 
     def rows(self) -> list[Any]:
-        return [
-            [[name, self.registry[name]] for name in sorted(self.registry)],
-            [[v.version_id, v.name, v.path, v.is_registered, v.num_reqs] for v in self._sorted_versions()],
-            self.slots.rows(),
-            [[v, self.cpu_last_used_step[v]] for v in sorted(self.cpu_last_used_step)],
-        ]
+        return adapter_views.rows(self)
 
     def snapshot(self) -> dict[str, Any]:
-        return {
-            "registry": {name: self.registry[name] for name in sorted(self.registry)},
-            "versions": [
-                {"version_id": v.version_id, "name": v.name, "path": v.path, "is_registered": v.is_registered, "num_reqs": v.num_reqs}
-                for v in self._sorted_versions()
-            ],
-            "slots": [
-                {"slot": s.index, "state": s.state.name, "version_id": s.version_id, "num_pins": s.num_pins, "last_used_step": s.last_used_step}
-                for s in self.slots.slots
-            ],
-            "cpu_tier": [[v, self.cpu_last_used_step[v]] for v in sorted(self.cpu_last_used_step)],
-            "deferred_evictions": [v.version_id for v in self._sorted_versions() if not v.is_registered],
-        }
-
-    def _sorted_versions(self) -> list[AdapterVersion]:
-        return [self.versions[v] for v in sorted(self.versions)]
-
-
-def _check_req_slot(req: Request, slots: SlotTable) -> None:
-    running = req.status == RequestStatus.RUNNING
-    if req.version_id and running and (req.lora_slot < 0 or slots.slots[req.lora_slot].version_id != req.version_id):
-        raise RuntimeError(f"running request {req.req_id!r} of version {req.version_id} is in slot {req.lora_slot}")
-    if req.lora_slot >= 0 and not (running and req.version_id):
-        raise RuntimeError(f"request {req.req_id!r} ({req.status.name}, version {req.version_id}) holds slot {req.lora_slot}")
-
-
-def _check_slot(slot: Any, num_pins: int, version: AdapterVersion | None) -> None:
-    if slot.num_pins != num_pins or (slot.state == SlotState.PINNED) != (num_pins > 0):
-        raise RuntimeError(f"slot {slot.index} ({slot.state.name}) has {slot.num_pins} pins, {num_pins} running requests use it")
-    if slot.state == SlotState.FREE:
-        if slot.version_id:
-            raise RuntimeError(f"free slot {slot.index} names version {slot.version_id}")
-        return
-    if version is None:
-        raise RuntimeError(f"slot {slot.index} holds dropped version {slot.version_id}")
-    if not version.is_registered and version.num_reqs == 0:
-        raise RuntimeError(f"slot {slot.index} holds unregistered version {slot.version_id} that no request holds")
+        return adapter_views.snapshot(self)

@@ -12,7 +12,7 @@ from typing import Any
 
 from shared import events as ev
 
-from scheduler_proc.core import digest, prefix, prompt_logprobs
+from scheduler_proc.core import digest, movement, prefetch, prefix, prompt_logprobs
 from scheduler_proc.core.adapters import AdapterManager
 from scheduler_proc.core.block_manager import BlockAccounting, BlockManager
 from scheduler_proc.core.config import CoreConfig
@@ -69,6 +69,24 @@ class Core:
     def num_pinned_slots(self) -> int:
         return self.adapters.num_pinned_slots
 
+    @property
+    def num_loading_slots(self) -> int:
+        """Slot loads in flight: assigned, not yet reported done by every rank."""
+        return self.adapters.num_loading_slots
+
+    @property
+    def num_cpu_tier_versions(self) -> int:
+        return self.adapters.num_cpu_tier_versions
+
+    @property
+    def cpu_tier_bytes(self) -> int:
+        return self.adapters.cpu_tier_bytes
+
+    @property
+    def num_lora_wait_steps(self) -> int:
+        """Planned steps that left a waiting request behind only because its adapter was loading."""
+        return self.scheduler.num_lora_wait_steps
+
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
 
@@ -105,7 +123,7 @@ class Core:
         if self.scheduler.is_ready and not self.config.keep_dropped_namespaces:
             prefix.forget_dropped_namespaces(self.scheduler.block_manager, self.adapters.versions)
         if self.failure is None:
-            decisions += self._maybe_plan()
+            decisions += self._prefetch() + self._maybe_plan()
         return decisions
 
     def _after_failure(self, event: Any) -> Decisions:
@@ -226,21 +244,23 @@ class Core:
         return self._fail(f"worker rank {event.rank} failed: {event.message}")
 
     def _on_adapter_load_requested(self, event: ev.AdapterLoadRequested) -> Decisions:
-        return self._evict_unregistered(self.adapters.load(event))
+        return self._evict_unregistered(self.adapters.load(event, self.step))
 
     def _on_adapter_unload_requested(self, event: ev.AdapterUnloadRequested) -> Decisions:
         return self._evict_unregistered(self.adapters.unload(event))
 
     def _on_adapter_load_completed(self, event: ev.AdapterLoadCompleted) -> Decisions:
-        return []  # logged only: a step's plan already waits on the worker side
+        """Overlapped loading: a slot is ready once every rank reported it. Reference path:
+        logged only (a step's plan already waits on the worker side)."""
+        return movement.load_completed(self.adapters, event)
 
     def _on_adapter_load_failed(self, event: ev.AdapterLoadFailed) -> Decisions:
-        """Fail every request of the version, then free its slot and unregister it."""
+        """Free its slot if it was loading, fail every request of the version, unregister it."""
         version = self.adapters.versions.get(event.version_id)
         if version is None:
             return []  # already dropped (another rank reported it first)
         message = f"adapter {version.name!r} (version {version.version_id}) failed to load on rank {event.rank}: {event.message}"
-        decisions: Decisions = []
+        decisions: Decisions = movement.abort_load(self.adapters, event.version_id)
         for req in sorted(self._live_requests(), key=lambda r: r.arrival_order):
             if req.version_id == event.version_id:
                 decisions += self._fail_request(req, message)
@@ -317,6 +337,13 @@ class Core:
 
     # ------------------------------------------------------------------ planning
 
+    def _prefetch(self) -> Decisions:
+        """Overlapped loading: slots and CPU staging for the head of the waiting queue."""
+        if not self.config.lora_overlap_loading or not self.scheduler.is_ready:
+            return []
+        busy_slots = [slot for step in self.in_flight for slot in step.lora_slots]
+        return prefetch.prefetch(self.adapters, self.scheduler.waiting, self.step, busy_slots)
+
     def _maybe_plan(self) -> Decisions:
         """Plan steps until `max_steps_in_flight` are in flight (1: the classic loop; 2: async
         scheduling, step s + 1 planned while step s runs) or nothing more can be scheduled."""
@@ -332,10 +359,10 @@ class Core:
 
     def _plan_step(self) -> Decisions:
         """The next step's plan and what it decides, or [] when only a step in flight can make progress."""
-        scheduled, preempted = self.scheduler.schedule(self.step + 1, may_preempt=not self.in_flight)
+        scheduled, preempted = self.scheduler.schedule(self.step + 1, not self.in_flight, self.adapters.slot_readiness())
         if not scheduled:
-            if self.in_flight:
-                return []
+            if self.in_flight or self.adapters.num_loading_slots:
+                return []  # planned when a step completes or a load ends
             return self._fail(f"the scheduler can make no progress: {len(self.scheduler.waiting)} waiting, nothing fits")
         self.step += 1
         preempted_ids = [req.req_id for req in preempted]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from shared.events import CachedReq, NewReq, StepPlan
 
 from scheduler_proc.core.request import Request
-from scheduler_proc.core.scheduler import ScheduledReq
+from scheduler_proc.core.scheduler import ScheduledReq, distinct
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,7 @@ class InFlightReq:
 class InFlightStep:
     step: int
     reqs: list[InFlightReq]
+    lora_slots: list[int]  # the adapter slots the step reads, ascending
 
 
 def new_req(req: Request, num_tokens: int) -> NewReq:
@@ -80,4 +81,5 @@ def build_plan(
         finished_req_ids=list(finished_req_ids),
         preempted_req_ids=list(preempted_req_ids),
     )
-    return plan, InFlightStep(step, in_flight)
+    lora_slots = sorted(distinct([item.req.lora_slot for item in scheduled if item.req.lora_slot >= 0]))
+    return plan, InFlightStep(step, in_flight, lora_slots)

@@ -8,6 +8,14 @@ requests go FCFS with adapter affinity: one whose adapter would exceed the cap i
 model, go ahead. Aging bounds this: once a skipped request has waited
 `lora_max_wait_steps` steps since arrival, no adapter request behind it may overtake it, so
 the running adapters drain and it gets a slot. Only admitted requests count toward the cap.
+
+With overlapped loading (`slot_ready` given) an adapter request is admitted only once its
+version's slot is ready on every rank; one whose version is in no slot, or still loading,
+keeps its place and later requests of ready adapters, or of the base model, go ahead. The
+same aging bound applies to a request whose version is in no slot: once it has waited
+`lora_max_wait_steps`, no adapter request behind it is admitted, the running adapters drain
+and the prefetch pass gives it a slot. One whose slot is loading bars nothing (nothing behind
+it need drain); a step that leaves such a request waiting counts in `num_lora_wait_steps`.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ class Scheduler:
         self._block_manager: BlockManager | None = None  # known once every rank is ready
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # kept in arrival order: the tail is the newest
+        self.num_lora_wait_steps = 0  # planned steps that left a request waiting on its adapter's load
 
     @property
     def is_ready(self) -> bool:
@@ -64,11 +73,14 @@ class Scheduler:
             self.block_manager.release(req.namespace, req.req_id, req.block_ids, step)
             req.num_shared_blocks = 0
 
-    def schedule(self, step: int, may_preempt: bool = True) -> tuple[list[ScheduledReq], list[Request]]:
+    def schedule(self, step: int, may_preempt: bool = True,
+                 slot_ready: dict[int, bool] | None = None) -> tuple[list[ScheduledReq], list[Request]]:
         """Running requests first (a decode token or their next prefill chunk), then
         waiting ones FCFS under the adapter cap. `step` is the step being built (aging).
         A step planned ahead of one in flight (`may_preempt` False) stops where blocks run
-        out instead of preempting. Returns the scheduled requests and the ones preempted."""
+        out instead of preempting. `slot_ready` (overlapped loading): version -> whether its
+        slot is ready (False: loading); absent: in no slot. Returns the scheduled requests
+        and the ones preempted."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledReq] = []
         preempted: list[Request] = []
@@ -88,7 +100,8 @@ class Scheduler:
             budget -= num_tokens
             i += 1
         if _may_admit(scheduled, preempted, is_blocked):
-            self._admit_waiting(budget, scheduled, step)
+            is_held_by_load = self._admit_waiting(budget, scheduled, step, slot_ready)
+            self.num_lora_wait_steps += int(is_held_by_load and bool(scheduled))
         return scheduled, preempted
 
     def _may_run_ahead(self, req: Request) -> bool:
@@ -127,13 +140,18 @@ class Scheduler:
         transition(req, RequestStatus.WAITING)
         self.waiting.appendleft(req)
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledReq], step: int) -> None:
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledReq], step: int, slot_ready: dict[int, bool] | None) -> bool:
+        """Admit waiting requests FCFS; True if one was left waiting only because its slot loads."""
         version_ids = distinct([req.version_id for req in self.running if req.version_id])
         is_barred = False  # an aged, cap-blocked request: no adapter request overtakes it
+        is_held_by_load = False
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            if req.version_id and (is_barred or not self._fits_cap(req.version_id, version_ids)):
+            if req.version_id and slot_ready is not None and not is_barred and slot_ready.get(req.version_id) is False:
+                is_held_by_load = True  # its slot loads: it bars nothing
+                continue
+            if req.version_id and (is_barred or not self._fits(req.version_id, version_ids, slot_ready)):
                 is_barred = is_barred or step - req.arrival_step >= self.config.lora_max_wait_steps
                 continue
             match = self._match_prefix(req)
@@ -148,6 +166,7 @@ class Scheduler:
             budget -= num_tokens
             if req.version_id and req.version_id not in version_ids:
                 version_ids.append(req.version_id)
+        return is_held_by_load
 
     def _match_prefix(self, req: Request) -> PrefixMatch:
         """The cached prefix `req` starts from. None for a request asking for prompt logprobs (as in
@@ -157,7 +176,11 @@ class Scheduler:
             return PrefixMatch()
         return self.block_manager.match_prefix(req.namespace, req.token_ids)
 
-    def _fits_cap(self, version_id: int, version_ids: list[int]) -> bool:
+    def _fits(self, version_id: int, version_ids: list[int], slot_ready: dict[int, bool] | None) -> bool:
+        """Whether a request of `version_id` may join the step: its slot is ready (overlapped
+        loading), and the step's distinct adapters stay within the cap."""
+        if slot_ready is not None and not slot_ready.get(version_id, False):
+            return False
         return version_id in version_ids or len(version_ids) < self.config.max_loras
 
     def _admit(self, req: Request, match: PrefixMatch, step: int) -> None:

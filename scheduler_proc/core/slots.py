@@ -1,30 +1,42 @@
 """Adapter GPU slots: a fixed table, one lifecycle transition function, LRU victims.
 
-A slot is FREE, LOADED (holds a version, no running request uses it) or PINNED (running
-requests use it). Pins count the running requests; only a LOADED slot can be evicted.
+A slot is FREE, LOADING (assigned a version whose load not every rank has reported done),
+LOADED (holds a version, no running request uses it) or PINNED (running requests use it):
+
+    FREE -ASSIGN-> LOADING -READY-> LOADED -PIN-> PINNED -UNPIN-> PINNED | LOADED
+    LOADED -EVICT-> FREE        LOADING -FAIL-> FREE
+
+Pins count the running requests; only a LOADED slot can be evicted; a LOADING slot is never
+pinned (no step reads it) and never evicted. With overlapped loading off, READY follows
+ASSIGN at once (the workers load in command order, before the step that needs the slot).
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class SlotState(enum.Enum):
     FREE = "free"
+    LOADING = "loading"
     LOADED = "loaded"
     PINNED = "pinned"
 
 
 class SlotAction(enum.Enum):
     ASSIGN = "assign"  # load a version into a free slot
+    READY = "ready"  # every rank reported the load done
+    FAIL = "fail"  # a rank could not load it: the slot is free again
     PIN = "pin"  # a request starts running on it
     UNPIN = "unpin"  # a running request leaves it (finish, abort, preemption)
     EVICT = "evict"  # free it
 
 
 _LEGAL_EDGES: dict[tuple[SlotState, SlotAction], SlotState] = {
-    (SlotState.FREE, SlotAction.ASSIGN): SlotState.LOADED,
+    (SlotState.FREE, SlotAction.ASSIGN): SlotState.LOADING,
+    (SlotState.LOADING, SlotAction.READY): SlotState.LOADED,
+    (SlotState.LOADING, SlotAction.FAIL): SlotState.FREE,
     (SlotState.LOADED, SlotAction.PIN): SlotState.PINNED,
     (SlotState.PINNED, SlotAction.PIN): SlotState.PINNED,
     (SlotState.PINNED, SlotAction.UNPIN): SlotState.PINNED,  # LOADED once the last pin goes
@@ -43,6 +55,7 @@ class Slot:
     version_id: int = 0  # 0 while FREE
     num_pins: int = 0  # running requests using the slot
     last_used_step: int = 0
+    ready_ranks: list[int] = field(default_factory=list)  # while LOADING: ranks whose load is done, ascending
 
 
 def transition_slot(slot: Slot, action: SlotAction) -> None:
@@ -50,6 +63,8 @@ def transition_slot(slot: Slot, action: SlotAction) -> None:
     new_state = _LEGAL_EDGES.get((slot.state, action))
     if new_state is None:
         raise IllegalSlotTransition(f"slot {slot.index}: illegal {action.name} on a {slot.state.name} slot")
+    if action in (SlotAction.READY, SlotAction.FAIL):
+        slot.ready_ranks = []
     if action == SlotAction.PIN:
         slot.num_pins += 1
     elif action == SlotAction.UNPIN:
@@ -85,16 +100,54 @@ class SlotTable:
     def num_pinned(self) -> int:
         return sum(1 for slot in self.slots if slot.state == SlotState.PINNED)
 
+    @property
+    def num_loading(self) -> int:
+        return sum(1 for slot in self.slots if slot.state == SlotState.LOADING)
+
+    def is_ready(self, version_id: int) -> bool:
+        """Whether `version_id` is in a slot every rank has loaded (LOADED or PINNED)."""
+        index = self.find(version_id)
+        return index >= 0 and self.slots[index].state in (SlotState.LOADED, SlotState.PINNED)
+
+    def is_loading(self, index: int) -> bool:
+        return index >= 0 and self.slots[index].state == SlotState.LOADING
+
     def assign(self, index: int, version_id: int, step: int) -> None:
+        """FREE -> LOADED, the reference path: the workers load in command order, before the
+        step that needs the slot, so the load is as good as done (ASSIGN, then READY)."""
+        self.start_load(index, version_id, step)
+        self.ready(index)
+
+    def start_load(self, index: int, version_id: int, step: int) -> None:
+        """FREE -> LOADING: the workers load `version_id` into the slot beside the steps."""
         slot = self.slots[index]
         transition_slot(slot, SlotAction.ASSIGN)
         slot.version_id = version_id
         slot.last_used_step = step
 
+    def report_done(self, index: int, rank: int) -> None:
+        """One more rank finished the LOADING slot's load (a rank counts once)."""
+        slot = self.slots[index]
+        if slot.state != SlotState.LOADING:
+            raise IllegalSlotTransition(f"slot {index}: a load reported done on a {slot.state.name} slot")
+        if rank not in slot.ready_ranks:
+            slot.ready_ranks = sorted(slot.ready_ranks + [rank])
+
+    def ready(self, index: int) -> None:
+        transition_slot(self.slots[index], SlotAction.READY)
+
     def evict(self, index: int) -> int:
         """Free a LOADED slot; returns the version it held."""
+        transition_slot(self.slots[index], SlotAction.EVICT)
+        return self._clear(index)
+
+    def fail(self, index: int) -> int:
+        """Free a LOADING slot whose load failed; returns the version it was loading."""
+        transition_slot(self.slots[index], SlotAction.FAIL)
+        return self._clear(index)
+
+    def _clear(self, index: int) -> int:
         slot = self.slots[index]
-        transition_slot(slot, SlotAction.EVICT)
         version_id, slot.version_id, slot.last_used_step = slot.version_id, 0, 0
         return version_id
 

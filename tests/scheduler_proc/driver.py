@@ -15,7 +15,14 @@ worker feeds it the token it sampled there, as a real one does on the device. Ev
 sampled token the scheduler later sends back must be the one the worker sampled. It also keeps the adapter slot table (from
 AdapterSlotAssigned / AdapterEvicted) and checks that every request's `lora_slot` holds
 that request's version, and that no slot is loaded or evicted while a running request
-uses it.
+uses it (fake_adapters.py).
+
+With `lora_overlap_loading=True` adapter loads are asynchronous: each rank's load ends when
+the test delivers it (`finish_loads`, `fail_load`) or, given a `load_policy`, at random
+after steps; `run()` delivers what is pending when no step is in flight (and, without a
+policy, before each step). A plan may only use slots every rank finished loading, and no
+slot is assigned while a step in flight reads it. With
+`digests=True` every rank reports each completed step's digest (tensor_parallel_size > 1).
 
 For a request asking for prompt logprobs, rank 0's StepCompleted reports those of the prompt
 positions each step computes (prompt_reports.py), as a real worker does.
@@ -35,58 +42,22 @@ from shared import events as ev
 from shared.sampling import SamplingParams
 
 from scheduler_proc.core import Core, CoreConfig
+from tests.scheduler_proc.fake_adapters import AdapterLoads, FakeSlots, LoadPolicy
 from tests.scheduler_proc.prompt_reports import fake_reports
 
 EOS = 2
 FILLER = 7  # sampled when a request has no scripted tokens left
 
 
-class FakeSlots:
-    """The worker's adapter slot table and the slots pinned by running requests."""
-
-    def __init__(self) -> None:
-        self.versions: dict[int, int] = {}  # slot -> version id
-        self.req_slot: dict[str, int] = {}  # running adapter request -> its slot
-
-    def pinned(self, slot: int) -> bool:
-        return slot in self.req_slot.values()
-
-    def apply(self, decision: Any) -> None:
-        if isinstance(decision, ev.AdapterSlotAssigned):
-            if self.pinned(decision.slot) or decision.slot in self.versions:
-                raise AssertionError(f"slot {decision.slot} assigned while pinned or loaded ({self.versions.get(decision.slot)})")
-            if decision.version_id in self.versions.values():
-                raise AssertionError(f"version {decision.version_id} assigned to a second slot")
-            self.versions[decision.slot] = decision.version_id
-        elif isinstance(decision, ev.AdapterEvicted):
-            if self.pinned(decision.slot) or self.versions.get(decision.slot) != decision.version_id:
-                raise AssertionError(f"bad eviction of slot {decision.slot}: holds {self.versions.get(decision.slot)}, pinned={self.pinned(decision.slot)}")
-            del self.versions[decision.slot]
-
-    def check_req(self, req_id: str, lora_slot: int, version_id: int) -> None:
-        if version_id == 0:
-            if lora_slot != -1:
-                raise AssertionError(f"base request {req_id!r} in slot {lora_slot}")
-            return
-        if self.versions.get(lora_slot) != version_id:
-            raise AssertionError(f"{req_id!r} of version {version_id} points to slot {lora_slot} holding {self.versions.get(lora_slot)}")
-        if self.req_slot.get(req_id, lora_slot) != lora_slot:
-            raise AssertionError(f"{req_id!r} moved from slot {self.req_slot[req_id]} to {lora_slot} while running")
-        self.req_slot[req_id] = lora_slot
-
-    def end(self, req_id: str) -> None:
-        self.req_slot.pop(req_id, None)
-
-
 class FakeWorker:
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, slots: FakeSlots | None = None) -> None:
         self.block_size = block_size
         self.num_tokens: dict[str, int] = {}  # tokens the plans told the worker about
         self.token_ids: dict[str, list[int]] = {}  # those, then any this worker sampled since
         self.last_samplers: list[str] = []  # requests that sampled in the step applied last
         self.block_ids: dict[str, list[int]] = {}
         self.kv: dict[int, tuple[int, tuple[int, ...]]] = {}  # block -> (namespace, prefix it ends)
-        self.slots = FakeSlots()
+        self.slots = slots or FakeSlots(num_ranks=1, max_cpu_loras=0, overlap=False)
         self.req_versions: dict[str, int] = {}  # what the client asked for, resolved at arrival
         self.prompt_asks: dict[str, tuple[int, int]] = {}  # req id -> (num_prompt_tokens, prompt_logprobs k)
 
@@ -173,7 +144,7 @@ class FakeWorker:
             self.slots.check_req(req.req_id, req.lora_slot, self.req_versions.get(req.req_id, 0))
 
 
-class Driver:
+class Driver(AdapterLoads):
     def __init__(
         self,
         num_kv_blocks: int = 64,
@@ -191,14 +162,19 @@ class Driver:
         max_cpu_loras: int = 32,
         lora_max_wait_steps: int = 16,
         max_steps_in_flight: int = 1,
+        lora_overlap_loading: bool = False,
+        load_policy: LoadPolicy | None = None,
+        digests: bool = False,
     ) -> None:
         self.config = CoreConfig(
             max_num_seqs, max_num_batched_tokens, block_size, max_model_len, tensor_parallel_size,
             max_loras=max_loras, max_cpu_loras=max_cpu_loras, enable_lora=enable_lora, lora_max_wait_steps=lora_max_wait_steps,
-            max_steps_in_flight=max_steps_in_flight,
+            max_steps_in_flight=max_steps_in_flight, lora_overlap_loading=lora_overlap_loading,
         )
         self.core = Core(self.config)
-        self.worker = FakeWorker(block_size)
+        self.worker = FakeWorker(block_size, FakeSlots(tensor_parallel_size, max_cpu_loras, lora_overlap_loading))
+        self.load_policy = load_policy
+        self.digests = digests
         self.num_kv_blocks = num_kv_blocks
         self.eos_token_ids = list(eos_token_ids)
         self.inputs: list[Any] = []
@@ -245,10 +221,10 @@ class Driver:
             self.worker.req_versions[req_id] = self.registry[lora]
         return self.send(ev.RequestArrived(req_id, tokens, SamplingParams(**sampling), lora_name=lora))
 
-    def load(self, name: str, path: str | None = None, inplace: bool = False) -> ev.AdapterOpReplied:
+    def load(self, name: str, path: str | None = None, inplace: bool = False, content_digest: int = 0) -> ev.AdapterOpReplied:
         self._num_ops += 1
         op_id = f"op-{self._num_ops}"
-        self.send(ev.AdapterLoadRequested(op_id, name, path or f"/adapters/{name}", 8, 1000, inplace))
+        self.send(ev.AdapterLoadRequested(op_id, name, path or f"/adapters/{name}", 8, 1000, inplace, content_digest))
         return self.replies[op_id]
 
     def unload(self, name: str) -> ev.AdapterOpReplied:
@@ -285,13 +261,23 @@ class Driver:
         self.worker.record_samples(sampled)
         failed_reqs = [ev.FailedReq(req_id, message) for req_id, message in failed.items()]
         reports = [r for r in fake_reports(plan, self.worker.prompt_asks) if r.req_id not in failed]
-        return self.send(ev.StepCompleted(plan.step, 0, sampled, failed_reqs, reports))
+        out = self.send(ev.StepCompleted(plan.step, 0, sampled, failed_reqs, reports))
+        for rank in range(self.config.tensor_parallel_size if self.digests else 0):
+            out += self.send(ev.RankDigest(plan.step, rank, 0x5EED))
+        if self.load_policy is not None:
+            for load in self.load_policy.pick(self.pending_loads):
+                out += self._deliver(load, self.load_policy.failure(load))
+        return out
 
     def run(self, max_steps: int = 10_000) -> None:
+        """Complete steps, and deliver pending loads, until nothing is left to do."""
         for _ in range(max_steps):
-            if not self._pending_plans:
+            if self.pending_loads and (not self._pending_plans or self.load_policy is None):
+                self.finish_loads() if self.load_policy is None else self.deliver_one()
+            elif self._pending_plans:
+                self.complete()
+            else:
                 return
-            self.complete()
         raise AssertionError(f"still running after {max_steps} steps")
 
     def _next_token(self, req_id: str) -> int:
@@ -318,7 +304,10 @@ class Driver:
             self.registry[decision.name] = decision.version_id
         elif isinstance(decision, ev.AdapterUnloaded) and self.registry.get(decision.name) == decision.version_id:
             del self.registry[decision.name]
+        elif isinstance(decision, ev.AdapterSlotAssigned) and self.config.lora_overlap_loading:
+            self._check_not_read_in_flight(decision.slot)
         self.worker.slots.apply(decision)
+
 
     # ---------------------------------------------------------------- queries
 

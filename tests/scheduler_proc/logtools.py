@@ -41,11 +41,14 @@ def rewrite(path: str, directory: Any, change: Any) -> str:
 
 
 def _with_old_header(path: str, config_json: bytes, schema_version: int) -> None:
-    """Give a one-segment log written today the header of an older schema (no segment info)."""
+    """Give a one-segment log written today the header of an older schema (schema 1: no
+    segment info; schema 2: the same segment info)."""
     with open(path, "rb") as f:
         data = f.read()
+    header = parse_header(data)
+    info = header.info if schema_version >= 2 else None
     with open(path, "wb") as f:
-        f.write(encode_header(config_json, None, schema_version) + data[parse_header(data).size :])
+        f.write(encode_header(config_json, info, schema_version) + data[header.size :])
 
 
 def record_offsets(path: str) -> list[int]:

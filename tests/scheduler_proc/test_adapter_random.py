@@ -1,6 +1,7 @@
 """Random adapter workloads: integrity after every event, the cap in every plan, an idle
 end with no pins and no deferred evictions, identical decisions under any hash seed, and
-a recorded run that replays."""
+a recorded run that replays; on the reference path and with overlapped loading, where
+loads end at random moments, in any order over the ranks, and sometimes fail."""
 
 import os
 import subprocess
@@ -15,8 +16,10 @@ from shared import events as ev
 from shared.config import EngineConfig
 from shared.eventlog import EventLogWriter
 
+from scheduler_proc.core import CoreConfig
 from scheduler_proc.replay import replay
 from tests.scheduler_proc.driver import Driver
+from tests.scheduler_proc.fake_adapters import LoadPolicy
 from tests.scheduler_proc.workload import run_adapter_workload
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -85,7 +88,7 @@ def test_adapter_decisions_identical_across_pythonhashseed():
 def test_recorded_adapter_run_replays(tmp_path):
     engine = EngineConfig(
         model_dir="m", served_model_name="m", max_model_len=32, max_num_seqs=4, max_num_batched_tokens=16,
-        block_size=4, enable_lora=True, max_loras=2, max_cpu_loras=3,
+        block_size=4, enable_lora=True, max_loras=2, max_cpu_loras=3, lora_overlap_loading=False,
     )
     writer = EventLogWriter(str(tmp_path), engine.to_json(), run_id="lora")
     d = _driver(aging=16, log=writer)  # 16: CoreConfig's default, which replay uses
@@ -95,3 +98,85 @@ def test_recorded_adapter_run_replays(tmp_path):
     result = replay(writer.path)
     assert result.ok, result.divergence.describe() if result.divergence else ""
     assert result.core.snapshot()["adapters"] == d.core.snapshot()["adapters"]
+
+
+# ---------------------------------------------------------------- overlapped loading
+
+def _overlap_driver(seed: int, num_kv_blocks=8, max_num_seqs=4, max_num_batched_tokens=16, max_loras=2, aging=4,
+                    tp=1, steps_in_flight=1, p_finish=0.4, p_fail=0.02, log=None) -> Driver:
+    """Loads end at random after steps (and one at a time when no step runs), in any order
+    over the ranks; a slot load fails now and then."""
+    return Driver(
+        num_kv_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=4,
+        max_model_len=32, enable_lora=True, max_loras=max_loras, max_cpu_loras=max_loras + 1, lora_max_wait_steps=aging,
+        tensor_parallel_size=tp, max_steps_in_flight=steps_in_flight, log=log, lora_overlap_loading=True,
+        load_policy=LoadPolicy(seed, p_finish, p_fail), digests=True,
+    )
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    num_kv_blocks=st.integers(8, 24),
+    max_num_seqs=st.integers(1, 6),
+    max_num_batched_tokens=st.integers(2, 40),
+    max_loras=st.integers(1, 3),
+    aging=st.integers(1, 8),
+    tp=st.integers(1, 2),
+    steps_in_flight=st.integers(1, 2),
+    p_finish=st.sampled_from([0.1, 0.5, 0.9]),
+)
+def test_integrity_after_random_adapter_workloads_with_overlapped_loading(
+        seed, num_kv_blocks, max_num_seqs, max_num_batched_tokens, max_loras, aging, tp, steps_in_flight, p_finish):
+    d = _overlap_driver(seed, num_kv_blocks, max_num_seqs, max_num_batched_tokens, max_loras, aging, tp, steps_in_flight, p_finish)
+    run_adapter_workload(d, seed)  # integrity, the slot tables and every rank's loads checked after every event
+    _check_idle_end(d, max_loras)
+    assert d.core.num_loading_slots == 0 and d.pending_loads == []
+
+
+def test_overlap_workload_exercises_the_movement_paths():
+    d = _overlap_driver(25, tp=2, p_fail=0.05)
+    run_adapter_workload(d, 25, num_events=300)
+    _check_idle_end(d, 2)
+    for kind in (ev.AdapterPrefetched, ev.AdapterSlotAssigned, ev.AdapterEvicted, ev.AdapterCpuEvicted, ev.RequestPreempted):
+        assert d.of_type(kind), kind.__name__
+    completions = [x for x in d.inputs if isinstance(x, ev.AdapterLoadCompleted)]
+    assert {x.rank for x in completions} == {0, 1} and any(x.slot == -1 for x in completions)
+    assert any(x.slot >= 0 for x in d.inputs if isinstance(x, ev.AdapterLoadFailed))
+    assert d.core.num_lora_wait_steps > 0
+    assert any(isinstance(x, ev.AdapterEvictionDeferred) and x.num_reqs == 0 for x in d.decisions)  # unloaded mid-load
+
+
+def overlap_fingerprint(seed: int) -> str:
+    d = _overlap_driver(seed, tp=2, steps_in_flight=2, p_fail=0.05)
+    run_adapter_workload(d, seed, num_events=200)
+    return xxhash.xxh64_hexdigest(b"".join(codec.encode(x) for x in d.decisions))
+
+
+def test_overlap_decisions_identical_across_pythonhashseed():
+    code = "from tests.scheduler_proc.test_adapter_random import overlap_fingerprint as f; print(f(5), f(8))"
+    outputs = []
+    for hash_seed in ("0", "4242"):
+        env = dict(os.environ, PYTHONHASHSEED=hash_seed, PYTHONPATH=ROOT)
+        proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
+        outputs.append(proc.stdout)
+    assert outputs[0] == outputs[1]
+    assert outputs[0].split() == [overlap_fingerprint(5), overlap_fingerprint(8)]
+
+
+def test_recorded_overlap_run_replays(tmp_path):
+    engine = EngineConfig(
+        model_dir="m", served_model_name="m", max_model_len=32, max_num_seqs=4, max_num_batched_tokens=16,
+        block_size=4, enable_lora=True, max_loras=2, max_cpu_loras=3, tensor_parallel_size=2, async_scheduling=True,
+    )
+    assert engine.lora_overlap_loading
+    writer = EventLogWriter(str(tmp_path), engine.to_json(), run_id="overlap")
+    d = _overlap_driver(5, aging=16, tp=2, steps_in_flight=2, p_fail=0.05, log=writer)
+    assert CoreConfig.from_engine(engine) == d.config
+    run_adapter_workload(d, 5, num_events=150)
+    writer.append(ev.LogClosed("done"))
+    writer.close()
+    result = replay(writer.path)
+    assert result.ok, result.divergence.describe() if result.divergence else ""
+    assert result.core.snapshot()["adapters"] == d.core.snapshot()["adapters"]
+    assert any(isinstance(x, ev.AdapterLoadCompleted) for x in d.inputs)

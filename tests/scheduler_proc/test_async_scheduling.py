@@ -13,6 +13,7 @@ from shared.eventlog import EventLogWriter
 from scheduler_proc.core import Core, CoreConfig
 from scheduler_proc.replay import replay
 from tests.scheduler_proc.driver import EOS, Driver
+from tests.scheduler_proc.fake_adapters import LoadPolicy
 from tests.scheduler_proc.workload import WORKLOAD_SPACE, run_adapter_workload, run_workload
 
 
@@ -140,6 +141,19 @@ def test_random_adapter_workloads_keep_slots_and_blocks_exact(seed):
     run_adapter_workload(d, seed)  # slot pins and KV namespaces checked on every plan
     d.check_idle()
     assert not d.of_type(ev.EngineFailed)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), tp=st.integers(1, 2))
+def test_random_adapter_workloads_with_overlapped_loading_keep_slots_and_blocks_exact(seed, tp):
+    """Loads end at random between the steps in flight: a slot a step in flight reads is never
+    reassigned, and a plan uses only slots every rank has loaded (checked by the driver)."""
+    d = async_driver(12, block_size=4, max_num_seqs=4, max_num_batched_tokens=24, max_model_len=40,
+                     enable_lora=True, max_loras=2, max_cpu_loras=3, lora_overlap_loading=True,
+                     load_policy=LoadPolicy(seed, p_finish=0.3), tensor_parallel_size=tp, digests=True)
+    run_adapter_workload(d, seed)
+    d.check_idle()
+    assert not d.of_type(ev.EngineFailed) and d.core.num_loading_slots == 0
 
 
 def test_async_log_replays_and_its_config_travels_in_the_header(tmp_path):

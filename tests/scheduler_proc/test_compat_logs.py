@@ -1,15 +1,24 @@
 """The committed logs under tests/data/logs keep decoding and replaying. If this fails
 after a format change, bump SCHEMA_VERSION and add a migration; after a deliberate change
-of the core's decisions, re-record them with scripts/make_compat_logs.py."""
+of the core's decisions, re-record them with scripts/make_compat_logs.py.
+
+`events-000001-base.log` and `events-000002-lora.log` are schema 1. `events-000003-lora-schema2.log`
+is the same adapter workload recorded by the schema 2 code (before overlapped adapter
+loading): its header's engine config has no `lora_overlap_loading`, which reads as today's
+default (on), so it replays only because schema 2 logs replay with overlapped loading off."""
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 
 import pytest
 
+from scheduler_proc import replay_verify
 from scheduler_proc.replay import replay
+from scheduler_proc.replay_verify import core_config
+from shared.config import EngineConfig
 from scheduler_proc.replay_diff import diff_logs
 from shared import events as ev
 from shared.eventlog import EventLogReader, RunScanner
@@ -20,7 +29,21 @@ LOGS = sorted(glob.glob(os.path.join(LOG_DIR, "events-*.log")))
 
 
 def test_committed_logs_exist():
-    assert {os.path.basename(p).split("-")[-1] for p in LOGS} == {"base.log", "lora.log"}
+    names = [os.path.basename(p) for p in LOGS]
+    assert names == ["events-000001-base.log", "events-000002-lora.log", "events-000003-lora-schema2.log"]
+    assert [RunScanner(p).header.schema_version for p in LOGS] == [1, 1, 2]
+
+
+def test_schema_2_log_replays_only_with_overlapped_loading_off(monkeypatch):
+    path = os.path.join(LOG_DIR, "events-000003-lora-schema2.log")
+    scanner = RunScanner(path)
+    assert b"lora_overlap_loading" not in scanner.config_json
+    assert EngineConfig.from_json(scanner.config_json).lora_overlap_loading  # today's default ...
+    assert not core_config(scanner).lora_overlap_loading  # ... which the schema migration turns off
+    assert replay(path).ok
+    forced = dataclasses.replace(core_config(scanner), lora_overlap_loading=True)
+    monkeypatch.setattr(replay_verify, "core_config", lambda _: forced)
+    assert not replay(path).ok  # the migration is what makes it verify
 
 
 @pytest.mark.parametrize("path", LOGS, ids=os.path.basename)

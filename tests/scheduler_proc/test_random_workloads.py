@@ -49,3 +49,17 @@ def test_decisions_identical_across_pythonhashseed():
         outputs.append(proc.stdout)
     assert outputs[0] == outputs[1] == outputs[2]
     assert outputs[0].split() == [decisions_fingerprint(3), decisions_fingerprint(11)]
+
+
+@settings(max_examples=20, deadline=None)
+@given(**WORKLOAD_SPACE)
+def test_overlapped_loading_changes_nothing_without_adapters(seed, num_kv_blocks, max_num_seqs, max_num_batched_tokens):
+    """The flag's default is on: a base-model engine must decide (and digest) exactly as before."""
+    runs = [
+        Driver(num_kv_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=4,
+               max_model_len=32, lora_overlap_loading=overlap)
+        for overlap in (False, True)
+    ]
+    for d in runs:
+        run_workload(d, seed)
+    assert [codec.encode(x) for x in runs[0].decisions] == [codec.encode(x) for x in runs[1].decisions]

@@ -42,7 +42,8 @@ ADAPTERS = ("a", "b", "c", "d")
 
 def run_adapter_workload(d: Driver, seed: int, num_events: int = 80) -> None:
     """Base and adapter requests (some for unknown names), aborts, loads, unloads, in-place
-    reloads and the odd failed load, over a small pool and few slots."""
+    reloads and the odd failed load, over a small pool and few slots. With overlapped
+    loading, a moment with no step in flight ends one pending load (the driver's policy)."""
     rng = random.Random(seed)
     num_reqs = 0
     for _ in range(num_events):
@@ -64,4 +65,6 @@ def run_adapter_workload(d: Driver, seed: int, num_events: int = 80) -> None:
             d.send(ev.AdapterLoadFailed(0, -1, d.registry[name], "safetensors header truncated"))
         elif d.in_flight is not None:
             d.complete()
+        elif d.pending_loads and d.load_policy is not None:
+            d.deliver_one()
     d.run()

@@ -1,0 +1,128 @@
+"""The adapter manager's integrity checks and its plain-data views (the StateDigest rows
+and the snapshot `replay --show` prints). Pure reads of the manager's state."""
+
+from __future__ import annotations
+
+from itertools import pairwise
+from typing import TYPE_CHECKING, Any
+
+from scheduler_proc.core.request import Request, RequestStatus
+from scheduler_proc.core.slots import Slot, SlotState, SlotTable
+
+if TYPE_CHECKING:
+    from scheduler_proc.core.adapters import AdapterManager, AdapterVersion
+
+
+def check_adapters(manager: AdapterManager, live_reqs: list[Request]) -> None:
+    """Pins match the running requests, every slot's version is live and in the CPU tier,
+    request counts and the registry agree, the CPU tier stays within max_cpu_loras."""
+    num_pins = [0] * len(manager.slots.slots)
+    num_reqs: dict[int, int] = {}
+    for req in live_reqs:
+        _check_req_slot(req, manager.slots)
+        if req.lora_slot >= 0:
+            num_pins[req.lora_slot] += 1
+        if req.version_id:
+            num_reqs[req.version_id] = num_reqs.get(req.version_id, 0) + 1
+    for slot in manager.slots.slots:
+        _check_slot(slot, num_pins[slot.index], manager.versions.get(slot.version_id), manager.config.tensor_parallel_size)
+        if slot.state != SlotState.FREE and (manager.slots.find(slot.version_id) != slot.index or slot.version_id not in manager.cpu_last_used_step):
+            raise RuntimeError(f"slot {slot.index}: version {slot.version_id} is in two slots or not in the CPU tier")
+    if not manager.config.lora_overlap_loading and (manager.slots.num_loading or manager.cpu_staged_ranks):
+        raise RuntimeError("a slot loads, or a staging is tracked, with overlapped loading off")
+    for version_id in sorted(manager.versions):
+        version = manager.versions[version_id]
+        if version.num_reqs != num_reqs.get(version_id, 0):
+            raise RuntimeError(f"adapter version {version_id} counts {version.num_reqs} requests, {num_reqs.get(version_id, 0)} hold it")
+        if version.is_registered != (manager.registry.get(version.name) == version_id):
+            raise RuntimeError(f"adapter version {version_id} and the registry disagree")
+    for name in sorted(manager.registry):
+        if manager.registry[name] not in manager.versions:
+            raise RuntimeError(f"the registry maps {name!r} to a dropped version")
+    _check_cpu_tier(manager)
+
+
+def _check_cpu_tier(manager: AdapterManager) -> None:
+    tier = manager.cpu_last_used_step
+    if len(tier) > manager.config.max_cpu_loras:
+        raise RuntimeError(f"the CPU tier holds {len(tier)} versions > max_cpu_loras {manager.config.max_cpu_loras}")
+    for version_id in sorted(tier):
+        if version_id not in manager.versions:
+            raise RuntimeError(f"the CPU tier holds dropped version {version_id}")
+    for version_id in sorted(manager.cpu_staged_ranks):
+        ranks = manager.cpu_staged_ranks[version_id]
+        if version_id not in tier or not _ascending(ranks) or not 0 <= ranks[0] <= ranks[-1] < manager.config.tensor_parallel_size:
+            raise RuntimeError(f"version {version_id} is noted staged on ranks {ranks}: not in the CPU tier, or ranks out of order or range")
+
+
+def _check_req_slot(req: Request, slots: SlotTable) -> None:
+    running = req.status == RequestStatus.RUNNING
+    if req.version_id and running and (req.lora_slot < 0 or slots.slots[req.lora_slot].version_id != req.version_id):
+        raise RuntimeError(f"running request {req.req_id!r} of version {req.version_id} is in slot {req.lora_slot}")
+    if req.lora_slot >= 0 and not (running and req.version_id):
+        raise RuntimeError(f"request {req.req_id!r} ({req.status.name}, version {req.version_id}) holds slot {req.lora_slot}")
+
+
+def _check_slot(slot: Slot, num_pins: int, version: AdapterVersion | None, num_ranks: int) -> None:
+    if slot.num_pins != num_pins or (slot.state == SlotState.PINNED) != (num_pins > 0):
+        raise RuntimeError(f"slot {slot.index} ({slot.state.name}) has {slot.num_pins} pins, {num_pins} running requests use it")
+    loading = slot.state == SlotState.LOADING
+    if slot.ready_ranks and (not loading or len(slot.ready_ranks) >= num_ranks or not _ascending(slot.ready_ranks)):
+        raise RuntimeError(f"slot {slot.index} ({slot.state.name}) lists ranks {slot.ready_ranks} done of {num_ranks}")
+    if slot.state == SlotState.FREE:
+        if slot.version_id:
+            raise RuntimeError(f"free slot {slot.index} names version {slot.version_id}")
+        return
+    if version is None:
+        raise RuntimeError(f"slot {slot.index} holds dropped version {slot.version_id}")
+    if not version.is_registered and version.num_reqs == 0 and not loading:
+        raise RuntimeError(f"slot {slot.index} holds unregistered version {slot.version_id} that no request holds")
+
+
+def rows(manager: AdapterManager) -> list[Any]:
+    """The StateDigest's adapter rows. Overlapped loading (with LoRA on: else nothing moves)
+    adds the loads in flight (each LOADING slot's ranks done) and the ranks that staged each
+    CPU-tier version; without it the rows are what older logs' digests hold."""
+    tier = manager.cpu_last_used_step
+    out: list[Any] = [
+        [[name, manager.registry[name]] for name in sorted(manager.registry)],
+        [[v.version_id, v.name, v.path, v.is_registered, v.num_reqs] for v in _sorted_versions(manager)],
+        manager.slots.rows(),
+        [[v, tier[v]] for v in sorted(tier)],
+    ]
+    if manager.config.lora_overlap_loading and manager.config.enable_lora:
+        out.append([[s.index, list(s.ready_ranks)] for s in manager.slots.slots if s.state == SlotState.LOADING])
+        out.append([[v, list(manager.cpu_staged_ranks[v])] for v in sorted(manager.cpu_staged_ranks)])
+    return out
+
+
+def snapshot(manager: AdapterManager) -> dict[str, Any]:
+    tier = manager.cpu_last_used_step
+    num_ranks = manager.config.tensor_parallel_size
+    return {
+        "registry": {name: manager.registry[name] for name in sorted(manager.registry)},
+        "versions": [
+            {"version_id": v.version_id, "name": v.name, "path": v.path, "is_registered": v.is_registered, "num_reqs": v.num_reqs}
+            for v in _sorted_versions(manager)
+        ],
+        "slots": [
+            {"slot": s.index, "state": s.state.name, "version_id": s.version_id, "num_pins": s.num_pins, "last_used_step": s.last_used_step}
+            for s in manager.slots.slots
+        ],
+        "cpu_tier": [[v, tier[v]] for v in sorted(tier)],
+        "deferred_evictions": [v.version_id for v in _sorted_versions(manager) if not v.is_registered],
+        "loads_in_flight": [
+            {"slot": s.index, "version_id": s.version_id, "ready_ranks": list(s.ready_ranks)}
+            for s in manager.slots.slots if s.state == SlotState.LOADING
+        ],
+        "cpu_tier_bytes": manager.cpu_tier_bytes,
+        "cpu_staged_on_every_rank": [v for v in sorted(manager.cpu_staged_ranks) if len(manager.cpu_staged_ranks[v]) == num_ranks],
+    }
+
+
+def _ascending(ranks: list[int]) -> bool:
+    return all(a < b for a, b in pairwise(ranks))
+
+
+def _sorted_versions(manager: AdapterManager) -> list[AdapterVersion]:
+    return [manager.versions[v] for v in sorted(manager.versions)]

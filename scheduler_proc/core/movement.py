@@ -1,0 +1,69 @@
+"""Overlapped adapter loading: what the workers' load reports do to the slots.
+
+A slot assigned by the prefetch pass is LOADING until every rank (tensor_parallel_size)
+reported AdapterLoadCompleted for that slot and version; it is then READY (LOADED) and
+admission may use it. A report for a slot that no longer loads that version, or a rank's
+second report, is stale: logged (it is an input) and ignored. Slot -1 reports a CPU-tier
+staging: it is noted per rank for the views, and nothing waits on it.
+
+A version unregistered while its slot loads (unload, load_inplace) and held by no request
+is dropped when the load ends: evicted once every rank is done, freed at once if a rank
+fails. It is never evicted mid-load. A failed load frees its slot at once: AdapterEvicted
+tells every rank to clear it, and a rank whose load still runs clears it when that ends.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shared import events as ev
+
+from scheduler_proc.core.adapters import AdapterManager
+from scheduler_proc.core.slots import SlotState
+
+Decisions = list[Any]
+
+
+def load_completed(adapters: AdapterManager, event: ev.AdapterLoadCompleted) -> Decisions:
+    config = adapters.config
+    if not config.lora_overlap_loading or not 0 <= event.rank < config.tensor_parallel_size:
+        return []
+    if event.slot == -1:
+        _note_staged(adapters, event.version_id, event.rank)
+        return []
+    if not 0 <= event.slot < len(adapters.slots.slots):
+        return []
+    slot = adapters.slots.slots[event.slot]
+    if slot.state != SlotState.LOADING or slot.version_id != event.version_id:
+        return []
+    _note_staged(adapters, event.version_id, event.rank)
+    adapters.slots.report_done(slot.index, event.rank)
+    if len(slot.ready_ranks) < config.tensor_parallel_size:
+        return []
+    adapters.slots.ready(slot.index)
+    version = adapters.versions[event.version_id]
+    if not version.is_registered and version.num_reqs == 0:
+        return adapters.drop(event.version_id)  # unloaded (or replaced) while it loaded
+    return []
+
+
+def abort_load(adapters: AdapterManager, version_id: int) -> Decisions:
+    """A rank could not load `version_id`: a LOADING slot goes FREE at once, and a version
+    unregistered while it loaded, that nobody holds, is dropped. Its requests and its
+    registration are the caller's (they fail as with overlapped loading off)."""
+    index = adapters.slots.find(version_id)
+    if not adapters.slots.is_loading(index):
+        return []
+    adapters.slots.fail(index)
+    decisions: Decisions = [ev.AdapterEvicted(index, version_id)]
+    version = adapters.versions[version_id]
+    if not version.is_registered and version.num_reqs == 0:
+        decisions += adapters.drop(version_id)
+    return decisions
+
+
+def _note_staged(adapters: AdapterManager, version_id: int, rank: int) -> None:
+    """A rank holds the version in its CPU tier (a slot load stages it too)."""
+    ranks = adapters.cpu_staged_ranks.get(version_id, [])
+    if version_id in adapters.cpu_last_used_step and rank not in ranks:
+        adapters.cpu_staged_ranks[version_id] = sorted(ranks + [rank])
