@@ -1,11 +1,12 @@
-"""Benchmark fixtures: a Llama-3-8B-shaped config.json (for --load-format dummy), random
-PEFT-format rank-r adapters (on all seven projections by default), and the bytes a decode
-step reads."""
+"""Benchmark fixtures: a Llama-3-8B-shaped config.json (for --load-format dummy), with a
+tokenizer beside it when it is to be served, random PEFT-format rank-r adapters (on all seven
+projections by default), and the bytes a decode step reads."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import torch
 from safetensors.torch import save_file
@@ -28,6 +29,18 @@ def write_model_dir(root: str) -> str:
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
         json.dump(LLAMA3_8B, f)
+    return path
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def write_served_model_dir(root: str, tokenizer_dir: str) -> str:
+    """write_model_dir, plus the tokenizer files of `tokenizer_dir` (e.g. the demo model's),
+    so that the server can run it with --load-format dummy."""
+    path = write_model_dir(root)
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(path, name))
     return path
 
 

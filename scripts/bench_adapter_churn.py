@@ -1,0 +1,313 @@
+"""Adapter churn: how serving holds up when adapters move between disk, the CPU tier and the
+GPU slots. One command, on one GPU, against servers it starts itself:
+
+    python -m scripts.bench_adapter_churn --out churn.json --plot churn.png
+    python -m scripts.bench_adapter_churn --quick          # tiny settings, CPU, demo model
+
+The base model is Llama-3-8B-shaped with random weights (`--load-format dummy`, bf16) and the
+demo model's tokenizer; adapters are random PEFT LoRA adapters on all seven projections.
+Servers run with `--async-scheduling`, and with `--lora-overlap-loading` or without it
+(`--overlap on|off|both`; both takes every measurement once per mode).
+
+(a) probe (scripts/churn_probe.py): TTFT of single 256-token requests with nothing else in
+    flight: base; an adapter's first use right after its registration; warm; from the CPU
+    tier; from disk after its CPU copy was evicted. Medians over the repetitions.
+(b) the serving table, with bench_serving's workload and report code: a burst of 384
+    requests with 128 in flight, and Poisson arrivals at 10 req/s for 200 requests; 256 in,
+    128 out; for 1, 8, 16 and 64 adapters (rank 8 and 16, uniform) through 8 slots, and 64
+    adapters with --max-loras 64. Output tok/s, TTFT and TPOT percentiles per workload.
+(c) 512 rank-8 adapters, Zipf popularity (s = 1.1), --max-loras 32, --max-cpu-loras 128,
+    Poisson at 70% of the single-adapter burst's request rate measured in (b). Its adapter
+    directories are distinct versions (each its own config), their weight files hard links
+    to 64 distinct files, to bound the disk written.
+Workloads are grouped by server flags: three server start-ups per mode (scripts/churn_plan.py).
+Every workload registers its adapters, runs, unloads them and checks that the engine went
+idle holding nothing. Also measured: pinned host-to-device and page-cache file-read
+bandwidth, and from each server's event log the adapter loads by target and source tier.
+
+The JSON report (--out) is rewritten after every workload, so an interrupted run keeps what
+it measured; the PNG (--plot) has a TTFT CDF per arrival pattern and output tok/s bars.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import torch
+
+from scripts import churn_report, io_bandwidth
+from scripts.bench_fixtures import write_adapter, write_served_model_dir
+from scripts.bench_serving import load_adapters, run_plan, unload_adapters
+from scripts.churn_plan import (
+    ARRIVALS, FULL, QUICK, ChurnSettings, ServerGroup, TableSetup, check_settings, server_groups,
+)
+from scripts.churn_probe import Prompts, run_probe
+from scripts.lora_stress import _base_model
+from scripts.server_process import Server
+from scripts.serving_report import summarize
+from scripts.serving_workload import (
+    AdapterSpec, adapter_specs, parse_config, plan_workload, read_model_config, special_token_ids,
+)
+from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, BaseShapes
+from shared.demo_model import ensure_demo_model
+
+OVERLAP_FLAGS = {"on": "--lora-overlap-loading", "off": "--no-lora-overlap-loading"}
+
+
+@dataclass
+class Bench:
+    settings: ChurnSettings
+    seed: int
+    work_dir: str
+    model_dir: str
+    model_args: list[str]  # the server flags that depend on the device and model
+    prompt_config: dict[str, Any]  # the tokenizer's vocabulary and special ids: what prompts may hold
+    report: dict[str, Any]
+    out: str
+
+    def dir(self, name: str) -> str:
+        return os.path.join(self.work_dir, "adapters", name)
+
+    def save(self) -> None:
+        _write(self.out, json.dumps(self.report, indent=1).encode())
+
+
+# ---- preparing: model dir, adapters, bandwidth ---------------------------------------
+
+
+def prepare(args: argparse.Namespace, work_dir: str) -> Bench:
+    settings = QUICK if args.quick else FULL
+    check_settings(settings)
+    demo_dir = ensure_demo_model()
+    if args.quick:
+        model_dir = demo_dir
+        model_args = [model_dir, "--device", "cpu", "--max-model-len", "256", "--num-kv-blocks", "256",
+                      "--max-num-seqs", "16", "--max-num-batched-tokens", "256"]
+    else:
+        if not torch.cuda.is_available():
+            raise ValueError("the full run needs a CUDA GPU (use --quick on a CPU)")
+        model_dir = write_served_model_dir(work_dir, demo_dir)
+        model_args = [model_dir, "--load-format", "dummy", "--dtype", "bfloat16", "--device", "cuda",
+                      "--max-model-len", "1024"]
+    report = {"benchmark": "adapter_churn", "quick": args.quick, "overlap": args.overlap,
+              "settings": dataclasses.asdict(settings), "device": _device(), "modes": {}}
+    bench = Bench(settings, args.seed, work_dir, model_dir, model_args + ["--async-scheduling"],
+                  read_model_config(demo_dir), report, args.out)
+    write_adapters(bench, BaseShapes.from_hf_config(read_model_config(model_dir)))
+    report["bandwidth"] = {"pinned_h2d_gbps": _round(io_bandwidth.pinned_h2d_gbps()),
+                           "page_cache_read_gbps": _round(io_bandwidth.page_cache_read_gbps(
+                               work_dir, settings.read_bandwidth_bytes))}
+    return bench
+
+
+def write_adapters(bench: Bench, base: BaseShapes) -> None:
+    """The table's pool (rank mix), the probe's fresh adapters, and the Zipf set."""
+    s, device = bench.settings, "cuda" if torch.cuda.is_available() else "cpu"
+    pool_size = max(setup.num_adapters for setup in s.table)
+    for i in range(pool_size):
+        write_adapter(bench.dir("pool"), i, base, s.ranks[i % len(s.ranks)], device)
+    for i in range(s.probe_reps):
+        write_adapter(bench.dir("probe"), i, base, s.probe_rank, device)
+    for i in range(s.zipf_distinct_weights):
+        write_adapter(bench.dir("zipf"), i, base, s.zipf_rank, device)
+    for i in range(s.zipf_distinct_weights, s.zipf_adapters):
+        link_adapter(os.path.join(bench.dir("zipf"), f"adapter-{i % s.zipf_distinct_weights}"),
+                     os.path.join(bench.dir("zipf"), f"adapter-{i}"), alpha=2.0 * s.zipf_rank + i)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def link_adapter(src: str, dst: str, alpha: float) -> None:
+    """Another adapter version sharing `src`'s weight file (a hard link), with its own config."""
+    os.makedirs(dst, exist_ok=True)
+    os.link(os.path.join(src, WEIGHTS_FILE), os.path.join(dst, WEIGHTS_FILE))
+    with open(os.path.join(src, CONFIG_FILE), encoding="utf-8") as f:
+        config = json.load(f)
+    with open(os.path.join(dst, CONFIG_FILE), "w", encoding="utf-8") as f:
+        json.dump({**config, "lora_alpha": alpha}, f)
+
+
+# ---- one server, its workloads ---------------------------------------------------------
+
+
+def run_mode(bench: Bench, overlap: str) -> None:
+    mode: dict[str, Any] = {"servers": [], "table": []}
+    bench.report["modes"][overlap] = mode
+    for index, group in enumerate(server_groups(bench.settings)):
+        log_dir = os.path.join(bench.work_dir, "events", f"{overlap}-{index}")
+        server = Server(None, log_dir, server_args(bench, group, overlap))
+        start_s = time.perf_counter()
+        server.start()
+        entry = {"args": server.extra_args, "start_s": round(time.perf_counter() - start_s, 1)}
+        mode["servers"].append(entry)
+        try:
+            asyncio.run(serve_group(bench, group, server, mode, overlap))
+        finally:
+            entry["exit_code"] = server.stop(timeout_s=120)
+        entry["adapter_movement"] = churn_report.load_stats(log_dir)
+        bench.save()
+
+
+def server_args(bench: Bench, group: ServerGroup, overlap: str) -> list[str]:
+    return [*bench.model_args, "--enable-lora", "--max-lora-rank", str(bench.settings.max_rank),
+            "--lora-allowed-dir", os.path.join(bench.work_dir, "adapters"), "--max-loras", str(group.max_loras),
+            "--max-cpu-loras", str(group.max_cpu_loras), OVERLAP_FLAGS[overlap]]
+
+
+async def serve_group(bench: Bench, group: ServerGroup, server: Server, mode: dict[str, Any], overlap: str) -> None:
+    s = bench.settings
+    limits = httpx.Limits(max_connections=max(s.burst_requests, s.zipf_requests, s.poisson_requests) + 8)
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=600.0, limits=limits) as client:
+        base_model = await _base_model(client)
+        if group.runs_probe:
+            prompts = Prompts(bench.seed, bench.prompt_config["vocab_size"], special_token_ids(bench.prompt_config))
+            fresh = adapter_specs(s.probe_reps, [s.probe_rank], bench.dir("probe"), "probe-fresh-")
+            others = adapter_specs(group.max_cpu_loras, s.ranks, bench.dir("pool"), "probe-other-")
+            mode["probe"] = await run_probe(client, base_model, fresh, others, group.max_loras, prompts,
+                                            s.input_len, s.touch_input_len)
+            _check_idle(server, mode, "probe")
+        for setup in group.setups:
+            for arrival in ARRIVALS:
+                row = await table_workload(bench, client, base_model, setup, group, arrival, len(mode["table"]))
+                mode["table"].append({**row, "mode": overlap})
+                _check_idle(server, mode, row["workload"])
+                bench.save()
+        if group.runs_zipf:
+            mode["zipf"] = {**await zipf_workload(bench, client, base_model, mode), "mode": overlap}
+            _check_idle(server, mode, "zipf")
+
+
+async def table_workload(bench: Bench, client: httpx.AsyncClient, base_model: str, setup: TableSetup,
+                         group: ServerGroup, arrival: str, index: int) -> dict[str, Any]:
+    s = bench.settings
+    flags = ["--adapter-dir", bench.dir("pool"), "--num-adapters", str(setup.num_adapters),
+             "--ranks", ",".join(map(str, s.ranks)), "--popularity", "uniform", "--arrival", arrival]
+    if arrival == "burst":
+        flags += ["--num-requests", str(s.burst_requests), "--max-concurrency", str(s.burst_in_flight)]
+    else:
+        flags += ["--rate", str(s.poisson_rate), "--num-requests", str(s.poisson_requests)]
+    extra = {"label": setup.label, "arrival": arrival, "num_adapters": setup.num_adapters,
+             "max_loras": group.max_loras, "max_cpu_loras": group.max_cpu_loras}
+    return await workload(bench, client, base_model, f"{setup.label} {arrival}", flags, index, extra)
+
+
+async def zipf_workload(bench: Bench, client: httpx.AsyncClient, base_model: str, mode: dict[str, Any]) -> dict[str, Any]:
+    """Poisson at zipf_load of the single-adapter burst's completed requests per second."""
+    s = bench.settings
+    capacity = next(r["requests_per_s"] for r in mode["table"] if r["num_adapters"] == 1 and r["arrival"] == "burst")
+    mode["capacity_requests_per_s"] = capacity
+    rate = round(s.zipf_load * capacity, 3)
+    flags = ["--adapter-dir", bench.dir("zipf"), "--num-adapters", str(s.zipf_adapters), "--ranks", str(s.zipf_rank),
+             "--popularity", "zipf", "--zipf-s", str(s.zipf_s), "--arrival", "poisson", "--rate", str(rate),
+             "--num-requests", str(s.zipf_requests)]
+    extra = {"label": f"zipf {s.zipf_adapters}a/{s.zipf_max_loras}s", "arrival": "zipf poisson",
+             "num_adapters": s.zipf_adapters, "max_loras": s.zipf_max_loras, "max_cpu_loras": s.zipf_max_cpu_loras,
+             "rate": rate}
+    return await workload(bench, client, base_model, extra["label"], flags, 1000, extra)
+
+
+async def workload(bench: Bench, client: httpx.AsyncClient, base_model: str, name: str, flags: list[str],
+                   index: int, extra: dict[str, Any]) -> dict[str, Any]:
+    """Plan with bench_serving's flags, register the adapters, run, unload; one table row."""
+    s = bench.settings
+    args = parse_config(["--base-url", str(client.base_url), "--model-dir", bench.model_dir, "--adapter-prefix",
+                         f"w{index}-", "--input-len", str(s.input_len), "--output-len", str(s.output_len),
+                         "--seed", str(bench.seed * 10_000 + index), "--timeout-s", "600", *flags])
+    plan, weights = plan_workload(args, bench.prompt_config)
+    specs = adapter_specs(args.num_adapters, args.ranks, args.adapter_dir, args.adapter_prefix)
+    loaded: list[str] = []
+    try:
+        await register(client, specs, loaded, s.load_concurrency)
+        results = await run_plan(client, plan, [a.name for a in specs], base_model, args.output_len,
+                                 args.max_concurrency)
+    finally:
+        failures = await unload_adapters(client, loaded)
+    summary = summarize(vars(args), plan, weights, results, specs, base_model)
+    row = churn_report.workload_row(name, summary, results, extra)
+    row["unload_failures"] = failures
+    print(f"{name}: {row['num_errors']} errors, {row['output_tokens_per_s']} out tok/s, "
+          f"TTFT p50 {row['ttft_ms']['p50']} ms p99 {row['ttft_ms']['p99']} ms", file=sys.stderr)
+    return row
+
+
+async def register(client: httpx.AsyncClient, specs: Sequence[AdapterSpec], loaded: list[str], concurrency: int) -> None:
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(spec: AdapterSpec) -> None:
+        async with gate:
+            await load_adapters(client, [spec], loaded)
+
+    await asyncio.gather(*(one(spec) for spec in specs))
+
+
+def _check_idle(server: Server, mode: dict[str, Any], after: str) -> None:
+    """The engine must go idle holding no request, block, pin or deferral; a leak is recorded."""
+    try:
+        server.wait_idle(timeout_s=60)
+    except TimeoutError as e:
+        mode.setdefault("leaks", []).append({"after": after, "found": str(e)[:500]})
+
+
+# ---- entry -------------------------------------------------------------------------------
+
+
+def _device() -> dict[str, Any]:
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    return {"name": name, "torch": torch.__version__}
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
+
+
+def _write(path: str, data: bytes) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench_adapter_churn", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny settings on the CPU with the demo model (a smoke test)")
+    p.add_argument("--overlap", choices=("on", "off", "both"), default="on",
+                   help="serve with --lora-overlap-loading, without it, or take everything in both modes")
+    p.add_argument("--work-dir", default=None, help="model dir, adapters and event logs (default: a temporary dir)")
+    p.add_argument("--out", default="adapter_churn.json")
+    p.add_argument("--plot", default="adapter_churn.png")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    work_dir = args.work_dir or tempfile.mkdtemp(prefix="adapter-churn-")
+    started = time.perf_counter()
+    try:
+        bench = prepare(args, work_dir)
+        for overlap in (("on", "off") if args.overlap == "both" else (args.overlap,)):
+            run_mode(bench, overlap)
+    finally:
+        if args.work_dir is None:
+            shutil.rmtree(work_dir, ignore_errors=True)
+    rows = [row for mode in bench.report["modes"].values() for row in (*mode["table"], mode["zipf"])]
+    bench.report["elapsed_s"] = round(time.perf_counter() - started, 1)
+    bench.save()
+    _write(args.plot, churn_report.render_png(rows))
+    print(churn_report.table_text(rows))
+    return bench.report
+
+
+if __name__ == "__main__":
+    main()
