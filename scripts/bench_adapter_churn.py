@@ -152,6 +152,7 @@ def run_mode(bench: Bench, overlap: str) -> None:
         server.start()
         entry = {"args": server.extra_args, "start_s": round(time.perf_counter() - start_s, 1)}
         mode["servers"].append(entry)
+        print(f"server {index} ({group.label}, overlap {overlap}) up in {entry['start_s']} s", file=sys.stderr)
         try:
             asyncio.run(serve_group(bench, group, server, mode, overlap))
         finally:

@@ -10,8 +10,9 @@ from typing import Any
 
 from scripts.png_plot import BarPanel, CdfPanel, plot_png
 from scripts.serving_report import RequestResult
+from shared import codec
 from shared import events as ev
-from shared.eventlog import EventLogReader, newest_log
+from shared.eventlog import RunScanner, newest_log
 
 
 def workload_row(name: str, summary: dict[str, Any], results: Sequence[RequestResult],
@@ -39,7 +40,11 @@ def load_stats(log_dir: str) -> dict[str, Any]:
     loads: dict[str, list[ev.AdapterLoadCompleted]] = {}
     decisions = {"AdapterSlotAssigned": 0, "AdapterPrefetched": 0, "AdapterEvicted": 0, "AdapterCpuEvicted": 0,
                  "AdapterLoadFailed": 0}
-    for _, event in EventLogReader(newest_log(log_dir), repair=False):
+    decoder = codec.log_event_decoder()
+    for _, raw in RunScanner(newest_log(log_dir)):
+        if b"Adapter" not in bytes(raw):  # every record is checked; only adapter events are decoded
+            continue
+        event = decoder.decode(raw)
         kind = type(event).__name__
         if kind in decisions:
             decisions[kind] += 1
