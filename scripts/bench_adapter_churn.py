@@ -27,6 +27,8 @@ bandwidth, and from each server's event log the adapter loads by target and sour
 
 The JSON report (--out) is rewritten after every workload, so an interrupted run keeps what
 it measured; the PNG (--plot) has a TTFT CDF per arrival pattern and output tok/s bars.
+`--groups 1,2 --capacity-rps R` runs only some server groups (R: the capacity measured by an
+earlier run's group 0), to split a run that is too long for one sitting.
 """
 
 from __future__ import annotations
@@ -76,6 +78,8 @@ class Bench:
     prompt_config: dict[str, Any]  # the tokenizer's vocabulary and special ids: what prompts may hold
     report: dict[str, Any]
     out: str
+    groups: tuple[int, ...] | None  # the server groups to run (None: all)
+    capacity_rps: float | None  # the single-adapter capacity, when group 0 does not run here
 
     def dir(self, name: str) -> str:
         return os.path.join(self.work_dir, "adapters", name)
@@ -90,6 +94,12 @@ class Bench:
 def prepare(args: argparse.Namespace, work_dir: str) -> Bench:
     settings = QUICK if args.quick else FULL
     check_settings(settings)
+    groups = server_groups(settings)
+    chosen = range(len(groups)) if args.groups is None else args.groups
+    if not set(chosen) <= set(range(len(groups))):
+        raise ValueError(f"--groups must be among 0..{len(groups) - 1}")
+    if any(groups[i].runs_zipf for i in chosen) and 0 not in chosen and args.capacity_rps is None:
+        raise ValueError("the Zipf run needs the single-adapter capacity: run group 0 too, or pass --capacity-rps")
     demo_dir = ensure_demo_model()
     if args.quick:
         model_dir = demo_dir
@@ -104,7 +114,7 @@ def prepare(args: argparse.Namespace, work_dir: str) -> Bench:
     report = {"benchmark": "adapter_churn", "quick": args.quick, "overlap": args.overlap,
               "settings": dataclasses.asdict(settings), "device": _device(), "modes": {}}
     bench = Bench(settings, args.seed, work_dir, model_dir, model_args + ["--async-scheduling"],
-                  read_model_config(demo_dir), report, args.out)
+                  read_model_config(demo_dir), report, args.out, args.groups, args.capacity_rps)
     write_adapters(bench, BaseShapes.from_hf_config(read_model_config(model_dir)))
     report["bandwidth"] = {"pinned_h2d_gbps": _round(io_bandwidth.pinned_h2d_gbps()),
                            "page_cache_read_gbps": _round(io_bandwidth.page_cache_read_gbps(
@@ -146,6 +156,8 @@ def run_mode(bench: Bench, overlap: str) -> None:
     mode: dict[str, Any] = {"servers": [], "table": []}
     bench.report["modes"][overlap] = mode
     for index, group in enumerate(server_groups(bench.settings)):
+        if bench.groups is not None and index not in bench.groups:
+            continue
         log_dir = os.path.join(bench.work_dir, "events", f"{overlap}-{index}")
         server = Server(None, log_dir, server_args(bench, group, overlap))
         start_s = time.perf_counter()
@@ -186,7 +198,7 @@ async def serve_group(bench: Bench, group: ServerGroup, server: Server, mode: di
                 _check_idle(server, mode, row["workload"])
                 bench.save()
         if group.runs_zipf:
-            mode["zipf"] = {**await zipf_workload(bench, client, base_model, mode), "mode": overlap}
+            mode["zipf"] = [{**await zipf_workload(bench, client, base_model, mode), "mode": overlap}]
             _check_idle(server, mode, "zipf")
 
 
@@ -207,7 +219,10 @@ async def table_workload(bench: Bench, client: httpx.AsyncClient, base_model: st
 async def zipf_workload(bench: Bench, client: httpx.AsyncClient, base_model: str, mode: dict[str, Any]) -> dict[str, Any]:
     """Poisson at zipf_load of the single-adapter burst's completed requests per second."""
     s = bench.settings
-    capacity = next(r["requests_per_s"] for r in mode["table"] if r["num_adapters"] == 1 and r["arrival"] == "burst")
+    measured = [r["requests_per_s"] for r in mode["table"] if r["num_adapters"] == 1 and r["arrival"] == "burst"]
+    capacity = measured[0] if measured else bench.capacity_rps
+    if capacity is None:
+        raise ValueError("the Zipf run needs the single-adapter capacity: run group 0 too, or pass --capacity-rps")
     mode["capacity_requests_per_s"] = capacity
     rate = round(s.zipf_load * capacity, 3)
     flags = ["--adapter-dir", bench.dir("zipf"), "--num-adapters", str(s.zipf_adapters), "--ranks", str(s.zipf_rank),
@@ -288,6 +303,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="adapter_churn.json")
     p.add_argument("--plot", default="adapter_churn.png")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--groups", type=lambda text: tuple(int(g) for g in text.split(",")), default=None,
+                   help="run only these server groups (0: probe and the 8-slot table, 1: 64 slots, 2: Zipf), "
+                        "to split a run over several calls")
+    p.add_argument("--capacity-rps", type=float, default=None,
+                   help="the single-adapter burst's requests/s from an earlier run, when group 0 does not run")
     return p.parse_args(argv)
 
 
@@ -302,7 +322,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     finally:
         if args.work_dir is None:
             shutil.rmtree(work_dir, ignore_errors=True)
-    rows = [row for mode in bench.report["modes"].values() for row in (*mode["table"], mode["zipf"])]
+    rows = [row for mode in bench.report["modes"].values() for row in (*mode["table"], *mode.get("zipf", []))]
     bench.report["elapsed_s"] = round(time.perf_counter() - started, 1)
     bench.save()
     _write(args.plot, churn_report.render_png(rows))

@@ -61,7 +61,7 @@ FULL = ChurnSettings(
     burst_requests=384, burst_in_flight=128, poisson_rate=10.0, poisson_requests=200,
     table=(TableSetup(1, 8), TableSetup(8, 8), TableSetup(16, 8), TableSetup(64, 8), TableSetup(64, 64)),
     zipf_adapters=512, zipf_distinct_weights=64, zipf_rank=8, zipf_s=1.1, zipf_max_loras=32,
-    zipf_max_cpu_loras=128, zipf_requests=600, zipf_load=0.7, read_bandwidth_bytes=1 << 30, load_concurrency=8,
+    zipf_max_cpu_loras=128, zipf_requests=400, zipf_load=0.7, read_bandwidth_bytes=1 << 30, load_concurrency=8,
 )
 
 QUICK = ChurnSettings(

@@ -99,7 +99,7 @@ def test_quick_run_measures_every_workload(tmp_path) -> None:
     rows = mode["table"]
     assert [(r["num_adapters"], r["max_loras"], r["arrival"]) for r in rows] == \
         [(t.num_adapters, t.max_loras, a) for t in QUICK.table for a in ("burst", "poisson")]
-    zipf = mode["zipf"]
+    [zipf] = mode["zipf"]
     for row in [*rows, zipf]:
         assert row["num_errors"] == 0 and row["unload_failures"] == [], row["errors"]
         assert row["output_tokens_per_s"] > 0 and row["ttft_ms"]["p99"] >= row["ttft_ms"]["p50"] > 0
