@@ -75,6 +75,16 @@ def write_adapter(root: str, index: int, base: BaseShapes, rank: int, device: st
     return path
 
 
+def link_adapter(src: str, dst: str, alpha: float) -> None:
+    """Another adapter version sharing `src`'s weight file (a hard link), with its own config."""
+    os.makedirs(dst, exist_ok=True)
+    os.link(os.path.join(src, WEIGHTS_FILE), os.path.join(dst, WEIGHTS_FILE))
+    with open(os.path.join(src, CONFIG_FILE), encoding="utf-8") as f:
+        config = json.load(f)
+    with open(os.path.join(dst, CONFIG_FILE), "w", encoding="utf-8") as f:
+        json.dump({**config, "lora_alpha": alpha}, f)
+
+
 def adapter_bytes(base: BaseShapes, rank: int, elem_bytes: int = 2) -> int:
     """Bytes of one adapter's A and B over all layers and seven projections."""
     per_layer = sum(rank * sum(base.in_out(kind)) for kind in SEVEN)
