@@ -1,11 +1,12 @@
-"""Benchmark fixtures: a Llama-3-8B-shaped config.json (for --load-format dummy), random
-PEFT-format rank-r adapters (on all seven projections by default), and the bytes a decode
-step reads."""
+"""Benchmark fixtures: a Llama-3-8B-shaped config.json (for --load-format dummy), with a
+tokenizer beside it when it is to be served, random PEFT-format rank-r adapters (on all seven
+projections by default), and the bytes a decode step reads."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import torch
 from safetensors.torch import save_file
@@ -28,6 +29,18 @@ def write_model_dir(root: str) -> str:
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
         json.dump(LLAMA3_8B, f)
+    return path
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def write_served_model_dir(root: str, tokenizer_dir: str) -> str:
+    """write_model_dir, plus the tokenizer files of `tokenizer_dir` (e.g. the demo model's),
+    so that the server can run it with --load-format dummy."""
+    path = write_model_dir(root)
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(path, name))
     return path
 
 
@@ -60,6 +73,16 @@ def write_adapter(root: str, index: int, base: BaseShapes, rank: int, device: st
     with open(os.path.join(path, CONFIG_FILE), "w", encoding="utf-8") as f:
         json.dump(config, f)
     return path
+
+
+def link_adapter(src: str, dst: str, alpha: float) -> None:
+    """Another adapter version sharing `src`'s weight file (a hard link), with its own config."""
+    os.makedirs(dst, exist_ok=True)
+    os.link(os.path.join(src, WEIGHTS_FILE), os.path.join(dst, WEIGHTS_FILE))
+    with open(os.path.join(src, CONFIG_FILE), encoding="utf-8") as f:
+        config = json.load(f)
+    with open(os.path.join(dst, CONFIG_FILE), "w", encoding="utf-8") as f:
+        json.dump({**config, "lora_alpha": alpha}, f)
 
 
 def adapter_bytes(base: BaseShapes, rank: int, elem_bytes: int = 2) -> int:

@@ -63,7 +63,9 @@ class LoraSpec:
     alpha_pattern: tuple[PatternValue, ...]
 
 
-def read_config(directory: str, roots: Sequence[str], max_lora_rank: int, budget: MatchBudget) -> LoraSpec:
+def read_config(directory: str, roots: Sequence[str], max_lora_rank: int, budget: MatchBudget,
+                feed: Callable[[bytes], None] | None = None) -> LoraSpec:
+    """The checked spec of `directory`'s config; its bytes, as read, also go to `feed`."""
     fd, _ = open_file(directory, CONFIG_FILE, roots)
     try:
         num_bytes = file_size(fd)
@@ -72,6 +74,8 @@ def read_config(directory: str, roots: Sequence[str], max_lora_rank: int, budget
         data = read_at(fd, 0, num_bytes, CONFIG_FILE)
     finally:
         os.close(fd)
+    if feed is not None:
+        feed(data)
     try:
         config = loads(data, CONFIG_MAX_MEMBERS)
     except JsonError as e:

@@ -4,8 +4,9 @@
 header (`shared.safetensors_header`), checks the adapter against the base model's shapes, and
 returns an `AdapterManifest`: for each targeted module its real rank, scaling and tensor
 keys. The HTTP process validates with it before registering an adapter (and then also reads
-the tensors to refuse NaN or infinite weights); the worker re-reads with it before loading
-tensors by the manifest's keys. Every read is bounded: file sizes, JSON depth and member
+the whole weights file once, refusing NaN or infinite weights and taking the content digest
+of both files, `shared.adapter_digest`); the worker re-reads with it before loading tensors
+by the manifest's keys. Every read is bounded: file sizes, JSON depth and member
 counts, pattern matching steps. Every refusal is an `AdapterError`; nothing is unpickled
 (`.bin` weights are refused).
 """
@@ -18,13 +19,14 @@ import os
 from collections.abc import Sequence
 
 from shared.adapter_config import LoraSpec, PatternValue, read_config
+from shared.adapter_digest import ContentDigest
 from shared.adapter_files import file_size, is_inside, open_file
 from shared.adapter_types import (
     CONFIG_FILE, TARGET_KINDS, WEIGHTS_FILE, AdapterError, AdapterManifest, BaseShapes, LoraModule,
 )
 from shared.bounded_json import show
 from shared.module_pattern import MatchBudget, ModulePattern, PatternError
-from shared.safetensors_header import Header, TensorEntry, is_finite, read_header
+from shared.safetensors_header import Header, TensorEntry, read_header, scan
 
 __all__ = ["CONFIG_FILE", "TARGET_KINDS", "WEIGHTS_FILE", "AdapterError", "AdapterManifest", "BaseShapes",
            "LoraModule", "read_manifest"]
@@ -37,8 +39,8 @@ def read_manifest(path: str, base: BaseShapes, max_lora_rank: int, allowed_dirs:
                   check_weights: bool = False) -> AdapterManifest:
     """The manifest of the adapter at `path`, or AdapterError (404: no directory there; 400:
     anything else). When the directory lies inside one of `allowed_dirs`, every file read must
-    resolve inside one of them too. `check_weights` also reads the tensors and refuses NaN or
-    infinite values."""
+    resolve inside one of them too. `check_weights` also reads the whole weights file, refusing
+    NaN or infinite values, and sets the manifest's `content_digest` from the same pass."""
     if "\x00" in path:
         raise AdapterError("The adapter path holds a NUL byte.")
     try:
@@ -59,7 +61,8 @@ def read_manifest(path: str, base: BaseShapes, max_lora_rank: int, allowed_dirs:
 def _read(real: str, base: BaseShapes, max_lora_rank: int, roots: tuple[str, ...],
           check_weights: bool) -> AdapterManifest:
     budget = MatchBudget(MAX_MATCH_STEPS)
-    spec = read_config(real, roots, max_lora_rank, budget)
+    digest = ContentDigest()
+    spec = read_config(real, roots, max_lora_rank, budget, digest.update)
     fd, weights_path = _open_weights(real, roots)
     try:
         num_bytes = file_size(fd)
@@ -67,10 +70,11 @@ def _read(real: str, base: BaseShapes, max_lora_rank: int, roots: tuple[str, ...
         modules = _resolve_modules(spec, base)
         _check_tensors(modules, header.tensors, base)
         if check_weights:
-            _check_finite(fd, header, modules)
+            _scan_weights(fd, header, modules, digest)
     finally:
         os.close(fd)
-    return AdapterManifest(real, tuple(modules), num_bytes, max(m.rank for m in modules), weights_path)
+    content_digest = digest.value if check_weights else 0
+    return AdapterManifest(real, tuple(modules), num_bytes, max(m.rank for m in modules), weights_path, content_digest)
 
 
 def max_tensors(base: BaseShapes) -> int:
@@ -161,8 +165,8 @@ def _is_saved_embedding(key: str, entry: TensorEntry, base: BaseShapes) -> bool:
     return shape == (base.vocab_size, base.hidden_size)
 
 
-def _check_finite(fd: int, header: Header, modules: list[LoraModule]) -> None:
-    for m in modules:
-        for key in (m.a_key, m.b_key):
-            if not is_finite(fd, header, key):
-                raise AdapterError(f"Tensor {key} holds NaN or infinite values.")
+def _scan_weights(fd: int, header: Header, modules: list[LoraModule], digest: ContentDigest) -> None:
+    """One pass over the weights file: all of it into `digest`, the modules' tensors checked finite."""
+    non_finite = scan(fd, header, digest.update, {key for m in modules for key in (m.a_key, m.b_key)})
+    if non_finite:
+        raise AdapterError(f"Tensor {non_finite[0]} holds NaN or infinite values.")

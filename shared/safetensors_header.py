@@ -1,5 +1,6 @@
 """An adapter's safetensors file: its header read within limits and checked entry by entry,
-and its tensors' values checked to be finite, all without safetensors' own parser.
+and its bytes scanned once (into the content digest, its tensors' values checked to be
+finite), all without safetensors' own parser.
 
 The header may be at most `max_tensors` entries of a generous size each, plus slack: an
 adapter for a given base model can only hold so many tensors. Every entry must be a known
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,14 +118,27 @@ def _check_layout(tensors: dict[str, TensorEntry], data_bytes: int) -> None:
         raise AdapterError(f"{WEIGHTS_FILE} has {data_bytes - end} bytes after its last tensor.")
 
 
-def is_finite(fd: int, header: Header, key: str) -> bool:
-    """Whether every value of tensor `key` is finite (no NaN, no infinity), read in chunks."""
-    entry = header.tensors[key]
+def scan(fd: int, header: Header, feed: Callable[[bytes], None], checked_keys: Collection[str]) -> list[str]:
+    """Read the whole file once, front to back, in chunks: every byte goes to `feed` (the
+    content digest), and the tensors of `checked_keys` are checked to be finite. Returns
+    those of them that hold a NaN or an infinity, in file order."""
+    feed(read_at(fd, 0, header.data_offset, WEIGHTS_FILE))
+    non_finite = []
+    for key, entry in sorted(header.tensors.items(), key=lambda item: (item[1].start, item[1].stop, item[0])):
+        if not _scan_tensor(fd, header.data_offset, entry, feed, key in checked_keys):
+            non_finite.append(key)
+    return non_finite
+
+
+def _scan_tensor(fd: int, data_offset: int, entry: TensorEntry, feed: Callable[[bytes], None], check: bool) -> bool:
+    """Feed one tensor's bytes; whether every value is finite (True when not `check`ed)."""
     uint, exponent = _EXPONENT_BITS[entry.dtype]
     step = SCAN_CHUNK_BYTES - SCAN_CHUNK_BYTES % DTYPE_BYTES[entry.dtype]
+    finite = True
     for start in range(entry.start, entry.stop, step):
-        chunk = read_at(fd, header.data_offset + start, min(step, entry.stop - start), WEIGHTS_FILE)
-        bits = np.frombuffer(chunk, dtype=uint)  # [num_values] raw bit patterns
-        if np.any((bits & exponent) == exponent):
-            return False
-    return True
+        chunk = read_at(fd, data_offset + start, min(step, entry.stop - start), WEIGHTS_FILE)
+        feed(chunk)
+        if check and finite:
+            bits = np.frombuffer(chunk, dtype=uint)  # [num_values] raw bit patterns
+            finite = not np.any((bits & exponent) == exponent)
+    return finite

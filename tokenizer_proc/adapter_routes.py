@@ -1,7 +1,8 @@
 """`/v1/load_lora_adapter`, `/v1/unload_lora_adapter` and the start-up adapters.
 
 Each op is validated here, sent to the core with a fresh op_id, and answered from the
-core's `AdapterOpReplied` (duplicates: the core's 400; unknown unloads: its 404).
+core's `AdapterOpReplied` (duplicates: the core's 400; unknown unloads: its 404). A load
+carries the content digest of the files as validated: every later read must match it.
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ def _load_event(name: str, manifest: AdapterManifest, load_inplace: bool) -> Ada
         max_rank=manifest.max_rank,
         num_bytes=manifest.num_bytes,
         load_inplace=load_inplace,
+        content_digest=manifest.content_digest,
     )
 
 

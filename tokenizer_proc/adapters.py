@@ -87,9 +87,9 @@ def allowed_real_path(path: str, roots: tuple[str, ...]) -> str:
 
 
 def validate(path: str, base: BaseShapes, config: EngineConfig) -> AdapterManifest:
-    """read_manifest (weights included: NaN or infinite values are refused), its refusals
-    turned into OpenAI-shaped errors. Called off the event loop (asyncio.to_thread): it reads
-    the whole adapter."""
+    """read_manifest (weights included: NaN or infinite values are refused, and the content
+    digest is taken in the same pass), its refusals turned into OpenAI-shaped errors. Called
+    off the event loop (asyncio.to_thread): it reads the whole adapter."""
     try:
         return read_manifest(path, base, config.max_lora_rank, config.lora_allowed_dirs, check_weights=True)
     except AdapterError as e:

@@ -129,7 +129,8 @@ def test_finite_check_agrees_with_torch(dtype: torch.dtype, copy: Path, base: Ba
     fd = os.open(copy / WEIGHTS_FILE, os.O_RDONLY)
     try:
         header = read_header(fd, os.fstat(fd).st_size, 64)
-        ours = {key: safetensors_header.is_finite(fd, header, key) for key in tensors}
+        bad = safetensors_header.scan(fd, header, lambda chunk: None, set(tensors))
+        ours = {key: key not in bad for key in tensors}
     finally:
         os.close(fd)
     assert ours == {key: bool(torch.isfinite(t).all()) for key, t in tensors.items()}

@@ -1,0 +1,127 @@
+"""bench_adapter_churn's results: one row per workload, the adapter loads its servers logged,
+the printed table and the PNG (TTFT CDFs and output throughput per workload)."""
+
+from __future__ import annotations
+
+import io
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from scripts.png_plot import BarPanel, CdfPanel, plot_png
+from scripts.serving_report import RequestResult
+from shared import codec
+from shared import events as ev
+from shared.eventlog import RunScanner, newest_log
+
+
+def workload_row(name: str, summary: dict[str, Any], results: Sequence[RequestResult],
+                 extra: dict[str, Any]) -> dict[str, Any]:
+    """The table's view of one bench_serving summary, plus every TTFT (for the CDFs)."""
+    return {
+        "workload": name,
+        **extra,
+        "num_requests": summary["num_requests"],
+        "num_errors": summary["num_errors"],
+        "errors": summary["errors"],
+        "duration_s": summary["duration_s"],
+        "requests_per_s": summary["throughput"]["requests_per_s"],
+        "output_tokens_per_s": summary["throughput"]["output_tokens_per_s"],
+        "ttft_ms": summary["ttft_ms"],
+        "tpot_ms": summary["tpot_ms"],
+        "ttft_values_ms": sorted(round(r.ttft_ms, 2) for r in results if r.status == 200 and r.ttft_ms is not None),
+    }
+
+
+def load_stats(log_dir: str) -> dict[str, Any]:
+    """What rank 0 reported of the adapter loads in the newest run of `log_dir`: per target
+    (a GPU slot, or the CPU tier for a staging) and source tier, how many, their median
+    duration and bandwidth; and how many movement decisions of each kind the core took."""
+    loads: dict[str, list[ev.AdapterLoadCompleted]] = {}
+    decisions = {"AdapterSlotAssigned": 0, "AdapterPrefetched": 0, "AdapterEvicted": 0, "AdapterCpuEvicted": 0,
+                 "AdapterLoadFailed": 0}
+    decoder = codec.log_event_decoder()
+    for _, raw in RunScanner(newest_log(log_dir)):
+        if b"Adapter" not in bytes(raw):  # every record is checked; only adapter events are decoded
+            continue
+        event = decoder.decode(raw)
+        kind = type(event).__name__
+        if kind in decisions:
+            decisions[kind] += 1
+        if isinstance(event, ev.AdapterLoadCompleted) and event.rank == 0:
+            key = f"{'gpu_slot' if event.slot >= 0 else 'cpu_tier'}<-{event.source_tier or 'unreported'}"
+            loads.setdefault(key, []).append(event)
+    return {"decisions": decisions, "loads": {key: _load_row(done) for key, done in sorted(loads.items())}}
+
+
+def _load_row(done: Sequence[ev.AdapterLoadCompleted]) -> dict[str, Any]:
+    timed = [e for e in done if e.duration_ms > 0]
+    return {
+        "count": len(done),
+        "median_duration_ms": round(statistics.median(e.duration_ms for e in timed), 3) if timed else None,
+        "median_gbps": round(statistics.median(e.num_bytes / e.duration_ms / 1e6 for e in timed), 3) if timed else None,
+    }
+
+
+def table_text(rows: Sequence[dict[str, Any]]) -> str:
+    """The serving table as aligned text, one line per workload."""
+    head = f"{'workload':<34} {'req':>5} {'err':>4} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} " \
+           f"{'TPOT p50':>9} {'TPOT p99':>9}"
+    lines = [head]
+    for row in rows:
+        ttft, tpot = row["ttft_ms"], row["tpot_ms"]
+        lines.append(f"{row['workload']:<34} {row['num_requests']:>5} {row['num_errors']:>4} "
+                     f"{_num(row['output_tokens_per_s']):>10} {_num(ttft['p50']):>9} {_num(ttft['p99']):>9} "
+                     f"{_num(tpot['p50']):>9} {_num(tpot['p99']):>9}")
+    return "\n".join(lines)
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def plot_panels(rows: Sequence[dict[str, Any]]) -> list[CdfPanel | BarPanel]:
+    """A TTFT CDF per arrival pattern (one line per workload of it) and output tok/s bars."""
+    by_arrival: dict[str, dict[str, list[float]]] = {}
+    for row in rows:
+        by_arrival.setdefault(row["arrival"], {})[f"{row['mode']} {row['label']}"] = row["ttft_values_ms"]
+    panels: list[CdfPanel | BarPanel] = [CdfPanel(f"TTFT ms CDF, {arrival}", series)
+                                         for arrival, series in by_arrival.items()]
+    bars = [(str(i), row["output_tokens_per_s"] or 0.0) for i, row in enumerate(rows)]
+    panels.append(BarPanel("output tok/s by workload (see the report)", bars))
+    return panels
+
+
+def render_png(rows: Sequence[dict[str, Any]]) -> bytes:
+    """matplotlib when installed, else scripts/png_plot.py."""
+    panels = plot_panels(rows)
+    try:
+        import matplotlib
+    except ImportError:
+        return plot_png(panels, panel_width=520)
+    matplotlib.use("Agg")
+    return _matplotlib_png(panels, [row["workload"] for row in rows])
+
+
+def _matplotlib_png(panels: Sequence[CdfPanel | BarPanel], names: Sequence[str]) -> bytes:
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 5), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        ax.set_title(panel.title)
+        if isinstance(panel, CdfPanel):
+            for label, values in panel.series.items():
+                ordered = sorted(values) or [0.0]
+                ax.step(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], where="post", label=label)
+            ax.set_xlabel("TTFT (ms)")
+            ax.set_xscale("log")
+            ax.legend(fontsize=7)
+        else:
+            ax.barh([names[int(label)] for label, _ in panel.bars], [value for _, value in panel.bars])
+            ax.set_xlabel("output tokens/s")
+            ax.tick_params(axis="y", labelsize=7)
+    fig.tight_layout()
+    out = io.BytesIO()
+    fig.savefig(out, format="png", dpi=100)
+    plt.close(fig)
+    return out.getvalue()
