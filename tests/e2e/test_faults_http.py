@@ -106,6 +106,12 @@ def test_client_disconnect_frees_blocks_and_pins(server, adapter_root):
 
 @pytest.mark.parametrize("damage", ["delete", "truncate"])
 def test_adapter_broken_after_registration_fails_only_its_requests(damage, server, model, adapter_root):
+    """Files broken right after registration. The workers stage a version into the CPU tier
+    at registration, so the request meets one of three outcomes, each correct: the staging
+    already failed (the version is unloaded: 404), the load fails under the request (500
+    naming the adapter), or the staging won the race (the registered content is served). The
+    base request is unaffected either way, nothing leaks, and the name never serves again
+    once a read of the broken files failed."""
     name = f"frail-{damage}"
     path = os.path.join(adapter_root, name)  # inside the allowed dir
     shutil.copytree(os.path.join(adapter_root, "spare"), path)
@@ -119,11 +125,15 @@ def test_adapter_broken_after_registration_fails_only_its_requests(damage, serve
         base = pool.submit(_complete, server, _greedy(model, GOOD_PROMPTS[0]))
         r = _complete(server, {"model": name, "prompt": "hello", "max_tokens": 4})
         assert base.result().status_code == 200
-    assert r.status_code == 500
-    assert r.json()["error"]["type"] == "InternalServerError" and name in r.json()["error"]["message"]
+    assert r.status_code in (200, 404, 500), r.text
+    if r.status_code == 500:
+        assert r.json()["error"]["type"] == "InternalServerError" and name in r.json()["error"]["message"]
     m = server.wait_idle()
     assert m["ledgerserve_lora_pinned_slots"] == 0 and not leaks(m)
-    assert _complete(server, {"model": name, "prompt": "hello", "max_tokens": 4}).status_code == 404
+    if r.status_code != 200:
+        assert _complete(server, {"model": name, "prompt": "hello", "max_tokens": 4}).status_code == 404
+    else:
+        assert _unload(server, name).status_code == 200
     assert _load(server, "after", os.path.join(adapter_root, "spare")).status_code == 200  # the slot is free again
     assert _tokens(_complete(server, {**_greedy("after", GOOD_PROMPTS[1])}))
     assert _unload(server, "after").status_code == 200

@@ -140,7 +140,7 @@ def test_a_version_changed_on_disk_fails_alone(lora_setup: LoraSetup, tmp_path) 
     replies = settle(runner)
     failed = [r for r in replies if isinstance(r, AdapterLoadFailed)]
     assert sorted(r.slot for r in failed) == [-1, 0]
-    assert all(r.message.startswith("adapter attn-copy changed on disk since it was registered") for r in failed)
+    assert all(r.message.startswith("adapter attn-copy changed on disk since it was registered (content digest") for r in failed)
     assert [(r.slot, r.version_id) for r in replies if isinstance(r, AdapterLoadCompleted)] == [(1, 2)]
     assert runner.lora.slot_table() == [[1, 2]] and 3 not in runner.lora.loader.cpu.entries
     _assign(runner, 0, 4, str(path), _digest(path))

@@ -73,7 +73,7 @@ def read_image(spec: ReadSpec, pool: PinnedPool, version_id: int, path: str, con
             _read_into(fd, num_bytes, digest, ImageFiller(image, layout, spec.slot_layout, header,
                                                           _buffer(num_bytes - header.data_offset)))
             if content_digest and digest.value != content_digest:
-                raise ChangedOnDisk(f"changed on disk since it was registered (its files hash to "
+                raise ChangedOnDisk(f"changed on disk since it was registered (content digest "
                                     f"{digest.value:#018x}, registered {content_digest:#018x})")
         except BaseException:
             pool.free(extents)
