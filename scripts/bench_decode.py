@@ -4,7 +4,9 @@ rank-16 adapters on all seven projections. Beside each step time: the memory-ban
 floor (weights + adapters + KV read, over the device copy bandwidth measured here) and
 the forward's GPU time alone (queued behind a sleep kernel, timed with events), and the share
 of the timed steps in which the GPU sat idle waiting on the host (events around each step's
-launch, see idle_share). Prints JSON. `--async-scheduling` drives the
+launch, see idle_share). `--churn-slots K` also measures every row while K spare slots reload
+adapters the whole time (overlapped loading; every other load from the CPU tier, the rest read
+from disk), beside the same row without. Prints JSON. `--async-scheduling` drives the
 runner as the engine does with that flag: each step's plan is launched before the step ahead
 of it is read back, its requests fed the tokens that step samples on the device.
 `--e2e` instead runs bench_peft.py's workload end to end (one request per adapter, prefill
@@ -12,6 +14,7 @@ of it is read back, its requests fed the tokens that step samples on the device.
 
     python scripts/bench_decode.py --out bench.json
     python scripts/bench_decode.py --e2e --batch-sizes 32 --adapters 32 --out ours.json  # 128 + 128 tokens
+    python -m scripts.bench_decode --batch-sizes 32 --adapters 4 --churn-slots 2 --async-scheduling
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 from kernels import gemm_tuning, ops
 from shared.adapter_format import BaseShapes
 from shared.config import EngineConfig
-from shared.events import AdapterSlotAssigned, CachedReq, NewReq, StepPlan
+from shared.events import AdapterCpuEvicted, AdapterEvicted, AdapterSlotAssigned, CachedReq, NewReq, StepPlan
 from shared.sampling import SamplingParams
 from scripts.bench_fixtures import (
     LLAMA3_8B, adapter_bytes, copy_bandwidth, kv_bytes, weight_bytes, write_adapter, write_model_dir,
@@ -70,10 +73,61 @@ class StepClock:
         return idle_share([(origin.elapsed_time(a), origin.elapsed_time(b)) for a, b in self.events[first:]])
 
 
+class LoadChurn:
+    """Keeps slots [first_slot, first_slot + num_slots) loading adapters while steps run, as the
+    worker's loop does: between steps it sends the replies of loads that ended and starts the
+    next. Every other load takes a version the CPU tier still holds; the others take a new
+    version (a new id: read from disk again)."""
+
+    def __init__(self, runner: ModelRunner, first_slot: int, num_slots: int, paths: list[str]) -> None:
+        self.runner, self.paths = runner, paths
+        self.slots = list(range(first_slot, first_slot + num_slots))
+        self.held: dict[int, int] = {}  # slot -> version loading or loaded there
+        self.num_versions = 10_000  # above the ids the sweep's own adapters use
+        self.num_loads = 0
+        self.sources: dict[str, int] = {}
+
+    def start(self) -> None:
+        self.num_loads, self.sources = 0, {}
+        for slot in self.slots:
+            self._load(slot, reuse=False)
+
+    def pump(self) -> None:
+        """Replies of loads that ended: each slot starts its next load at once."""
+        for reply in self.runner.poll_adapters():
+            if reply.slot not in self.held or self.held[reply.slot] != reply.version_id:
+                continue
+            self.num_loads += 1
+            source = getattr(reply, "source_tier", "failed") or "failed"
+            self.sources[source] = self.sources.get(source, 0) + 1
+            self._load(reply.slot, reuse=self.num_loads % 2 == 0)
+
+    def stop(self) -> None:
+        for slot, version in sorted(self.held.items()):
+            self.runner.adapter_command(AdapterEvicted(slot, version), time.monotonic())
+        self.held = {}
+
+    def _load(self, slot: int, reuse: bool) -> None:
+        old = self.held.get(slot)
+        if old is not None:
+            self.runner.adapter_command(AdapterEvicted(slot, old), time.monotonic())
+        if old is not None and not reuse:
+            self.runner.adapter_command(AdapterCpuEvicted(old), time.monotonic())
+        version = old if reuse and old is not None else self._new_version()
+        path = self.paths[version % len(self.paths)]
+        self.held[slot] = version
+        self.runner.adapter_command(AdapterSlotAssigned(slot, version, path), time.monotonic())
+
+    def _new_version(self) -> int:
+        self.num_versions += 1
+        return self.num_versions
+
+
 class Bench:
     def __init__(self, runner: ModelRunner, prompt_len: int, warmup: int, steps: int, ahead: bool = False) -> None:
         self.runner, self.prompt_len, self.warmup, self.steps = runner, prompt_len, warmup, steps
         self.ahead = ahead  # async scheduling: one step in flight while the next is launched
+        self.churn: LoadChurn | None = None  # loads kept running beside the timed steps, when set
         self.step_no = 0
         self.live: list[str] = []
         self.blocks_per_req = -(-(prompt_len + warmup + steps + 2) // BLOCK)
@@ -139,6 +193,8 @@ class Bench:
         self.clock.begin()
         launched = self.runner.launch(plan)
         self.clock.end()
+        if self.churn is not None:
+            self.churn.pump()
         return launched
 
     def _read(self, in_flight: InFlightStep) -> dict[str, int]:
@@ -172,9 +228,22 @@ class Bench:
         end.synchronize()
         return start.elapsed_time(end), enqueue_ms
 
-    def run(self, batch: int, num_adapters: int) -> tuple[float, float, float, float, float]:
-        """(median step ms, GPU-busy ms, enqueue ms, mean sequence length, GPU idle share) while timed."""
+    def run(self, batch: int, num_adapters: int, churn: LoadChurn | None = None
+            ) -> tuple[float, float, float, float, float]:
+        """(median step ms, GPU-busy ms, enqueue ms, mean sequence length, GPU idle share) while timed;
+        with `churn`, its loads run beside every decode step."""
         last = self.start(batch, num_adapters)
+        self.churn = churn
+        if churn is not None:
+            churn.start()
+        try:
+            return self._timed(last)
+        finally:
+            self.churn = None
+            if churn is not None:
+                churn.stop()
+
+    def _timed(self, last: dict[str, int]) -> tuple[float, float, float, float, float]:
         walls, lens = [], []
         first = len(self.clock.events) + self.warmup
         if self.ahead:
@@ -219,6 +288,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--max-loras", type=int, default=0, help="adapter slots (default: the largest of --adapters)")
+    ap.add_argument("--churn-slots", type=int, default=0,
+                    help="also time every row while this many spare slots keep loading adapters")
     ap.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs)")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="launch each decode step before reading back the one ahead of it (the engine's flag)")
@@ -230,9 +301,9 @@ def parse_args() -> argparse.Namespace:
     args.adapter_counts = [int(a) for a in args.adapters.split(",")]
     if args.e2e:
         args.batches, args.adapter_counts = [max(args.batches)], [max(args.adapter_counts)]
-    args.max_loras = args.max_loras or max(max(args.adapter_counts), 1)
-    if args.max_loras < max(args.adapter_counts):
-        ap.error(f"--max-loras {args.max_loras} is below --adapters {max(args.adapter_counts)}")
+    args.max_loras = args.max_loras or max(max(args.adapter_counts), 1) + args.churn_slots
+    if args.max_loras < max(args.adapter_counts) + args.churn_slots:
+        ap.error(f"--max-loras {args.max_loras} is below --adapters {max(args.adapter_counts)} + --churn-slots")
     return args
 
 
@@ -244,26 +315,45 @@ def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         dtype="bfloat16",
         device="cuda", max_num_seqs=max(args.batches), block_size=BLOCK, load_format="dummy",
         num_kv_blocks=max(args.batches) * blocks_per_req, enable_lora=True, max_loras=args.max_loras,
-        max_lora_rank=args.rank, max_cpu_loras=args.max_loras, enforce_eager=args.eager,
+        max_lora_rank=args.rank, max_cpu_loras=args.max_loras + 2 * args.churn_slots, enforce_eager=args.eager,
+        lora_overlap_loading=True,
     )
 
 
-def sweep(bench: Bench, base: BaseShapes, args: argparse.Namespace, bw: float) -> list[dict]:
-    """One row per (adapter count, batch size): step time beside its bandwidth floor."""
+def sweep(bench: Bench, base: BaseShapes, args: argparse.Namespace, bw: float, churn: LoadChurn | None = None
+          ) -> list[dict]:
+    """One row per (adapter count, batch size): step time beside its bandwidth floor; with `churn`,
+    each row once more with the churning loads beside the steps."""
     results = []
     for num_adapters in args.adapter_counts:
         for batch in args.batches:
-            step_ms, gpu_ms, enqueue_ms, mean_len, idle = bench.run(batch, num_adapters)
-            distinct = min(num_adapters, batch)
-            read = (weight_bytes(bench.runner.model, batch) + distinct * adapter_bytes(base, args.rank)
-                    + kv_bytes(base, base.num_layers, [round(mean_len)] * batch))
-            floor_ms = read / bw * 1e3
-            row = dict(batch=batch, adapters=distinct, step_ms=round(step_ms, 3), tok_s=round(batch / step_ms * 1e3, 1),
-                       floor_ms=round(floor_ms, 3), x_floor=round(step_ms / floor_ms, 2), gpu_ms=round(gpu_ms, 3),
-                       gpu_idle=round(idle, 3), enqueue_ms=round(enqueue_ms, 2))
-            results.append(row)
-            print(json.dumps(row), flush=True)
+            for row in _rows(bench, base, args, bw, batch, num_adapters, churn):
+                results.append(row)
+                print(json.dumps(row), flush=True)
     return results
+
+
+def _rows(bench: Bench, base: BaseShapes, args: argparse.Namespace, bw: float, batch: int, num_adapters: int,
+          churn: LoadChurn | None) -> list[dict]:
+    rows = [_row(bench, base, args, bw, batch, num_adapters)]
+    if churn is not None:
+        rows.append(_row(bench, base, args, bw, batch, num_adapters, churn))
+    return rows
+
+
+def _row(bench: Bench, base: BaseShapes, args: argparse.Namespace, bw: float, batch: int, num_adapters: int,
+         churn: LoadChurn | None = None) -> dict:
+    step_ms, gpu_ms, enqueue_ms, mean_len, idle = bench.run(batch, num_adapters, churn)
+    distinct = min(num_adapters, batch)
+    read = (weight_bytes(bench.runner.model, batch) + distinct * adapter_bytes(base, args.rank)
+            + kv_bytes(base, base.num_layers, [round(mean_len)] * batch))
+    floor_ms = read / bw * 1e3
+    row = dict(batch=batch, adapters=distinct, step_ms=round(step_ms, 3), tok_s=round(batch / step_ms * 1e3, 1),
+               floor_ms=round(floor_ms, 3), x_floor=round(step_ms / floor_ms, 2), gpu_ms=round(gpu_ms, 3),
+               gpu_idle=round(idle, 3), enqueue_ms=round(enqueue_ms, 2))
+    if churn is not None:
+        row.update(churn_slots=len(churn.slots), churn_loads=churn.num_loads, churn_sources=churn.sources)
+    return row
 
 
 def main() -> None:
@@ -283,11 +373,16 @@ def main() -> None:
                            args.async_scheduling), args.out)
         return
     bw = copy_bandwidth(runner.device)
-    results = sweep(Bench(runner, args.prompt_len, args.warmup, args.steps, args.async_scheduling), base, args, bw)
+    churn = None
+    if args.churn_slots:
+        paths = [write_adapter(root, 1000 + i, base, args.rank, "cuda") for i in range(4)]
+        churn = LoadChurn(runner, max(args.adapter_counts), args.churn_slots, paths)
+    bench = Bench(runner, args.prompt_len, args.warmup, args.steps, args.async_scheduling)
+    results = sweep(bench, base, args, bw, churn)
     report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bw_GBps=round(bw / 1e9, 1),
                   model_load_s=round(load_s, 1), adapters_load_s=round(adapters_s, 1), graphs=not args.eager,
                   max_loras=args.max_loras, prompt_len=args.prompt_len, rank=args.rank,
-                  async_scheduling=args.async_scheduling, results=results,
+                  async_scheduling=args.async_scheduling, churn_slots=args.churn_slots, results=results,
                   gemm_tuning=gemm_tuning.report())
     _report(report, args.out)
 

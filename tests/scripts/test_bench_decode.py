@@ -20,3 +20,35 @@ def test_a_step_queued_ahead_starts_when_the_one_before_ends() -> None:
 def test_one_step_has_no_gap_to_measure() -> None:
     assert idle_share([(3.0, 9.0)]) == 0.0
     assert idle_share([]) == 0.0
+
+
+def test_load_churn_keeps_spare_slots_loading_from_both_tiers(tmp_path) -> None:
+    """On the CPU runner: every load that ends starts the next one in its slot, half of them from
+    the CPU tier; stopping evicts what the churn holds."""
+    import time
+
+    from scripts.bench_decode import LoadChurn
+    from shared.config import EngineConfig
+    from tests.adapter_factory import make_peft_adapter
+    from tests.model_factory import make_tiny_checkpoint
+    from worker_proc.runner import ModelRunner
+
+    base = make_tiny_checkpoint("llama", tmp_path / "base")
+    paths = [make_peft_adapter(base, tmp_path / f"a{i}", r=4, alpha=8, targets=["q_proj", "v_proj"], seed=i)
+             for i in range(2)]
+    config = EngineConfig(model_dir=base, served_model_name="tiny", max_model_len=64, block_size=4,
+                          num_kv_blocks=16, enable_lora=True, max_loras=3, max_lora_rank=8, max_cpu_loras=8,
+                          lora_overlap_loading=True)
+    runner = ModelRunner(config)
+    try:
+        churn = LoadChurn(runner, 1, 2, paths)
+        churn.start()
+        deadline = time.monotonic() + 60
+        while churn.num_loads < 8 and time.monotonic() < deadline:
+            churn.pump()
+            time.sleep(0.001)
+        assert churn.num_loads >= 8 and set(churn.sources) == {"cpu", "disk"}, churn.sources
+        churn.stop()
+        assert not churn.held and all(slot not in runner.lora.assigned for slot in (1, 2))
+    finally:
+        runner.close()
