@@ -356,6 +356,28 @@ class DigestMismatch(Event):
     odd_ranks: list[int]  # ranks that differ from rank 0
 
 
+class AdapterDrainStarted(Event):
+    """GPU `slot`, holding `version_id` for running requests, drains for waiting `for_version_id`,
+    which can have no other slot: no more requests of `version_id` queued behind that version's
+    oldest waiting request are admitted until the slot is free. `num_remaining_tokens`: at most
+    how many tokens its running requests may still generate (why it was chosen)."""
+
+    slot: int
+    version_id: int
+    for_version_id: int
+    num_remaining_tokens: int = 0
+
+
+class AdapterDrainCancelled(Event):
+    """The drain of `slot` for `for_version_id` ends before the slot is free (`reason`);
+    requests of `version_id` are admitted again."""
+
+    slot: int
+    version_id: int
+    for_version_id: int
+    reason: str = ""
+
+
 class LogClosed(Event):
     """Last record of a log the scheduler closed: why it stopped, and which process's death
     stopped it ("launcher", "tokenizer", "worker-<rank>"; "" when none died, as on SIGTERM)."""
@@ -380,7 +402,7 @@ DECISION_TYPES: tuple[type, ...] = (
     StepPlan, TokensEmitted, RequestRejected, EngineFailed, RequestFinished, RequestPreempted,
     StateDigest, Shutdown, AdapterOpReplied, AdapterRegistered, AdapterUnloaded,
     AdapterSlotAssigned, AdapterEvicted, AdapterEvictionDeferred, AdapterCpuEvicted,
-    DigestMismatch, PrefixCached, NamespaceEvicted, AdapterPrefetched,
+    DigestMismatch, PrefixCached, NamespaceEvicted, AdapterPrefetched, AdapterDrainStarted, AdapterDrainCancelled,
 )
 CoreInput = Union[INPUT_TYPES]  # type: ignore[valid-type]
 Decision = Union[DECISION_TYPES]  # type: ignore[valid-type]

@@ -30,6 +30,7 @@ def check_adapters(manager: AdapterManager, live_reqs: list[Request]) -> None:
             raise RuntimeError(f"slot {slot.index}: version {slot.version_id} is in two slots or not in the CPU tier")
     if not manager.config.lora_overlap_loading and (manager.slots.num_loading or manager.cpu_staged_ranks):
         raise RuntimeError("a slot loads, or a staging is tracked, with overlapped loading off")
+    _check_drains(manager, live_reqs)
     for version_id in sorted(manager.versions):
         version = manager.versions[version_id]
         if version.num_reqs != num_reqs.get(version_id, 0):
@@ -40,6 +41,26 @@ def check_adapters(manager: AdapterManager, live_reqs: list[Request]) -> None:
         if manager.registry[name] not in manager.versions:
             raise RuntimeError(f"the registry maps {name!r} to a dropped version")
     _check_cpu_tier(manager)
+
+
+def _check_drains(manager: AdapterManager, live_reqs: list[Request]) -> None:
+    """Only with targeted drains, and for a version a waiting request holds: a LOADED or PINNED
+    slot drains for a version in no slot, or a LOADING or LOADED slot is reserved for the
+    version it holds; one mark per version."""
+    targets: list[int] = []
+    for slot in manager.slots.slots:
+        target = slot.drain_for_version_id
+        if not target:
+            continue
+        waits = any(r.version_id == target and r.status == RequestStatus.WAITING for r in live_reqs)
+        if target == slot.version_id:
+            is_kept = slot.state in (SlotState.LOADING, SlotState.LOADED)
+        else:
+            is_kept = slot.state in (SlotState.LOADED, SlotState.PINNED) and manager.slots.find(target) < 0
+        if not (manager.config.drains_slots and is_kept and waits) or target in targets:
+            raise RuntimeError(f"slot {slot.index} ({slot.state.name}, version {slot.version_id}) drains for "
+                               f"version {target}: not a mark the policy keeps")
+        targets.append(target)
 
 
 def _check_cpu_tier(manager: AdapterManager) -> None:
@@ -93,6 +114,8 @@ def rows(manager: AdapterManager) -> list[Any]:
     if manager.config.lora_overlap_loading and manager.config.enable_lora:
         out.append([[s.index, list(s.ready_ranks)] for s in manager.slots.slots if s.state == SlotState.LOADING])
         out.append([[v, list(manager.cpu_staged_ranks[v])] for v in sorted(manager.cpu_staged_ranks)])
+    if manager.config.drains_slots and manager.config.enable_lora:
+        out.append(manager.slots.drain_rows())
     return out
 
 
@@ -115,6 +138,7 @@ def snapshot(manager: AdapterManager) -> dict[str, Any]:
             {"slot": s.index, "version_id": s.version_id, "ready_ranks": list(s.ready_ranks)}
             for s in manager.slots.slots if s.state == SlotState.LOADING
         ],
+        "drains": [{"slot": row[0], "version_id": row[1], "for_version_id": row[2]} for row in manager.slots.drain_rows()],
         "cpu_tier_bytes": manager.cpu_tier_bytes,
         "cpu_staged_on_every_rank": [v for v in sorted(manager.cpu_staged_ranks) if len(manager.cpu_staged_ranks[v]) == num_ranks],
     }

@@ -28,6 +28,15 @@ class CoreConfig:
     # slot is ready on every rank (AdapterLoadCompleted). False, the reference path: a step's
     # slots are assigned as it is planned and the workers load them in command order before it.
     lora_overlap_loading: bool = False
+    # With overlapped loading: a waiting request whose adapter can have no slot gets one slot
+    # drained for it (drain.py). False only to replay schema 3 logs: once it has waited
+    # lora_max_wait_steps, no adapter request behind it is admitted until it has a slot.
+    lora_targeted_drain: bool = True
+
+    @property
+    def drains_slots(self) -> bool:
+        """Whether the targeted-drain policy is on (it needs overlapped loading)."""
+        return self.lora_overlap_loading and self.lora_targeted_drain
 
     def __post_init__(self) -> None:
         for name in _POSITIVE:
@@ -38,7 +47,7 @@ class CoreConfig:
             raise ValueError(f"CoreConfig.max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         if self.max_steps_in_flight > 2:
             raise ValueError(f"CoreConfig.max_steps_in_flight must be 1 or 2, got {self.max_steps_in_flight}")
-        for name in ("enable_lora", "keep_dropped_namespaces", "lora_overlap_loading"):
+        for name in ("enable_lora", "keep_dropped_namespaces", "lora_overlap_loading", "lora_targeted_drain"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CoreConfig.{name} must be a bool, got {getattr(self, name)!r}")
 

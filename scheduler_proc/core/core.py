@@ -12,7 +12,7 @@ from typing import Any
 
 from shared import events as ev
 
-from scheduler_proc.core import digest, movement, prefetch, prefix, prompt_logprobs
+from scheduler_proc.core import digest, drain, movement, prefetch, prefix, prompt_logprobs
 from scheduler_proc.core.adapters import AdapterManager
 from scheduler_proc.core.block_manager import BlockAccounting, BlockManager
 from scheduler_proc.core.config import CoreConfig
@@ -338,11 +338,16 @@ class Core:
     # ------------------------------------------------------------------ planning
 
     def _prefetch(self) -> Decisions:
-        """Overlapped loading: slots and CPU staging for the head of the waiting queue."""
+        """Overlapped loading: slots and CPU staging for the head of the waiting queue, in queue
+        order; with targeted drains, in slot order and with the drain pass (drain.py)."""
         if not self.config.lora_overlap_loading or not self.scheduler.is_ready:
             return []
         busy_slots = [slot for step in self.in_flight for slot in step.lora_slots]
-        return prefetch.prefetch(self.adapters, self.scheduler.waiting, self.step, busy_slots)
+        waiting = self.scheduler.waiting
+        if self.config.drains_slots:
+            return drain.movement_pass(self.adapters, waiting, self.scheduler.running, self.step, busy_slots)
+        order = prefetch.lookahead(waiting, self.config.max_num_seqs, prefetch.LOOKAHEAD_VERSIONS_PER_SLOT * self.config.max_loras)
+        return prefetch.prefetch(self.adapters, order, self.step, busy_slots)
 
     def _maybe_plan(self) -> Decisions:
         """Plan steps until `max_steps_in_flight` are in flight (1: the classic loop; 2: async
@@ -359,7 +364,8 @@ class Core:
 
     def _plan_step(self) -> Decisions:
         """The next step's plan and what it decides, or [] when only a step in flight can make progress."""
-        scheduled, preempted = self.scheduler.schedule(self.step + 1, not self.in_flight, self.adapters.slot_readiness())
+        draining = drain.draining(self.adapters) if self.config.drains_slots else None
+        scheduled, preempted = self.scheduler.schedule(self.step + 1, not self.in_flight, self.adapters.slot_readiness(), draining)
         if not scheduled:
             if self.in_flight or self.adapters.num_loading_slots:
                 return []  # planned when a step completes or a load ends

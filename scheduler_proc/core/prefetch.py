@@ -37,20 +37,30 @@ Decisions = list[Any]
 LOOKAHEAD_VERSIONS_PER_SLOT = 4
 
 
-def prefetch(adapters: AdapterManager, waiting: Iterable[Request], step: int, busy_slots: list[int]) -> Decisions:
-    """The prefetch pass: slots for the head of the lookahead, then the CPU tier for the rest."""
-    config = adapters.config
-    order = lookahead(waiting, config.max_num_seqs, LOOKAHEAD_VERSIONS_PER_SLOT * config.max_loras)
+def prefetch(adapters: AdapterManager, order: list[int], step: int, busy_slots: list[int],
+             drained: dict[int, int] | None = None) -> Decisions:
+    """The prefetch pass over `order` (the lookahead, in the order its versions get slots):
+    slots for its head, then the CPU tier for the rest. `drained`: version -> the idle slot a
+    drain freed for it (drain.py), which it takes first and no other version takes."""
     decisions: Decisions = []
     waiting_needs = _waiting_needs(adapters)  # the pass moves adapters, never requests
-    num_slotted = 0  # versions of the lookahead, from its head, that are in a slot
+    drained = drained or {}
+    num_slotted = 0  # versions of the order, from its head, that are in a slot
+    is_blocked = False  # a version found no slot: later ones take only slots drained for them
     for version_id in order:
-        if adapters.slots.find(version_id) < 0:
+        if adapters.slots.find(version_id) >= 0:
+            num_slotted += int(not is_blocked)
+            continue
+        slot = adapters.slots.slots[drained[version_id]] if version_id in drained else None
+        if slot is None and not is_blocked:
             slot = slot_victim(adapters.slots.slots, order[:num_slotted], waiting_needs, busy_slots)
-            if slot is None:
-                break
-            decisions += _load_into(adapters, slot, version_id, order, step)
-        num_slotted += 1
+        if slot is None:
+            is_blocked = True
+            continue
+        decisions += _load_into(adapters, slot, version_id, order, step)
+        if version_id in drained:
+            adapters.slots.reserve(slot.index)
+        num_slotted += int(not is_blocked)
     return decisions + _stage_rest(adapters, order, order[num_slotted:], step)
 
 
@@ -67,15 +77,16 @@ def lookahead(waiting: Iterable[Request], max_num_reqs: int, max_num_versions: i
 
 
 def slot_victim(slots: list[Slot], protected: list[int], waiting_needs: dict[int, bool], busy_slots: list[int]) -> Slot | None:
-    """The slot to load into, never one in `busy_slots` (read by a step in flight): the lowest
-    FREE one, else the LOADED one whose version is not `protected` and no waiting request
-    needs, then LRU, then the lowest index. None if there is none."""
+    """The slot to load into, never one in `busy_slots` (read by a step in flight) or draining
+    for a version: the lowest FREE one, else the LOADED one whose version is not `protected`
+    and no waiting request needs, then LRU, then the lowest index. None if there is none."""
     for slot in slots:
         if slot.state == SlotState.FREE and slot.index not in busy_slots:
             return slot
     candidates = [
         s for s in slots
         if s.state == SlotState.LOADED and s.version_id not in protected and s.index not in busy_slots
+        and not s.drain_for_version_id
     ]
     if not candidates:
         return None

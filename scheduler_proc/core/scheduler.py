@@ -73,14 +73,15 @@ class Scheduler:
             self.block_manager.release(req.namespace, req.req_id, req.block_ids, step)
             req.num_shared_blocks = 0
 
-    def schedule(self, step: int, may_preempt: bool = True,
-                 slot_ready: dict[int, bool] | None = None) -> tuple[list[ScheduledReq], list[Request]]:
+    def schedule(self, step: int, may_preempt: bool = True, slot_ready: dict[int, bool] | None = None,
+                 draining: dict[int, int] | None = None) -> tuple[list[ScheduledReq], list[Request]]:
         """Running requests first (a decode token or their next prefill chunk), then
         waiting ones FCFS under the adapter cap. `step` is the step being built (aging).
         A step planned ahead of one in flight (`may_preempt` False) stops where blocks run
         out instead of preempting. `slot_ready` (overlapped loading): version -> whether its
-        slot is ready (False: loading); absent: in no slot. Returns the scheduled requests
-        and the ones preempted."""
+        slot is ready (False: loading); absent: in no slot. `draining` (targeted drains, in
+        place of the aging bar): a draining slot's version -> the version it drains for.
+        Returns the scheduled requests and the ones preempted."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledReq] = []
         preempted: list[Request] = []
@@ -100,7 +101,7 @@ class Scheduler:
             budget -= num_tokens
             i += 1
         if _may_admit(scheduled, preempted, is_blocked):
-            is_held_by_load = self._admit_waiting(budget, scheduled, step, slot_ready)
+            is_held_by_load = self._admit_waiting(budget, scheduled, step, slot_ready, draining)
             self.num_lora_wait_steps += int(is_held_by_load and bool(scheduled))
         return scheduled, preempted
 
@@ -140,19 +141,27 @@ class Scheduler:
         transition(req, RequestStatus.WAITING)
         self.waiting.appendleft(req)
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledReq], step: int, slot_ready: dict[int, bool] | None) -> bool:
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledReq], step: int, slot_ready: dict[int, bool] | None,
+                       draining: dict[int, int] | None) -> bool:
         """Admit waiting requests FCFS; True if one was left waiting only because its slot loads."""
         version_ids = distinct([req.version_id for req in self.running if req.version_id])
-        is_barred = False  # an aged, cap-blocked request: no adapter request overtakes it
+        is_barred = False  # an aged, cap-blocked request: no adapter request overtakes it (without drains)
         is_held_by_load = False
+        seen_version_ids: list[int] = []  # with drains: the versions of the requests considered so far
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
+            if draining is not None and req.version_id:
+                is_drained = draining.get(req.version_id, 0) in seen_version_ids  # behind the drain's request
+                if req.version_id not in seen_version_ids:
+                    seen_version_ids.append(req.version_id)
+                if is_drained:
+                    continue
             if req.version_id and slot_ready is not None and not is_barred and slot_ready.get(req.version_id) is False:
                 is_held_by_load = True  # its slot loads: it bars nothing
                 continue
             if req.version_id and (is_barred or not self._fits(req.version_id, version_ids, slot_ready)):
-                is_barred = is_barred or step - req.arrival_step >= self.config.lora_max_wait_steps
+                is_barred = is_barred or (draining is None and step - req.arrival_step >= self.config.lora_max_wait_steps)
                 continue
             match = self._match_prefix(req)
             num_tokens = min(req.num_tokens - match.num_cached_tokens, budget)

@@ -9,6 +9,9 @@ LOADED (holds a version, no running request uses it) or PINNED (running requests
 Pins count the running requests; only a LOADED slot can be evicted; a LOADING slot is never
 pinned (no step reads it) and never evicted. With overlapped loading off, READY follows
 ASSIGN at once (the workers load in command order, before the step that needs the slot).
+A LOADED or PINNED slot may drain for a waiting version (drain.py); once the slot is loaded
+with that version it stays reserved for it until a request of it runs there. The mark goes
+when the slot is freed or the drain is cancelled.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ class Slot:
     num_pins: int = 0  # running requests using the slot
     last_used_step: int = 0
     ready_ranks: list[int] = field(default_factory=list)  # while LOADING: ranks whose load is done, ascending
+    drain_for_version_id: int = 0  # draining for this waiting version, or reserved for it once it holds it; 0: neither
 
 
 def transition_slot(slot: Slot, action: SlotAction) -> None:
@@ -149,10 +153,35 @@ class SlotTable:
     def _clear(self, index: int) -> int:
         slot = self.slots[index]
         version_id, slot.version_id, slot.last_used_step = slot.version_id, 0, 0
+        slot.drain_for_version_id = 0  # a freed slot's drain is done
         return version_id
+
+    def start_drain(self, index: int, for_version_id: int) -> None:
+        slot = self.slots[index]
+        if (slot.state not in (SlotState.LOADED, SlotState.PINNED) or slot.drain_for_version_id
+                or for_version_id in (0, slot.version_id)):
+            raise IllegalSlotTransition(f"slot {index}: cannot drain a {slot.state.name} slot for version {for_version_id}")
+        slot.drain_for_version_id = for_version_id
+
+    def reserve(self, index: int) -> None:
+        """A drained slot now loads the version it drained for: it stays that version's until it runs there."""
+        slot = self.slots[index]
+        if slot.state != SlotState.LOADING:
+            raise IllegalSlotTransition(f"slot {index}: cannot reserve a {slot.state.name} slot")
+        slot.drain_for_version_id = slot.version_id
+
+    def end_drain(self, index: int) -> None:
+        self.slots[index].drain_for_version_id = 0
+
+    def is_draining(self, index: int) -> bool:
+        """Draining for another version (not reserved for the one it holds)."""
+        slot = self.slots[index]
+        return slot.drain_for_version_id not in (0, slot.version_id)
 
     def pin(self, index: int) -> None:
         transition_slot(self.slots[index], SlotAction.PIN)
+        if self.slots[index].drain_for_version_id == self.slots[index].version_id:
+            self.slots[index].drain_for_version_id = 0  # a reservation ends when its version runs there
 
     def unpin(self, index: int) -> None:
         transition_slot(self.slots[index], SlotAction.UNPIN)
@@ -162,3 +191,6 @@ class SlotTable:
 
     def rows(self) -> list[list[object]]:
         return [[s.index, s.state.value, s.version_id, s.num_pins, s.last_used_step] for s in self.slots]
+
+    def drain_rows(self) -> list[list[int]]:
+        return [[s.index, s.version_id, s.drain_for_version_id] for s in self.slots if s.drain_for_version_id]

@@ -17,6 +17,10 @@ StateDigests that list every prefix namespace ever evicted (`CoreConfig.keep_dro
 
 Schema 2 (still read): the format of schema 3; its engines loaded every adapter in command
 order, so it replays with `CoreConfig.lora_overlap_loading` off whatever its config says.
+
+Schema 3 (still read): the format of schema 4; its engines, with overlapped loading, barred
+every adapter request behind an aged request with no slot instead of draining one slot for it,
+so it replays with `CoreConfig.lora_targeted_drain` off.
 """
 
 from __future__ import annotations
@@ -33,8 +37,8 @@ import xxhash
 from shared import codec
 
 MAGIC = b"LSEVTLOG"
-SCHEMA_VERSION = 3
-READABLE_SCHEMA_VERSIONS = (1, 2, 3)
+SCHEMA_VERSION = 4
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4)
 MAX_RECORD_BYTES = 1 << 28
 U32 = struct.Struct("<I")
 RECORD_HEAD = struct.Struct("<II")  # length, crc32

@@ -163,6 +163,7 @@ class Driver(AdapterLoads):
         lora_max_wait_steps: int = 16,
         max_steps_in_flight: int = 1,
         lora_overlap_loading: bool = False,
+        lora_targeted_drain: bool = True,
         load_policy: LoadPolicy | None = None,
         digests: bool = False,
     ) -> None:
@@ -170,6 +171,7 @@ class Driver(AdapterLoads):
             max_num_seqs, max_num_batched_tokens, block_size, max_model_len, tensor_parallel_size,
             max_loras=max_loras, max_cpu_loras=max_cpu_loras, enable_lora=enable_lora, lora_max_wait_steps=lora_max_wait_steps,
             max_steps_in_flight=max_steps_in_flight, lora_overlap_loading=lora_overlap_loading,
+            lora_targeted_drain=lora_targeted_drain,
         )
         self.core = Core(self.config)
         self.worker = FakeWorker(block_size, FakeSlots(tensor_parallel_size, max_cpu_loras, lora_overlap_loading))

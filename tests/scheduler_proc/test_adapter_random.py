@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -138,7 +139,8 @@ def test_overlap_workload_exercises_the_movement_paths():
     d = _overlap_driver(25, tp=2, p_fail=0.05)
     run_adapter_workload(d, 25, num_events=300)
     _check_idle_end(d, 2)
-    for kind in (ev.AdapterPrefetched, ev.AdapterSlotAssigned, ev.AdapterEvicted, ev.AdapterCpuEvicted, ev.RequestPreempted):
+    for kind in (ev.AdapterPrefetched, ev.AdapterSlotAssigned, ev.AdapterEvicted, ev.AdapterCpuEvicted, ev.RequestPreempted,
+                 ev.AdapterDrainStarted, ev.AdapterDrainCancelled):
         assert d.of_type(kind), kind.__name__
     completions = [x for x in d.inputs if isinstance(x, ev.AdapterLoadCompleted)]
     assert {x.rank for x in completions} == {0, 1} and any(x.slot == -1 for x in completions)
@@ -150,6 +152,7 @@ def test_overlap_workload_exercises_the_movement_paths():
 def overlap_fingerprint(seed: int) -> str:
     d = _overlap_driver(seed, tp=2, steps_in_flight=2, p_fail=0.05)
     run_adapter_workload(d, seed, num_events=200)
+    assert seed != 8 or d.of_type(ev.AdapterDrainStarted)  # seed 8 drains slots
     return xxhash.xxh64_hexdigest(b"".join(codec.encode(x) for x in d.decisions))
 
 
@@ -164,19 +167,21 @@ def test_overlap_decisions_identical_across_pythonhashseed():
     assert outputs[0].split() == [overlap_fingerprint(5), overlap_fingerprint(8)]
 
 
-def test_recorded_overlap_run_replays(tmp_path):
+@pytest.mark.parametrize("seed", [5, 8])  # seed 8 drains slots
+def test_recorded_overlap_run_replays(tmp_path, seed):
     engine = EngineConfig(
         model_dir="m", served_model_name="m", max_model_len=32, max_num_seqs=4, max_num_batched_tokens=16,
         block_size=4, enable_lora=True, max_loras=2, max_cpu_loras=3, tensor_parallel_size=2, async_scheduling=True,
     )
     assert engine.lora_overlap_loading
     writer = EventLogWriter(str(tmp_path), engine.to_json(), run_id="overlap")
-    d = _overlap_driver(5, aging=16, tp=2, steps_in_flight=2, p_fail=0.05, log=writer)
+    d = _overlap_driver(seed, aging=16, tp=2, steps_in_flight=2, p_fail=0.05, log=writer)
     assert CoreConfig.from_engine(engine) == d.config
-    run_adapter_workload(d, 5, num_events=150)
+    run_adapter_workload(d, seed, num_events=150)
     writer.append(ev.LogClosed("done"))
     writer.close()
     result = replay(writer.path)
     assert result.ok, result.divergence.describe() if result.divergence else ""
     assert result.core.snapshot()["adapters"] == d.core.snapshot()["adapters"]
     assert any(isinstance(x, ev.AdapterLoadCompleted) for x in d.inputs)
+    assert seed != 8 or d.of_type(ev.AdapterDrainStarted)

@@ -5,7 +5,11 @@ of the core's decisions, re-record them with scripts/make_compat_logs.py.
 `events-000001-base.log` and `events-000002-lora.log` are schema 1. `events-000003-lora-schema2.log`
 is the same adapter workload recorded by the schema 2 code (before overlapped adapter
 loading): its header's engine config has no `lora_overlap_loading`, which reads as today's
-default (on), so it replays only because schema 2 logs replay with overlapped loading off."""
+default (on), so it replays only because schema 2 logs replay with overlapped loading off.
+`events-000004-lora-overlap-schema3.log` is a random adapter workload with overlapped loading
+and async scheduling over two ranks (tests/scheduler_proc/workload.py, seed 5, 200 events,
+max_loras 2, lora_max_wait_steps 3), recorded by the schema 3 code (before targeted drains):
+it replays only because schema 3 logs replay with targeted drains off."""
 
 from __future__ import annotations
 
@@ -30,8 +34,9 @@ LOGS = sorted(glob.glob(os.path.join(LOG_DIR, "events-*.log")))
 
 def test_committed_logs_exist():
     names = [os.path.basename(p) for p in LOGS]
-    assert names == ["events-000001-base.log", "events-000002-lora.log", "events-000003-lora-schema2.log"]
-    assert [RunScanner(p).header.schema_version for p in LOGS] == [1, 1, 2]
+    assert names == ["events-000001-base.log", "events-000002-lora.log", "events-000003-lora-schema2.log",
+                     "events-000004-lora-overlap-schema3.log"]
+    assert [RunScanner(p).header.schema_version for p in LOGS] == [1, 1, 2, 3]
 
 
 def test_schema_2_log_replays_only_with_overlapped_loading_off(monkeypatch):
@@ -46,6 +51,18 @@ def test_schema_2_log_replays_only_with_overlapped_loading_off(monkeypatch):
     assert not replay(path).ok  # the migration is what makes it verify
 
 
+def test_schema_3_log_replays_only_without_targeted_drains(monkeypatch):
+    path = os.path.join(LOG_DIR, "events-000004-lora-overlap-schema3.log")
+    scanner = RunScanner(path)
+    config = core_config(scanner)
+    assert config.lora_overlap_loading and not config.lora_targeted_drain  # the schema migration
+    result = replay(path)
+    assert result.ok and any(isinstance(e, ev.AdapterLoadCompleted) for _, e in EventLogReader(path))
+    forced = dataclasses.replace(config, lora_targeted_drain=True)
+    monkeypatch.setattr(replay_verify, "core_config", lambda _: forced)
+    assert not replay(path).ok  # the migration is what makes it verify
+
+
 @pytest.mark.parametrize("path", LOGS, ids=os.path.basename)
 def test_committed_log_decodes_and_verifies(path):
     records = list(EventLogReader(path, repair=False))
@@ -56,10 +73,11 @@ def test_committed_log_decodes_and_verifies(path):
     assert result.num_decisions > 0
 
 
-@pytest.mark.parametrize("path", LOGS, ids=os.path.basename)
+@pytest.mark.parametrize("path", LOGS[:3], ids=os.path.basename)
 def test_committed_log_diffs_clean_against_its_copy_in_todays_format(path, tmp_path):
     """Records written before fields were added at the end of a struct are the same decisions
-    as those written with today's structs (which carry the fields' defaults)."""
+    as those written with today's structs (which carry the fields' defaults). (The schema 3
+    log was written with today's structs.)"""
     copy = rewrite(path, tmp_path, lambda seq, event: event)
     old_bytes = [bytes(raw) for _, raw in RunScanner(path)]
     new_bytes = [bytes(raw) for _, raw in RunScanner(copy)]
