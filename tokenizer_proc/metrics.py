@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
-from shared.events import AdapterInfo, RequestArrived, TokensEmitted
+from shared.events import AdapterInfo, AdapterLoadObserved, RequestArrived, TokensEmitted
+from tokenizer_proc.adapter_metrics import AdapterRowsCollector, LoadMetrics
 
 __all__ = ["BASE_LABEL", "CONTENT_TYPE_LATEST", "Metrics"]
 
@@ -18,7 +19,8 @@ BASE_LABEL = "base"  # the `namespace` label of base-model requests
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, engine=None, max_loras: int = 0) -> None:
+        """`engine`: the EngineClientBase whose adapter rows and stats the per-adapter series read."""
         self.registry = CollectorRegistry()
         gauge = lambda name, doc: Gauge(name, doc, registry=self.registry)  # noqa: E731
         self.running = gauge("ledgerserve_num_requests_running", "requests the scheduler is running")
@@ -38,6 +40,9 @@ class Metrics:
         self._by_namespace = (self.prompt_tokens, self.prefix_hit_tokens)
         self._registered: set[str] = set()  # adapter names, as the core last reported them
         self._labelled: set[str] = set()  # adapter names that have series
+        self.adapter_loads = LoadMetrics(self.registry)
+        if engine is not None:
+            self.registry.register(AdapterRowsCollector(engine, max_loras))
 
     def on_adapters(self, adapters: list[AdapterInfo]) -> None:
         """The core's registry after an adapter op: drop the series of adapters not in it."""
@@ -46,6 +51,10 @@ class Metrics:
             for counter in self._by_namespace:
                 counter.remove(name)
         self._labelled &= self._registered
+        self.adapter_loads.prune(self._registered)
+
+    def on_load(self, load: AdapterLoadObserved) -> None:
+        self.adapter_loads.on_load(load, self._registered)
 
     def on_finished(self, arrived: RequestArrived, last: TokensEmitted) -> None:
         """Count a finished request under its namespace: `base`, or the adapter's name while
