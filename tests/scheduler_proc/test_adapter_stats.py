@@ -3,15 +3,20 @@ hand-built event sequences (a load counts once over the ranks with the slowest d
 hits and misses, waits in steps and ms, unload and re-registration), and on random
 workloads against the core's own state (running and waiting requests, where each adapter is)."""
 
+import json
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared import events as ev
+from shared.config import EngineConfig
+from shared.eventlog import EventLogWriter
 from shared.sampling import SamplingParams
 
 from scheduler_proc.core.adapter_stats import AdapterStats, LoadRecord
 from scheduler_proc.core.slots import SlotState
+from scheduler_proc.replay import main as replay_main
 from tests.scheduler_proc.driver import Driver
 from tests.scheduler_proc.fake_adapters import LoadPolicy
 from tests.scheduler_proc.workload import run_adapter_workload
@@ -161,3 +166,27 @@ def test_the_fold_agrees_with_the_core_on_random_workloads(seed, max_loras, tp, 
     assert num_first_plans <= sum(1 for x in d.inputs if isinstance(x, ev.RequestArrived))
     if overlap:  # every slot load that every rank finished counts once, while its name stays registered
         assert sum(f.num_loads_total for f in d.stats.figures.values()) <= len(d.of_type(ev.AdapterSlotAssigned))
+
+
+def test_replay_shows_the_figures_the_running_fold_had(tmp_path, capsys):
+    engine = EngineConfig(model_dir="m", served_model_name="m", max_model_len=32, max_num_seqs=4,
+                          max_num_batched_tokens=16, block_size=4, tensor_parallel_size=2, enable_lora=True, max_loras=2,
+                          max_cpu_loras=3, lora_max_wait_steps=4)
+    writer = EventLogWriter(str(tmp_path), engine.to_json(), run_id="figures")
+    d = RecordingDriver(num_kv_blocks=12, max_num_seqs=4, max_num_batched_tokens=16, block_size=4, max_model_len=32,
+                        enable_lora=True, max_loras=2, max_cpu_loras=3, lora_max_wait_steps=4, tensor_parallel_size=2,
+                        lora_overlap_loading=True, load_policy=LoadPolicy(7, 0.5, 0.0), digests=True, log=writer)
+    run_adapter_workload(d, 7, num_events=150)
+    writer.close()
+    assert replay_main([writer.path, "--show", "adapters,requests", "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)["figures"]
+    live = d.stats
+    assert figures["adapter_figures"]["adapters"] == [live.figures[n].to_json(live.tier(live.figures[n].version_id))
+                                                      for n in sorted(live.figures)]
+    assert figures["adapter_figures"]["engine"]["num_lora_wait_steps"] == d.core.num_lora_wait_steps
+    num_planned = len({r.req_id for p in d.plans for r in p.new_reqs if d.worker.req_versions.get(r.req_id)})
+    assert sum(w["hit"] is not None for w in figures["adapter_waits"]) == num_planned
+    assert sum(sum(row["loads"].values()) for row in figures["adapter_figures"]["adapters"]) > 0
+    assert replay_main([writer.path, "--show", "adapters,requests"]) == 0
+    text = capsys.readouterr().out
+    assert "== adapter figures ==" in text and "== adapter waits ==" in text and "slot hits" in text
