@@ -13,12 +13,15 @@ folded it from its event log (scheduler_proc.core.adapter_stats), so /metrics an
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from shared.events import AdapterLoadObserved, AdapterRow, EngineStats
+
+if TYPE_CHECKING:
+    from tokenizer_proc.engine_client import EngineClientBase
 
 TIERS = ("gpu", "cpu", "disk")
 LOAD_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -52,7 +55,7 @@ class LoadMetrics:
 class AdapterRowsCollector:
     """A prometheus collector over the engine's adapter rows and stats, read at each scrape."""
 
-    def __init__(self, engine: Any, max_loras: int) -> None:
+    def __init__(self, engine: EngineClientBase, max_loras: int) -> None:
         self.engine = engine
         self.max_loras = max_loras
         self._info_labels: tuple[str, str] | None = None

@@ -8,10 +8,15 @@ longer registered never gets a series again; the label set stays bounded by the 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from shared.events import AdapterInfo, AdapterLoadObserved, RequestArrived, TokensEmitted
 from tokenizer_proc.adapter_metrics import AdapterRowsCollector, LoadMetrics
+
+if TYPE_CHECKING:
+    from tokenizer_proc.engine_client import EngineClientBase
 
 __all__ = ["BASE_LABEL", "CONTENT_TYPE_LATEST", "Metrics"]
 
@@ -19,8 +24,8 @@ BASE_LABEL = "base"  # the `namespace` label of base-model requests
 
 
 class Metrics:
-    def __init__(self, engine=None, max_loras: int = 0) -> None:
-        """`engine`: the EngineClientBase whose adapter rows and stats the per-adapter series read."""
+    def __init__(self, engine: EngineClientBase | None = None, max_loras: int = 0) -> None:
+        """`engine`: whose adapter rows and stats the adapter series read at each scrape."""
         self.registry = CollectorRegistry()
         gauge = lambda name, doc: Gauge(name, doc, registry=self.registry)  # noqa: E731
         self.running = gauge("ledgerserve_num_requests_running", "requests the scheduler is running")

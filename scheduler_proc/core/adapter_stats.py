@@ -8,8 +8,8 @@ wall-clock figures come only from times the log holds.
   once, with the slowest rank's duration and "disk" as its source if any rank read the
   files. A *staging* is an AdapterPrefetched reported done by every rank.
 - A version is on the GPU while its slot is ready (every rank loaded it; at once without
-  overlapped loading, as the core sees it), in the CPU tier once every rank staged it (until
-  AdapterCpuEvicted), else on disk.
+  overlapped loading, as the core sees it, so such waits have no ms), in the CPU tier once
+  every rank staged it (until AdapterCpuEvicted), else on disk.
 - An adapter request is a *hit* when its version was ready at its arrival and stayed so
   until its first plan; else a *miss*, whose wait runs from its arrival to the moment its
   version last became ready before that plan: in planned steps, and in ms where the log has
@@ -142,8 +142,6 @@ class AdapterStats:
     def _load_done(self, version: VersionState, slot: int, pending: PendingLoad) -> list[LoadRecord]:
         if slot >= 0 and self.overlap_loading and version.slot == slot:
             self._became_ready(version, pending.end_time_s)
-        elif slot >= 0 and version.slot == slot and version.num_readies and not version.ready_time_s:
-            version.ready_time_s = pending.end_time_s  # without overlap: ready at assignment, timed when it ends
         fig = self._figures_of(version)
         if fig is None:
             self._forget_if_idle(version)
@@ -194,8 +192,8 @@ class AdapterStats:
         if fig is None or version is None:
             return  # the base model, or an unknown adapter (rejected)
         self._reqs[event.req_id] = ReqState(event.req_id, fig.name, version.version_id, fig.registration, self.step,
-                                        event.arrival_time_s, len(event.prompt_token_ids), version.is_ready,
-                                        version.num_readies)
+                                            event.arrival_time_s, len(event.prompt_token_ids), version.is_ready,
+                                            version.num_readies)
         version.num_reqs += 1
         fig.num_waiting += 1
         self._mark(fig.name)
