@@ -10,6 +10,7 @@ import time
 import msgspec
 import zmq
 
+from scheduler_proc.core.adapter_stats import AdapterStats
 from scheduler_proc.core.core import Core, CoreConfig
 from shared import codec, events, ipc
 from shared.config import EngineConfig
@@ -45,6 +46,7 @@ class SchedulerShell:
         self.tokenizer_decoder = codec.to_scheduler_decoder()
         self.worker_decoder = codec.from_worker_decoder()
         self.core = Core(CoreConfig.from_engine(config))
+        self.adapter_stats = AdapterStats(config.tensor_parallel_size, self.core.config.lora_overlap_loading)
         os.makedirs(config.event_log_dir, exist_ok=True)
         run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
         self.log = EventLogWriter(
@@ -108,6 +110,7 @@ class SchedulerShell:
             return
         for decision, frame in decisions:
             self._route(decision, frame)
+        self._fold_adapter_stats(event, [decision for decision, _ in decisions])
         if isinstance(event, events.WorkerReady) and self.core.scheduler.is_ready:
             self._on_engine_ready(event)  # the last rank's WorkerReady made the core ready
         self._send_stats()
@@ -121,6 +124,14 @@ class SchedulerShell:
             self.log.append(decision, frame)
         self.log.commit(step_planned=any(isinstance(d, events.StepPlan) for d, _ in decisions))
         return decisions
+
+    def _fold_adapter_stats(self, event: events.Event, decisions: list[events.Event]) -> None:
+        """Per-adapter figures from what was just logged, in log order; each slot load that
+        ended on every rank goes to /metrics (derived, so not logged)."""
+        for record in [event, *decisions]:
+            for load in self.adapter_stats.fold(record):
+                observed = events.AdapterLoadObserved(load.name, load.version_id, load.source_tier, load.duration_ms)
+                self._send(self.to_tokenizer, codec.encode(observed))
 
     def _stop_unlogged(self, exc: LogWriteError) -> None:
         """Never serve what is not logged: fail every request and stop the engine. The
@@ -151,14 +162,18 @@ class SchedulerShell:
                         self.config.event_log_dir, num_bytes, reserve_bytes, max_total_bytes)
 
     def _send_stats(self) -> None:
-        """Gauges for /metrics, sent when they change (not logged: derived from logged state)."""
+        """Gauges for /metrics, sent when they change (not logged: derived from logged state).
+        Per-adapter rows go only when they changed: the cost of a step stays with the
+        adapters its events touched, however many are registered."""
         sched = self.core.scheduler
         core = self.core
         stats = events.EngineStats(core.step, len(sched.running), len(sched.waiting),
                                    core.num_free_blocks, core.num_total_blocks,
                                    core.num_pinned_slots, core.num_deferred_evictions,
                                    core.num_cached_blocks, core.num_loading_slots,
-                                   core.num_cpu_tier_versions, core.cpu_tier_bytes, core.num_lora_wait_steps)
+                                   core.num_cpu_tier_versions, core.cpu_tier_bytes, core.num_lora_wait_steps,
+                                   self.adapter_stats.take_changed_rows(), core.num_used_slots,
+                                   self.adapter_stats.lora_wait_ms)
         if stats != self.last_stats:
             self._send(self.to_tokenizer, codec.encode(stats))
             self.last_stats = stats

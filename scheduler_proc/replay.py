@@ -23,6 +23,7 @@ import msgspec
 
 from shared.eventlog import LogCorruption
 from shared.events import LogClosed
+from scheduler_proc.replay_adapters import FIGURE_SECTIONS, figure_sections, render_figures
 from scheduler_proc.replay_diff import LogDiff, diff_logs
 from scheduler_proc.replay_state import SECTIONS, parse_sections, render, sections
 from scheduler_proc.replay_verify import Divergence, HistoryTrimmed, ReplayResult, replay
@@ -70,14 +71,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def _replay(args: argparse.Namespace, names: list[str]) -> int:
     verify = args.verify or not names
-    result = replay(args.log, verify=verify, until_seq=args.until, until_step=args.at_step)
+    with_figures = any(name in FIGURE_SECTIONS for name in names)
+    result = replay(args.log, verify=verify, until_seq=args.until, until_step=args.at_step,
+                    with_adapter_stats=with_figures)
     state = sections(result.core.snapshot(), names)
+    figures = figure_sections(result.adapter_stats, names, result.core.num_lora_wait_steps) if with_figures else {}
     code = DIFFERENT if result.divergence is not None else OK
     if args.json:
-        print(json.dumps(_result_json(result, verify, state, code)))
+        print(json.dumps({**_result_json(result, verify, state, code), "figures": figures}))
         return code
     if names:
-        print("\n".join(render(state)))
+        print("\n".join(render(state) + render_figures(figures)))
     if result.divergence is not None:
         print(result.divergence.describe())
     elif verify:

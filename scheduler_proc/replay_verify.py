@@ -21,6 +21,7 @@ from shared.config import EngineConfig
 from shared.eventlog import RunScanner
 
 from scheduler_proc.core import Core, CoreConfig
+from scheduler_proc.core.adapter_stats import AdapterStats
 from scheduler_proc.replay_format import differing_fields, side_by_side
 
 INPUT, DECISION, SHELL_ONLY = 0, 1, 2
@@ -134,21 +135,27 @@ class ReplayResult:
     truncated_tail: bool = False  # the log ends before the last input's decisions
     torn_tail: tuple[str, int] | None = None  # a dropped torn record: (segment, offset)
     closed: ev.LogClosed | None = None  # the log's closing record, if the replay reached one
+    adapter_stats: AdapterStats | None = None  # the logged records taken in, folded (with_adapter_stats)
 
     @property
     def ok(self) -> bool:
         return self.divergence is None
 
 
-def replay(path: str, verify: bool = True, until_seq: int | None = None, until_step: int | None = None) -> ReplayResult:
+def replay(path: str, verify: bool = True, until_seq: int | None = None, until_step: int | None = None,
+           with_adapter_stats: bool = False) -> ReplayResult:
     """Raises LogCorruption for a damaged log (FileNotFoundError for a missing one) and
     HistoryTrimmed for a run whose start is gone; returns at the first divergence, after
     record `until_seq`, or before the first input once the core has planned step
-    `until_step`. Read-only: a torn tail is skipped, not cut off."""
+    `until_step`. Read-only: a torn tail is skipped, not cut off. `with_adapter_stats`: fold
+    the logged records taken in into per-adapter figures, as the scheduler did for /metrics."""
     scanner = RunScanner(path, repair=False)
     require_whole_run(scanner)
-    core = Core(core_config(scanner))
+    config = core_config(scanner)
+    core = Core(config)
     result = ReplayResult(scanner.path, core, scanner.segments)
+    if with_adapter_stats:
+        result.adapter_stats = AdapterStats(config.tensor_parallel_size, config.lora_overlap_loading, keep_waits=True)
     _run(scanner, result, verify, until_seq, until_step)
     result.torn_tail = scanner.torn_tail
     return result
@@ -175,10 +182,12 @@ def _run(scanner: RunScanner, result: ReplayResult, verify: bool, until_seq: int
                 break
             if until_step is not None and core.step >= until_step:
                 break
-            made = core.apply(decode_input(data))
+            event = decode_input(data)
+            made = core.apply(event)
             pending = [encode(d) for d in made] if verify else []
             index, input_seq = 0, seq
             num_inputs += 1
+            _fold(result.adapter_stats, event)
         elif kind == SHELL_ONLY and tag_of(data) == b"LogClosed":
             result.closed = decode_event(data)
         elif kind == DECISION and verify:
@@ -188,9 +197,18 @@ def _run(scanner: RunScanner, result: ReplayResult, verify: bool, until_seq: int
                 break
             index += 1
             num_decisions += 1
+            _fold(result.adapter_stats, made[index - 1])
+        elif kind == DECISION and result.adapter_stats is not None:
+            _fold(result.adapter_stats, decode_event(data))
         last = seq
     else:
         reached_end = True
     result.num_inputs, result.num_decisions, result.last_seq = num_inputs, num_decisions, last
     result.num_records = last
     result.truncated_tail = reached_end and verify and index < len(pending)
+
+
+def _fold(stats: AdapterStats | None, event: Any) -> None:
+    """A verified decision is folded as recomputed: the same value as the logged one."""
+    if stats is not None:
+        stats.fold(event)

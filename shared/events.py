@@ -136,6 +136,35 @@ class EngineStats(Event):
     num_cpu_tier_versions: int = 0  # adapter versions in the workers' CPU tier
     cpu_tier_bytes: int = 0  # their bytes (as registered)
     num_lora_wait_steps: int = 0  # cumulative: steps that left a request waiting only on its adapter's load
+    adapter_rows: list[AdapterRow] = []  # the registered adapters whose row changed since the last EngineStats
+    num_used_slots: int = 0  # adapter slots holding a version (loading, loaded or pinned)
+    lora_wait_ms: float = 0.0  # cumulative: adapter requests' waits for their adapter's load, where timed
+
+
+class AdapterRow(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+    """One registered adapter as the event log tells it (scheduler_proc.core.adapter_stats):
+    where its current version is, its requests now, and its token counts since it was registered."""
+
+    name: str
+    version_id: int
+    tier: str  # "gpu" (in a slot loaded on every rank), "cpu" (staged on every rank) or "disk"
+    pinned: bool = False
+    num_running: int = 0
+    num_waiting: int = 0
+    num_prompt_tokens: int = 0  # of its finished requests
+    num_generated_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+class AdapterLoadObserved(Event):
+    """A slot load of a registered adapter ended on every rank (derived from the logged
+    AdapterLoadCompleted inputs, so not logged itself): the slowest rank's duration, and
+    "disk" if any rank read the files."""
+
+    name: str
+    version_id: int
+    source_tier: str
+    duration_ms: float
 
 
 class EngineFailed(Event):
@@ -241,6 +270,7 @@ class AdapterLoadCompleted(Event):
     source_tier: str = ""  # where the bytes came from: "disk" or "cpu"
     duration_ms: float = 0.0  # from the command's arrival on the worker to the load's end
     num_bytes: int = 0  # bytes moved
+    end_time_s: float = 0.0  # wall clock at the load's end, as the worker saw it (0: not known)
 
 
 class AdapterLoadFailed(Event):
@@ -390,7 +420,8 @@ class LogClosed(Event):
 # ---------------------------------------------------------------- channel unions
 
 ToScheduler = Union[RequestArrived, RequestAborted, AdapterLoadRequested, AdapterUnloadRequested]
-FromScheduler = Union[TokensEmitted, RequestRejected, EngineFailed, EngineReady, EngineStats, AdapterOpReplied]
+FromScheduler = Union[TokensEmitted, RequestRejected, EngineFailed, EngineReady, EngineStats, AdapterOpReplied,
+                      AdapterLoadObserved]
 ToWorker = Union[StepPlan, Shutdown, AdapterSlotAssigned, AdapterEvicted, AdapterCpuEvicted, AdapterPrefetched]
 FromWorker = Union[WorkerReady, StepCompleted, RankDigest, WorkerFailed, AdapterLoadCompleted, AdapterLoadFailed]
 # What the core takes in, and what it decides; the log holds both, and LogClosed.

@@ -17,7 +17,7 @@ from typing import Any
 
 from shared.adapter_format import AdapterError, AdapterManifest, BaseShapes, read_manifest
 from shared.config import EngineConfig
-from shared.events import AdapterInfo
+from shared.events import AdapterInfo, AdapterRow
 from tokenizer_proc.errors import ApiError
 
 
@@ -115,9 +115,20 @@ def resolve_lora(model: str, lora_path: str | None, config: EngineConfig, regist
     return info.name
 
 
-def model_cards(config: EngineConfig, registry: AdapterRegistry, created: int) -> list[dict[str, Any]]:
+def model_cards(config: EngineConfig, registry: AdapterRegistry, created: int,
+                rows: dict[str, AdapterRow] | None = None) -> list[dict[str, Any]]:
+    """The base model's card, then each adapter's with `location` (gpu, cpu or disk) from its
+    latest row; an adapter the scheduler has sent no row for yet is on disk."""
     base = _card(config.served_model_name, config.model_dir, None, config, created)
-    return [base] + [_card(a.name, a.path, config.served_model_name, config, created) for a in registry.all()]
+    rows = rows or {}
+    return [base] + [
+        {**_card(a.name, a.path, config.served_model_name, config, created), "location": _location(rows.get(a.name))}
+        for a in registry.all()
+    ]
+
+
+def _location(row: AdapterRow | None) -> str:
+    return row.tier if row is not None else "disk"
 
 
 def _card(name: str, root: str, parent: str | None, config: EngineConfig, created: int) -> dict[str, Any]:

@@ -38,8 +38,10 @@ def build_app(
     api_key = api_key_from_env(config.api_key_required)
     template = chat_template if chat_template is not None else ChatTemplate.from_model_dir(config.model_dir)
     registry = adapters.AdapterRegistry()
-    served = Served(engine, tokenizer, config, template, len(tokenizer), int(time.time()), Metrics(), registry)
+    served = Served(engine, tokenizer, config, template, len(tokenizer), int(time.time()),
+                    Metrics(engine, config.max_loras), registry)
     engine.finished_listeners.append(served.metrics.on_finished)
+    engine.load_listeners.append(served.metrics.on_load)
 
     def on_adapters(infos: list[AdapterInfo]) -> None:  # the core's registry, after every adapter op
         registry.refresh(infos)
@@ -90,4 +92,5 @@ def _add_info_routes(app: FastAPI, served: Served) -> None:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": adapters.model_cards(served.config, served.adapters, served.created)}
+        cards = adapters.model_cards(served.config, served.adapters, served.created, served.engine.adapter_rows)
+        return {"object": "list", "data": cards}

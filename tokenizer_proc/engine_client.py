@@ -20,8 +20,10 @@ import zmq.asyncio
 from shared import codec, ipc
 from shared.events import (
     AdapterInfo,
+    AdapterLoadObserved,
     AdapterLoadRequested,
     AdapterOpReplied,
+    AdapterRow,
     AdapterUnloadRequested,
     EngineFailed,
     EngineReady,
@@ -74,6 +76,8 @@ class EngineClientBase(abc.ABC):
         self.is_ready = False  # True once every worker rank is up (EngineReady)
         self.is_draining = False  # True after SIGTERM: in-flight requests finish, new ones get 503
         self.stats: EngineStats | None = None  # the scheduler's latest gauges
+        self.adapter_rows: dict[str, AdapterRow] = {}  # registered adapter -> its latest row (EngineStats)
+        self.load_listeners: list[Callable[[AdapterLoadObserved], None]] = []
         self.finished_listeners: list[Callable[[RequestArrived, TokensEmitted], None]] = []
         self.failure_message: str | None = None
         self.num_bad_frames = 0
@@ -188,6 +192,11 @@ class EngineClientBase(abc.ABC):
             return
         if isinstance(event, EngineStats):
             self.stats = event
+            self.adapter_rows.update((row.name, row) for row in event.adapter_rows)
+            return
+        if isinstance(event, AdapterLoadObserved):
+            for listener in self.load_listeners:
+                listener(event)
             return
         if isinstance(event, AdapterOpReplied):
             self._on_op_replied(event)
@@ -205,6 +214,8 @@ class EngineClientBase(abc.ABC):
 
     def _on_op_replied(self, reply: AdapterOpReplied) -> None:
         # Refresh the mirror first, so whoever awaits the op sees the new registry.
+        registered = {adapter.name for adapter in reply.adapters}
+        self.adapter_rows = {name: row for name, row in self.adapter_rows.items() if name in registered}
         if self.on_adapters is not None:
             self.on_adapters(list(reply.adapters))
         future = self._ops.get(reply.op_id)

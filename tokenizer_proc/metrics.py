@@ -8,9 +8,15 @@ longer registered never gets a series again; the label set stays bounded by the 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
-from shared.events import AdapterInfo, RequestArrived, TokensEmitted
+from shared.events import AdapterInfo, AdapterLoadObserved, RequestArrived, TokensEmitted
+from tokenizer_proc.adapter_metrics import AdapterRowsCollector, LoadMetrics
+
+if TYPE_CHECKING:
+    from tokenizer_proc.engine_client import EngineClientBase
 
 __all__ = ["BASE_LABEL", "CONTENT_TYPE_LATEST", "Metrics"]
 
@@ -18,7 +24,8 @@ BASE_LABEL = "base"  # the `namespace` label of base-model requests
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, engine: EngineClientBase | None = None, max_loras: int = 0) -> None:
+        """`engine`: whose adapter rows and stats the adapter series read at each scrape."""
         self.registry = CollectorRegistry()
         gauge = lambda name, doc: Gauge(name, doc, registry=self.registry)  # noqa: E731
         self.running = gauge("ledgerserve_num_requests_running", "requests the scheduler is running")
@@ -38,6 +45,9 @@ class Metrics:
         self._by_namespace = (self.prompt_tokens, self.prefix_hit_tokens)
         self._registered: set[str] = set()  # adapter names, as the core last reported them
         self._labelled: set[str] = set()  # adapter names that have series
+        self.adapter_loads = LoadMetrics(self.registry)
+        if engine is not None:
+            self.registry.register(AdapterRowsCollector(engine, max_loras))
 
     def on_adapters(self, adapters: list[AdapterInfo]) -> None:
         """The core's registry after an adapter op: drop the series of adapters not in it."""
@@ -46,6 +56,10 @@ class Metrics:
             for counter in self._by_namespace:
                 counter.remove(name)
         self._labelled &= self._registered
+        self.adapter_loads.prune(self._registered)
+
+    def on_load(self, load: AdapterLoadObserved) -> None:
+        self.adapter_loads.on_load(load, self._registered)
 
     def on_finished(self, arrived: RequestArrived, last: TokensEmitted) -> None:
         """Count a finished request under its namespace: `base`, or the adapter's name while

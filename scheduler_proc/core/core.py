@@ -75,6 +75,11 @@ class Core:
         return self.adapters.num_loading_slots
 
     @property
+    def num_used_slots(self) -> int:
+        """Adapter slots holding a version: loading, loaded or pinned."""
+        return self.adapters.slots.num_used
+
+    @property
     def num_cpu_tier_versions(self) -> int:
         return self.adapters.num_cpu_tier_versions
 

@@ -105,6 +105,10 @@ class SlotTable:
         return sum(1 for slot in self.slots if slot.state == SlotState.PINNED)
 
     @property
+    def num_used(self) -> int:
+        return sum(1 for slot in self.slots if slot.state != SlotState.FREE)
+
+    @property
     def num_loading(self) -> int:
         return sum(1 for slot in self.slots if slot.state == SlotState.LOADING)
 

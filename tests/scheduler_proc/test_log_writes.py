@@ -15,6 +15,7 @@ from shared import events as ev
 from shared.eventlog import EventLogReader, EventLogWriter, LogWriteError
 from shared.sampling import SamplingParams
 
+from scheduler_proc.core.adapter_stats import AdapterStats
 from scheduler_proc.core import Core, CoreConfig
 from scheduler_proc.loop import SchedulerShell
 from scheduler_proc.replay import main
@@ -74,6 +75,7 @@ def make_shell(tmp_path, fsync="step", opener=open):
     shell = SchedulerShell.__new__(SchedulerShell)  # no sockets: the IO is faked below
     shell.config = dataclasses.replace(ENGINE, run_dir=str(tmp_path))
     shell.core = Core(CoreConfig.from_engine(ENGINE))
+    shell.adapter_stats = AdapterStats(ENGINE.tensor_parallel_size, shell.core.config.lora_overlap_loading)
     shell.log = EventLogWriter(str(tmp_path), ENGINE.to_json(), "shell", fsync=fsync, opener=opener)
     shell.from_tokenizer, shell.from_workers = FakeSocket(), FakeSocket()
     shell.to_tokenizer = FakeSocket(codec.from_scheduler_decoder())

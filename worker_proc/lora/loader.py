@@ -11,7 +11,7 @@ command order: the same machinery, synchronous.
 
 A load from disk reports source_tier "disk" and the bytes read; one from the CPU tier "cpu"
 and the bytes copied to the device; duration_ms runs from the command's arrival on this
-worker to the observed end of the load.
+worker to the observed end of the load, and end_time_s is the wall clock there.
 """
 
 from __future__ import annotations
@@ -89,7 +89,8 @@ class AdapterLoader:
         """Stage `version_id` into the CPU tier; reported (by poll) as a load into slot -1."""
         entry = self.cpu.entries.get(version_id)
         if entry is not None and entry.image is not None:
-            self.replies.append(AdapterLoadCompleted(self.rank, -1, version_id, "cpu", _ms_since(arrival_s), 0))
+            self.replies.append(AdapterLoadCompleted(self.rank, -1, version_id, "cpu", _ms_since(arrival_s), 0,
+                                                     time.time()))
             return
         if entry is None:
             entry = CpuEntry(version_id, None, path)
@@ -122,7 +123,7 @@ class AdapterLoader:
                 replies.append(AdapterLoadFailed(self.rank, slot, load.version_id, self._message(load.path, load.error)))
             elif load.done is not None and load.done.query():
                 replies.append(AdapterLoadCompleted(self.rank, slot, load.version_id, load.source_tier,
-                                                    _ms_since(load.arrival_s), load.num_bytes))
+                                                    _ms_since(load.arrival_s), load.num_bytes, time.time()))
             else:
                 continue
             del self.loads[slot]
@@ -189,7 +190,8 @@ class AdapterLoader:
             self.replies.append(AdapterLoadFailed(self.rank, -1, entry.version_id, self._message(entry.path, error)))
         else:
             self.replies.append(AdapterLoadCompleted(self.rank, -1, entry.version_id, "disk",
-                                                     _ms_since(entry.report_arrival_s), image.num_file_bytes))
+                                                     _ms_since(entry.report_arrival_s), image.num_file_bytes,
+                                                     time.time()))
 
     def _read(self, version_id: int, path: str, content_digest: int) -> LoadResult:
         return LoadResult(read_image(self.spec, self.pool, version_id, path, content_digest), None)
