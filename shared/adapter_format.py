@@ -4,8 +4,9 @@
 header (`shared.safetensors_header`), checks the adapter against the base model's shapes, and
 returns an `AdapterManifest`: for each targeted module its real rank, scaling and tensor
 keys. The HTTP process validates with it before registering an adapter (and then also reads
-the whole weights file once, refusing NaN or infinite weights and taking the content digest
-of both files, `shared.adapter_digest`); the worker re-reads with it before loading tensors
+the whole weights file once, refusing weights that are NaN or infinite, in the file or once
+cast to the model's dtype, and taking the content digest of both files,
+`shared.adapter_digest`); the worker re-reads with it before loading tensors
 by the manifest's keys. Every read is bounded: file sizes, JSON depth and member
 counts, pattern matching steps. Every refusal is an `AdapterError`; nothing is unpickled
 (`.bin` weights are refused).
@@ -36,11 +37,12 @@ logger = logging.getLogger(__name__)
 
 
 def read_manifest(path: str, base: BaseShapes, max_lora_rank: int, allowed_dirs: Sequence[str] = (),
-                  check_weights: bool = False) -> AdapterManifest:
+                  check_weights: bool = False, model_dtype: str = "float32") -> AdapterManifest:
     """The manifest of the adapter at `path`, or AdapterError (404: no directory there; 400:
     anything else). When the directory lies inside one of `allowed_dirs`, every file read must
     resolve inside one of them too. `check_weights` also reads the whole weights file, refusing
-    NaN or infinite values, and sets the manifest's `content_digest` from the same pass."""
+    NaN or infinite values and values that become infinite in `model_dtype` (the workers cast
+    the weights to it), and sets the manifest's `content_digest` from the same pass."""
     if "\x00" in path:
         raise AdapterError("The adapter path holds a NUL byte.")
     try:
@@ -48,7 +50,7 @@ def read_manifest(path: str, base: BaseShapes, max_lora_rank: int, allowed_dirs:
         if not os.path.isdir(real):
             raise AdapterError(f"No adapter directory at `{path}`.", code=404)
         roots = tuple(allowed_dirs) if is_inside(real, allowed_dirs) else ()
-        return _read(real, base, max_lora_rank, roots, check_weights)
+        return _read(real, base, max_lora_rank, roots, check_weights, model_dtype)
     except AdapterError:
         raise
     except OSError as e:  # e.g. permission denied or an I/O error: say what, never where
@@ -59,7 +61,7 @@ def read_manifest(path: str, base: BaseShapes, max_lora_rank: int, allowed_dirs:
 
 
 def _read(real: str, base: BaseShapes, max_lora_rank: int, roots: tuple[str, ...],
-          check_weights: bool) -> AdapterManifest:
+          check_weights: bool, model_dtype: str) -> AdapterManifest:
     budget = MatchBudget(MAX_MATCH_STEPS)
     digest = ContentDigest()
     spec = read_config(real, roots, max_lora_rank, budget, digest.update)
@@ -70,7 +72,7 @@ def _read(real: str, base: BaseShapes, max_lora_rank: int, roots: tuple[str, ...
         modules = _resolve_modules(spec, base)
         _check_tensors(modules, header.tensors, base)
         if check_weights:
-            _scan_weights(fd, header, modules, digest)
+            _scan_weights(fd, header, modules, digest, model_dtype)
     finally:
         os.close(fd)
     content_digest = digest.value if check_weights else 0
@@ -165,8 +167,11 @@ def _is_saved_embedding(key: str, entry: TensorEntry, base: BaseShapes) -> bool:
     return shape == (base.vocab_size, base.hidden_size)
 
 
-def _scan_weights(fd: int, header: Header, modules: list[LoraModule], digest: ContentDigest) -> None:
-    """One pass over the weights file: all of it into `digest`, the modules' tensors checked finite."""
-    non_finite = scan(fd, header, digest.update, {key for m in modules for key in (m.a_key, m.b_key)})
-    if non_finite:
-        raise AdapterError(f"Tensor {non_finite[0]} holds NaN or infinite values.")
+def _scan_weights(fd: int, header: Header, modules: list[LoraModule], digest: ContentDigest,
+                  model_dtype: str) -> None:
+    """One pass over the weights file: all of it into `digest`, the modules' tensors checked
+    finite in `model_dtype`."""
+    problems = scan(fd, header, digest.update, {key for m in modules for key in (m.a_key, m.b_key)}, model_dtype)
+    if problems:
+        key, problem = next(iter(problems.items()))  # the first in file order
+        raise AdapterError(f"Tensor {key} holds {problem}.")
