@@ -3,9 +3,10 @@
 Measures the pinned host -> device bandwidth (one large copy), the page-cache read bandwidth
 (a large file read twice, the second timed), then for random Llama-3-8B-shaped adapters of
 each `--ranks` (seven projections, bf16, written to a temp dir; `--model-dir` takes the shapes
-from its config.json) the time of disk -> CPU slot image (page cache warm) and CPU image ->
-GPU slot (timed with events on the copy stream: the host -> device copies alone, and with the
-scatter), and prints them as JSON with their ratios to the measured bandwidths.
+from its config.json) the time of disk -> CPU file image (page cache warm, the content digest
+checked as for a registered version) and CPU image -> GPU slot (timed with events on the copy
+stream: the host -> device copies alone, and with the casting copies into the slot), and
+prints them as JSON with their ratios to the measured bandwidths.
 
     python -m scripts.bench_adapter_load --ranks 8,16,64 --out adapter_load.json
     python -m scripts.bench_adapter_load --device cpu --small     # shapes for a quick CPU run
@@ -22,11 +23,12 @@ import time
 import torch
 
 from scripts.bench_fixtures import LLAMA3_8B, write_adapter
-from shared.adapter_format import BaseShapes
+from shared.adapter_digest import content_digest
+from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, BaseShapes
+from worker_proc.lora.file_image import ImageBytes, SlotLayout
 from worker_proc.lora.pinned_pool import PinnedPool, page_bytes_for
 from worker_proc.lora.reader import ReadSpec, read_image
-from worker_proc.lora.slot_copy import SlotCopier, flat_tables
-from worker_proc.lora.slot_image import SlotLayout
+from worker_proc.lora.slot_copy import SlotCopier, flat_tables, staging_bytes
 from worker_proc.lora.weights import LoraWeights
 
 SMALL = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -41,8 +43,8 @@ def main(argv: list[str] | None = None) -> dict:
     weights = _slot_buffers(base, max_rank, device)
     ranks, scalings = flat_tables(weights)
     layout = SlotLayout(weights)
-    max_image = layout.max_image_bytes(max_rank, torch.bfloat16)
-    copier = SlotCopier(weights, layout, ranks, scalings, max_image, device)
+    max_image = layout.max_image_bytes(max_rank)
+    copier = SlotCopier(weights, layout, ranks, scalings, staging_bytes(layout, max_rank), device)
     pool = PinnedPool(2 * max_image + (64 << 20), page_bytes_for(max_image), pin=device.type == "cuda")
     spec = ReadSpec(base, max_rank, (), layout, torch.bfloat16)
     report = {"device": str(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"),
@@ -91,11 +93,13 @@ def _slot_buffers(base: BaseShapes, max_rank: int, device: torch.device) -> dict
 def _adapter(report: dict, spec: ReadSpec, pool: PinnedPool, copier: SlotCopier, path: str, rank: int,
              repeats: int) -> dict:
     read_s, image = float("inf"), None
+    with open(os.path.join(path, CONFIG_FILE), "rb") as c, open(os.path.join(path, WEIGHTS_FILE), "rb") as w:
+        digest = content_digest(c.read(), w.read())  # as registered: the read is checked against it
     for _ in range(repeats + 1):  # the first read fills the page cache
         if image is not None:
             pool.free(list(image.extents))
         start = time.perf_counter()
-        image = read_image(spec, pool, 0, path, 0)
+        image = read_image(spec, pool, 0, path, digest)
         read_s = min(read_s, time.perf_counter() - start)
     h2d_s, slot_s = _slot_times(copier, pool, image, repeats)
     pool.free(list(image.extents))
@@ -120,12 +124,11 @@ def _slot_times(copier: SlotCopier, pool: PinnedPool, image, repeats: int) -> tu
 
 
 def _h2d_only(copier: SlotCopier, pool: PinnedPool, image) -> None:
-    start = 0
-    for extent in image.extents:
-        view = pool.view(extent)
-        n = min(view.numel(), image.layout.num_bytes - start)
-        copier.staging[start : start + n].copy_(view[:n], non_blocking=True)
-        start += n
+    """The image's bytes into the staging buffer, in turns of at most its size."""
+    staging = copier.staging
+    for view in ImageBytes([pool.view(e) for e in image.extents]).ranges(0, image.layout.num_bytes):
+        for part in view.split(staging.numel()):
+            staging[: part.numel()].copy_(part, non_blocking=True)
 
 
 def _timed(copier: SlotCopier, fn) -> float:

@@ -13,9 +13,11 @@ class ContentDigest:
 
     def __init__(self) -> None:
         self._hash = xxhash.xxh64(seed=0)
+        self.num_bytes = 0  # fed so far
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
         self._hash.update(data)
+        self.num_bytes += memoryview(data).nbytes
 
     @property
     def value(self) -> int:

@@ -4,9 +4,10 @@
 header (`shared.safetensors_header`), checks the adapter against the base model's shapes, and
 returns an `AdapterManifest`: for each targeted module its real rank, scaling and tensor
 keys. The HTTP process validates with it before registering an adapter (and then also reads
-the whole weights file once, refusing NaN or infinite weights and taking the content digest
-of both files, `shared.adapter_digest`); the worker re-reads with it before loading tensors
-by the manifest's keys. Every read is bounded: file sizes, JSON depth and member
+the whole weights file once, refusing weights that are NaN or infinite, in the file or once
+cast to the model's dtype, and taking the content digest of both files,
+`shared.adapter_digest`); the worker reads the weights into its CPU tier through it, in the
+same pass over the same open files. Every read is bounded: file sizes, JSON depth and member
 counts, pattern matching steps. Every refusal is an `AdapterError`; nothing is unpickled
 (`.bin` weights are refused).
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from shared.adapter_config import LoraSpec, PatternValue, read_config
 from shared.adapter_digest import ContentDigest
@@ -29,18 +30,25 @@ from shared.module_pattern import MatchBudget, ModulePattern, PatternError
 from shared.safetensors_header import Header, TensorEntry, read_header, scan
 
 __all__ = ["CONFIG_FILE", "TARGET_KINDS", "WEIGHTS_FILE", "AdapterError", "AdapterManifest", "BaseShapes",
-           "LoraModule", "read_manifest"]
+           "LoraModule", "WeightsReader", "read_manifest"]
 
 MAX_MATCH_STEPS = 4_000_000  # pattern building and matching, all the patterns of one adapter
 logger = logging.getLogger(__name__)
+# Reads the weights file in place of the value check (a worker, into its CPU tier): called with the
+# open file, its size, its checked header, the adapter's modules and the content digest so far
+# (the config's bytes); it feeds the whole file to the digest, front to back.
+WeightsReader = Callable[[int, int, Header, list[LoraModule], ContentDigest], None]
 
 
 def read_manifest(path: str, base: BaseShapes, max_lora_rank: int, allowed_dirs: Sequence[str] = (),
-                  check_weights: bool = False) -> AdapterManifest:
+                  check_weights: bool = False, model_dtype: str = "float32",
+                  read_weights: WeightsReader | None = None) -> AdapterManifest:
     """The manifest of the adapter at `path`, or AdapterError (404: no directory there; 400:
     anything else). When the directory lies inside one of `allowed_dirs`, every file read must
     resolve inside one of them too. `check_weights` also reads the whole weights file, refusing
-    NaN or infinite values, and sets the manifest's `content_digest` from the same pass."""
+    NaN or infinite values and values that become infinite in `model_dtype` (the workers cast
+    the weights to it), and sets the manifest's `content_digest` from the same pass; else
+    `read_weights`, if given, reads it, and the digest it took is the manifest's."""
     if "\x00" in path:
         raise AdapterError("The adapter path holds a NUL byte.")
     try:
@@ -48,7 +56,7 @@ def read_manifest(path: str, base: BaseShapes, max_lora_rank: int, allowed_dirs:
         if not os.path.isdir(real):
             raise AdapterError(f"No adapter directory at `{path}`.", code=404)
         roots = tuple(allowed_dirs) if is_inside(real, allowed_dirs) else ()
-        return _read(real, base, max_lora_rank, roots, check_weights)
+        return _read(real, base, max_lora_rank, roots, check_weights, model_dtype, read_weights)
     except AdapterError:
         raise
     except OSError as e:  # e.g. permission denied or an I/O error: say what, never where
@@ -59,7 +67,7 @@ def read_manifest(path: str, base: BaseShapes, max_lora_rank: int, allowed_dirs:
 
 
 def _read(real: str, base: BaseShapes, max_lora_rank: int, roots: tuple[str, ...],
-          check_weights: bool) -> AdapterManifest:
+          check_weights: bool, model_dtype: str, read_weights: WeightsReader | None) -> AdapterManifest:
     budget = MatchBudget(MAX_MATCH_STEPS)
     digest = ContentDigest()
     spec = read_config(real, roots, max_lora_rank, budget, digest.update)
@@ -70,10 +78,12 @@ def _read(real: str, base: BaseShapes, max_lora_rank: int, roots: tuple[str, ...
         modules = _resolve_modules(spec, base)
         _check_tensors(modules, header.tensors, base)
         if check_weights:
-            _scan_weights(fd, header, modules, digest)
+            _scan_weights(fd, header, modules, digest, model_dtype)
+        elif read_weights is not None:
+            read_weights(fd, num_bytes, header, modules, digest)
     finally:
         os.close(fd)
-    content_digest = digest.value if check_weights else 0
+    content_digest = digest.value if check_weights or read_weights is not None else 0
     return AdapterManifest(real, tuple(modules), num_bytes, max(m.rank for m in modules), weights_path, content_digest)
 
 
@@ -165,8 +175,11 @@ def _is_saved_embedding(key: str, entry: TensorEntry, base: BaseShapes) -> bool:
     return shape == (base.vocab_size, base.hidden_size)
 
 
-def _scan_weights(fd: int, header: Header, modules: list[LoraModule], digest: ContentDigest) -> None:
-    """One pass over the weights file: all of it into `digest`, the modules' tensors checked finite."""
-    non_finite = scan(fd, header, digest.update, {key for m in modules for key in (m.a_key, m.b_key)})
-    if non_finite:
-        raise AdapterError(f"Tensor {non_finite[0]} holds NaN or infinite values.")
+def _scan_weights(fd: int, header: Header, modules: list[LoraModule], digest: ContentDigest,
+                  model_dtype: str) -> None:
+    """One pass over the weights file: all of it into `digest`, the modules' tensors checked
+    finite in `model_dtype`."""
+    problems = scan(fd, header, digest.update, {key for m in modules for key in (m.a_key, m.b_key)}, model_dtype)
+    if problems:
+        key, problem = next(iter(problems.items()))  # the first in file order
+        raise AdapterError(f"Tensor {key} holds {problem}.")

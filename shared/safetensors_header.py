@@ -1,6 +1,6 @@
 """An adapter's safetensors file: its header read within limits and checked entry by entry,
 and its bytes scanned once (into the content digest, its tensors' values checked to be
-finite), all without safetensors' own parser.
+finite, and to stay finite in the model's dtype), all without safetensors' own parser.
 
 The header may be at most `max_tensors` entries of a generous size each, plus slack: an
 adapter for a given base model can only hold so many tensors. Every entry must be a known
@@ -25,6 +25,12 @@ from shared.bounded_json import JsonError, loads, show
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 _EXPONENT_BITS = {"F64": ("<u8", 0x7FF0000000000000), "F32": ("<u4", 0x7F800000),
                   "F16": ("<u2", 0x7C00), "BF16": ("<u2", 0x7F80)}  # all set: inf or NaN
+_FLOATS = {"F64": "<f8", "F32": "<f4", "F16": "<f2"}
+# the largest magnitude of a finite value once cast to float32, rounded up (F64's may overflow it)
+DTYPE_MAX = {"F64": math.inf, "F32": 3.41e38, "F16": 65504.0, "BF16": 3.39e38}
+# model dtype -> the smallest magnitude that a float32 rounds to infinity in (halfway past its largest value)
+OVERFLOW = {"float32": math.inf, "bfloat16": float.fromhex("0x1.ffp127"), "float16": 65520.0}
+NOT_FINITE = "NaN or infinite values"
 _ENTRY_FIELDS = {"dtype", "shape", "data_offsets"}
 HEADER_BYTES_PER_TENSOR = 512
 HEADER_SLACK_BYTES = 64 * 1024  # __metadata__, padding
@@ -118,27 +124,51 @@ def _check_layout(tensors: dict[str, TensorEntry], data_bytes: int) -> None:
         raise AdapterError(f"{WEIGHTS_FILE} has {data_bytes - end} bytes after its last tensor.")
 
 
-def scan(fd: int, header: Header, feed: Callable[[bytes], None], checked_keys: Collection[str]) -> list[str]:
+def scan(fd: int, header: Header, feed: Callable[[bytes], None], checked_keys: Collection[str],
+         model_dtype: str = "float32") -> dict[str, str]:
     """Read the whole file once, front to back, in chunks: every byte goes to `feed` (the
-    content digest), and the tensors of `checked_keys` are checked to be finite. Returns
-    those of them that hold a NaN or an infinity, in file order."""
+    content digest), and the tensors of `checked_keys` are checked to be finite in the model's
+    dtype (`value_problem`). Returns those of them that are not, in file order, each with what
+    is wrong with it."""
     feed(read_at(fd, 0, header.data_offset, WEIGHTS_FILE))
-    non_finite = []
+    problems = {}
     for key, entry in sorted(header.tensors.items(), key=lambda item: (item[1].start, item[1].stop, item[0])):
-        if not _scan_tensor(fd, header.data_offset, entry, feed, key in checked_keys):
-            non_finite.append(key)
-    return non_finite
+        problem = _scan_tensor(fd, header.data_offset, entry, feed, model_dtype if key in checked_keys else "")
+        if problem:
+            problems[key] = problem
+    return problems
 
 
-def _scan_tensor(fd: int, data_offset: int, entry: TensorEntry, feed: Callable[[bytes], None], check: bool) -> bool:
-    """Feed one tensor's bytes; whether every value is finite (True when not `check`ed)."""
-    uint, exponent = _EXPONENT_BITS[entry.dtype]
+def _scan_tensor(fd: int, data_offset: int, entry: TensorEntry, feed: Callable[[bytes], None],
+                 model_dtype: str) -> str:
+    """Feed one tensor's bytes; what is wrong with its values in `model_dtype` ('' if nothing,
+    or when `model_dtype` is '': not checked)."""
     step = SCAN_CHUNK_BYTES - SCAN_CHUNK_BYTES % DTYPE_BYTES[entry.dtype]
-    finite = True
+    problem = ""
     for start in range(entry.start, entry.stop, step):
         chunk = read_at(fd, data_offset + start, min(step, entry.stop - start), WEIGHTS_FILE)
         feed(chunk)
-        if check and finite:
-            bits = np.frombuffer(chunk, dtype=uint)  # [num_values] raw bit patterns
-            finite = not np.any((bits & exponent) == exponent)
-    return finite
+        if model_dtype and not problem:
+            problem = value_problem(chunk, entry.dtype, model_dtype)
+    return problem
+
+
+def value_problem(chunk: bytes | memoryview, dtype: str, model_dtype: str) -> str:
+    """What keeps the values in `chunk` (whole values of file dtype `dtype`) from being finite
+    once cast to `model_dtype` ('float32', 'bfloat16' or 'float16'), as torch casts them
+    (through float32, rounding to nearest): '' if nothing."""
+    uint, exponent = _EXPONENT_BITS[dtype]
+    bits = np.frombuffer(chunk, dtype=uint)  # [num_values] raw bit patterns
+    if np.any((bits & exponent) == exponent):
+        return NOT_FINITE
+    limit = OVERFLOW[model_dtype]
+    if DTYPE_MAX[dtype] < limit:  # every finite value of the file dtype fits
+        return ""
+    if dtype == "BF16":
+        values = (bits.astype(np.uint32) << 16).view(np.float32)
+    else:
+        with np.errstate(over="ignore"):  # F64 past float32's range: inf, caught below
+            values = np.frombuffer(chunk, dtype=_FLOATS[dtype]).astype(np.float32)
+    if not np.all(np.abs(values) < limit):
+        return f"values that become infinite in the model's dtype ({model_dtype})"
+    return ""

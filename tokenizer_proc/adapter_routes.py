@@ -77,7 +77,7 @@ def validate_startup_adapters(config: EngineConfig, base: BaseShapes | None) -> 
             raise StartupAdapterError("LoRA is enabled but the base shapes are unknown")
         try:
             checked.append((name, read_manifest(path, base, config.max_lora_rank, config.lora_allowed_dirs,
-                                                check_weights=True)))
+                                                check_weights=True, model_dtype=config.dtype)))
         except AdapterError as e:
             raise StartupAdapterError(f"start-up adapter '{name}' at {path}: {e.message}") from None
     return checked

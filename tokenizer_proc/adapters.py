@@ -87,11 +87,13 @@ def allowed_real_path(path: str, roots: tuple[str, ...]) -> str:
 
 
 def validate(path: str, base: BaseShapes, config: EngineConfig) -> AdapterManifest:
-    """read_manifest (weights included: NaN or infinite values are refused, and the content
-    digest is taken in the same pass), its refusals turned into OpenAI-shaped errors. Called
-    off the event loop (asyncio.to_thread): it reads the whole adapter."""
+    """read_manifest (weights included: values NaN or infinite, in the file or once cast to the
+    model's dtype, are refused, and the content digest is taken in the same pass), its
+    refusals turned into OpenAI-shaped errors. Called off the event loop (asyncio.to_thread):
+    it reads the whole adapter."""
     try:
-        return read_manifest(path, base, config.max_lora_rank, config.lora_allowed_dirs, check_weights=True)
+        return read_manifest(path, base, config.max_lora_rank, config.lora_allowed_dirs, check_weights=True,
+                             model_dtype=config.dtype)
     except AdapterError as e:
         raise ApiError(e.code, e.message, e.param) from None
 

@@ -124,14 +124,17 @@ class ModelRunner(AdapterCommands):
         for req_id in [*plan.finished_req_ids, *plan.preempted_req_ids]:
             self.reqs.pop(req_id, None)
         scheduled, failed = self._apply_plan(plan)
+        slots = sorted({r.lora_slot for r in scheduled if r.lora_slot >= 0})
         if self.lora is not None:  # the compute stream waits for the copies of the slots it reads
-            self.lora.prepare(sorted({r.lora_slot for r in scheduled if r.lora_slot >= 0}))
+            self.lora.prepare(slots)
         logits, sampling, hidden = self._forward(scheduled) if scheduled else (None, [], None)
         pending = None
         if logits is not None:
             pending = self.sampler.launch(logits, [_sampling_req(r) for r in sampling])
         self.prev_sampled = SampledRows.of(pending.token_ids, sampling) if pending is not None else SampledRows()
         prompt = self._launch_prompt_logprobs(scheduled, hidden) if self.rank == 0 else None
+        if self.lora is not None:  # a write into these slots now waits for this step
+            self.lora.note_step(slots)
         digest = RankDigest(plan.step, self.rank, self.digest())  # on the host while the device runs the step
         return InFlightStep(plan.step, [r.req_id for r in sampling], pending, failed, digest, prompt)
 

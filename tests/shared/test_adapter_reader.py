@@ -137,6 +137,36 @@ def test_finite_check_agrees_with_torch(dtype: torch.dtype, copy: Path, base: Ba
     assert set(ours.values()) == {True, False}
 
 
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+EDGES = [65504.0, 65519.99, 65520.0, -65520.0, 1e5, float.fromhex("0x1.fep127"), float.fromhex("0x1.feffffp127"),
+         float.fromhex("0x1.ffp127"), -3.39e38, FLOAT32_MAX, float.fromhex("0x1.fffffff0p127"), 1e39, 1e-40, 0.0]
+
+
+@pytest.mark.parametrize("model_dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("file_dtype", ["F64", "F32", "BF16", "F16"])
+def test_value_range_check_agrees_with_the_cast_torch_does(file_dtype: str, model_dtype: str) -> None:
+    """A value passes iff torch's cast of it (file dtype -> model dtype) is finite, at each edge
+    of each dtype's range (rounding to nearest, through float32 for F64)."""
+    dtype = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[file_dtype]
+    for value in EDGES:
+        for sign in (1.0, -1.0):
+            stored = torch.tensor([0.5, sign * value, 0.25], dtype=torch.float64).to(dtype)  # [3]
+            if not bool(torch.isfinite(stored).all()):
+                continue  # not a finite value of the file dtype: the exponent check's case
+            chunk = stored.view(torch.uint8).numpy().tobytes()
+            ok = safetensors_header.value_problem(chunk, file_dtype, model_dtype) == ""
+            assert ok == bool(torch.isfinite(stored.to(getattr(torch, model_dtype))).all()), (value, sign)
+
+
+def test_weights_past_the_model_dtype_are_refused_at_registration(copy: Path, base: BaseShapes) -> None:
+    poison_weights(1e5, torch.float32)(copy, copy)  # finite in float32 and bfloat16, infinite in float16
+    for model_dtype in ("float32", "bfloat16"):
+        assert read_manifest(str(copy), base, MAX_RANK, check_weights=True, model_dtype=model_dtype).content_digest
+    with pytest.raises(AdapterError, match=r"values that become infinite in the model's dtype \(float16\)") as info:
+        read_manifest(str(copy), base, MAX_RANK, check_weights=True, model_dtype="float16")
+    assert info.value.code == 400 and "lora_A" in info.value.message
+
+
 def test_trailing_bytes_and_gaps_are_refused(copy: Path, base: BaseShapes) -> None:
     header, body = read_weights(copy)
     write_weights(copy, header, body + b"\0" * 8)

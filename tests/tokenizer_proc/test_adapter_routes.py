@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import AsyncIterator
 
 import httpx
 import pytest
+import torch
 import xxhash
 
 from shared.config import EngineConfig
 from tests.peft_util import make_tiny_peft_adapter
+from tests.shared.hostile_adapters import poison_weights
 from tests.tokenizer_proc.fake_engine import FakeEngine
 from tokenizer_proc.adapter_routes import StartupAdapterError
 from tokenizer_proc.app import build_app
@@ -150,6 +153,24 @@ async def test_validation_refusals(client, lora_root: Path) -> None:
     _error(await _load(client, "x", lora_root / "broken"), 400, "not valid JSON")
     _error(await _load(client, MODEL, lora_root / "sql"), 400, "base model")
     _error(await client.post("/v1/load_lora_adapter", json={"lora_name": "x"}), 400, "lora_path")
+
+
+async def test_weights_past_the_model_dtype_are_refused_with_a_400(engine, tokenizer, demo_model_dir,
+                                                                  lora_root: Path) -> None:
+    """A float32 weight of 1e5 is finite in the file but infinite in float16: a float16 server
+    refuses it at registration (the workers then need not check values again); a float32 one loads it."""
+    big = lora_root / "big-f32"
+    if not big.exists():
+        shutil.copytree(lora_root / "sql", big)
+        poison_weights(1e5, torch.float32)(big, big)
+    roots = (str(lora_root),)
+    async for c in _client(engine, tokenizer, _config(demo_model_dir, enable_lora=True, lora_allowed_dirs=roots,
+                                                      dtype="float16")):
+        error = _error(await _load(c, "big", big), 400, "become infinite in the model's dtype (float16)")
+        assert error["param"] == "lora_path" and "big" not in engine.registry and not engine.received
+        assert [m["id"] for m in (await c.get("/v1/models")).json()["data"]] == [MODEL]
+    async for c in _client(engine, tokenizer, _config(demo_model_dir, enable_lora=True, lora_allowed_dirs=roots)):
+        assert (await _load(c, "big", big)).status_code == 200
 
 
 async def test_symlink_inside_root_loads_its_real_path(client, engine, lora_root: Path) -> None:

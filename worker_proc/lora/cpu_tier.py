@@ -1,4 +1,4 @@
-"""The CPU tier: adapter versions held as slot images in pool pages.
+"""The CPU tier: adapter versions held as file images in pool pages.
 
 The scheduler owns the tier's LRU: a version enters when a load or prefetch reads it and
 leaves on AdapterCpuEvicted. Leaving is deferred while the image is still being read, while
@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from worker_proc.lora.pinned_pool import PinnedPool
-from worker_proc.lora.reader import SlotImage
+from worker_proc.lora.reader import FileImage
 from worker_proc.lora.slot_copy import Event
 
 
@@ -21,7 +21,7 @@ class CpuEntry:
     version_id: int
     future: Future | None  # the read in flight (its result's `image`), None once settled
     path: str = ""
-    image: SlotImage | None = None
+    image: FileImage | None = None
     num_users: int = 0  # slot loads that will still copy out of it
     fences: list[Event] = field(default_factory=list)  # copies out of it that may still run
     dropped: bool = False  # evicted; freed once nothing uses it
@@ -40,7 +40,7 @@ class CpuTier:
         self.entries: dict[int, CpuEntry] = {}  # version_id -> entry (reading or held)
         self.leaving: list[CpuEntry] = []  # evicted, waiting for their users and fences
 
-    def ready(self, version_id: int) -> SlotImage | None:
+    def ready(self, version_id: int) -> FileImage | None:
         entry = self.entries.get(version_id)
         return entry.image if entry is not None else None
 
@@ -49,7 +49,7 @@ class CpuTier:
             raise ValueError(f"version {entry.version_id} is already in the CPU tier")
         self.entries[entry.version_id] = entry
 
-    def settle(self, entry: CpuEntry, image: SlotImage | None, error: str = "") -> None:
+    def settle(self, entry: CpuEntry, image: FileImage | None, error: str = "") -> None:
         """The read of `entry` ended (image None: failed, saying `error`); a failed read leaves the tier."""
         entry.future, entry.image, entry.error = None, image, error
         if image is None and self.entries.get(entry.version_id) is entry:

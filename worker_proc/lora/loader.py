@@ -25,11 +25,12 @@ from dataclasses import dataclass
 from shared.adapter_types import AdapterError
 from shared.events import AdapterLoadCompleted, AdapterLoadFailed
 from worker_proc.lora.cpu_tier import CpuEntry, CpuTier
+from worker_proc.lora.fences import SlotFences
+from worker_proc.lora.file_image import ImageLayout
 from worker_proc.lora.pinned_pool import PinnedPool
-from worker_proc.lora.reader import ChangedOnDisk, ReadSpec, SlotImage, read_image
+from worker_proc.lora.reader import ChangedOnDisk, FileImage, ReadSpec, read_image
 from worker_proc.lora.slot_copy import Event as CopyEvent
 from worker_proc.lora.slot_copy import Scatter, SlotCopier
-from worker_proc.lora.slot_image import ImageLayout
 
 NUM_LOADER_THREADS = 2
 Reply = AdapterLoadCompleted | AdapterLoadFailed
@@ -37,7 +38,7 @@ Reply = AdapterLoadCompleted | AdapterLoadFailed
 
 @dataclass(frozen=True)
 class LoadResult:
-    image: SlotImage | None  # read from disk by this job
+    image: FileImage | None  # read from disk by this job
     scatter: Scatter | None  # views of the slot copy (a slot load)
 
 
@@ -47,7 +48,6 @@ class SlotLoad:
     version_id: int
     path: str
     arrival_s: float
-    after: CopyEvent | None  # recorded on the compute stream when the command arrived
     entry: CpuEntry
     source_tier: str
     future: Future | None = None  # the scatter views (and the read, from disk); None: waits for entry
@@ -57,22 +57,22 @@ class SlotLoad:
 
 
 class AdapterLoader:
-    def __init__(self, spec: ReadSpec, pool: PinnedPool, copier: SlotCopier, rank: int, overlap: bool,
-                 on_ready: Callable[[int, int, ImageLayout, CopyEvent], None]) -> None:
+    def __init__(self, spec: ReadSpec, pool: PinnedPool, copier: SlotCopier, fences: SlotFences, rank: int,
+                 overlap: bool, on_ready: Callable[[int, int, ImageLayout, CopyEvent], None]) -> None:
         """on_ready(slot, version_id, layout, event): a slot's copy is queued; steps may use it
-        behind `event`."""
-        self.spec, self.pool, self.copier, self.rank, self.on_ready = spec, pool, copier, rank, on_ready
+        behind `event`. A copy into a slot waits for its last reader in `fences`."""
+        self.spec, self.pool, self.copier, self.fences = spec, pool, copier, fences
+        self.rank, self.on_ready = rank, on_ready
         self.executor = ThreadPoolExecutor(NUM_LOADER_THREADS, "adapter-load") if overlap else None
         self.cpu = CpuTier(pool)
         self.loads: dict[int, SlotLoad] = {}  # slot -> a load not reported yet
         self.replies: list[Reply] = []  # due, not yet returned by poll
 
-    def assign(self, slot: int, version_id: int, path: str, content_digest: int, arrival_s: float,
-               after: CopyEvent | None) -> None:
+    def assign(self, slot: int, version_id: int, path: str, content_digest: int, arrival_s: float) -> None:
         """Start loading `version_id` into `slot` (from the CPU tier, or disk first)."""
         self.cancel(slot)
         entry = self.cpu.entries.get(version_id)
-        load = SlotLoad(slot, version_id, path, arrival_s, after, entry, "cpu")  # type: ignore[arg-type]
+        load = SlotLoad(slot, version_id, path, arrival_s, entry, "cpu")  # type: ignore[arg-type]
         if entry is None:
             load.entry = entry = CpuEntry(version_id, None, path)
             load.source_tier = "disk"
@@ -165,7 +165,7 @@ class AdapterLoader:
             return
         try:
             scatter = load.future.result().scatter
-            load.done = self.copier.copy(entry.image, self.pool, scatter, load.after)
+            load.done = self.copier.copy(entry.image, self.pool, scatter, self.fences.pending(load.slot))
         except Exception as e:  # a device fault while queueing fails this load only
             load.error = _reason(e)
             return

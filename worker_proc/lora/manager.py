@@ -4,23 +4,25 @@ adapter movement behind them (worker_proc/lora/loader.py).
 Two slot tables: `assigned` follows the commands (AdapterSlotAssigned and AdapterEvicted in
 command order, with each version's content digest) and is what the rank digest covers, so
 ranks agree whatever their load timing; `slots` holds the slots whose copy is queued, the
-ones a step may use (behind the copy's event)."""
+ones a step may use (behind the copy's event). Each slot's last reader is noted after each
+step (worker_proc/lora/fences.py): writes into a slot wait for that step only."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from shared.adapter_format import BaseShapes
 from shared.config import EngineConfig
+from worker_proc.lora.fences import SlotFences
+from worker_proc.lora.file_image import ImageLayout, SlotLayout
 from worker_proc.lora.loader import AdapterLoader, Reply
 from worker_proc.lora.pinned_pool import PinnedPool, page_bytes_for
 from worker_proc.lora.reader import ReadSpec
-from worker_proc.lora.slot_copy import Event, SlotCopier, flat_tables
-from worker_proc.lora.slot_image import ImageLayout, SlotLayout
+from worker_proc.lora.slot_copy import DoneEvent, Event, SlotCopier, flat_tables, staging_bytes
 from worker_proc.lora.weights import LoraWeights
 from worker_proc.models.layers import SlotLinear
 
@@ -38,14 +40,17 @@ class LoraManager:
             torch.cuda.empty_cache()  # the unstacked weights just freed
         ranks, scalings = flat_tables(self.weights)
         self.layout = SlotLayout(self.weights)
-        max_image_bytes = self.layout.max_image_bytes(config.max_lora_rank, dtype)
-        self.copier = SlotCopier(self.weights, self.layout, ranks, scalings, max_image_bytes, device)
+        max_image_bytes = self.layout.max_image_bytes(config.max_lora_rank)
+        self.copier = SlotCopier(self.weights, self.layout, ranks, scalings,
+                                 staging_bytes(self.layout, config.max_lora_rank), device)
         page_bytes = page_bytes_for(max_image_bytes)
         max_pages = -(-max_image_bytes // page_bytes)  # one image; the tier holds max_cpu_loras, plus slack for
         num_images = config.max_cpu_loras + config.max_loras  # evicted ones whose copies are still fenced
         self.pool = PinnedPool(num_images * max_pages * page_bytes, page_bytes, pin=device.type == "cuda")
         spec = ReadSpec(base, config.max_lora_rank, config.lora_allowed_dirs, self.layout, dtype)
-        self.loader = AdapterLoader(spec, self.pool, self.copier, rank, config.lora_overlap_loading, self._on_ready)
+        self.fences = SlotFences()
+        self.loader = AdapterLoader(spec, self.pool, self.copier, self.fences, rank, config.lora_overlap_loading,
+                                    self._on_ready)
         self.slots: dict[int, int] = {}  # slot -> version_id whose copy is queued: steps may use it
         self.events: dict[int, Event] = {}  # slot -> its copy's end, until seen complete
         self.assigned: dict[int, tuple[int, int]] = {}  # slot -> (version_id, content_digest), in command order
@@ -55,11 +60,7 @@ class LoraManager:
         self.check_slot(slot)
         self._vacate(slot)
         self.assigned[slot] = (version_id, content_digest)
-        after = None
-        if self.device.type == "cuda":  # steps launched so far may still read the slot
-            after = torch.cuda.Event()
-            after.record()
-        self.loader.assign(slot, version_id, path, content_digest, arrival_s, after)
+        self.loader.assign(slot, version_id, path, content_digest, arrival_s)
 
     def load_now(self, slot: int, version_id: int, path: str, content_digest: int, arrival_s: float) -> list[Reply]:
         """assign, then finish the load before returning: its reply is among those returned."""
@@ -100,6 +101,17 @@ class LoraManager:
             else:
                 torch.cuda.current_stream(self.device).wait_event(event)
 
+    def note_step(self, slots: Sequence[int]) -> None:
+        """A step that reads `slots` was just launched: writes into them wait for it (on the CPU
+        the step is done already)."""
+        if not slots:
+            return
+        event: Event = DoneEvent()
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        self.fences.read(slots, event)
+
     def is_busy(self) -> bool:
         return self.loader.is_busy()
 
@@ -116,14 +128,13 @@ class LoraManager:
             w.scale_table[slot][spec.index] = scaling
 
     def _vacate(self, slot: int) -> None:
-        """Forget the slot's load or adapter; its device tables are zeroed behind its copy."""
+        """Forget the slot's load or adapter; its device tables are zeroed on the copy stream, behind
+        its copy and its last reader."""
         cancelled = self.loader.cancel(slot)  # the copy's event, if the load had queued it
         event = self.events.pop(slot, cancelled)
         if slot not in self.slots and event is None:
             return
-        if isinstance(event, torch.cuda.Event) and not event.query():
-            torch.cuda.current_stream(self.device).wait_event(event)
-        self.copier.clear_tables(slot)
+        self.copier.clear(slot, self.fences.pending(slot))
         self.slots.pop(slot, None)
         for w in self.weights.values():
             w.rank_table[slot] = [0] * len(w.output_sizes)

@@ -1,12 +1,16 @@
-"""Disk -> CPU tier: one adapter version read, checked and converted into a slot image.
+"""Disk -> CPU tier: one adapter version read, checked and kept as its file image
+(worker_proc/lora/file_image.py).
 
-The files are checked by the bounded reader (`read_manifest`: containment, config, header,
-shapes), then read whole with positional reads into a reusable per-thread buffer (no
-per-tensor allocation, nothing unpickled) while they are hashed: the config's bytes, then
-the weights file's. A version registered with a content digest must hash the same, or the
-load fails. Every tensor is converted into the image (worker_proc/lora/image_fill.py) as soon
-as its bytes are in. Runs on a loader thread: the reads, the hash and the torch ops release
-the GIL.
+The bounded reader (`read_manifest`: containment, config, header, shapes) opens and checks the
+files, and hands the open weights file to `_ImageRead`, which reads it front to back with
+positional reads straight into the image's pool pages (nothing converted on the host, nothing
+unpickled) while a helper thread hashes it after the config's bytes. Tensors the adapter does
+not use are read into a small scratch buffer, for the hash only. A version registered with a
+content digest must hash the same, or the load fails: bytes that hash the same are the bytes
+the HTTP process checked at registration (finite, and finite in the model dtype), so they are
+not checked again. A read without a registered digest (0) checks its values here. Runs on a
+loader thread: the reads and the hash release the GIL, and a load takes it a few times per
+chunk read.
 """
 
 from __future__ import annotations
@@ -18,17 +22,16 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.adapter_config import CONFIG_MAX_BYTES
 from shared.adapter_digest import ContentDigest
-from shared.adapter_files import file_size, is_inside, open_file, read_at
-from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterError, BaseShapes, max_tensors, read_manifest
-from shared.safetensors_header import read_header
-from worker_proc.lora.image_fill import ImageFiller
-from worker_proc.lora.pinned_pool import Extent, PinnedPool
-from worker_proc.lora.slot_image import ImageBytes, ImageLayout, SlotLayout
+from shared.adapter_files import read_at
+from shared.adapter_format import WEIGHTS_FILE, AdapterError, BaseShapes, LoraModule, read_manifest
+from shared.safetensors_header import Header, value_problem
+from worker_proc.lora.file_image import FileTensor, ImageBytes, ImageLayout, SlotLayout, write_tables
+from worker_proc.lora.pinned_pool import Extent, PinnedPool, PoolFull
 
-READ_CHUNK_BYTES = 16 << 20
-_local = threading.local()  # each thread's reusable read buffer
+READ_CHUNK_BYTES = 16 << 20  # one positional read; the hash of a chunk runs beside the next read
+CHECK_CHUNK_BYTES = 4 << 20  # an unverified read's value check looks at this much at a time
+_local = threading.local()  # each loader thread's scratch buffers
 
 
 class ChangedOnDisk(AdapterError):
@@ -43,11 +46,11 @@ class ReadSpec:
     max_lora_rank: int
     allowed_dirs: tuple[str, ...]
     slot_layout: SlotLayout
-    dtype: torch.dtype
+    dtype: torch.dtype  # the model's: an unverified read's values must be finite in it
 
 
 @dataclass(frozen=True)
-class SlotImage:
+class FileImage:
     version_id: int
     content_digest: int  # as read (the registered one when it was given)
     layout: ImageLayout
@@ -55,74 +58,111 @@ class SlotImage:
     num_file_bytes: int  # bytes read from disk
 
 
-def read_image(spec: ReadSpec, pool: PinnedPool, version_id: int, path: str, content_digest: int) -> SlotImage:
-    """The slot image of the adapter at `path`, in pages of `pool`; AdapterError (or
-    ValueError, PoolFull) on any refusal, with nothing left allocated."""
-    manifest = read_manifest(path, spec.base, spec.max_lora_rank, spec.allowed_dirs)
-    layout = spec.slot_layout.plan(manifest, spec.dtype)
-    roots = spec.allowed_dirs if is_inside(manifest.path, spec.allowed_dirs) else ()
-    digest = ContentDigest()
-    num_config_bytes = _hash_config(manifest.path, roots, digest)
-    fd, _ = open_file(manifest.path, WEIGHTS_FILE, roots)
+def read_image(spec: ReadSpec, pool: PinnedPool, version_id: int, path: str, content_digest: int) -> FileImage:
+    """The file image of the adapter at `path`, in pages of `pool`; AdapterError on any refusal,
+    with nothing left allocated."""
+    read = _ImageRead(spec, pool)
     try:
-        num_bytes = file_size(fd)
-        header = read_header(fd, num_bytes, max_tensors(spec.base))
-        extents = pool.alloc(layout.num_bytes)
+        manifest = read_manifest(path, spec.base, spec.max_lora_rank, spec.allowed_dirs, read_weights=read)
+        if content_digest and manifest.content_digest != content_digest:
+            raise ChangedOnDisk(f"changed on disk since it was registered (content digest "
+                                f"{manifest.content_digest:#018x}, registered {content_digest:#018x})")
+        if not content_digest:
+            _check_values(read.image, read.layout, spec.dtype)
+    except BaseException:
+        read.free()
+        raise
+    return FileImage(version_id, manifest.content_digest, read.layout, tuple(read.extents), read.num_file_bytes)
+
+
+class _ImageRead:
+    """read_manifest's weights reader: plans the image, takes its pages and reads the file into them."""
+
+    def __init__(self, spec: ReadSpec, pool: PinnedPool) -> None:
+        self.spec, self.pool = spec, pool
+        self.extents: list[Extent] = []
+        self.layout: ImageLayout
+        self.image: ImageBytes
+        self.num_file_bytes = 0  # the config's and the weights file's
+
+    def __call__(self, fd: int, num_bytes: int, header: Header, modules: list[LoraModule],
+                 digest: ContentDigest) -> None:
         try:
-            image = ImageBytes([pool.view(e) for e in extents])
-            _read_into(fd, num_bytes, digest, ImageFiller(image, layout, spec.slot_layout, header,
-                                                          _buffer(num_bytes - header.data_offset)))
-            if content_digest and digest.value != content_digest:
-                raise ChangedOnDisk(f"changed on disk since it was registered (content digest "
-                                    f"{digest.value:#018x}, registered {content_digest:#018x})")
-        except BaseException:
-            pool.free(extents)
-            raise
-    finally:
-        os.close(fd)
-    return SlotImage(version_id, digest.value, layout, tuple(extents), num_config_bytes + num_bytes)
+            self.layout = self.spec.slot_layout.plan(modules, header)
+            self.extents = self.pool.alloc(self.layout.num_bytes)
+        except (ValueError, PoolFull) as e:  # refusals of this load, not malformed files
+            raise AdapterError(str(e)) from None
+        self.image = ImageBytes([self.pool.view(e) for e in self.extents])
+        write_tables(self.image, self.layout)
+        digest.update(read_at(fd, 0, header.data_offset, WEIGHTS_FILE))  # the header (bounded by read_header)
+        _read_data(fd, header.data_offset, num_bytes - header.data_offset, self.layout, self.image, digest)
+        self.num_file_bytes = digest.num_bytes
+
+    def free(self) -> None:
+        extents, self.extents = self.extents, []
+        if extents:
+            self.pool.free(extents)
 
 
-def _hash_config(directory: str, roots: tuple[str, ...], digest: ContentDigest) -> int:
-    fd, _ = open_file(directory, CONFIG_FILE, roots)
-    try:
-        num_bytes = file_size(fd)
-        if num_bytes > CONFIG_MAX_BYTES:
-            raise AdapterError(f"{CONFIG_FILE} is {num_bytes} bytes; at most {CONFIG_MAX_BYTES} are read.")
-        digest.update(read_at(fd, 0, num_bytes, CONFIG_FILE))
-    finally:
-        os.close(fd)
-    return num_bytes
-
-
-def _read_into(fd: int, num_bytes: int, digest: ContentDigest, filler: ImageFiller) -> None:
-    """Hash the whole file and fill the image from its data section, read into this thread's
-    buffer: each chunk is hashed on a helper thread, and the tensors it completes converted on
-    the fill threads, while the next chunk is read."""
-    data_offset = filler.header.data_offset
-    digest.update(read_at(fd, 0, data_offset, WEIGHTS_FILE))  # the header (bounded by read_header)
-    num_data = num_bytes - data_offset
-    view = memoryview(filler.data.numpy())
+def _read_data(fd: int, data_offset: int, num_data: int, layout: ImageLayout, image: ImageBytes,
+               digest: ContentDigest) -> None:
+    """Read the data region front to back: each run into its pages, the bytes between runs into
+    scratch; every chunk is hashed on a helper thread while the next one is read."""
     hasher = _Hasher(digest)
     try:
         done = 0
-        while done < num_data:
-            chunk = view[done : min(num_data, done + READ_CHUNK_BYTES)]
-            try:
-                n = os.preadv(fd, [chunk], data_offset + done)
-            except OSError as e:
-                raise AdapterError(f"{WEIGHTS_FILE} cannot be read ({type(e).__name__}).") from None
-            if n == 0:
-                raise AdapterError(f"{WEIGHTS_FILE} is truncated.")
-            hasher.feed(chunk[:n])
-            done += n
-            filler.arrived(done)
-    except BaseException:
+        for run in layout.runs:
+            done = _skip(fd, data_offset, done, run.start, hasher)
+            for view in image.ranges(run.offset, run.offset + run.stop - run.start):
+                for chunk in view.split(READ_CHUNK_BYTES):
+                    pages = memoryview(chunk.numpy())
+                    _read_exact(fd, pages, data_offset + done)
+                    hasher.feed(pages)
+                    done += len(pages)
+        _skip(fd, data_offset, done, num_data, hasher)
+    finally:
         hasher.finish()
-        filler.abandon()
-        raise
-    hasher.finish()
-    filler.finish()
+
+
+def _skip(fd: int, data_offset: int, start: int, stop: int, hasher: "_Hasher") -> int:
+    """Read and hash data bytes [start, stop), which the image does not keep; returns `stop`."""
+    while start < stop:
+        buffer = hasher.scratch(min(stop - start, READ_CHUNK_BYTES))
+        _read_exact(fd, buffer, data_offset + start)
+        hasher.feed(buffer)
+        start += len(buffer)
+    return stop
+
+
+def _read_exact(fd: int, view: memoryview, offset: int) -> None:
+    while len(view):
+        try:
+            n = os.preadv(fd, [view], offset)
+        except OSError as e:
+            raise AdapterError(f"{WEIGHTS_FILE} cannot be read ({type(e).__name__}).") from None
+        if n == 0:
+            raise AdapterError(f"{WEIGHTS_FILE} is truncated.")
+        view, offset = view[n:], offset + n
+
+
+def _check_values(image: ImageBytes, layout: ImageLayout, dtype: torch.dtype) -> None:
+    """An unverified read: every used tensor must be finite in the model dtype (AdapterError)."""
+    model_dtype = str(dtype).removeprefix("torch.")
+    for piece in layout.pieces:
+        for tensor in (piece.a, piece.b):
+            if not _finite(image, tensor, model_dtype):
+                raise AdapterError("the adapter's weights hold NaN or infinite values (in the model's dtype).")
+
+
+def _finite(image: ImageBytes, tensor: FileTensor, model_dtype: str) -> bool:
+    step = CHECK_CHUNK_BYTES - CHECK_CHUNK_BYTES % tensor.torch_dtype.itemsize
+    stop = tensor.offset + tensor.num_bytes
+    for start in range(tensor.offset, stop, step):
+        views = image.ranges(start, min(stop, start + step))
+        chunk = views[0] if len(views) == 1 else torch.cat(views)  # [n] uint8, whole values
+        if value_problem(memoryview(chunk.numpy()), tensor.dtype, model_dtype):
+            return False
+    return True
 
 
 class _Hasher:
@@ -130,11 +170,29 @@ class _Hasher:
 
     def __init__(self, digest: ContentDigest) -> None:
         self.chunks: queue.SimpleQueue = queue.SimpleQueue()
+        self.num_fed = 0
+        self.num_hashed = 0
+        self.hashed = threading.Condition()
+        self.num_scratch = 0
+        self.scratch_fed = [0, 0]  # per scratch buffer: the feed count once it was last fed
         self.thread = threading.Thread(target=self._run, args=(digest,), name="adapter-hash", daemon=True)
         self.thread.start()
 
     def feed(self, chunk: memoryview) -> None:
         self.chunks.put(chunk)
+        self.num_fed += 1
+
+    def scratch(self, num_bytes: int) -> memoryview:
+        """A buffer of `num_bytes` (<= READ_CHUNK_BYTES) to read into, then feed: this thread's
+        two scratch buffers in turn, each once the hash has read what it last held."""
+        if not hasattr(_local, "scratch"):
+            _local.scratch = [bytearray(READ_CHUNK_BYTES), bytearray(READ_CHUNK_BYTES)]
+        turn = self.num_scratch % 2
+        with self.hashed:
+            self.hashed.wait_for(lambda: self.num_hashed >= self.scratch_fed[turn])
+        self.num_scratch += 1
+        self.scratch_fed[turn] = self.num_fed + 1  # the feed that follows
+        return memoryview(_local.scratch[turn])[:num_bytes]
 
     def finish(self) -> None:
         self.chunks.put(None)
@@ -143,13 +201,6 @@ class _Hasher:
     def _run(self, digest: ContentDigest) -> None:
         while (chunk := self.chunks.get()) is not None:
             digest.update(chunk)
-
-
-def _buffer(num_bytes: int) -> torch.Tensor:
-    """This thread's read buffer, grown (to a power of two) when too small: [num_bytes] uint8."""
-    buffer: torch.Tensor | None = getattr(_local, "buffer", None)
-    if buffer is None or buffer.numel() < num_bytes:
-        size = 1 << max(20, (num_bytes - 1).bit_length())
-        buffer = torch.empty(size, dtype=torch.uint8)
-        _local.buffer = buffer
-    return buffer[:num_bytes]
+            with self.hashed:
+                self.num_hashed += 1
+                self.hashed.notify()

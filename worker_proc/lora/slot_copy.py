@@ -1,26 +1,35 @@
-"""CPU tier -> GPU slot: a slot image moved on a dedicated copy stream.
+"""CPU tier -> GPU slot: a file image (worker_proc/lora/file_image.py) moved on a dedicated copy
+stream, the device doing the conversion.
 
-An image's extents go to a device staging buffer in a few large copies (pinned memory on
-CUDA), then one fused copy scatters its pieces to their contiguous destinations in the slot
-buffers, one fused zeroing clears every row past the adapter's rank, and one indexed write
-each sets the slot's ranks and scalings (every module's tables are views into one flat
-buffer). The copy stream first waits for an event the caller recorded on the compute stream
-(a step launched earlier may still read the slot); the copy's end is one event per load,
-which a step using the slot makes the compute stream wait on. The staging buffer is sized
-for the largest image `max_lora_rank` allows and allocated at start-up, before the KV cache
-is sized. On the CPU the same code runs synchronously.
+The image's table goes to a small device buffer and its data region to a staging buffer, in a
+few large host -> device copies (pinned memory on CUDA); then each tensor is copied from its
+staging view (file dtype, file layout) into its slot view (model dtype; B's is the transposed
+view of the B^T storage), the copy kernels casting and transposing, in `torch._foreach_copy_`
+calls (one C++ loop that releases the GIL; tensors whose dtype and layout already match in
+one call, which takes the fused path); then one fused zeroing clears every row past the
+adapter's rank (and every slice it does not target), and one indexed write each sets the
+slot's ranks and scalings (every module's tables are views into one flat buffer). The staging
+buffer holds the largest image `max_lora_rank` allows in F32 up to MAX_STAGING_BYTES; a larger
+image streams through it in chunks of whole tensors. It is allocated at start-up, before the
+KV cache is sized.
+
+The copy stream first waits for the slot's last reader (worker_proc/lora/fences.py), if that
+step may still run; the copy's end is one event per load, which a step using the slot makes
+the compute stream wait on. On the CPU the same copies run synchronously.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from worker_proc.lora.file_image import ALIGN_BYTES, FileTensor, ImageBytes, ImageLayout, SlotLayout
 from worker_proc.lora.pinned_pool import PinnedPool
-from worker_proc.lora.reader import SlotImage
-from worker_proc.lora.slot_image import ImageLayout, SlotLayout
+from worker_proc.lora.reader import FileImage
 from worker_proc.lora.weights import LoraWeights
+
+MAX_STAGING_BYTES = 256 << 20
 
 
 class DoneEvent:
@@ -36,54 +45,70 @@ class DoneEvent:
 Event = torch.cuda.Event | DoneEvent
 
 
+@dataclass
+class Chunk:
+    """Image bytes [start, stop) staged at once, and the copies out of them."""
+
+    start: int
+    stop: int
+    same: tuple[list[torch.Tensor], list[torch.Tensor]] = field(default_factory=lambda: ([], []))  # dtype and layout match
+    cast: tuple[list[torch.Tensor], list[torch.Tensor]] = field(default_factory=lambda: ([], []))  # cast and/or transpose
+    # (dst, its bytes in staging, file dtype, shape): tensors whose file offset is not a multiple of their item size
+    unaligned: list[tuple[torch.Tensor, torch.Tensor, torch.dtype, tuple[int, int]]] = field(default_factory=list)
+
+
 @dataclass(frozen=True)
 class Scatter:
-    """Where one image's pieces go in one slot: copies (dst, src in staging) and zeroings."""
+    """Where one image's tensors go in one slot: the chunks' copies, and the zeroings."""
 
     slot: int
-    dsts: list[torch.Tensor]
-    srcs: list[torch.Tensor]
+    chunks: list[Chunk]
     zeros: list[torch.Tensor]
+
+
+def staging_bytes(layout: SlotLayout, max_rank: int) -> int:
+    """The staging buffer's size: the largest F32 image, bounded, but never below one F64 tensor."""
+    return max(min(layout.max_image_bytes(max_rank), MAX_STAGING_BYTES), layout.max_tensor_bytes(max_rank) + ALIGN_BYTES)
 
 
 class SlotCopier:
     def __init__(self, weights: dict[str, LoraWeights], layout: SlotLayout, ranks: torch.Tensor,
-                 scalings: torch.Tensor, max_image_bytes: int, device: torch.device) -> None:
+                 scalings: torch.Tensor, num_staging_bytes: int, device: torch.device) -> None:
         """`ranks` [n] int64 / `scalings` [n] float32: the flat tables every module's views share."""
         self.layout, self.ranks, self.scalings, self.device = layout, ranks, scalings, device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.staging = torch.empty(max_image_bytes, dtype=torch.uint8, device=device)  # [max_image_bytes]
+        self.staging = torch.empty(num_staging_bytes, dtype=torch.uint8, device=device)  # [num_staging_bytes]
+        self.tables = torch.empty(12 * len(layout.slices), dtype=torch.uint8, device=device)  # ranks, scalings
         max_loras = next(iter(weights.values())).a.shape[0]
-        # slot -> per global slice: flat A storage [max_rank * in], flat B^T storage [max_rank * max_out]
-        self.flats: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(max_loras)]
+        # slot -> per global slice: A [max_rank, in], and the B^T storage [max_rank, max_out] (contiguous)
+        self.views: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(max_loras)]
         for spec in layout.slices:
             w = weights[spec.module]
-            b_storage = w.b.transpose(2, 3)  # [max_loras, num_slices, max_rank, max_out], contiguous
+            b_storage = w.b.transpose(2, 3)  # [max_loras, num_slices, max_rank, max_out]
             for slot in range(max_loras):
-                self.flats[slot].append((w.a[slot, spec.index].view(-1), b_storage[slot, spec.index].view(-1)))
+                self.views[slot].append((w.a[slot, spec.index], b_storage[slot, spec.index]))
         # [max_loras, num_slices]: where each slot's entries sit in the flat tables
         self.slot_index = _slot_index(weights, layout, max_loras).to(device)
 
     def scatter(self, slot: int, layout: ImageLayout) -> Scatter:
         """The views of one load (pure metadata: a loader thread builds it)."""
-        staging = self.staging
-        dsts, srcs, zeros = [], [], []
         targeted = {p.slice: p for p in layout.pieces}
-        for g, (a_flat, b_flat) in enumerate(self.flats[slot]):
+        pairs: list[tuple[FileTensor, torch.Tensor]] = []
+        zeros: list[torch.Tensor] = []
+        for g, (a, b_t) in enumerate(self.views[slot]):
             p = targeted.get(g)
             if p is None:
-                zeros += [a_flat, b_flat]
+                zeros += [a, b_t]
                 continue
-            spec = self.layout.slices[g]
-            for flat, offset, cols in ((a_flat, p.a_offset, spec.in_features), (b_flat, p.b_offset, spec.max_out)):
-                n = p.rank * cols
-                dsts.append(flat[:n])
-                srcs.append(staging[offset : offset + n * layout.dtype.itemsize].view(layout.dtype))
-                if n < flat.numel():
-                    zeros.append(flat[n:])
-        return Scatter(slot, dsts, srcs, zeros)
+            out = self.layout.slices[g].out_features
+            pairs += [(p.a, a[: p.rank]), (p.b, b_t[: p.rank, :out].t())]  # [rank, in], [out, rank]
+            if p.rank < a.shape[0]:
+                zeros += [a[p.rank :], b_t[p.rank :]]
+            if out < b_t.shape[1]:
+                zeros.append(b_t[: p.rank, out:])
+        return Scatter(slot, self._chunks(pairs), zeros)
 
-    def copy(self, image: SlotImage, pool: PinnedPool, scatter: Scatter, after: Event | None) -> Event:
+    def copy(self, image: FileImage, pool: PinnedPool, scatter: Scatter, after: Event | None) -> Event:
         """Queue the image's move into `scatter.slot` behind `after`; the returned event marks its end."""
         if self.stream is None:
             self._copy(image, pool, scatter)
@@ -96,27 +121,73 @@ class SlotCopier:
             done.record(self.stream)
         return done
 
-    def clear_tables(self, slot: int) -> None:
-        """Zero the slot's ranks and scalings on the current stream (the kernels then skip it)."""
+    def clear(self, slot: int, after: Event | None) -> Event:
+        """Zero the slot's ranks and scalings (the kernels then skip it) on the copy stream, behind
+        `after` and any copy queued before; the returned event marks its end."""
+        if self.stream is None:
+            self._clear(slot)
+            return DoneEvent()
+        done = torch.cuda.Event()
+        with torch.cuda.stream(self.stream):
+            if isinstance(after, torch.cuda.Event):
+                self.stream.wait_event(after)
+            self._clear(slot)
+            done.record(self.stream)
+        return done
+
+    def _clear(self, slot: int) -> None:
         index = self.slot_index[slot]
         self.ranks.index_fill_(0, index, 0)
         self.scalings.index_fill_(0, index, 0.0)
 
-    def _copy(self, image: SlotImage, pool: PinnedPool, scatter: Scatter) -> None:
-        num_bytes = image.layout.num_bytes
-        start = 0
-        for extent in image.extents:  # a few large host -> device copies
-            view = pool.view(extent)
-            n = min(view.numel(), num_bytes - start)
-            self.staging[start : start + n].copy_(view[:n], non_blocking=True)
-            start += n
-        torch._foreach_copy_(scatter.dsts, scatter.srcs)
+    def _copy(self, image: FileImage, pool: PinnedPool, scatter: Scatter) -> None:
+        host = ImageBytes([pool.view(e) for e in image.extents])
+        num_slices = image.layout.num_slices
+        _stage(host, 0, 12 * num_slices, self.tables)
+        for chunk in scatter.chunks:
+            _stage(host, chunk.start, chunk.stop, self.staging)
+            for dsts, srcs in (chunk.same, chunk.cast):
+                if dsts:
+                    torch._foreach_copy_(dsts, srcs)
+            for dst, raw, dtype, shape in chunk.unaligned:  # aligned by a device-side copy first
+                dst.copy_(raw.clone().view(dtype).view(shape))
         if scatter.zeros:
             torch._foreach_zero_(scatter.zeros)
-        num_slices = image.layout.num_slices
         index = self.slot_index[scatter.slot]
-        self.ranks.index_put_((index,), self.staging[: 8 * num_slices].view(torch.int64))
-        self.scalings.index_put_((index,), self.staging[8 * num_slices : 12 * num_slices].view(torch.float32))
+        self.ranks.index_put_((index,), self.tables[: 8 * num_slices].view(torch.int64))
+        self.scalings.index_put_((index,), self.tables[8 * num_slices :].view(torch.float32))
+
+    def _chunks(self, pairs: list[tuple[FileTensor, torch.Tensor]]) -> list[Chunk]:
+        """The tensors in image order, in chunks of whole tensors that fit the staging buffer."""
+        chunks: list[Chunk] = []
+        for tensor, dst in sorted(pairs, key=lambda pair: pair[0].offset):
+            stop = tensor.offset + tensor.num_bytes
+            if not chunks or stop - chunks[-1].start > self.staging.numel():
+                start = tensor.offset - tensor.offset % ALIGN_BYTES
+                if stop - start > self.staging.numel():
+                    raise ValueError(f"a {tensor.num_bytes}-byte tensor does not fit the staging buffer")
+                chunks.append(Chunk(start, stop))
+            chunk = chunks[-1]
+            chunk.stop = stop
+            at = tensor.offset - chunk.start
+            raw = self.staging[at : at + tensor.num_bytes]  # [num_bytes] uint8
+            dtype = tensor.torch_dtype
+            if at % dtype.itemsize:
+                chunk.unaligned.append((dst, raw, dtype, tensor.shape))
+                continue
+            src = raw.view(dtype).view(tensor.shape)
+            group = chunk.same if src.dtype == dst.dtype and dst.is_contiguous() else chunk.cast
+            group[0].append(dst)
+            group[1].append(src)
+        return chunks
+
+
+def _stage(host: ImageBytes, start: int, stop: int, dst: torch.Tensor) -> None:
+    """Image bytes [start, stop) into dst[: stop - start], one copy per extent touched."""
+    at = 0
+    for view in host.ranges(start, stop):
+        dst[at : at + view.numel()].copy_(view, non_blocking=True)
+        at += view.numel()
 
 
 def flat_tables(weights: dict[str, LoraWeights]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -68,6 +68,9 @@ class SlotLinear(nn.Module):
         num_slots = num_slots or max_loras
         num_out = self.weight.shape[0]
         rows = num_out + num_slots * num_slices * max_rank
+        # A copy may write the A rows of a slot no token of this step uses while this GEMM runs
+        # (worker_proc/lora/fences.py): each output column reads one weight row only, and those
+        # slots' columns of h are never read, so the step's output cannot change.
         weight, bias = self.stacked
         out = ops.linear(x, weight[:rows], None if bias is None else bias[:rows])  # [num_tokens, rows]
         return out[:, :num_out], out[:, num_out:].unflatten(1, (num_slots, num_slices, max_rank))
