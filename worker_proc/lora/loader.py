@@ -30,7 +30,7 @@ from worker_proc.lora.file_image import ImageLayout
 from worker_proc.lora.pinned_pool import PinnedPool
 from worker_proc.lora.reader import ChangedOnDisk, FileImage, ReadSpec, read_image
 from worker_proc.lora.slot_copy import Event as CopyEvent
-from worker_proc.lora.slot_copy import Scatter, SlotCopier
+from worker_proc.lora.slot_copy import Scatter, SlotCopier, launch_error
 
 NUM_LOADER_THREADS = 2
 Reply = AdapterLoadCompleted | AdapterLoadFailed
@@ -121,6 +121,9 @@ class AdapterLoader:
                 self._advance(load, block=False)
             if load.error:
                 replies.append(AdapterLoadFailed(self.rank, slot, load.version_id, self._message(load.path, load.error)))
+            elif load.done is not None and launch_error(load.done):
+                replies.append(AdapterLoadFailed(self.rank, slot, load.version_id,
+                                                 self._message(load.path, launch_error(load.done))))
             elif load.done is not None and load.done.query():
                 replies.append(AdapterLoadCompleted(self.rank, slot, load.version_id, load.source_tier,
                                                     _ms_since(load.arrival_s), load.num_bytes, time.time()))

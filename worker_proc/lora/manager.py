@@ -22,7 +22,7 @@ from worker_proc.lora.file_image import ImageLayout, SlotLayout
 from worker_proc.lora.loader import AdapterLoader, Reply
 from worker_proc.lora.pinned_pool import PinnedPool, page_bytes_for
 from worker_proc.lora.reader import ReadSpec
-from worker_proc.lora.slot_copy import DoneEvent, Event, SlotCopier, flat_tables, staging_bytes
+from worker_proc.lora.slot_copy import DoneEvent, Event, SlotCopier, cuda_event, flat_tables, staging_bytes
 from worker_proc.lora.weights import LoraWeights
 from worker_proc.models.layers import SlotLinear
 
@@ -99,7 +99,7 @@ class LoraManager:
             if event.query():
                 del self.events[slot]
             else:
-                torch.cuda.current_stream(self.device).wait_event(event)
+                torch.cuda.current_stream(self.device).wait_event(cuda_event(event))
 
     def note_step(self, slots: Sequence[int]) -> None:
         """A step that reads `slots` was just launched: writes into them wait for it (on the CPU
@@ -117,6 +117,7 @@ class LoraManager:
 
     def close(self) -> None:
         self.loader.close()
+        self.copier.close()
 
     def _on_ready(self, slot: int, version_id: int, layout: ImageLayout, event: Event) -> None:
         """The slot's copy is queued: steps may use it, and the host tables take its ranks."""

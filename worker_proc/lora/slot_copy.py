@@ -15,11 +15,17 @@ KV cache is sized.
 
 The copy stream first waits for the slot's last reader (worker_proc/lora/fences.py), if that
 step may still run; the copy's end is one event per load, which a step using the slot makes
-the compute stream wait on. On the CPU the same copies run synchronously.
+the compute stream wait on. One launcher thread queues all copy-stream work, in command order:
+a load queues several hundred copy kernels, milliseconds of host time that would otherwise
+delay the launch of the next step (the GPU idles once that exceeds a step's length); each
+kernel launch releases the GIL, so the worker's loop keeps launching steps meanwhile. On the
+CPU the same copies run synchronously.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -42,7 +48,41 @@ class DoneEvent:
         pass
 
 
-Event = torch.cuda.Event | DoneEvent
+class LaunchedEvent:
+    """The end of copy-stream work the launcher thread queues: its CUDA event once launched."""
+
+    def __init__(self, launch: Future[torch.cuda.Event]) -> None:
+        self.launch = launch
+
+    def query(self) -> bool:
+        """Launched and finished on the device; or its launch failed (see `launch_error`)."""
+        if not self.launch.done():
+            return False
+        return self.launch.exception() is not None or self.launch.result().query()
+
+    def synchronize(self) -> None:
+        self.cuda_event().synchronize()
+
+    def cuda_event(self) -> torch.cuda.Event:
+        """The CUDA event, waiting for the launch if it is still queued (it raises what the launch raised)."""
+        return self.launch.result()
+
+
+Event = torch.cuda.Event | DoneEvent | LaunchedEvent
+
+
+def launch_error(event: Event) -> str:
+    """Why the launch of `event`'s work failed, or '' (also while it is still queued)."""
+    if isinstance(event, LaunchedEvent) and event.launch.done() and event.launch.exception() is not None:
+        return str(event.launch.exception())
+    return ""
+
+
+def cuda_event(event: Event) -> torch.cuda.Event | None:
+    """What a CUDA stream can wait on; None for work that is done already (the CPU's)."""
+    if isinstance(event, LaunchedEvent):
+        return event.cuda_event()
+    return event if isinstance(event, torch.cuda.Event) else None
 
 
 @dataclass
@@ -77,6 +117,7 @@ class SlotCopier:
         """`ranks` [n] int64 / `scalings` [n] float32: the flat tables every module's views share."""
         self.layout, self.ranks, self.scalings, self.device = layout, ranks, scalings, device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.launcher = ThreadPoolExecutor(1, "adapter-copy") if self.stream is not None else None
         self.staging = torch.empty(num_staging_bytes, dtype=torch.uint8, device=device)  # [num_staging_bytes]
         self.tables = torch.empty(12 * len(layout.slices), dtype=torch.uint8, device=device)  # ranks, scalings
         max_loras = next(iter(weights.values())).a.shape[0]
@@ -110,28 +151,32 @@ class SlotCopier:
 
     def copy(self, image: FileImage, pool: PinnedPool, scatter: Scatter, after: Event | None) -> Event:
         """Queue the image's move into `scatter.slot` behind `after`; the returned event marks its end."""
-        if self.stream is None:
-            self._copy(image, pool, scatter)
-            return DoneEvent()
-        done = torch.cuda.Event()
-        with torch.cuda.stream(self.stream):
-            if isinstance(after, torch.cuda.Event):
-                self.stream.wait_event(after)
-            self._copy(image, pool, scatter)
-            done.record(self.stream)
-        return done
+        return self._queue(lambda: self._copy(image, pool, scatter), after)
 
     def clear(self, slot: int, after: Event | None) -> Event:
         """Zero the slot's ranks and scalings (the kernels then skip it) on the copy stream, behind
         `after` and any copy queued before; the returned event marks its end."""
-        if self.stream is None:
-            self._clear(slot)
+        return self._queue(lambda: self._clear(slot), after)
+
+    def close(self) -> None:
+        if self.launcher is not None:
+            self.launcher.shutdown(wait=True)
+
+    def _queue(self, work: Callable[[], None], after: Event | None) -> Event:
+        """`work` on the copy stream behind `after`, launched by the launcher thread (run here on the CPU)."""
+        if self.stream is None or self.launcher is None:
+            work()
             return DoneEvent()
+        return LaunchedEvent(self.launcher.submit(self._launch, work, after))
+
+    def _launch(self, work: Callable[[], None], after: Event | None) -> torch.cuda.Event:
+        assert self.stream is not None
+        wait_for = cuda_event(after) if after is not None else None
         done = torch.cuda.Event()
-        with torch.cuda.stream(self.stream):
-            if isinstance(after, torch.cuda.Event):
-                self.stream.wait_event(after)
-            self._clear(slot)
+        with torch.cuda.device(self.stream.device), torch.cuda.stream(self.stream):
+            if wait_for is not None:
+                self.stream.wait_event(wait_for)
+            work()
             done.record(self.stream)
         return done
 
