@@ -22,9 +22,8 @@ import time
 
 import torch
 
-from scripts.bench_fixtures import LLAMA3_8B, write_adapter
-from shared.adapter_digest import content_digest
-from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, BaseShapes
+from scripts.bench_fixtures import LLAMA3_8B, adapter_digest, write_adapter
+from shared.adapter_format import BaseShapes
 from worker_proc.lora.file_image import ImageBytes, SlotLayout
 from worker_proc.lora.pinned_pool import PinnedPool, page_bytes_for
 from worker_proc.lora.reader import ReadSpec, read_image
@@ -93,8 +92,7 @@ def _slot_buffers(base: BaseShapes, max_rank: int, device: torch.device) -> dict
 def _adapter(report: dict, spec: ReadSpec, pool: PinnedPool, copier: SlotCopier, path: str, rank: int,
              repeats: int) -> dict:
     read_s, image = float("inf"), None
-    with open(os.path.join(path, CONFIG_FILE), "rb") as c, open(os.path.join(path, WEIGHTS_FILE), "rb") as w:
-        digest = content_digest(c.read(), w.read())  # as registered: the read is checked against it
+    digest = adapter_digest(path)  # as registered: the read is checked against it
     for _ in range(repeats + 1):  # the first read fills the page cache
         if image is not None:
             pool.free(list(image.extents))

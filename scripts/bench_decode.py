@@ -33,7 +33,7 @@ from shared.config import EngineConfig
 from shared.events import AdapterCpuEvicted, AdapterEvicted, AdapterSlotAssigned, CachedReq, NewReq, StepPlan
 from shared.sampling import SamplingParams
 from scripts.bench_fixtures import (
-    LLAMA3_8B, adapter_bytes, copy_bandwidth, kv_bytes, weight_bytes, write_adapter, write_model_dir,
+    LLAMA3_8B, adapter_bytes, adapter_digest, copy_bandwidth, kv_bytes, weight_bytes, write_adapter, write_model_dir,
 )
 from worker_proc.batch import build_batch
 from worker_proc.runner import InFlightStep, ModelRunner
@@ -77,10 +77,12 @@ class LoadChurn:
     """Keeps slots [first_slot, first_slot + num_slots) loading adapters while steps run, as the
     worker's loop does: between steps it sends the replies of loads that ended and starts the
     next. Every other load takes a version the CPU tier still holds; the others take a new
-    version (a new id: read from disk again)."""
+    version (a new id: read from disk again). Each carries its files' content digest, as the
+    server's loads do (the read is checked against it)."""
 
     def __init__(self, runner: ModelRunner, first_slot: int, num_slots: int, paths: list[str]) -> None:
         self.runner, self.paths = runner, paths
+        self.digests = {path: adapter_digest(path) for path in paths}
         self.slots = list(range(first_slot, first_slot + num_slots))
         self.held: dict[int, int] = {}  # slot -> version loading or loaded there
         self.num_versions = 10_000  # above the ids the sweep's own adapters use
@@ -116,7 +118,7 @@ class LoadChurn:
         version = old if reuse and old is not None else self._new_version()
         path = self.paths[version % len(self.paths)]
         self.held[slot] = version
-        self.runner.adapter_command(AdapterSlotAssigned(slot, version, path), time.monotonic())
+        self.runner.adapter_command(AdapterSlotAssigned(slot, version, path, self.digests[path]), time.monotonic())
 
     def _new_version(self) -> int:
         self.num_versions += 1

@@ -11,6 +11,7 @@ import shutil
 import torch
 from safetensors.torch import save_file
 
+from shared.adapter_digest import content_digest
 from shared.adapter_format import CONFIG_FILE, TARGET_KINDS, WEIGHTS_FILE, BaseShapes
 
 SEVEN = list(TARGET_KINDS[:7])
@@ -116,3 +117,9 @@ def copy_bandwidth(device: torch.device, num_bytes: int = 2 << 30, iters: int = 
     end.record()
     end.synchronize()
     return 2 * num_bytes * iters / (start.elapsed_time(end) / 1e3)
+
+
+def adapter_digest(path: str) -> int:
+    """The content digest the HTTP process would record when registering the adapter at `path`."""
+    with open(os.path.join(path, CONFIG_FILE), "rb") as c, open(os.path.join(path, WEIGHTS_FILE), "rb") as w:
+        return content_digest(c.read(), w.read())
