@@ -12,7 +12,7 @@ from typing import Any
 
 from shared import events as ev
 
-from scheduler_proc.core import digest, movement, prefetch, prefix, prompt_logprobs
+from scheduler_proc.core import digest, movement, pins, prefetch, prefix, prompt_logprobs
 from scheduler_proc.core.adapters import AdapterManager
 from scheduler_proc.core.block_manager import BlockAccounting, BlockManager
 from scheduler_proc.core.config import CoreConfig
@@ -164,6 +164,7 @@ class Core:
         version_id = 0 if event.lora_name is None else self.adapters.resolve(event.lora_name)
         if version_id is None:
             return [ev.RequestRejected(event.req_id, f"The model `{event.lora_name}` does not exist.", code=404, param="model")]
+        self.adapters.note_use(version_id)
         self._num_arrived += 1
         req = Request(event.req_id, event.prompt_token_ids, event.sampling, self._num_arrived, event.lora_name, version_id, self.step)
         self.requests[req.req_id] = req
@@ -338,11 +339,15 @@ class Core:
     # ------------------------------------------------------------------ planning
 
     def _prefetch(self) -> Decisions:
-        """Overlapped loading: slots and CPU staging for the head of the waiting queue."""
-        if not self.config.lora_overlap_loading or not self.scheduler.is_ready:
+        """Slots for user-pinned adapters; with overlapped loading, then slots and CPU staging
+        for the head of the waiting queue."""
+        if not self.scheduler.is_ready:
             return []
         busy_slots = [slot for step in self.in_flight for slot in step.lora_slots]
-        return prefetch.prefetch(self.adapters, self.scheduler.waiting, self.step, busy_slots)
+        decisions = pins.place(self.adapters, self.scheduler.waiting, self.step, busy_slots)
+        if not self.config.lora_overlap_loading:
+            return decisions
+        return decisions + prefetch.prefetch(self.adapters, self.scheduler.waiting, self.step, busy_slots)
 
     def _maybe_plan(self) -> Decisions:
         """Plan steps until `max_steps_in_flight` are in flight (1: the classic loop; 2: async
@@ -359,7 +364,8 @@ class Core:
 
     def _plan_step(self) -> Decisions:
         """The next step's plan and what it decides, or [] when only a step in flight can make progress."""
-        scheduled, preempted = self.scheduler.schedule(self.step + 1, not self.in_flight, self.adapters.slot_readiness())
+        scheduled, preempted = self.scheduler.schedule(self.step + 1, not self.in_flight, self.adapters.slot_readiness(),
+                                                       self.adapters.pinned_in_slots())
         if not scheduled:
             if self.in_flight or self.adapters.num_loading_slots:
                 return []  # planned when a step completes or a load ends

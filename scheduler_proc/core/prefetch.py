@@ -46,10 +46,11 @@ def prefetch(adapters: AdapterManager, waiting: Iterable[Request], step: int, bu
     num_slotted = 0  # versions of the lookahead, from its head, that are in a slot
     for version_id in order:
         if adapters.slots.find(version_id) < 0:
-            slot = slot_victim(adapters.slots.slots, order[:num_slotted], waiting_needs, busy_slots)
+            protected = order[:num_slotted] + adapters.pinned_versions()  # a user-pinned slot is never taken
+            slot = slot_victim(adapters.slots.slots, protected, waiting_needs, busy_slots)
             if slot is None:
                 break
-            decisions += _load_into(adapters, slot, version_id, order, step)
+            decisions += load_into(adapters, slot, version_id, order, step)
         num_slotted += 1
     return decisions + _stage_rest(adapters, order, order[num_slotted:], step)
 
@@ -94,7 +95,7 @@ def cpu_victim(tier: dict[int, int], in_slots: list[int], order: list[int], must
     return None
 
 
-def _load_into(adapters: AdapterManager, slot: Slot, version_id: int, order: list[int], step: int) -> Decisions:
+def load_into(adapters: AdapterManager, slot: Slot, version_id: int, order: list[int], step: int) -> Decisions:
     """Evict the slot's version, make room for `version_id` in the CPU tier, start the load."""
     decisions: Decisions = []
     if slot.state == SlotState.LOADED:
