@@ -1,5 +1,6 @@
 """The HTTP side's view of LoRA adapters: a mirror of the core's registry, the allowed-dir
-policy for run-time loads, validation with `read_manifest`, and request routing.
+policy for run-time loads, validation with `read_manifest`, and the model cards. Which
+adapter a request names, loading it on demand, is `lora_resolver.py`.
 
 The core owns the registry; `AdapterRegistry.refresh` replaces the mirror with the list
 that travels in every `AdapterOpReplied`. Refusals raise `ApiError` (OpenAI error shape).
@@ -96,28 +97,10 @@ def validate(path: str, base: BaseShapes, config: EngineConfig) -> AdapterManife
         raise ApiError(e.code, e.message, e.param) from None
 
 
-def resolve_lora(model: str, lora_path: str | None, config: EngineConfig, registry: AdapterRegistry) -> str | None:
-    """The adapter a request asks for (None: the base model), or a 404 model-not-found."""
-    by_model = None
-    if model != config.served_model_name:
-        info = registry.get(model) if config.enable_lora else None
-        if info is None:
-            raise ApiError(404, f"The model `{model}` does not exist.", "model")
-        by_model = info.name
-    if lora_path is None:
-        return by_model
-    require_lora(config)
-    info = registry.get(lora_path) or registry.by_path(lora_path)
-    if info is None:
-        raise ApiError(404, f"The LoRA adapter `{lora_path}` is not loaded.", "lora_path")
-    if by_model is not None and by_model != info.name:
-        raise ApiError(400, f"model `{model}` and lora_path `{lora_path}` name different adapters.", "lora_path")
-    return info.name
-
-
 def model_cards(config: EngineConfig, registry: AdapterRegistry, created: int) -> list[dict[str, Any]]:
     base = _card(config.served_model_name, config.model_dir, None, config, created)
-    return [base] + [_card(a.name, a.path, config.served_model_name, config, created) for a in registry.all()]
+    return [base] + [{**_card(a.name, a.path, config.served_model_name, config, created), "pinned": a.pinned}
+                     for a in registry.all()]
 
 
 def _card(name: str, root: str, parent: str | None, config: EngineConfig, created: int) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from tokenizer_proc.engine_client import EngineClientBase, EngineDeadError
 from tokenizer_proc.errors import ApiError
 from tokenizer_proc.fanout import choice_params, choice_req_id, collect_all, total_usage
 from tokenizer_proc.generation import Delta, RequestRun
+from tokenizer_proc.lora_resolver import LoraResolver
 from tokenizer_proc.metrics import Metrics
 from tokenizer_proc.prompt_logprobs import PromptLogprobsBody, prompt_logprobs_body
 from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -44,12 +45,13 @@ class Served:
     created: int
     metrics: Metrics
     adapters: adapters.AdapterRegistry
+    resolver: LoraResolver  # the adapter a request names, loaded on its first request
 
 
 def add_generate_routes(app: FastAPI, served: Served) -> None:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
-        lora_name = check_request(req, served)
+        lora_name = await check_request(req, served)
         prompt_ids = await inputs.completion_prompt_ids(req, served.tokenizer, served.config.max_model_len)
         req_id, runs = start_runs(served, req, prompt_ids, req.max_tokens, req.logprobs, "cmpl", lora_name)
         if req.stream:
@@ -68,7 +70,7 @@ def add_generate_routes(app: FastAPI, served: Served) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
-        lora_name = check_request(req, served)
+        lora_name = await check_request(req, served)
         prompt_ids = await inputs.chat_prompt_ids(req, served.tokenizer, served.chat_template, served.config.max_model_len)
         max_tokens, num_logprobs = req.max_output_tokens(), req.num_logprobs()
         req_id, runs = start_runs(served, req, prompt_ids, max_tokens, num_logprobs, "chatcmpl", lora_name)
@@ -108,10 +110,11 @@ def _chat_choice(served: Served, req: ChatCompletionRequest, delta: Delta, index
     return chat_choice(delta, logprobs, req.return_token_ids, stream=False, index=index)
 
 
-def check_request(req: SamplingFields, served: Served) -> str | None:
-    """Check the request and admit it; return the adapter it asks for (None: the base model)."""
+async def check_request(req: SamplingFields, served: Served) -> str | None:
+    """Check the request and admit it; return the adapter it asks for (None: the base model),
+    loaded on demand if it was not registered yet."""
     req.check()
-    lora_name = adapters.resolve_lora(req.model, req.lora_path, served.config, served.adapters)
+    lora_name = await served.resolver.resolve(req.model, req.lora_path)
     req.check_n(served.config.max_n)
     if (reason := served.engine.unavailable_reason()) is not None:
         raise EngineDeadError(reason)
