@@ -85,6 +85,10 @@ class LoraResolver:
         if len(real) > adapters.MAX_NAME_CHARS:
             raise ApiError(400, f"lora_path `{lora_path}` resolves to a path longer than {adapters.MAX_NAME_CHARS} "
                            "characters, the longest adapter name.", "lora_path")
+        try:
+            adapters.check_name(real, self.config)
+        except ApiError as e:
+            raise ApiError(400, f"lora_path `{lora_path}` cannot name an adapter: {e.message}", "lora_path") from None
         await self._load_once(real, real, "lora_path")
         return real
 

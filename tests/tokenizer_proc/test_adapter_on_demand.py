@@ -96,6 +96,7 @@ async def test_concurrent_first_requests_load_once(engine, tokenizer, demo_model
     (_completion(lora_path="/etc"), 400, "lora_path", "not inside"),
     (_completion(lora_path="{root}/names/escape"), 400, "lora_path", "not inside"),  # a link out of the root
     (_completion(lora_path="{root}/" + "d" * 300), 400, "lora_path", "longer than 256"),
+    (_completion(lora_path="{root}/line\u2028break"), 400, "lora_path", "line separators"),
     (_completion("broken"), 400, "model", "not valid JSON"),
     (_completion("escape"), 400, "model", "outside every --lora-allowed-dir"),
     (_completion("missing"), 404, "model", "does not exist"),
