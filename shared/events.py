@@ -27,6 +27,7 @@ class RequestArrived(Event):
     sampling: SamplingParams
     arrival_time_s: float = 0.0  # wall clock, stamped by the tokenizer process
     lora_name: str | None = None  # None: the base model
+    lora_version_id: int = 0  # the version lora_name had when the HTTP process resolved it; 0: unchecked
 
 
 class RequestAborted(Event):

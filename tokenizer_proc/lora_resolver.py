@@ -28,6 +28,7 @@ import os
 
 from shared.adapter_format import BaseShapes
 from shared.config import EngineConfig
+from shared.events import AdapterInfo
 from tokenizer_proc import adapters
 from tokenizer_proc.adapter_routes import load_event
 from tokenizer_proc.engine_client import EngineClientBase
@@ -47,16 +48,19 @@ class LoraResolver:
     def loads_on_demand(self) -> bool:
         return self.config.enable_lora and bool(self.config.lora_allowed_dirs)
 
-    async def resolve(self, model: str, lora_path: str | None) -> str | None:
-        """The adapter a request asks for (None: the base model), or an ApiError."""
-        by_model = await self._by_model(model)
-        if lora_path is None:
-            return by_model
-        adapters.require_lora(self.config)
-        by_path = await self._by_path(lora_path)
-        if by_model is not None and by_model != by_path:
-            raise ApiError(400, f"model `{model}` and lora_path `{lora_path}` name different adapters.", "lora_path")
-        return by_path
+    async def resolve(self, model: str, lora_path: str | None) -> AdapterInfo | None:
+        """The adapter a request asks for, as registered now (None: the base model), or an ApiError."""
+        name = await self._by_model(model)
+        if lora_path is not None:
+            adapters.require_lora(self.config)
+            by_path = await self._by_path(lora_path)
+            if name is not None and name != by_path:
+                raise ApiError(400, f"model `{model}` and lora_path `{lora_path}` name different adapters.", "lora_path")
+            name = by_path
+        info = self.registry.get(name) if name is not None else None
+        if name is not None and info is None:  # unloaded again before this request could use it
+            raise ApiError(404, f"The model `{name}` does not exist.", "model")
+        return info
 
     async def _by_model(self, model: str) -> str | None:
         if model == self.config.served_model_name:

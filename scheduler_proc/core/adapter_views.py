@@ -122,7 +122,7 @@ def snapshot(manager: AdapterManager) -> dict[str, Any]:
         "registry": {name: manager.registry[name] for name in sorted(manager.registry)},
         "versions": [
             {"version_id": v.version_id, "name": v.name, "path": v.path, "is_registered": v.is_registered, "num_reqs": v.num_reqs,
-             "pinned": v.pinned, "on_demand": v.on_demand, "last_used": v.last_used}
+             "pinned": v.pinned, "on_demand": v.on_demand, "last_used": v.last_used, "lineage_id": v.lineage_id}
             for v in _sorted_versions(manager)
         ],
         "slots": [

@@ -44,6 +44,7 @@ class AdapterVersion:
     pinned: bool = False  # the user's pin: keeps a GPU slot while registered
     on_demand: bool = False  # registered by a request naming it: unregistered when idle and least recently used
     last_used: int = 0  # on demand: the use clock at its registration or the last request naming it
+    lineage_id: int = 0  # the first version of its chain of in-place reloads: a fresh registration's own id
 
 
 class AdapterManager:
@@ -94,6 +95,13 @@ class AdapterManager:
         """Pinned versions that hold a slot: each keeps it, so a step's cap counts it."""
         return [v for v in self.pinned_versions() if self.slots.find(v) >= 0]
 
+    def same_adapter(self, version_id: int, named_version_id: int) -> bool:
+        """Whether a request that named version `named_version_id` of this version's name may run
+        on `version_id`: the same version, or one that replaced it in place (load_inplace). The
+        name's versions from the lineage's first one on are all in-place reloads of it (a fresh
+        registration after an unload starts a new lineage), and ids only grow."""
+        return self.versions[version_id].lineage_id <= named_version_id <= version_id
+
     def note_use(self, version_id: int) -> None:
         """A request names `version_id`: an on-demand version becomes the most recently used."""
         version = self.versions.get(version_id)
@@ -125,7 +133,8 @@ class AdapterManager:
         version_id = self._num_versions
         self.versions[version_id] = AdapterVersion(
             version_id, event.name, event.path, event.max_rank, event.num_bytes, content_digest=event.content_digest,
-            pinned=event.pinned, on_demand=event.on_demand)
+            pinned=event.pinned, on_demand=event.on_demand,
+            lineage_id=self.versions[old_version_id].lineage_id if old_version_id else version_id)
         self.registry[event.name] = version_id
         self.note_use(version_id)
         decisions.append(ev.AdapterRegistered(event.name, version_id, event.path, old_version_id, event.content_digest))

@@ -164,6 +164,10 @@ class Core:
         version_id = 0 if event.lora_name is None else self.adapters.resolve(event.lora_name)
         if version_id is None:
             return [ev.RequestRejected(event.req_id, f"The model `{event.lora_name}` does not exist.", code=404, param="model")]
+        if event.lora_version_id and version_id and not self.adapters.same_adapter(version_id, event.lora_version_id):
+            message = (f"The adapter `{event.lora_name}` was unloaded after this request named it, and that name now "
+                       f"names a newly loaded adapter; retry the request.")
+            return [ev.RequestRejected(event.req_id, message, code=404, param="model")]
         self.adapters.note_use(version_id)
         self._num_arrived += 1
         req = Request(event.req_id, event.prompt_token_ids, event.sampling, self._num_arrived, event.lora_name, version_id, self.step)
