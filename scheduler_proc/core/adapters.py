@@ -12,7 +12,8 @@ A version may be pinned by the user (AdapterLoadRequested.pinned): it takes a GP
 soon as one can be had (pins.py) and no LRU choice, prefetch or CPU-tier trim takes that
 slot; unregistering it (unload, load_inplace) frees the pin. A version registered on demand
 (a request named it) counts toward `max_on_demand_loras`; one more past that unregisters the
-least recently used idle one, and no other is ever unregistered implicitly (marks.py). Dicts here are lookups only; every walk goes through sorted ids or the slot list.
+least recently used idle one, and no other is ever unregistered implicitly (marks.py).
+Dicts here are lookups only; every walk goes through sorted ids or the slot list.
 """
 
 from __future__ import annotations
