@@ -63,12 +63,14 @@ def _namespaces(snapshot: dict[str, Any]) -> dict[str, Any]:
 
 
 def _adapters(snapshot: dict[str, Any]) -> list[Any]:
-    """The registry (name -> current version), every version the core still tracks, then the
-    deferred evictions, the CPU tier, the slot loads in flight (overlapped loading) and the
-    slots draining for a waiting version (targeted drains)."""
+    """The registry (name -> current version), every version the core still tracks (with its
+    user pin and on-demand mark), then the deferred evictions, the pinned versions, the CPU tier,
+    the slot loads in flight (overlapped loading) and the slots draining for a waiting version
+    (targeted drains)."""
     adapters = snapshot["adapters"]
     current = adapters["registry"]
-    tiers = {key: adapters.get(key) for key in ("deferred_evictions", "cpu_tier", "cpu_tier_bytes",
-                                                 "cpu_staged_on_every_rank", "loads_in_flight", "drains")}
+    tiers = {key: adapters.get(key) for key in ("deferred_evictions", "pinned", "on_demand_use_clock", "cpu_tier",
+                                                 "cpu_tier_bytes", "cpu_staged_on_every_rank", "loads_in_flight",
+                                                 "drains")}
     return [{**version, "current": current.get(version["name"]) == version["version_id"]}
             for version in adapters["versions"]] + [tiers]

@@ -14,7 +14,8 @@ adapter, one admin task cycles load (1-2 racing), in-place reload, hold, unload.
 
 Errors are the statuses scripts/lora_stress.py calls unexpected (its rules, reused): a
 base request must get 200; an adapter request 200 while the adapter may be loaded and
-404 while it may be unloaded (racing its own unload is expected); a load group exactly
+404 while it may be unloaded (racing its own unload is expected; by its path, 200 also
+while unloaded: the server loads it on demand); a load group exactly
 one 200 (a racing duplicate gets 400); reloads and unloads 200. A transport error (0) or
 a stream cut without [DONE] (-1) is always an error; a client abort is not.
 
@@ -79,7 +80,7 @@ async def _client(run: Run, client: httpx.AsyncClient, deadline: float) -> None:
             send = lambda: _stream(client, path, body)  # noqa: E731
         else:
             send = lambda: _post(client, path, body)  # noqa: E731
-        await _timed(run, kind, name, send)
+        await _timed(run, kind, name, send, by_path=kind == "lora_path" and body["lora_path"] != name)
 
 
 async def _admin_loop(run: Run, client: httpx.AsyncClient, name: str, path: str, deadline: float) -> None:

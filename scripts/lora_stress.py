@@ -14,7 +14,9 @@ Status rules (anything else is unexpected; the exit status is 1 if there is any)
   adapter is "loaded" from the reply of its successful load to the sending of its
   unload, "unloaded" from the reply of its unload to the sending of its next load, and
   either in between (while an op is in flight). An in-place reload keeps it loaded.
-  A stream counts with the code of its error event if it has one.
+  A stream counts with the code of its error event if it has one. A `lora_path` request
+  by the adapter's path may also get 200 while it is unloaded: a server with
+  `--lora-allowed-dir` loads it on demand (under its real path as its name).
 - plain load: 200; 400 only when another load of the same adapter raced it (a group of
   two); each group must have exactly one 200.
 - in-place reload: 200. unload: 200. The set-up unloads before round 1: 200 or 404.
@@ -49,6 +51,7 @@ class Outcome:
     group: int = 0  # loads sent together share a group id
     group_size: int = 1
     detail: str = ""
+    by_path: bool = False  # a lora_path request naming the adapter's directory, not its name
 
 
 @dataclass
@@ -134,6 +137,7 @@ async def _worker(run: Run, client: httpx.AsyncClient, num_requests: int) -> Non
         body: dict[str, Any] = {"model": name if kind == "adapter" else run.model, "max_tokens": run.args.max_tokens}
         if kind == "lora_path" and name is not None:
             body["lora_path"] = run.rng.choice((name, adapters[name]))
+        by_path = kind == "lora_path" and body["lora_path"] != name
         if run.rng.random() < 0.5:
             path, body["prompt"] = "/v1/completions", "stress test prompt"
         else:
@@ -141,7 +145,7 @@ async def _worker(run: Run, client: httpx.AsyncClient, num_requests: int) -> Non
         stream = run.rng.random() < 0.5
         body["stream"] = stream
         send = (lambda: _stream(client, path, body)) if stream else (lambda: _post(client, path, body))
-        await _timed(run, kind, name, send)
+        await _timed(run, kind, name, send, by_path=by_path)
 
 
 async def _base_model(client: httpx.AsyncClient) -> str:
@@ -196,7 +200,8 @@ def expected_statuses(o: Outcome, marks: dict[str, list[tuple[float, str]]]) -> 
     if o.kind == "base" or o.adapter is None:
         return {200}
     states = _states_in(marks[o.adapter], o.start_s, o.end_s)
-    return ({200} if states & {"loaded", "either"} else set()) | ({404} if states & {"unloaded", "either"} else set())
+    loaded = o.by_path or bool(states & {"loaded", "either"})  # by path: loaded on demand when unloaded
+    return ({200} if loaded else set()) | ({404} if states & {"unloaded", "either"} else set())
 
 
 def summarize(outcomes: list[Outcome]) -> dict[str, Any]:

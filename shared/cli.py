@@ -43,7 +43,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
              "are removed (0: unlimited)")
     add("--enable-lora", action="store_true", help="serve LoRA adapters")
     add("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
-        help='adapters loaded at start-up (trusted): NAME=PATH or JSON {"name": ..., "path": ...}')
+        help='adapters loaded at start-up (trusted): NAME=PATH or JSON {"name": ..., "path": ..., "pinned": false}')
     add("--max-loras", type=int, default=8, help="GPU adapter slots = distinct adapters per step")
     add("--max-lora-rank", type=int, default=64)
     add("--max-cpu-loras", type=int, default=None, help="adapter versions kept in CPU memory (default: max(32, --max-loras))")
@@ -52,6 +52,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add("--lora-overlap-loading", action=argparse.BooleanOptionalAction, default=EngineConfig.lora_overlap_loading,
         help="load adapters (disk -> CPU -> GPU slot) beside the running steps, prefetching from the waiting queue; "
              "--no-lora-overlap-loading loads each in command order, before the step that needs it")
+    add("--lora-resolve-dir", default="", metavar="DIR",
+        help="a request whose model is an unknown name N loads the adapter DIR/N on demand (DIR inside a --lora-allowed-dir)")
+    add("--max-on-demand-loras", type=int, default=EngineConfig.max_on_demand_loras, metavar="N",
+        help="adapters registered on demand at once; a new one unregisters the least recently used idle one past it")
     add("--lora-max-wait-steps", type=int, default=EngineConfig.lora_max_wait_steps,
         help="steps an adapter request may be overtaken by requests of resident adapters before nothing may pass it")
 

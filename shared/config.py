@@ -7,9 +7,12 @@ Facts found at start-up (KV capacity, vocab size) travel in WorkerReady, never h
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import msgspec
+
+from shared.adapter_files import is_inside
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,9 @@ class EngineConfig:
     event_log_max_total_bytes: int = 4 * 1024**3  # retention bound of the log directory; 0: unlimited
     lora_overlap_loading: bool = True  # adapter loads run beside the steps; False: in command order (the reference)
     lora_max_wait_steps: int = 16  # steps a waiting adapter request may be overtaken before nothing may pass it
+    lora_resolve_dir: str = ""  # a request's unknown model name N loads DIR/N on demand; inside an allowed dir
+    max_on_demand_loras: int = 64  # adapters registered on demand at once; past it the LRU idle one is unregistered
+    pinned_lora_modules: tuple[str, ...] = ()  # names of lora_modules that keep a GPU slot (at most max_loras - 1)
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -88,6 +94,14 @@ def _validate(cfg: EngineConfig) -> None:
         (cfg.max_request_bytes >= 1024, "max_request_bytes must be >= 1024"),
         (cfg.max_n >= 1, "max_n must be >= 1"),
         (cfg.max_waiting_requests >= 1, "max_waiting_requests must be >= 1"),
+        (cfg.max_on_demand_loras >= 1, f"max_on_demand_loras must be >= 1, got {cfg.max_on_demand_loras}"),
+        (not cfg.lora_resolve_dir or is_inside(os.path.realpath(cfg.lora_resolve_dir), cfg.lora_allowed_dirs),
+         f"lora_resolve_dir {cfg.lora_resolve_dir!r} must lie inside a --lora-allowed-dir"),
+        (set(cfg.pinned_lora_modules) <= {name for name, _ in cfg.lora_modules},
+         "pinned_lora_modules must name adapters of lora_modules"),
+        (len(cfg.pinned_lora_modules) <= cfg.max_loras - 1,
+         f"at most max_loras - 1 = {cfg.max_loras - 1} adapters may be pinned (--max-loras {cfg.max_loras}), "
+         f"got {len(cfg.pinned_lora_modules)}"),
     ]
     for ok, message in checks:
         if not ok:

@@ -27,6 +27,7 @@ class RequestArrived(Event):
     sampling: SamplingParams
     arrival_time_s: float = 0.0  # wall clock, stamped by the tokenizer process
     lora_name: str | None = None  # None: the base model
+    lora_version_id: int = 0  # the version lora_name had when the HTTP process resolved it; 0: unchecked
 
 
 class RequestAborted(Event):
@@ -47,6 +48,8 @@ class AdapterLoadRequested(Event):
     num_bytes: int
     load_inplace: bool = False
     content_digest: int = 0  # xxh64 of the files as the HTTP process read them (shared.adapter_digest)
+    on_demand: bool = False  # loaded by a request naming it; the core may unregister it when idle (max_on_demand_loras)
+    pinned: bool = False  # keeps a GPU slot from registration to unload; never unregistered implicitly
 
 
 class AdapterUnloadRequested(Event):
@@ -111,6 +114,8 @@ class AdapterInfo(msgspec.Struct, frozen=True, array_like=True, omit_defaults=Tr
     name: str
     version_id: int
     path: str
+    pinned: bool = False
+    on_demand: bool = False
 
 
 class EngineReady(Event):
@@ -347,6 +352,7 @@ class AdapterRegistered(Event):
 class AdapterUnloaded(Event):
     name: str
     version_id: int
+    reason: str = ""  # "": an unload or a failed load; "lru": the least recently used idle on-demand adapter made room
 
 
 class AdapterEvictionDeferred(Event):

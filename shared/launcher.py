@@ -67,6 +67,7 @@ def resolve_config(args: argparse.Namespace, run_dir: str) -> EngineConfig:
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     max_pos = int(hf_config.get("max_position_embeddings", 2048))
     max_model_len = max_pos if args.max_model_len is None else args.max_model_len
+    modules = [parse_lora_module(spec) for spec in args.lora_modules]
     if max_model_len > max_pos:
         raise ValueError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings {max_pos}")
     return EngineConfig(
@@ -102,10 +103,13 @@ def resolve_config(args: argparse.Namespace, run_dir: str) -> EngineConfig:
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
         max_cpu_loras=max(32, args.max_loras) if args.max_cpu_loras is None else args.max_cpu_loras,
-        lora_modules=tuple(parse_lora_module(spec) for spec in args.lora_modules),
+        lora_modules=tuple((name, path) for name, path, _ in modules),
+        pinned_lora_modules=tuple(name for name, _, pinned in modules if pinned),
         lora_allowed_dirs=tuple(os.path.realpath(d) for d in args.lora_allowed_dir),
         lora_overlap_loading=args.lora_overlap_loading,
         lora_max_wait_steps=args.lora_max_wait_steps,
+        lora_resolve_dir=os.path.realpath(args.lora_resolve_dir) if args.lora_resolve_dir else "",
+        max_on_demand_loras=args.max_on_demand_loras,
     )
 
 
@@ -117,21 +121,25 @@ def api_key(args: argparse.Namespace) -> str:
     return args.api_key or os.environ.get(API_KEY_ENV, "")
 
 
-def parse_lora_module(spec: str) -> tuple[str, str]:
-    """`NAME=PATH` or JSON `{"name": NAME, "path": PATH}` -> (name, absolute path)."""
+def parse_lora_module(spec: str) -> tuple[str, str, bool]:
+    """`NAME=PATH` (unpinned) or JSON `{"name": NAME, "path": PATH, "pinned": BOOL}` -> (name,
+    absolute path, pinned)."""
+    pinned = False
     if spec.lstrip().startswith("{"):
         try:
             obj = json.loads(spec)
-            name, path = obj["name"], obj["path"]
-        except (json.JSONDecodeError, KeyError, TypeError):
+            name, path, pinned = obj["name"], obj["path"], obj.get("pinned", False)
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
             raise ValueError(f'--lora-modules: {spec!r} is not JSON of the form {{"name": ..., "path": ...}}') from None
+        if not isinstance(pinned, bool):
+            raise ValueError(f"--lora-modules: {spec!r}: pinned must be true or false")
     else:
         name, sep, path = spec.partition("=")
         if not sep:
             raise ValueError(f"--lora-modules: {spec!r} is not NAME=PATH")
     if not name or not path:
         raise ValueError(f"--lora-modules: {spec!r} needs a name and a path")
-    return str(name), os.path.abspath(str(path))
+    return str(name), os.path.abspath(str(path)), pinned
 
 
 def _demo_model_dir() -> str:

@@ -1,8 +1,9 @@
 """`/v1/load_lora_adapter`, `/v1/unload_lora_adapter` and the start-up adapters.
 
 Each op is validated here, sent to the core with a fresh op_id, and answered from the
-core's `AdapterOpReplied` (duplicates: the core's 400; unknown unloads: its 404). A load
-carries the content digest of the files as validated: every later read must match it.
+core's `AdapterOpReplied` (duplicates: the core's 400; unknown unloads: its 404; a pin past
+max_loras - 1: its 400). A load carries the content digest of the files as validated: every
+later read must match it. Unknown fields in either body are refused with 400.
 """
 
 from __future__ import annotations
@@ -30,15 +31,16 @@ class StartupAdapterError(RuntimeError):
 
 
 class LoadLoraRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     lora_name: str
     lora_path: str
     load_inplace: StrictBool = False
+    pinned: StrictBool = False  # keep a GPU slot until unloaded (SGLang's pinned adapters)
 
 
 class UnloadLoraRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     lora_name: str
 
@@ -52,7 +54,7 @@ def add_adapter_routes(app: FastAPI, engine: EngineClientBase, config: EngineCon
         if base is None:  # enable_lora implies base shapes; kept for the type checker
             raise RuntimeError("LoRA is enabled but the base shapes are unknown")
         manifest = await asyncio.to_thread(adapters.validate, real, base, config)
-        reply = await engine.adapter_op(_load_event(req.lora_name, manifest, req.load_inplace))
+        reply = await engine.adapter_op(load_event(req.lora_name, manifest, req.load_inplace, pinned=req.pinned))
         if reply.code != 200:
             return error_response(reply.code, reply.message, "lora_name")
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
@@ -83,17 +85,20 @@ def validate_startup_adapters(config: EngineConfig, base: BaseShapes | None) -> 
     return checked
 
 
-async def load_startup_adapters(engine: EngineClientBase, checked: list[tuple[str, AdapterManifest]]) -> None:
+async def load_startup_adapters(engine: EngineClientBase, config: EngineConfig,
+                                checked: list[tuple[str, AdapterManifest]]) -> None:
     """Register the start-up adapters with the core, one at a time, before serving."""
     for name, manifest in checked:
-        reply = await engine.adapter_op(_load_event(name, manifest, load_inplace=False))
+        pinned = name in config.pinned_lora_modules
+        reply = await engine.adapter_op(load_event(name, manifest, pinned=pinned))
         if reply.code != 200:
             raise StartupAdapterError(f"start-up adapter '{name}' at {manifest.path}: the engine refused it "
                                       f"({reply.code}): {reply.message}")
         logger.info("adapter '%s' loaded from %s (version %d)", name, manifest.path, reply.version_id)
 
 
-def _load_event(name: str, manifest: AdapterManifest, load_inplace: bool) -> AdapterLoadRequested:
+def load_event(name: str, manifest: AdapterManifest, load_inplace: bool = False, pinned: bool = False,
+               on_demand: bool = False) -> AdapterLoadRequested:
     return AdapterLoadRequested(
         op_id=_op_id(),
         name=name,
@@ -102,6 +107,8 @@ def _load_event(name: str, manifest: AdapterManifest, load_inplace: bool) -> Ada
         num_bytes=manifest.num_bytes,
         load_inplace=load_inplace,
         content_digest=manifest.content_digest,
+        on_demand=on_demand,
+        pinned=pinned,
     )
 
 

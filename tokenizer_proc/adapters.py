@@ -1,5 +1,6 @@
 """The HTTP side's view of LoRA adapters: a mirror of the core's registry, the allowed-dir
-policy for run-time loads, validation with `read_manifest`, and request routing.
+policy for run-time loads, validation with `read_manifest`, and the model cards. Which
+adapter a request names, loading it on demand, is `lora_resolver.py`.
 
 The core owns the registry; `AdapterRegistry.refresh` replaces the mirror with the list
 that travels in every `AdapterOpReplied`. Refusals raise `ApiError` (OpenAI error shape).
@@ -98,33 +99,15 @@ def validate(path: str, base: BaseShapes, config: EngineConfig) -> AdapterManife
         raise ApiError(e.code, e.message, e.param) from None
 
 
-def resolve_lora(model: str, lora_path: str | None, config: EngineConfig, registry: AdapterRegistry) -> str | None:
-    """The adapter a request asks for (None: the base model), or a 404 model-not-found."""
-    by_model = None
-    if model != config.served_model_name:
-        info = registry.get(model) if config.enable_lora else None
-        if info is None:
-            raise ApiError(404, f"The model `{model}` does not exist.", "model")
-        by_model = info.name
-    if lora_path is None:
-        return by_model
-    require_lora(config)
-    info = registry.get(lora_path) or registry.by_path(lora_path)
-    if info is None:
-        raise ApiError(404, f"The LoRA adapter `{lora_path}` is not loaded.", "lora_path")
-    if by_model is not None and by_model != info.name:
-        raise ApiError(400, f"model `{model}` and lora_path `{lora_path}` name different adapters.", "lora_path")
-    return info.name
-
-
 def model_cards(config: EngineConfig, registry: AdapterRegistry, created: int,
                 rows: dict[str, AdapterRow] | None = None) -> list[dict[str, Any]]:
-    """The base model's card, then each adapter's with `location` (gpu, cpu or disk) from its
-    latest row; an adapter the scheduler has sent no row for yet is on disk."""
+    """The base model's card, then each adapter's with `pinned` and `location` (gpu, cpu or disk)
+    from its latest row; an adapter the scheduler has sent no row for yet is on disk."""
     base = _card(config.served_model_name, config.model_dir, None, config, created)
     rows = rows or {}
     return [base] + [
-        {**_card(a.name, a.path, config.served_model_name, config, created), "location": _location(rows.get(a.name))}
+        {**_card(a.name, a.path, config.served_model_name, config, created), "pinned": a.pinned,
+         "location": _location(rows.get(a.name))}
         for a in registry.all()
     ]
 

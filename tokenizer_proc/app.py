@@ -22,6 +22,7 @@ from tokenizer_proc.chat_template import ChatTemplate
 from tokenizer_proc.engine_client import EngineClientBase
 from tokenizer_proc.errors import error_response, install_error_handlers
 from tokenizer_proc.generate_routes import Served, add_generate_routes
+from tokenizer_proc.lora_resolver import LoraResolver
 from tokenizer_proc.metrics import CONTENT_TYPE_LATEST, Metrics
 from tokenizer_proc.security import ApiKeyMiddleware, BodyLimitMiddleware, api_key_from_env
 from tokenizer_proc.text_check import TextCheckedRoute
@@ -38,8 +39,10 @@ def build_app(
     api_key = api_key_from_env(config.api_key_required)
     template = chat_template if chat_template is not None else ChatTemplate.from_model_dir(config.model_dir)
     registry = adapters.AdapterRegistry()
+    base = adapters.load_base_shapes(config.model_dir) if config.enable_lora else None
+    resolver = LoraResolver(engine, config, registry, base)
     served = Served(engine, tokenizer, config, template, len(tokenizer), int(time.time()),
-                    Metrics(engine, config.max_loras), registry)
+                    Metrics(engine, config.max_loras), registry, resolver)
     engine.finished_listeners.append(served.metrics.on_finished)
     engine.load_listeners.append(served.metrics.on_load)
 
@@ -48,14 +51,13 @@ def build_app(
         served.metrics.on_adapters(infos)
 
     engine.on_adapters = on_adapters
-    base = adapters.load_base_shapes(config.model_dir) if config.enable_lora else None
     startup = validate_startup_adapters(config, base)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await engine.start()
         try:
-            await load_startup_adapters(engine, startup)  # before the server reports ready
+            await load_startup_adapters(engine, config, startup)  # before the server reports ready
         except StartupAdapterError as e:
             logger.error("%s", e)
             raise

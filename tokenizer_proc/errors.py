@@ -69,6 +69,9 @@ def validation_error_response(exc: RequestValidationError) -> JSONResponse:
     raw_loc = tuple(first.get("loc", ()))
     if raw_loc[:1] == ("body",) and (len(raw_loc) == 1 or first.get("type") == "json_invalid"):
         return error_response(400, BODY_ERRORS.get(str(first.get("type")), "The request body is invalid."))
+    if first.get("type") == "extra_forbidden" and len(raw_loc) == 2:  # a body model that forbids unknown fields
+        name = shown_name(str(raw_loc[1]))
+        return error_response(400, f"`{name}` is not a known field of this request", name)
     body = getattr(exc, "body", None)
     path, message = describe([(field_path(e.get("loc", ()), body, e.get("type")), str(e.get("msg", "invalid value")))
                               for e in errors])

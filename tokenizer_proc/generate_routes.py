@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 
 from shared.config import EngineConfig
-from shared.events import RequestArrived
+from shared.events import AdapterInfo, RequestArrived
 from tokenizer_proc import adapters, inputs, streaming
 from tokenizer_proc.chat_template import ChatTemplate
 from tokenizer_proc.disconnect import ClientGone, until_disconnect
@@ -19,6 +19,7 @@ from tokenizer_proc.engine_client import EngineClientBase, EngineDeadError
 from tokenizer_proc.errors import ApiError
 from tokenizer_proc.fanout import choice_params, choice_req_id, collect_all, total_usage
 from tokenizer_proc.generation import Delta, RequestRun
+from tokenizer_proc.lora_resolver import LoraResolver
 from tokenizer_proc.metrics import Metrics
 from tokenizer_proc.prompt_logprobs import PromptLogprobsBody, prompt_logprobs_body
 from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -44,14 +45,15 @@ class Served:
     created: int
     metrics: Metrics
     adapters: adapters.AdapterRegistry
+    resolver: LoraResolver  # the adapter a request names, loaded on its first request
 
 
 def add_generate_routes(app: FastAPI, served: Served) -> None:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
-        lora_name = check_request(req, served)
+        adapter = await check_request(req, served)
         prompt_ids = await inputs.completion_prompt_ids(req, served.tokenizer, served.config.max_model_len)
-        req_id, runs = start_runs(served, req, prompt_ids, req.max_tokens, req.logprobs, "cmpl", lora_name)
+        req_id, runs = start_runs(served, req, prompt_ids, req.max_tokens, req.logprobs, "cmpl", adapter)
         if req.stream:
             return _sse(streaming.completion_stream(req_id, runs, req, served.tokenizer))
         deltas = await _collect_or_gone(raw, runs)
@@ -68,10 +70,10 @@ def add_generate_routes(app: FastAPI, served: Served) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
-        lora_name = check_request(req, served)
+        adapter = await check_request(req, served)
         prompt_ids = await inputs.chat_prompt_ids(req, served.tokenizer, served.chat_template, served.config.max_model_len)
         max_tokens, num_logprobs = req.max_output_tokens(), req.num_logprobs()
-        req_id, runs = start_runs(served, req, prompt_ids, max_tokens, num_logprobs, "chatcmpl", lora_name)
+        req_id, runs = start_runs(served, req, prompt_ids, max_tokens, num_logprobs, "chatcmpl", adapter)
         if req.stream:
             return _sse(streaming.chat_stream(req_id, runs, req, served.tokenizer))
         deltas = await _collect_or_gone(raw, runs)
@@ -108,15 +110,16 @@ def _chat_choice(served: Served, req: ChatCompletionRequest, delta: Delta, index
     return chat_choice(delta, logprobs, req.return_token_ids, stream=False, index=index)
 
 
-def check_request(req: SamplingFields, served: Served) -> str | None:
-    """Check the request and admit it; return the adapter it asks for (None: the base model)."""
+async def check_request(req: SamplingFields, served: Served) -> AdapterInfo | None:
+    """Check the request and admit it; return the adapter it asks for (None: the base model),
+    loaded on demand if it was not registered yet."""
     req.check()
-    lora_name = adapters.resolve_lora(req.model, req.lora_path, served.config, served.adapters)
+    adapter = await served.resolver.resolve(req.model, req.lora_path)
     req.check_n(served.config.max_n)
     if (reason := served.engine.unavailable_reason()) is not None:
         raise EngineDeadError(reason)
     check_capacity(served.engine, served.config, req.n)
-    return lora_name
+    return adapter
 
 
 def check_capacity(engine: EngineClientBase, config: EngineConfig, n: int) -> None:
@@ -135,9 +138,11 @@ def start_runs(
     max_tokens: int | None,
     num_logprobs: int | None,
     prefix: str,
-    lora_name: str | None,
+    adapter: AdapterInfo | None,
 ) -> tuple[str, list[RequestRun]]:
-    """The response id and one RequestRun per choice (engine ids `<id>-<i>` when n > 1)."""
+    """The response id and one RequestRun per choice (engine ids `<id>-<i>` when n > 1). Each
+    names the adapter's version as resolved: should the name be unloaded and loaded afresh
+    before the request arrives, the core refuses it rather than run another adapter."""
     params = inputs.sampling_params(
         req, max_tokens, num_logprobs, len(prompt_ids), served.config.max_model_len, served.vocab_size
     )
@@ -149,7 +154,8 @@ def start_runs(
             prompt_token_ids=prompt_ids,
             sampling=choice_params(params, index),
             arrival_time_s=time.time(),
-            lora_name=lora_name,
+            lora_name=adapter.name if adapter is not None else None,
+            lora_version_id=adapter.version_id if adapter is not None else 0,
         )
         runs.append(RequestRun(served.engine, served.tokenizer, arrived, req.stop_list(), req.skip_special_tokens))
     return req_id, runs

@@ -41,6 +41,22 @@ def check_adapters(manager: AdapterManager, live_reqs: list[Request]) -> None:
         if manager.registry[name] not in manager.versions:
             raise RuntimeError(f"the registry maps {name!r} to a dropped version")
     _check_cpu_tier(manager)
+    _check_marks(manager)
+
+
+def _check_marks(manager: AdapterManager) -> None:
+    """User pins only on registered versions, at most max_loras - 1; registered on-demand
+    versions within max_on_demand_loras, each used at a distinct tick of the use clock."""
+    pinned = manager.pinned_versions()
+    if len(pinned) > manager.config.max_loras - 1 or any(not manager.versions[v].is_registered for v in pinned):
+        raise RuntimeError(f"pinned versions {pinned}: more than max_loras - 1, or one not registered")
+    marked = [manager.versions[v] for v in sorted(manager.versions) if manager.versions[v].on_demand]
+    registered = [v for v in marked if v.is_registered]
+    if len(registered) > manager.config.max_on_demand_loras:
+        raise RuntimeError(f"{len(registered)} on-demand versions registered > max_on_demand_loras")
+    ticks = sorted(v.last_used for v in marked)
+    if not all(a < b for a, b in pairwise(ticks)) or any(not 0 < t <= manager.num_uses for t in ticks):
+        raise RuntimeError(f"on-demand use ticks {ticks} are not distinct values in 1..{manager.num_uses}")
 
 
 def _check_drains(manager: AdapterManager, live_reqs: list[Request]) -> None:
@@ -116,6 +132,9 @@ def rows(manager: AdapterManager) -> list[Any]:
         out.append([[v, list(manager.cpu_staged_ranks[v])] for v in sorted(manager.cpu_staged_ranks)])
     if manager.config.drains_slots and manager.config.enable_lora:
         out.append(manager.slots.drain_rows())
+    marks = [[v.version_id, v.pinned, v.on_demand, v.last_used] for v in _sorted_versions(manager) if v.pinned or v.on_demand]
+    if marks:  # user pins and on-demand marks; absent when there are none, as in older logs' digests
+        out.append([marks, manager.num_uses])
     return out
 
 
@@ -125,7 +144,8 @@ def snapshot(manager: AdapterManager) -> dict[str, Any]:
     return {
         "registry": {name: manager.registry[name] for name in sorted(manager.registry)},
         "versions": [
-            {"version_id": v.version_id, "name": v.name, "path": v.path, "is_registered": v.is_registered, "num_reqs": v.num_reqs}
+            {"version_id": v.version_id, "name": v.name, "path": v.path, "is_registered": v.is_registered, "num_reqs": v.num_reqs,
+             "pinned": v.pinned, "on_demand": v.on_demand, "last_used": v.last_used, "lineage_id": v.lineage_id}
             for v in _sorted_versions(manager)
         ],
         "slots": [
@@ -134,6 +154,8 @@ def snapshot(manager: AdapterManager) -> dict[str, Any]:
         ],
         "cpu_tier": [[v, tier[v]] for v in sorted(tier)],
         "deferred_evictions": [v.version_id for v in _sorted_versions(manager) if not v.is_registered],
+        "pinned": manager.pinned_versions(),
+        "on_demand_use_clock": manager.num_uses,
         "loads_in_flight": [
             {"slot": s.index, "version_id": s.version_id, "ready_ranks": list(s.ready_ranks)}
             for s in manager.slots.slots if s.state == SlotState.LOADING

@@ -7,6 +7,12 @@ With overlapped loading, a version whose slot is still LOADING also stays until 
 ends (every rank done, or one failed): a slot is never evicted mid-load. The CPU tier
 (`cpu_last_used_step`) holds a version from its AdapterPrefetched or AdapterSlotAssigned on,
 never more than `max_cpu_loras`, and never drops a version that is in a slot.
+
+A version may be pinned by the user (AdapterLoadRequested.pinned): it takes a GPU slot as
+soon as one can be had (pins.py) and no LRU choice, prefetch or CPU-tier trim takes that
+slot; unregistering it (unload, load_inplace) frees the pin. A version registered on demand
+(a request named it) counts toward `max_on_demand_loras`; one more past that unregisters the
+least recently used idle one, and no other is ever unregistered implicitly (marks.py).
 Dicts here are lookups only; every walk goes through sorted ids or the slot list.
 """
 
@@ -17,7 +23,7 @@ from typing import Any
 
 from shared import events as ev
 
-from scheduler_proc.core import adapter_views
+from scheduler_proc.core import adapter_views, marks
 from scheduler_proc.core.config import CoreConfig
 from scheduler_proc.core.request import Request
 from scheduler_proc.core.scheduler import distinct
@@ -36,6 +42,10 @@ class AdapterVersion:
     is_registered: bool = True
     num_reqs: int = 0  # live (waiting or running) requests holding this version
     content_digest: int = 0  # what its files must hash to when read again (0: not checked)
+    pinned: bool = False  # the user's pin: keeps a GPU slot while registered
+    on_demand: bool = False  # registered by a request naming it: unregistered when idle and least recently used
+    last_used: int = 0  # on demand: the use clock at its registration or the last request naming it
+    lineage_id: int = 0  # the first version of its chain of in-place reloads: a fresh registration's own id
 
 
 class AdapterManager:
@@ -47,6 +57,7 @@ class AdapterManager:
         self.cpu_last_used_step: dict[int, int] = {}  # the CPU tier: version id -> last use
         self.cpu_staged_ranks: dict[int, list[int]] = {}  # CPU-tier version -> ranks that reported it staged
         self._num_versions = 0  # version ids count from 1; 0 is the base model
+        self.num_uses = 0  # the on-demand use clock: registrations and arrivals naming an on-demand version
 
     # ------------------------------------------------------------------ views
 
@@ -74,7 +85,30 @@ class AdapterManager:
         return self.registry.get(name)
 
     def infos(self) -> list[ev.AdapterInfo]:
-        return [ev.AdapterInfo(name, self.registry[name], self.versions[self.registry[name]].path) for name in sorted(self.registry)]
+        current = [self.versions[self.registry[name]] for name in sorted(self.registry)]
+        return [ev.AdapterInfo(v.name, v.version_id, v.path, v.pinned, v.on_demand) for v in current]
+
+    def pinned_versions(self) -> list[int]:
+        """The user-pinned versions, by id (pinned implies registered)."""
+        return [v for v in sorted(self.versions) if self.versions[v].pinned]
+
+    def pinned_in_slots(self) -> list[int]:
+        """Pinned versions that hold a slot: each keeps it, so a step's cap counts it."""
+        return [v for v in self.pinned_versions() if self.slots.find(v) >= 0]
+
+    def same_adapter(self, version_id: int, named_version_id: int) -> bool:
+        """Whether a request that named version `named_version_id` of this version's name may run
+        on `version_id`: the same version, or one that replaced it in place (load_inplace). The
+        name's versions from the lineage's first one on are all in-place reloads of it (a fresh
+        registration after an unload starts a new lineage), and ids only grow."""
+        return self.versions[version_id].lineage_id <= named_version_id <= version_id
+
+    def note_use(self, version_id: int) -> None:
+        """A request names `version_id`: an on-demand version becomes the most recently used."""
+        version = self.versions.get(version_id)
+        if version is not None and version.on_demand:
+            self.num_uses += 1
+            version.last_used = self.num_uses
 
     def slot_readiness(self) -> dict[int, bool] | None:
         """For admission with overlapped loading: version -> True if its slot is ready on
@@ -92,17 +126,34 @@ class AdapterManager:
         old_version_id = self.registry.get(event.name, 0)
         if old_version_id and not event.load_inplace:
             return [self._reply(event.op_id, 400, f"The lora adapter '{event.name}' has already been loaded; pass load_inplace=true to replace it.")]
+        refusal = marks.refusal(self, event, old_version_id)
+        if refusal is not None:
+            return [self._reply(event.op_id, *refusal)]
+        decisions: Decisions = self._make_room(event, old_version_id)
         self._num_versions += 1
         version_id = self._num_versions
         self.versions[version_id] = AdapterVersion(
-            version_id, event.name, event.path, event.max_rank, event.num_bytes, content_digest=event.content_digest)
+            version_id, event.name, event.path, event.max_rank, event.num_bytes, content_digest=event.content_digest,
+            pinned=event.pinned, on_demand=event.on_demand,
+            lineage_id=self.versions[old_version_id].lineage_id if old_version_id else version_id)
         self.registry[event.name] = version_id
-        decisions: Decisions = [ev.AdapterRegistered(event.name, version_id, event.path, old_version_id, event.content_digest)]
+        self.note_use(version_id)
+        decisions.append(ev.AdapterRegistered(event.name, version_id, event.path, old_version_id, event.content_digest))
         if old_version_id:
             decisions += self._unregister(old_version_id)
         if self.config.lora_overlap_loading and len(self.cpu_last_used_step) < self.config.max_cpu_loras:
             decisions.append(self.stage(version_id, step))  # into a free CPU entry only: never evicts here
         return decisions + [self._reply(event.op_id, 200, "", version_id)]
+
+    def _make_room(self, event: ev.AdapterLoadRequested, old_version_id: int) -> Decisions:
+        """A new on-demand version past the bound: the least recently used idle one is unregistered."""
+        if not event.on_demand or not marks.is_full(self, old_version_id):
+            return []
+        victim = marks.lru_idle(self, old_version_id)
+        if victim is None:
+            raise RuntimeError("no idle on-demand adapter to unregister: the load should have been refused")
+        del self.registry[victim.name]
+        return [ev.AdapterUnloaded(victim.name, victim.version_id, marks.LRU_REASON)] + self._unregister(victim.version_id)
 
     def unload(self, event: ev.AdapterUnloadRequested) -> Decisions:
         if not self.config.enable_lora:
@@ -125,6 +176,7 @@ class AdapterManager:
     def _unregister(self, version_id: int) -> Decisions:
         version = self.versions[version_id]
         version.is_registered = False
+        version.pinned = False  # the pin goes with the registration
         index = self.slots.find(version_id)
         if version.num_reqs == 0 and not self.slots.is_loading(index):
             return self.drop(version_id)
@@ -200,7 +252,7 @@ class AdapterManager:
         decisions: Decisions = []
         index = self.slots.find(version_id)
         if index < 0:
-            victim = lru_victim(self.slots.slots, needed)
+            victim = lru_victim(self.slots.slots, needed + self.pinned_versions())
             if victim is None:
                 raise RuntimeError(f"no GPU slot for adapter version {version_id}: the step holds more than max_loras adapters")
             index = victim.index
@@ -222,6 +274,14 @@ class AdapterManager:
         return decisions
 
     # ------------------------------------------------------------------ overlapped movement
+
+    def take_slot(self, slot: Slot, version_id: int, step: int) -> Decisions:
+        """Reference path: evict `slot`'s version if it holds one and assign `version_id` at once
+        (the workers load in command order); the CPU tier is trimmed after."""
+        decisions: Decisions = [self.evict_slot(slot)] if slot.state == SlotState.LOADED else []
+        self.slots.assign(slot.index, version_id, step)
+        self.cpu_last_used_step[version_id] = step
+        return decisions + [self._slot_assigned(slot.index, version_id)] + self._trim_cpu_tier()
 
     def evict_slot(self, slot: Slot) -> ev.AdapterEvicted:
         return ev.AdapterEvicted(slot.index, self.slots.evict(slot.index))

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from shared.config import EngineConfig
 
-_POSITIVE = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "tensor_parallel_size", "max_loras", "max_cpu_loras", "lora_max_wait_steps", "max_steps_in_flight")
+_POSITIVE = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "tensor_parallel_size", "max_loras", "max_cpu_loras", "lora_max_wait_steps", "max_steps_in_flight",
+             "max_on_demand_loras")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class CoreConfig:
     def drains_slots(self) -> bool:
         """Whether the targeted-drain policy is on (it needs overlapped loading)."""
         return self.lora_overlap_loading and self.lora_targeted_drain
+    max_on_demand_loras: int = 64  # adapters registered on demand at once; past it the LRU idle one goes
 
     def __post_init__(self) -> None:
         for name in _POSITIVE:
@@ -65,4 +67,5 @@ class CoreConfig:
             lora_max_wait_steps=cfg.lora_max_wait_steps,
             max_steps_in_flight=2 if cfg.async_scheduling else 1,
             lora_overlap_loading=cfg.lora_overlap_loading,
+            max_on_demand_loras=cfg.max_on_demand_loras,
         )

@@ -12,7 +12,7 @@ from typing import Any
 
 from shared import events as ev
 
-from scheduler_proc.core import digest, drain, movement, prefetch, prefix, prompt_logprobs
+from scheduler_proc.core import digest, drain, movement, pins, prefetch, prefix, prompt_logprobs
 from scheduler_proc.core.adapters import AdapterManager
 from scheduler_proc.core.block_manager import BlockAccounting, BlockManager
 from scheduler_proc.core.config import CoreConfig
@@ -169,6 +169,11 @@ class Core:
         version_id = 0 if event.lora_name is None else self.adapters.resolve(event.lora_name)
         if version_id is None:
             return [ev.RequestRejected(event.req_id, f"The model `{event.lora_name}` does not exist.", code=404, param="model")]
+        if event.lora_version_id and version_id and not self.adapters.same_adapter(version_id, event.lora_version_id):
+            message = (f"The adapter `{event.lora_name}` was unloaded after this request named it, and that name now "
+                       f"names a newly loaded adapter; retry the request.")
+            return [ev.RequestRejected(event.req_id, message, code=404, param="model")]
+        self.adapters.note_use(version_id)
         self._num_arrived += 1
         req = Request(event.req_id, event.prompt_token_ids, event.sampling, self._num_arrived, event.lora_name, version_id, self.step)
         self.requests[req.req_id] = req
@@ -343,16 +348,20 @@ class Core:
     # ------------------------------------------------------------------ planning
 
     def _prefetch(self) -> Decisions:
-        """Overlapped loading: slots and CPU staging for the head of the waiting queue, in queue
-        order; with targeted drains, in slot order and with the drain pass (drain.py)."""
-        if not self.config.lora_overlap_loading or not self.scheduler.is_ready:
+        """Slots for user-pinned adapters (pins.py); with overlapped loading, then slots and CPU
+        staging for the head of the waiting queue, in queue order; with targeted drains, in slot
+        order and with the drain pass (drain.py)."""
+        if not self.scheduler.is_ready:
             return []
         busy_slots = [slot for step in self.in_flight for slot in step.lora_slots]
         waiting = self.scheduler.waiting
+        decisions = pins.place(self.adapters, waiting, self.step, busy_slots)
+        if not self.config.lora_overlap_loading:
+            return decisions
         if self.config.drains_slots:
-            return drain.movement_pass(self.adapters, waiting, self.scheduler.running, self.step, busy_slots)
+            return decisions + drain.movement_pass(self.adapters, waiting, self.scheduler.running, self.step, busy_slots)
         order = prefetch.lookahead(waiting, self.config.max_num_seqs, prefetch.LOOKAHEAD_VERSIONS_PER_SLOT * self.config.max_loras)
-        return prefetch.prefetch(self.adapters, order, self.step, busy_slots)
+        return decisions + prefetch.prefetch(self.adapters, order, self.step, busy_slots)
 
     def _maybe_plan(self) -> Decisions:
         """Plan steps until `max_steps_in_flight` are in flight (1: the classic loop; 2: async
@@ -370,7 +379,8 @@ class Core:
     def _plan_step(self) -> Decisions:
         """The next step's plan and what it decides, or [] when only a step in flight can make progress."""
         draining = drain.draining(self.adapters) if self.config.drains_slots else None
-        scheduled, preempted = self.scheduler.schedule(self.step + 1, not self.in_flight, self.adapters.slot_readiness(), draining)
+        scheduled, preempted = self.scheduler.schedule(self.step + 1, not self.in_flight, self.adapters.slot_readiness(),
+                                                       draining, self.adapters.pinned_in_slots())
         if not scheduled:
             if self.in_flight or self.adapters.num_loading_slots:
                 return []  # planned when a step completes or a load ends

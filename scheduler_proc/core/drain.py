@@ -15,7 +15,7 @@ or LOADED and idle for no version of the lookahead: a step in flight still reads
 drain once its oldest waiting request R has waited W steps (until then requests of resident
 adapters may pass it, and a slot may come free by itself). The victim is a PINNED slot, not
 draining, whose version no earlier version of the order and no waiting request ahead of R
-needs (nor, when user pins come, one pinned by a user): the one whose running requests have
+needs, and none a user pinned: the one whose running requests have
 the least remaining work (the most, over them, of the tokens they may still generate), then
 the fewest waiting requests for its version, then least recently used, then the lowest index.
 AdapterDrainStarted(slot, version, for version, remaining tokens).
@@ -148,7 +148,8 @@ def _cancel_reason(adapters: AdapterManager, view: WaitingView, slot: Slot, for_
 def start_needed(adapters: AdapterManager, view: WaitingView, order: list[int], running: list[Request], step: int) -> Decisions:
     """Start a drain for each version of the order that needs one (after the prefetch pass)."""
     slots = adapters.slots
-    num_spare = sum(1 for s in slots.slots if _is_spare(s, view))
+    pinned = adapters.pinned_versions()  # user pins: their slots never come free nor drain
+    num_spare = sum(1 for s in slots.slots if _is_spare(s, view) and s.version_id not in pinned)
     targets = [s.drain_for_version_id for s in slots.slots if s.drain_for_version_id]
     decisions: Decisions = []
     for i, version_id in enumerate(order):
@@ -159,7 +160,7 @@ def start_needed(adapters: AdapterManager, view: WaitingView, order: list[int], 
             continue
         if not _is_aged(view, version_id, step, adapters.config):
             continue  # affinity: requests of resident adapters may pass it until then
-        protected = order[:i] + view.ahead_of(version_id)
+        protected = order[:i] + view.ahead_of(version_id) + pinned
         victim = _victim(adapters, running, protected)
         if victim is None:
             continue  # every slot is draining, loading or needed ahead

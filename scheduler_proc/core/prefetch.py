@@ -53,11 +53,12 @@ def prefetch(adapters: AdapterManager, order: list[int], step: int, busy_slots: 
             continue
         slot = adapters.slots.slots[drained[version_id]] if version_id in drained else None
         if slot is None and not is_blocked:
-            slot = slot_victim(adapters.slots.slots, order[:num_slotted], waiting_needs, busy_slots)
+            protected = order[:num_slotted] + adapters.pinned_versions()  # a user-pinned slot is never taken
+            slot = slot_victim(adapters.slots.slots, protected, waiting_needs, busy_slots)
         if slot is None:
             is_blocked = True
             continue
-        decisions += _load_into(adapters, slot, version_id, order, step)
+        decisions += load_into(adapters, slot, version_id, order, step)
         if version_id in drained:
             adapters.slots.reserve(slot.index)
         num_slotted += int(not is_blocked)
@@ -105,7 +106,7 @@ def cpu_victim(tier: dict[int, int], in_slots: list[int], order: list[int], must
     return None
 
 
-def _load_into(adapters: AdapterManager, slot: Slot, version_id: int, order: list[int], step: int) -> Decisions:
+def load_into(adapters: AdapterManager, slot: Slot, version_id: int, order: list[int], step: int) -> Decisions:
     """Evict the slot's version, make room for `version_id` in the CPU tier, start the load."""
     decisions: Decisions = []
     if slot.state == SlotState.LOADED:

@@ -2,7 +2,8 @@
 how many tokens each computes. Preemption by recompute when KV blocks run out.
 
 Adapters: a step holds at most `max_loras` distinct adapter versions, counting those of
-every running request (their slots are pinned) and those admitted this step. Waiting
+every running request (their slots are pinned), those admitted this step and the user-pinned
+versions that hold a slot (they keep it whether the step uses them or not). Waiting
 requests go FCFS with adapter affinity: one whose adapter would exceed the cap is skipped
 (it keeps its place) and later requests of adapters already in the step, or of the base
 model, go ahead. Aging bounds this: once a skipped request has waited
@@ -74,13 +75,16 @@ class Scheduler:
             req.num_shared_blocks = 0
 
     def schedule(self, step: int, may_preempt: bool = True, slot_ready: dict[int, bool] | None = None,
-                 draining: dict[int, int] | None = None) -> tuple[list[ScheduledReq], list[Request]]:
+                 draining: dict[int, int] | None = None, reserved: list[int] | None = None
+                 ) -> tuple[list[ScheduledReq], list[Request]]:
         """Running requests first (a decode token or their next prefill chunk), then
         waiting ones FCFS under the adapter cap. `step` is the step being built (aging).
         A step planned ahead of one in flight (`may_preempt` False) stops where blocks run
         out instead of preempting. `slot_ready` (overlapped loading): version -> whether its
         slot is ready (False: loading); absent: in no slot. `draining` (targeted drains, in
         place of the aging bar): a draining slot's version -> the version it drains for.
+        `reserved`: versions that hold a slot whether the step uses them or not (user pins);
+        they count toward the cap.
         Returns the scheduled requests and the ones preempted."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledReq] = []
@@ -101,7 +105,7 @@ class Scheduler:
             budget -= num_tokens
             i += 1
         if _may_admit(scheduled, preempted, is_blocked):
-            is_held_by_load = self._admit_waiting(budget, scheduled, step, slot_ready, draining)
+            is_held_by_load = self._admit_waiting(budget, scheduled, step, slot_ready, draining, reserved or [])
             self.num_lora_wait_steps += int(is_held_by_load and bool(scheduled))
         return scheduled, preempted
 
@@ -142,9 +146,9 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledReq], step: int, slot_ready: dict[int, bool] | None,
-                       draining: dict[int, int] | None) -> bool:
+                       draining: dict[int, int] | None, reserved: list[int]) -> bool:
         """Admit waiting requests FCFS; True if one was left waiting only because its slot loads."""
-        version_ids = distinct([req.version_id for req in self.running if req.version_id])
+        version_ids = distinct([req.version_id for req in self.running if req.version_id] + reserved)
         is_barred = False  # an aged, cap-blocked request: no adapter request overtakes it (without drains)
         is_held_by_load = False
         seen_version_ids: list[int] = []  # with drains: the versions of the requests considered so far

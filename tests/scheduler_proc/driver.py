@@ -15,7 +15,8 @@ worker feeds it the token it sampled there, as a real one does on the device. Ev
 sampled token the scheduler later sends back must be the one the worker sampled. It also keeps the adapter slot table (from
 AdapterSlotAssigned / AdapterEvicted) and checks that every request's `lora_slot` holds
 that request's version, and that no slot is loaded or evicted while a running request
-uses it (fake_adapters.py).
+uses it (fake_adapters.py). A user-pinned version, once registered, is never evicted while it
+stays registered (unless a rank failed to load it).
 
 With `lora_overlap_loading=True` adapter loads are asynchronous: each rank's load ends when
 the test delivers it (`finish_loads`, `fail_load`) or, given a `load_policy`, at random
@@ -166,12 +167,14 @@ class Driver(AdapterLoads):
         lora_targeted_drain: bool = True,
         load_policy: LoadPolicy | None = None,
         digests: bool = False,
+        max_on_demand_loras: int = 64,
     ) -> None:
         self.config = CoreConfig(
             max_num_seqs, max_num_batched_tokens, block_size, max_model_len, tensor_parallel_size,
             max_loras=max_loras, max_cpu_loras=max_cpu_loras, enable_lora=enable_lora, lora_max_wait_steps=lora_max_wait_steps,
             max_steps_in_flight=max_steps_in_flight, lora_overlap_loading=lora_overlap_loading,
             lora_targeted_drain=lora_targeted_drain,
+            max_on_demand_loras=max_on_demand_loras,
         )
         self.core = Core(self.config)
         self.worker = FakeWorker(block_size, FakeSlots(tensor_parallel_size, max_cpu_loras, lora_overlap_loading))
@@ -189,6 +192,7 @@ class Driver(AdapterLoads):
         self._pending_plans: deque[ev.StepPlan] = deque()  # sent, not completed; oldest first
         self.registry: dict[str, int] = {}  # name -> version, from the core's decisions
         self.replies: dict[str, ev.AdapterOpReplied] = {}
+        self.pinned: list[int] = []  # registered user-pinned versions
         self._num_ops = 0
         self.log = log  # an EventLogWriter: inputs then decisions, as the shell logs them
         if ready:
@@ -198,6 +202,8 @@ class Driver(AdapterLoads):
 
     def send(self, event: Any) -> list[Any]:
         self.inputs.append(event)
+        if isinstance(event, ev.AdapterLoadFailed) and event.version_id in self.pinned:
+            self.pinned.remove(event.version_id)  # a version that cannot load loses its slot and registration
         if self.log is not None:
             self.log.append(event)
         decisions = self.core.apply(event)
@@ -223,11 +229,16 @@ class Driver(AdapterLoads):
             self.worker.req_versions[req_id] = self.registry[lora]
         return self.send(ev.RequestArrived(req_id, tokens, SamplingParams(**sampling), lora_name=lora))
 
-    def load(self, name: str, path: str | None = None, inplace: bool = False, content_digest: int = 0) -> ev.AdapterOpReplied:
+    def load(self, name: str, path: str | None = None, inplace: bool = False, content_digest: int = 0,
+             on_demand: bool = False, pinned: bool = False) -> ev.AdapterOpReplied:
         self._num_ops += 1
         op_id = f"op-{self._num_ops}"
-        self.send(ev.AdapterLoadRequested(op_id, name, path or f"/adapters/{name}", 8, 1000, inplace, content_digest))
-        return self.replies[op_id]
+        self.send(ev.AdapterLoadRequested(op_id, name, path or f"/adapters/{name}", 8, 1000, inplace, content_digest,
+                                          on_demand, pinned))
+        reply = self.replies[op_id]
+        if pinned and reply.code == 200:
+            self.pinned.append(reply.version_id)
+        return reply
 
     def unload(self, name: str) -> ev.AdapterOpReplied:
         self._num_ops += 1
@@ -304,12 +315,21 @@ class Driver(AdapterLoads):
             self.replies[decision.op_id] = decision
         elif isinstance(decision, ev.AdapterRegistered):
             self.registry[decision.name] = decision.version_id
-        elif isinstance(decision, ev.AdapterUnloaded) and self.registry.get(decision.name) == decision.version_id:
-            del self.registry[decision.name]
+            self._unpin(decision.replaced_version_id)
+        elif isinstance(decision, ev.AdapterUnloaded):
+            self._unpin(decision.version_id)
+            if self.registry.get(decision.name) == decision.version_id:
+                del self.registry[decision.name]
+        elif isinstance(decision, ev.AdapterEvicted) and decision.version_id in self.pinned:
+            raise AssertionError(f"pinned version {decision.version_id} evicted from slot {decision.slot} while registered")
         elif isinstance(decision, ev.AdapterSlotAssigned) and self.config.lora_overlap_loading:
             self._check_not_read_in_flight(decision.slot)
         self.worker.slots.apply(decision)
 
+
+    def _unpin(self, version_id: int) -> None:
+        if version_id in self.pinned:
+            self.pinned.remove(version_id)
 
     # ---------------------------------------------------------------- queries
 

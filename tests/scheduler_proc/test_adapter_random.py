@@ -185,3 +185,74 @@ def test_recorded_overlap_run_replays(tmp_path, seed):
     assert result.core.snapshot()["adapters"] == d.core.snapshot()["adapters"]
     assert any(isinstance(x, ev.AdapterLoadCompleted) for x in d.inputs)
     assert seed != 8 or d.of_type(ev.AdapterDrainStarted)
+
+
+# ---------------------------------------------------------------- user pins and on-demand registrations
+
+def _marked_driver(seed: int, overlap: bool, max_loras=3, max_on_demand_loras=2, log=None, **kwargs) -> Driver:
+    """Loads pinned or on demand at random, with a small on-demand bound: the driver checks that
+    no pinned version is evicted while registered, the core's integrity covers the bounds."""
+    policy = LoadPolicy(seed, 0.5, 0.02) if overlap else None
+    return Driver(8, max_num_seqs=4, max_num_batched_tokens=16, block_size=4, max_model_len=32, enable_lora=True,
+                  max_loras=max_loras, max_cpu_loras=max_loras + 1, lora_max_wait_steps=4, log=log,
+                  lora_overlap_loading=overlap, load_policy=policy, max_on_demand_loras=max_on_demand_loras, **kwargs)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), overlap=st.booleans(), max_loras=st.integers(1, 3),
+       max_on_demand_loras=st.integers(1, 3), steps_in_flight=st.integers(1, 2))
+def test_integrity_with_pins_and_on_demand_loads(seed, overlap, max_loras, max_on_demand_loras, steps_in_flight):
+    d = _marked_driver(seed, overlap, max_loras, max_on_demand_loras, max_steps_in_flight=steps_in_flight)
+    run_adapter_workload(d, seed, marks=True)
+    _check_idle_end(d, max_loras)
+
+
+def test_marked_workload_exercises_pins_and_lru():
+    for overlap in (False, True):
+        d = _marked_driver(2, overlap, max_on_demand_loras=1)
+        run_adapter_workload(d, 2, num_events=300, marks=True)
+        _check_idle_end(d, 3)
+        loads = [x for x in d.inputs if isinstance(x, ev.AdapterLoadRequested)]
+        assert any(x.pinned for x in loads) and any(x.on_demand for x in loads)
+        assert any(x.reason == "lru" for x in d.of_type(ev.AdapterUnloaded)), overlap
+        assert any(x.code == 503 for x in d.of_type(ev.AdapterOpReplied)), overlap  # every on-demand one in use
+        pinned_ids = {d.replies[x.op_id].version_id for x in loads if x.pinned and d.replies[x.op_id].code == 200}
+        assert pinned_ids & {x.version_id for x in d.of_type(ev.AdapterSlotAssigned)}, overlap
+
+
+def marked_fingerprint(seed: int) -> str:
+    d = _marked_driver(seed, True, max_on_demand_loras=1, tensor_parallel_size=2, digests=True, max_steps_in_flight=2)
+    run_adapter_workload(d, seed, num_events=200, marks=True)
+    return xxhash.xxh64_hexdigest(b"".join(codec.encode(x) for x in d.decisions))
+
+
+def test_marked_decisions_identical_across_pythonhashseed():
+    code = "from tests.scheduler_proc.test_adapter_random import marked_fingerprint as f; print(f(5), f(8))"
+    outputs = []
+    for hash_seed in ("0", "4242"):
+        env = dict(os.environ, PYTHONHASHSEED=hash_seed, PYTHONPATH=ROOT)
+        proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
+        outputs.append(proc.stdout)
+    assert outputs[0] == outputs[1]
+    assert outputs[0].split() == [marked_fingerprint(5), marked_fingerprint(8)]
+
+
+def test_recorded_marked_run_replays(tmp_path):
+    for overlap in (False, True):
+        engine = EngineConfig(
+            model_dir="m", served_model_name="m", max_model_len=32, max_num_seqs=4, max_num_batched_tokens=16,
+            block_size=4, enable_lora=True, max_loras=3, max_cpu_loras=4, lora_overlap_loading=overlap,
+            max_on_demand_loras=1, lora_max_wait_steps=4,
+        )
+        writer = EventLogWriter(str(tmp_path / str(overlap)), engine.to_json(), run_id="marked")
+        d = _marked_driver(5, overlap, max_on_demand_loras=1, log=writer)
+        assert CoreConfig.from_engine(engine) == d.config
+        run_adapter_workload(d, 5, num_events=200, marks=True)
+        writer.append(ev.LogClosed("done"))
+        writer.close()
+        result = replay(writer.path)
+        assert result.ok, result.divergence.describe() if result.divergence else ""
+        snapshot = result.core.snapshot()["adapters"]
+        assert snapshot == d.core.snapshot()["adapters"]
+        assert any(x.reason == "lru" for x in d.of_type(ev.AdapterUnloaded)) and any(x.pinned for x in d.inputs
+                                                                                    if isinstance(x, ev.AdapterLoadRequested))

@@ -40,11 +40,14 @@ def run_workload(d: Driver, seed: int, num_events: int = 60) -> None:
 ADAPTERS = ("a", "b", "c", "d")
 
 
-def run_adapter_workload(d: Driver, seed: int, num_events: int = 80) -> None:
+def run_adapter_workload(d: Driver, seed: int, num_events: int = 80, marks: bool = False) -> None:
     """Base and adapter requests (some for unknown names), aborts, loads, unloads, in-place
     reloads and the odd failed load, over a small pool and few slots. With overlapped
-    loading, a moment with no step in flight ends one pending load (the driver's policy)."""
+    loading, a moment with no step in flight ends one pending load (the driver's policy).
+    `marks`: loads are also pinned or on demand at random (a second generator, so the
+    workload without them stays what it was)."""
     rng = random.Random(seed)
+    mark_rng = random.Random(seed + 1)
     num_reqs = 0
     for _ in range(num_events):
         roll = rng.random()
@@ -57,7 +60,9 @@ def run_adapter_workload(d: Driver, seed: int, num_events: int = 80) -> None:
         elif roll < 0.42 and num_reqs:
             d.abort(f"req-{rng.randint(1, num_reqs)}")
         elif roll < 0.52:
-            d.load(rng.choice(ADAPTERS), inplace=rng.random() < 0.6)
+            name, inplace = rng.choice(ADAPTERS), rng.random() < 0.6
+            kind = mark_rng.choice(("plain", "pinned", "on_demand")) if marks else "plain"
+            d.load(name, inplace=inplace, pinned=kind == "pinned", on_demand=kind == "on_demand")
         elif roll < 0.57:
             d.unload(rng.choice(ADAPTERS))
         elif roll < 0.59 and d.registry:

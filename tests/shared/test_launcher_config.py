@@ -42,6 +42,33 @@ def test_lora_modules_in_both_forms_enable_lora(model_dir, tmp_path):
     assert EngineConfig.from_json(cfg.to_json()) == cfg
 
 
+def test_pinned_lora_modules(model_dir, tmp_path):
+    pinned = json.dumps({"name": "b", "path": "/x/b", "pinned": True})
+    cfg = resolve_config(_args(model_dir, "--device", "cpu", "--max-loras", "2", "--lora-modules", "a=/x/a", pinned),
+                         str(tmp_path))
+    assert cfg.lora_modules == (("a", "/x/a"), ("b", "/x/b")) and cfg.pinned_lora_modules == ("b",)
+    assert EngineConfig.from_json(cfg.to_json()) == cfg
+    both = [json.dumps({"name": n, "path": f"/x/{n}", "pinned": True}) for n in "ab"]
+    with pytest.raises(ValueError, match=r"at most max_loras - 1 = 1 adapters may be pinned \(--max-loras 2\)"):
+        resolve_config(_args(model_dir, "--device", "cpu", "--max-loras", "2", "--lora-modules", *both), str(tmp_path))
+    with pytest.raises(ValueError, match="pinned must be true or false"):
+        parse_lora_module(json.dumps({"name": "a", "path": "/x/a", "pinned": "yes"}))
+
+
+def test_lora_resolve_dir_must_lie_inside_an_allowed_dir(model_dir, tmp_path):
+    allowed = tmp_path / "allowed"
+    (allowed / "by-name").mkdir(parents=True)
+    cfg = resolve_config(_args(model_dir, "--device", "cpu", "--enable-lora", "--lora-allowed-dir", str(allowed),
+                               "--lora-resolve-dir", str(allowed / "by-name"), "--max-on-demand-loras", "3"), str(tmp_path))
+    assert cfg.lora_resolve_dir == os.path.realpath(allowed / "by-name") and cfg.max_on_demand_loras == 3
+    for outside in ([], ["--lora-allowed-dir", str(allowed / "by-name")]):
+        with pytest.raises(ValueError, match="lora_resolve_dir .* must lie inside a --lora-allowed-dir"):
+            resolve_config(_args(model_dir, "--device", "cpu", "--enable-lora", *outside,
+                                 "--lora-resolve-dir", str(allowed)), str(tmp_path))
+    with pytest.raises(ValueError, match="max_on_demand_loras must be >= 1"):
+        resolve_config(_args(model_dir, "--device", "cpu", "--max-on-demand-loras", "0"), str(tmp_path))
+
+
 @pytest.mark.parametrize("spec", ["nopath", "=/x", "a=", '{"name": "a"}', "{bad json"])
 def test_bad_lora_module_specs_are_refused(spec):
     with pytest.raises(ValueError, match="--lora-modules"):

@@ -36,7 +36,8 @@ class FakeEngine(EngineClientBase):
         super().__init__()
         self.op_delay_s = op_delay_s  # time the "core" takes to answer an adapter op
         self.registry: dict[str, AdapterInfo] = {}
-        self.refuse_loads: str | None = None  # answer every load with this 400
+        self.refuse_loads: str | None = None  # answer every load with this message ...
+        self.refuse_code = 400  # ... and this code
         self._next_version = 1
         self._op_lock = asyncio.Lock()
         self.is_ready = True
@@ -96,11 +97,11 @@ class FakeEngine(EngineClientBase):
                 return 404, f"The lora adapter '{op.name}' cannot be found.", 0
             return 200, "", 0
         if self.refuse_loads is not None:
-            return 400, self.refuse_loads, 0
+            return self.refuse_code, self.refuse_loads, 0
         if op.name in self.registry and not op.load_inplace:
             return 400, f"The lora adapter '{op.name}' has already been loaded.", 0
         version_id, self._next_version = self._next_version, self._next_version + 1
-        self.registry[op.name] = AdapterInfo(op.name, version_id, op.path)
+        self.registry[op.name] = AdapterInfo(op.name, version_id, op.path, op.pinned, op.on_demand)
         return 200, "", version_id
 
     def fail(self, message: str) -> None:

@@ -132,8 +132,10 @@ async def test_bad_chat_params(client, extra: dict, param: str) -> None:
 
 async def test_unknown_model_and_adapter_are_404(client) -> None:
     await _refused(client, await client.post("/v1/completions", json={**GOOD_COMPLETION, "model": "nope"}), 404, "model")
-    r = await client.post("/v1/completions", json={**GOOD_COMPLETION, "lora_path": "/nowhere/adapter"})
+    r = await client.post("/v1/completions", json={**GOOD_COMPLETION, "lora_path": "nowhere-adapter"})
     await _refused(client, r, 404, "lora_path")
+    r = await client.post("/v1/completions", json={**GOOD_COMPLETION, "lora_path": "/nowhere/adapter"})
+    await _refused(client, r, 400, "lora_path")  # an absolute path would be loaded on demand: it lies outside the root
     r = await client.post("/v1/chat/completions", json={"model": "nope", "messages": MESSAGES})
     await _refused(client, r, 404, "model")
 
