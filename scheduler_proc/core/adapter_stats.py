@@ -101,7 +101,7 @@ class AdapterStats:
     def _on_op_replied(self, event: ev.AdapterOpReplied) -> None:
         for info in event.adapters:
             fig = self.figures.get(info.name)
-            pinned = bool(getattr(info, "pinned", False))
+            pinned = info.pinned
             if fig is not None and fig.pinned != pinned:
                 fig.pinned = pinned
                 self._mark(info.name)

@@ -11,11 +11,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from shared import events as ev
 from shared.eventlog import EventLogReader, newest_log, run_segments
@@ -92,9 +95,18 @@ def _base(client: openai.OpenAI) -> str:
     return next(m.id for m in client.models.list().data if m.model_extra.get("parent") is None)
 
 
-def test_the_pinned_startup_adapter(client, root, refs):
+def test_the_pinned_startup_adapter(server, client, root, refs):
     assert {name: card["pinned"] for name, card in _cards(client).items()} == {"pin": True}
     assert_greedy_matches({"pin": _tokens(client, "pin")}, {"pin": refs.get(root / "pin")})
+    # it keeps its slot: /v1/models and /metrics say so once the scheduler's rows arrive
+    deadline = time.monotonic() + 30
+    while _cards(client)["pin"].get("location") != "gpu" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _cards(client)["pin"]["location"] == "gpu"
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(httpx.get(server.base_url + "/metrics").text)
+               for s in family.samples}
+    assert samples[("ledgerserve_lora_pinned", (("adapter", "pin"),))] == 1.0
 
 
 def test_first_requests_by_lora_path_and_by_name_match_peft(client, root, refs):
