@@ -5,7 +5,7 @@ cuBLAS reaches 2.6-3.7 TB/s on Llama-3-8B's smaller projections at one row on an
 owns BLOCK_N output features and streams their rows of W over K in BLOCK_K chunks, so every
 byte of W is read once, coalesced along K, with no split and no second launch (o_proj:
 10.6 us). Configurations per shape class are the best of a sweep over block sizes, warps
-and stages on an H200 (figures in BENCHMARKS.md, "GPU"). With PDL (kernels/pdl.py) a program
+and stages on an H200. With PDL (kernels/pdl.py) a program
 loads its first chunk of W before the previous kernel has finished. Reference: torch.nn.functional.linear.
 """
 

@@ -1,5 +1,6 @@
 """The scheduler's shell: all of its IO. Receive an input, log it, apply it to the
-sans-IO core, log the decisions, then send them. Log first, then act (DESIGN.md §3)."""
+sans-IO core, log the decisions, then send them. Log first, then act
+(docs/architecture.md, "The event log")."""
 
 from __future__ import annotations
 

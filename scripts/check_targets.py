@@ -1,4 +1,4 @@
-"""Judge one GPU run against issue #6's five decode targets, from the JSON the benches wrote:
+"""Judge one GPU run against the five decode targets (BENCHMARKS.md), from the JSON the benches wrote:
 `bench_decode.py --batch-sizes 1,32 --adapters 0,4,32 ...` (TARGETS), `bench_decode.py --e2e`
 (E2E) and `bench_peft.py` (PEFT). Prints one line a target and, with `--out`, the same as JSON;
 exits 1 if any target is missed, with a message if the reports cannot be judged. The step time judged is the bench's `step_ms` (wall time a

@@ -1,8 +1,8 @@
 """Every message between processes, and every record in the event log.
 
-One tagged union per channel (DESIGN.md §2). Structs are frozen, tagged by class name and
-encoded as msgpack arrays. New fields go at the end with a default; fields are never
-reordered or removed, so old logs still decode.
+One tagged union per channel (docs/architecture.md, "Events per channel"). Structs are
+frozen, tagged by class name and encoded as msgpack arrays. New fields go at the end with
+a default; fields are never reordered or removed, so old logs still decode.
 """
 
 from __future__ import annotations

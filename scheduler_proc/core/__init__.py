@@ -1,4 +1,4 @@
-"""Sans-IO deterministic scheduler core (DESIGN.md §3, §4)."""
+"""Sans-IO deterministic scheduler core (docs/architecture.md, "The core")."""
 
 from scheduler_proc.core.adapters import AdapterManager, AdapterVersion
 from scheduler_proc.core.block_manager import BlockAccounting, BlockAccountingError, BlockManager, BlockPool, PrefixMatch

@@ -1,4 +1,4 @@
-"""The append-only event log (DESIGN.md §3): format, names, writer, reader, retention."""
+"""The append-only event log (docs/architecture.md, "The event log"): format, names, writer, reader, retention."""
 
 from shared.eventlog.format import (
     MAGIC,

@@ -1,4 +1,4 @@
-"""On-disk format of the event log (DESIGN.md §3), little-endian:
+"""On-disk format of the event log (docs/architecture.md, "The event log"), little-endian:
 
     header:  b"LSEVTLOG"  u32 schema_version  u32 config_len  config_json
              u32 info_len  info = msgpack [run_number, run_id, segment, first_seq, prev_record_hash]

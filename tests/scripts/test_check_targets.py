@@ -1,4 +1,4 @@
-"""check_targets: the five verdicts of issue #6, from the three reports a GPU run writes."""
+"""check_targets: the five decode-target verdicts, from the three reports a GPU run writes."""
 
 from __future__ import annotations
 
