@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -25,10 +24,10 @@ import torch.nn.functional as F
 
 from kernels import cublaslt
 from kernels.cublaslt import GemmShape
+from shared import env
 
 log = logging.getLogger(__name__)
 
-TUNING_ENV = "LEDGERSERVE_GEMM_TUNING"
 MIN_CHAIN = 8  # GEMMs per timed graph: a shape seen on fewer weights repeats them
 MAX_CHAIN = 32
 REPS = 5
@@ -40,7 +39,7 @@ _recorded: dict[GemmShape, list[torch.Tensor]] | None = None
 
 
 def enabled() -> bool:
-    return os.environ.get(TUNING_ENV, "1") != "0"
+    return env.gemm_tuning_wanted()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

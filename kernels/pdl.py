@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from shared import env
 
 
 @functools.lru_cache
@@ -31,7 +32,7 @@ def _capable(device: torch.device) -> bool:
 
 def enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL (read per call: tests flip the variable)."""
-    return os.environ.get("LEDGERSERVE_PDL", "1") != "0" and _capable(device)
+    return env.pdl_wanted() and _capable(device)
 
 
 @triton.jit

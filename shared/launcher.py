@@ -11,7 +11,7 @@ import shutil
 import sys
 import time
 
-from shared import ipc
+from shared import env, ipc
 from shared.config import EngineConfig
 from shared.process_group import Child, ProcessGroup
 
@@ -20,7 +20,7 @@ log = logging.getLogger("launcher")
 
 def serve(args: argparse.Namespace) -> int:
     """Run the group; the run directory is removed however it ends, a failed start included."""
-    logging.basicConfig(level=os.environ.get("LEDGERSERVE_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=env.log_level(),
                         format="%(asctime)s launcher %(levelname)s %(message)s")
     started = time.monotonic()
     run_dir = ipc.make_run_dir()
@@ -49,12 +49,12 @@ def children(config: EngineConfig, key: str = "") -> list[Child]:
     with open(cfg_path, "wb") as f:
         f.write(config.to_json())
     py = sys.executable
-    keyless = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+    keyless = env.without_api_key()
     procs = [Child("scheduler", [py, "-m", "scheduler_proc.main", "--config", cfg_path], keyless)]
     for rank in range(config.tensor_parallel_size):
         argv = [py, "-m", "worker_proc.main", "--config", cfg_path, "--rank", str(rank)]
         procs.append(Child(f"worker-{rank}", argv, keyless))
-    tokenizer_env = {**keyless, API_KEY_ENV: key} if key else keyless
+    tokenizer_env = {**keyless, env.API_KEY: key} if key else keyless
     procs.append(Child("tokenizer", [py, "-m", "tokenizer_proc.main", "--config", cfg_path], tokenizer_env))
     return procs
 
@@ -113,12 +113,9 @@ def resolve_config(args: argparse.Namespace, run_dir: str) -> EngineConfig:
     )
 
 
-API_KEY_ENV = "LEDGERSERVE_API_KEY"
-
-
 def api_key(args: argparse.Namespace) -> str:
     """--api-key, else LEDGERSERVE_API_KEY ('' when neither is set)."""
-    return args.api_key or os.environ.get(API_KEY_ENV, "")
+    return args.api_key or env.api_key()
 
 
 def parse_lora_module(spec: str) -> tuple[str, str, bool]:

@@ -14,10 +14,9 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from shared import ipc
+from shared import env, ipc
 from shared.config import EngineConfig
 
-LAUNCHER_PID_ENV = "LEDGERSERVE_LAUNCHER_PID"  # set by the launcher for each child it starts
 PARENT_POLL_S = 0.05
 PARENT_GONE_GRACE_S = 0.8  # a child's time to flush and close once the launcher is gone, before it exits anyway
 PARENT_GONE_EXIT = 3  # the exit status of a child that outlived its launcher
@@ -38,7 +37,7 @@ def load_config(path: str) -> EngineConfig:
 
 def setup_logging(name: str) -> logging.Logger:
     logging.basicConfig(
-        level=os.environ.get("LEDGERSERVE_LOG_LEVEL", "INFO"),
+        level=env.log_level(),
         format=f"%(asctime)s {name} %(levelname)s %(message)s",
     )
     return logging.getLogger(name)
@@ -77,7 +76,7 @@ def _launcher_pid() -> int:
     """The pid the launcher gave this process (its parent then), so a launcher that died
     before this call is noticed too; the parent's pid for a process started by hand. The
     variable is taken out of the environment so this process's own children never see it."""
-    given = os.environ.pop(LAUNCHER_PID_ENV, "")
+    given = env.pop_launcher_pid()
     return int(given) if given.isdigit() else os.getppid()
 
 

@@ -18,9 +18,8 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
-from shared import ipc
+from shared import env, ipc
 from shared.config import EngineConfig
-from shared.proc import LAUNCHER_PID_ENV
 
 log = logging.getLogger("launcher")
 
@@ -38,8 +37,8 @@ class Child:
     popen: subprocess.Popen | None = field(default=None, repr=False)
 
     def start(self) -> None:
-        env = {**(os.environ if self.env is None else self.env), LAUNCHER_PID_ENV: str(os.getpid())}
-        self.popen = subprocess.Popen(self.argv, env=env, start_new_session=True)
+        child_env = env.with_launcher_pid(self.env, os.getpid())
+        self.popen = subprocess.Popen(self.argv, env=child_env, start_new_session=True)
 
     def exit_code(self) -> int | None:
         return None if self.popen is None else self.popen.poll()

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import hmac
 import json
-import os
 from typing import Any, Awaitable, Callable
 
 from fastapi import HTTPException
 
+from shared import env
+
 from tokenizer_proc.errors import error_body
 
-API_KEY_ENV = "LEDGERSERVE_API_KEY"
 PROTECTED_PREFIX = "/v1"
 
 Scope = dict[str, Any]
@@ -31,9 +31,9 @@ class StartupRefused(RuntimeError):
 
 def api_key_from_env(required: bool) -> str | None:
     """The key to enforce, or None when none is configured; refuses a required-but-empty key."""
-    key = os.environ.get(API_KEY_ENV, "")
+    key = env.api_key()
     if required and not key:
-        raise StartupRefused(f"an API key is required (--api-key) but {API_KEY_ENV} is empty in the "
+        raise StartupRefused(f"an API key is required (--api-key) but {env.API_KEY} is empty in the "
                              "HTTP process; refusing to start without authentication")
     return key or None
 

@@ -10,7 +10,6 @@ uses that slot): its load runs beside the steps and its reply goes out when it e
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import sys
 import time
@@ -18,13 +17,11 @@ import time
 import msgspec
 import zmq
 
-from shared import codec, events, ipc
+from shared import codec, env, events, ipc
 from shared.proc import child_args, exit_with_parent, load_config, send_ready, setup_logging
 from worker_proc.runner import InFlightStep, ModelRunner
 
 # Test-only fault switch: this rank reports a wrong digest from this step on.
-FAULT_DIGEST_RANK_ENV = "LEDGERSERVE_TEST_FAULT_DIGEST_RANK"
-FAULT_DIGEST_STEP_ENV = "LEDGERSERVE_TEST_FAULT_DIGEST_STEP"
 # While a step runs and adapter loads are under way, each turn of the spin sleeps this long
 # (0.17 ms with the timer's slack on Linux, against 1.1 ms for a 1 ms zmq poll): that much may be
 # added to noticing the step's end; with async scheduling the next step is already queued.
@@ -185,9 +182,7 @@ class StepReplies:
 
 
 def _maybe_fault(digest: events.RankDigest) -> events.RankDigest:
-    if os.environ.get(FAULT_DIGEST_RANK_ENV) != str(digest.rank):
-        return digest
-    if digest.step < int(os.environ.get(FAULT_DIGEST_STEP_ENV, "1")):
+    if not env.fault_digest(digest.rank, digest.step):  # test-only switch
         return digest
     return events.RankDigest(digest.step, digest.rank, digest.digest ^ 0x5A5A)
 

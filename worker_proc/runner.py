@@ -16,6 +16,7 @@ import msgspec
 import torch
 import xxhash
 
+from shared import env
 from shared.config import EngineConfig
 from shared.adapter_format import BaseShapes
 from shared.events import CachedReq, FailedReq, NewReq, RankDigest, SampledToken, StepCompleted, StepPlan, WorkerReady
@@ -32,7 +33,6 @@ from worker_proc.sampler import PendingSample, Sampler, SamplingReq
 from worker_proc.step_inputs import PinnedStaging
 from worker_proc.warm_up import warm_up_batches
 
-FAULT_TOKEN_ENV = "LEDGERSERVE_TEST_FAULT_TOKEN_ID"  # test-only: see batch.check_fault
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -84,7 +84,7 @@ class ModelRunner(AdapterCommands):
             self.graphs.capture()
         if self.device.type == "cuda":
             self.warm_up()
-        self.fault_token_id = _fault_token_id()
+        self.fault_token_id = env.fault_token_id()  # test-only: see batch.check_fault
 
     def _build_lora(self) -> LoraManager:
         with open(os.path.join(self.config.model_dir, "config.json"), encoding="utf-8") as f:
@@ -236,13 +236,3 @@ class ModelRunner(AdapterCommands):
 
 def _sampling_req(req: ReqState) -> SamplingReq:
     return SamplingReq(req.sampling, req.token_ids, req.num_prompt_tokens, int(req.placeholder_row >= 0))
-
-
-def _fault_token_id() -> int | None:
-    value = os.environ.get(FAULT_TOKEN_ENV, "")
-    if not value:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"{FAULT_TOKEN_ENV}={value!r} is not an integer") from None

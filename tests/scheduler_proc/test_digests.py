@@ -3,7 +3,9 @@
 import pytest
 
 from shared import events as ev
-from worker_proc.main import FAULT_DIGEST_RANK_ENV, FAULT_DIGEST_STEP_ENV, _maybe_fault
+from shared.env import FAULT_DIGEST_RANK as FAULT_DIGEST_RANK_ENV
+from shared.env import FAULT_DIGEST_STEP as FAULT_DIGEST_STEP_ENV
+from worker_proc.main import _maybe_fault
 
 from tests.scheduler_proc.driver import Driver
 

@@ -13,7 +13,8 @@ from shared.config import EngineConfig
 from tests.tokenizer_proc.fake_engine import FakeEngine
 from tokenizer_proc.app import build_app
 from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError
-from tokenizer_proc.security import API_KEY_ENV, StartupRefused, key_matches
+from shared.env import API_KEY as API_KEY_ENV
+from tokenizer_proc.security import StartupRefused, key_matches
 
 MODEL = "demo"
 KEY = "s3cret-key"

@@ -1,0 +1,65 @@
+"""Every environment variable ledgerserve reads, named and read here and nowhere else.
+
+Values are read at each call (tests set them per case). The test fault switches inject one
+fault each into a real process group; nothing sets them outside the tests.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+LOG_LEVEL = "LEDGERSERVE_LOG_LEVEL"  # logging level of every process (default INFO)
+API_KEY = "LEDGERSERVE_API_KEY"  # the Bearer key; only the HTTP process gets it
+LAUNCHER_PID = "LEDGERSERVE_LAUNCHER_PID"  # set by the launcher for each child it starts
+PDL = "LEDGERSERVE_PDL"  # "0": no programmatic dependent launch (Hopper kernels)
+GEMM_TUNING = "LEDGERSERVE_GEMM_TUNING"  # "0": no start-up GEMM algorithm tuning
+FAULT_DIGEST_RANK = "LEDGERSERVE_TEST_FAULT_DIGEST_RANK"  # test: this rank reports a wrong state digest ...
+FAULT_DIGEST_STEP = "LEDGERSERVE_TEST_FAULT_DIGEST_STEP"  # ... from this step on (default 1)
+FAULT_TOKEN_ID = "LEDGERSERVE_TEST_FAULT_TOKEN_ID"  # test: a step that feeds this token id fails
+
+
+def log_level() -> str:
+    return os.environ.get(LOG_LEVEL, "INFO")
+
+
+def api_key() -> str:
+    return os.environ.get(API_KEY, "")
+
+
+def without_api_key() -> dict[str, str]:
+    """This process's environment without the API key (what children other than the HTTP one get)."""
+    return {k: v for k, v in os.environ.items() if k != API_KEY}
+
+
+def with_launcher_pid(env: Mapping[str, str] | None, pid: int) -> dict[str, str]:
+    return {**(os.environ if env is None else env), LAUNCHER_PID: str(pid)}
+
+
+def pop_launcher_pid() -> str:
+    """The launcher's pid as it was given ('' if none), taken out so this process's children never see it."""
+    return os.environ.pop(LAUNCHER_PID, "")
+
+
+def pdl_wanted() -> bool:
+    return os.environ.get(PDL, "1") != "0"
+
+
+def gemm_tuning_wanted() -> bool:
+    return os.environ.get(GEMM_TUNING, "1") != "0"
+
+
+def fault_digest(rank: int, step: int) -> bool:
+    """Test switch: whether `rank` reports a wrong digest for `step`."""
+    return os.environ.get(FAULT_DIGEST_RANK) == str(rank) and step >= int(os.environ.get(FAULT_DIGEST_STEP, "1"))
+
+
+def fault_token_id() -> int | None:
+    """Test switch: the token id whose step fails, or None."""
+    value = os.environ.get(FAULT_TOKEN_ID, "")
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{FAULT_TOKEN_ID}={value!r} is not an integer") from None
