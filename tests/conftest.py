@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -22,3 +23,17 @@ def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     from shared.demo_model import ensure_demo_model
 
     return ensure_demo_model(str(tmp_path_factory.mktemp("demo") / "demo-model"))
+
+
+@pytest.fixture(scope="session")
+def base_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random llama checkpoint, for tests of adapter files against a base (read only)."""
+    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("base") / "llama")
+
+
+@pytest.fixture(scope="session")
+def base(base_dir: str):
+    """The shapes of `base_dir`, as adapter validation reads them."""
+    from shared.adapter_format import BaseShapes
+
+    return BaseShapes.from_hf_config(json.loads(Path(base_dir, "config.json").read_text()))

@@ -15,7 +15,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterError, BaseShapes, read_manifest
-from tests.model_factory import make_tiny_checkpoint
 from tests.peft_util import make_tiny_peft_adapter
 from tests.shared.hostile_adapters import read_weights, write_config, write_weights
 
@@ -47,15 +46,6 @@ PLAUSIBLE = {
 }
 FIELDS = sorted(PLAUSIBLE)
 
-
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("base") / "llama")
-
-
-@pytest.fixture(scope="module")
-def base(base_dir: str) -> BaseShapes:
-    return BaseShapes.from_hf_config(json.loads(Path(base_dir, "config.json").read_text()))
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -15,21 +14,11 @@ from safetensors.torch import load_file, save_file
 from shared import adapter_files, adapter_format, safetensors_header
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterError, BaseShapes, read_manifest
 from shared.safetensors_header import read_header
-from tests.model_factory import make_tiny_checkpoint
 from tests.peft_util import make_tiny_peft_adapter
 from tests.shared.hostile_adapters import HOSTILE, edit_config, poison_weights, read_weights, write_weights
 
 MAX_RANK = 16
 
-
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("base") / "llama")
-
-
-@pytest.fixture(scope="module")
-def base(base_dir: str) -> BaseShapes:
-    return BaseShapes.from_hf_config(json.loads(Path(base_dir, "config.json").read_text()))
 
 
 @pytest.fixture(scope="module")

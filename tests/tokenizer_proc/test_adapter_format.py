@@ -12,20 +12,10 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterError, BaseShapes, read_manifest
-from tests.model_factory import make_tiny_checkpoint
 from tests.peft_util import build_peft_model, make_tiny_peft_adapter, peft_ranks_scalings
 
 MAX_RANK = 16
 
-
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("base") / "llama")
-
-
-@pytest.fixture(scope="module")
-def base(base_dir: str) -> BaseShapes:
-    return BaseShapes.from_hf_config(json.loads(Path(base_dir, "config.json").read_text()))
 
 
 @pytest.fixture(scope="module")
