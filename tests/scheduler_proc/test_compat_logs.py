@@ -19,11 +19,11 @@ import os
 
 import pytest
 
-from scheduler_proc import replay_verify
+from scheduler_proc.replay import verify as replay_verify
 from scheduler_proc.replay import replay
-from scheduler_proc.replay_verify import core_config
+from scheduler_proc.replay.verify import core_config
 from shared.config import EngineConfig
-from scheduler_proc.replay_diff import diff_logs
+from scheduler_proc.replay.diff import diff_logs
 from shared import events as ev
 from shared.eventlog import EventLogReader, RunScanner
 from tests.scheduler_proc.logtools import rewrite

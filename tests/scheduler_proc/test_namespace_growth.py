@@ -10,7 +10,7 @@ from shared.config import EngineConfig
 from shared.eventlog import EventLogWriter, RunScanner
 
 from scheduler_proc.core import digest
-from scheduler_proc.replay_verify import core_config, replay
+from scheduler_proc.replay.verify import core_config, replay
 
 from tests.scheduler_proc.driver import Driver
 

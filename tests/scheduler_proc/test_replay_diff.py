@@ -6,7 +6,7 @@ from shared import events as ev
 from shared.eventlog import EventLogReader, EventLogWriter
 
 from scheduler_proc.replay import main
-from scheduler_proc.replay_diff import diff_logs
+from scheduler_proc.replay.diff import diff_logs
 from tests.scheduler_proc.driver import Driver
 from tests.scheduler_proc.logtools import ENGINE, rewrite
 

@@ -22,7 +22,7 @@ from shared.eventlog import RunScanner
 
 from scheduler_proc.core import Core, CoreConfig
 from scheduler_proc.core.adapter_stats import AdapterStats
-from scheduler_proc.replay_format import differing_fields, side_by_side
+from scheduler_proc.replay.format import differing_fields, side_by_side
 
 INPUT, DECISION, SHELL_ONLY = 0, 1, 2
 _SHELL_ONLY_TYPES = (ev.LogClosed, ev.Shutdown)  # logged by the shell, never by the core

@@ -23,10 +23,10 @@ import msgspec
 
 from shared.eventlog import LogCorruption
 from shared.events import LogClosed
-from scheduler_proc.replay_adapters import FIGURE_SECTIONS, figure_sections, render_figures
-from scheduler_proc.replay_diff import LogDiff, diff_logs
-from scheduler_proc.replay_state import SECTIONS, parse_sections, render, sections
-from scheduler_proc.replay_verify import Divergence, HistoryTrimmed, ReplayResult, replay
+from scheduler_proc.replay.figures import FIGURE_SECTIONS, figure_sections, render_figures
+from scheduler_proc.replay.diff import LogDiff, diff_logs
+from scheduler_proc.replay.state import SECTIONS, parse_sections, render, sections
+from scheduler_proc.replay.verify import Divergence, HistoryTrimmed, ReplayResult, replay
 
 __all__ = ["Divergence", "HistoryTrimmed", "ReplayResult", "main", "replay"]
 
