@@ -75,13 +75,19 @@ def adapter_fingerprint(seed: int) -> str:
     return xxhash.xxh64_hexdigest(b"".join(codec.encode(x) for x in d.decisions))
 
 
-def test_adapter_decisions_identical_across_pythonhashseed():
-    code = "from tests.scheduler_proc.test_adapter_random import adapter_fingerprint as f; print(f(5), f(8))"
+def _printed_under_hash_seeds(fingerprint: str) -> list[str]:
+    """What `fingerprint`(5) and `fingerprint`(8) print in a fresh interpreter under PYTHONHASHSEED 0 and 4242."""
+    code = f"from tests.scheduler_proc.test_adapter_random import {fingerprint} as f; print(f(5), f(8))"
     outputs = []
     for hash_seed in ("0", "4242"):
         env = dict(os.environ, PYTHONHASHSEED=hash_seed, PYTHONPATH=ROOT)
         proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
         outputs.append(proc.stdout)
+    return outputs
+
+
+def test_adapter_decisions_identical_across_pythonhashseed():
+    outputs = _printed_under_hash_seeds("adapter_fingerprint")
     assert outputs[0] == outputs[1]
     assert outputs[0].split() == [adapter_fingerprint(5), adapter_fingerprint(8)]
 
@@ -227,12 +233,7 @@ def marked_fingerprint(seed: int) -> str:
 
 
 def test_marked_decisions_identical_across_pythonhashseed():
-    code = "from tests.scheduler_proc.test_adapter_random import marked_fingerprint as f; print(f(5), f(8))"
-    outputs = []
-    for hash_seed in ("0", "4242"):
-        env = dict(os.environ, PYTHONHASHSEED=hash_seed, PYTHONPATH=ROOT)
-        proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
-        outputs.append(proc.stdout)
+    outputs = _printed_under_hash_seeds("marked_fingerprint")
     assert outputs[0] == outputs[1]
     assert outputs[0].split() == [marked_fingerprint(5), marked_fingerprint(8)]
 
