@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scripts.bench_decode import idle_share
+from scripts.decode_churn import idle_share
 
 
 def test_idle_share_counts_the_gaps_between_steps() -> None:
@@ -27,7 +27,7 @@ def test_load_churn_keeps_spare_slots_loading_from_both_tiers(tmp_path) -> None:
     the CPU tier; stopping evicts what the churn holds."""
     import time
 
-    from scripts.bench_decode import LoadChurn
+    from scripts.decode_churn import LoadChurn
     from shared.config import EngineConfig
     from tests.adapter_factory import make_peft_adapter
     from tests.model_factory import make_tiny_checkpoint
