@@ -11,9 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora import delta_args, lora_b_tile, lora_row_delta, lora_tile_delta, rank_pad
-from kernels.lora_ref import LoraDelta
-from kernels.pdl import enabled as pdl_enabled, wait_for_previous
+from ledgerserve.kernels.lora import delta_args, lora_b_tile, lora_row_delta, lora_tile_delta, rank_pad
+from ledgerserve.kernels.lora_ref import LoraDelta
+from ledgerserve.kernels.pdl import enabled as pdl_enabled, wait_for_previous
 
 PREFETCH_B_ELEMS = 16 * 4096  # B elements a norm program holds to load them before gdc_wait (rank 16, hidden 4096)
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_ref import write_kv
-from kernels.lora_ref import LoraDelta, add_lora_delta
+from ledgerserve.kernels.attention_ref import write_kv
+from ledgerserve.kernels.lora_ref import LoraDelta, add_lora_delta
 
 
 def rms_norm_ref(

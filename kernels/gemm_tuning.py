@@ -22,9 +22,9 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from kernels import cublaslt
-from kernels.cublaslt import GemmShape
-from shared import env
+from ledgerserve.kernels import cublaslt
+from ledgerserve.kernels.cublaslt import GemmShape
+from ledgerserve.shared import env
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import enabled as pdl_enabled, wait_for_previous
+from ledgerserve.kernels.pdl import enabled as pdl_enabled, wait_for_previous
 
 
 @triton.jit

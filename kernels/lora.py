@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_ref import GROUP_TILE, LoraDelta
-from kernels.pdl import enabled as pdl_enabled, wait_for_previous
+from ledgerserve.kernels.lora_ref import GROUP_TILE, LoraDelta
+from ledgerserve.kernels.pdl import enabled as pdl_enabled, wait_for_previous
 
 BLOCK_M_SEG = 32  # rows per program in the segment layout
 BLOCK_M_TOK = 16  # the smallest tl.dot tile; one valid row per program in the token layout

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from kernels import gemm_tuning as _gemm_tuning
-from kernels.attention_ref import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv
-from kernels import lora_ref
-from kernels.lora_ref import LoraDelta
-from kernels.fused_ref import (
+from ledgerserve.kernels import gemm_tuning as _gemm_tuning
+from ledgerserve.kernels.attention_ref import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv
+from ledgerserve.kernels import lora_ref
+from ledgerserve.kernels.lora_ref import LoraDelta
+from ledgerserve.kernels.fused_ref import (
     apply_rope_ref,
     fused_add_rms_norm_ref,
     rms_norm_ref,
@@ -44,12 +44,12 @@ __all__ = [
 ]
 
 try:
-    from kernels import argmax as _argmax
-    from kernels import fused as _fused
-    from kernels import gemv as _gemv
-    from kernels import lora as _lora
-    from kernels import paged_attention as _decode
-    from kernels import prefill_attention as _prefill
+    from ledgerserve.kernels import argmax as _argmax
+    from ledgerserve.kernels import fused as _fused
+    from ledgerserve.kernels import gemv as _gemv
+    from ledgerserve.kernels import lora as _lora
+    from ledgerserve.kernels import paged_attention as _decode
+    from ledgerserve.kernels import prefill_attention as _prefill
 
     HAS_TRITON = True
 except ImportError:  # no triton on this machine: the references serve every call

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import enabled as pdl_enabled, wait_for_previous
+from ledgerserve.kernels.pdl import enabled as pdl_enabled, wait_for_previous
 
 MAX_PARTITION = 512  # keys per split-K partition, halved down to BLOCK_N for small batches
 BLOCK_N = 64  # keys per tile inside a partition

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from shared import env
+from ledgerserve.shared import env
 
 
 @functools.lru_cache

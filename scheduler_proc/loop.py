@@ -11,12 +11,12 @@ import time
 import msgspec
 import zmq
 
-from scheduler_proc.core.adapter_stats import AdapterStats
-from scheduler_proc.core.core import Core, CoreConfig
-from shared import codec, events, ipc
-from shared.config import EngineConfig
-from shared.eventlog import EventLogWriter, LogWriteError, enforce_retention
-from shared.proc import send_ready
+from ledgerserve.scheduler_proc.core.adapter_stats import AdapterStats
+from ledgerserve.scheduler_proc.core.core import Core, CoreConfig
+from ledgerserve.shared import codec, events, ipc
+from ledgerserve.shared.config import EngineConfig
+from ledgerserve.shared.eventlog import EventLogWriter, LogWriteError, enforce_retention
+from ledgerserve.shared.proc import send_ready
 
 log = logging.getLogger("scheduler")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import signal
 import sys
 
-from scheduler_proc.loop import SchedulerShell
-from shared.proc import child_args, exit_with_parent, load_config, setup_logging
+from ledgerserve.scheduler_proc.loop import SchedulerShell
+from ledgerserve.shared.proc import child_args, exit_with_parent, load_config, setup_logging
 
 
 def main(argv: list[str] | None = None) -> int:

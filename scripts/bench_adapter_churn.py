@@ -52,8 +52,8 @@ from scripts.churn_plan import FULL, QUICK, ServerGroup, check_settings, server_
 from scripts.churn_workloads import Bench, serve_group, write_file
 from scripts.server_process import Server
 from scripts.serving_workload import read_model_config
-from shared.adapter_format import BaseShapes
-from shared.demo_model import ensure_demo_model
+from ledgerserve.shared.adapter_format import BaseShapes
+from ledgerserve.demo_model import ensure_demo_model
 
 OVERLAP_FLAGS = {"on": "--lora-overlap-loading", "off": "--no-lora-overlap-loading"}
 

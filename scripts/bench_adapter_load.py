@@ -23,12 +23,12 @@ import time
 import torch
 
 from scripts.bench_fixtures import LLAMA3_8B, adapter_digest, write_adapter
-from shared.adapter_format import BaseShapes
-from worker_proc.lora.file_image import ImageBytes, SlotLayout
-from worker_proc.lora.pinned_pool import PinnedPool, page_bytes_for
-from worker_proc.lora.reader import ReadSpec, read_image
-from worker_proc.lora.slot_copy import SlotCopier, flat_tables, staging_bytes
-from worker_proc.lora.weights import LoraWeights
+from ledgerserve.shared.adapter_format import BaseShapes
+from ledgerserve.worker_proc.lora.file_image import ImageBytes, SlotLayout
+from ledgerserve.worker_proc.lora.pinned_pool import PinnedPool, page_bytes_for
+from ledgerserve.worker_proc.lora.reader import ReadSpec, read_image
+from ledgerserve.worker_proc.lora.slot_copy import SlotCopier, flat_tables, staging_bytes
+from ledgerserve.worker_proc.lora.weights import LoraWeights
 
 SMALL = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
          "num_key_value_heads": 2, "vocab_size": 1024}

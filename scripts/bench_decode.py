@@ -27,17 +27,17 @@ import time
 
 import torch
 
-from kernels import gemm_tuning, ops
-from shared.adapter_format import BaseShapes
-from shared.config import EngineConfig
-from shared.events import AdapterSlotAssigned, CachedReq, NewReq, StepPlan
-from shared.sampling import SamplingParams
+from ledgerserve.kernels import gemm_tuning, ops
+from ledgerserve.shared.adapter_format import BaseShapes
+from ledgerserve.shared.config import EngineConfig
+from ledgerserve.shared.events import AdapterSlotAssigned, CachedReq, NewReq, StepPlan
+from ledgerserve.shared.sampling import SamplingParams
 from scripts.bench_fixtures import (
     LLAMA3_8B, adapter_bytes, copy_bandwidth, kv_bytes, weight_bytes, write_adapter, write_model_dir,
 )
 from scripts.decode_churn import LoadChurn, StepClock
-from worker_proc.batch import build_batch
-from worker_proc.runner import InFlightStep, ModelRunner
+from ledgerserve.worker_proc.batch import build_batch
+from ledgerserve.worker_proc.runner import InFlightStep, ModelRunner
 
 BLOCK = 16
 GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)

@@ -11,8 +11,8 @@ import shutil
 import torch
 from safetensors.torch import save_file
 
-from shared.adapter_digest import content_digest
-from shared.adapter_format import CONFIG_FILE, TARGET_KINDS, WEIGHTS_FILE, BaseShapes
+from ledgerserve.shared.adapter_digest import content_digest
+from ledgerserve.shared.adapter_format import CONFIG_FILE, TARGET_KINDS, WEIGHTS_FILE, BaseShapes
 
 SEVEN = list(TARGET_KINDS[:7])
 LLAMA3_8B = {

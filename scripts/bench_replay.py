@@ -19,12 +19,12 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scheduler_proc.core import Core, CoreConfig  # noqa: E402
-from scheduler_proc.replay.verify import replay  # noqa: E402
-from shared import events as ev  # noqa: E402
-from shared.config import EngineConfig  # noqa: E402
-from shared.eventlog import EventLogWriter  # noqa: E402
-from shared.sampling import SamplingParams  # noqa: E402
+from ledgerserve.scheduler_proc.core import Core, CoreConfig  # noqa: E402
+from ledgerserve.scheduler_proc.replay.verify import replay  # noqa: E402
+from ledgerserve.shared import events as ev  # noqa: E402
+from ledgerserve.shared.config import EngineConfig  # noqa: E402
+from ledgerserve.shared.eventlog import EventLogWriter  # noqa: E402
+from ledgerserve.shared.sampling import SamplingParams  # noqa: E402
 from tests.scheduler_proc.driver import FakeWorker  # noqa: E402
 
 CONFIG = EngineConfig(

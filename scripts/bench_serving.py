@@ -62,7 +62,7 @@ import httpx
 
 from scripts.bench_fixtures import write_adapter
 from scripts.lora_stress import _base_model, _post
-from shared.adapter_format import BaseShapes
+from ledgerserve.shared.adapter_format import BaseShapes
 
 from scripts.serving_report import RequestResult, StreamTally, render_plot, result_of, summarize
 from scripts.serving_workload import (

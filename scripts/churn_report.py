@@ -10,9 +10,9 @@ from typing import Any
 
 from scripts.png_plot import BarPanel, CdfPanel, plot_png
 from scripts.serving_report import RequestResult
-from shared import codec
-from shared import events as ev
-from shared.eventlog import RunScanner, newest_log
+from ledgerserve.shared import codec
+from ledgerserve.shared import events as ev
+from ledgerserve.shared.eventlog import RunScanner, newest_log
 
 
 def workload_row(name: str, summary: dict[str, Any], results: Sequence[RequestResult],

@@ -8,9 +8,9 @@ import time
 
 import torch
 
-from shared.events import AdapterCpuEvicted, AdapterEvicted, AdapterSlotAssigned
+from ledgerserve.shared.events import AdapterCpuEvicted, AdapterEvicted, AdapterSlotAssigned
 from scripts.bench_fixtures import adapter_digest
-from worker_proc.runner import ModelRunner
+from ledgerserve.worker_proc.runner import ModelRunner
 
 
 def idle_share(spans: list[tuple[float, float]]) -> float:

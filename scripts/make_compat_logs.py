@@ -19,9 +19,9 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from shared import events as ev  # noqa: E402
-from shared.config import EngineConfig  # noqa: E402
-from shared.eventlog import EventLogWriter  # noqa: E402
+from ledgerserve.shared import events as ev  # noqa: E402
+from ledgerserve.shared.config import EngineConfig  # noqa: E402
+from ledgerserve.shared.eventlog import EventLogWriter  # noqa: E402
 from tests.scheduler_proc.driver import Driver  # noqa: E402
 from tests.scheduler_proc.workload import run_adapter_workload, run_workload  # noqa: E402
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from shared.demo_model import ensure_demo_model  # noqa: E402
+from ledgerserve.demo_model import ensure_demo_model  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,8 +13,8 @@ import json
 
 import torch
 
-from kernels import cublaslt
-from kernels.gemm_tuning import time_shape
+from ledgerserve.kernels import cublaslt
+from ledgerserve.kernels.gemm_tuning import time_shape
 
 # name: (n, k, slices) of Llama-3-8B's decode projections; stacked LoRA adds slots * slices * rank rows of A
 PROJ = {"qkv": (6144, 4096, 3), "o": (4096, 4096, 1), "gate_up": (28672, 4096, 2), "down": (4096, 14336, 1)}

@@ -22,15 +22,15 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from shared.adapter_format import BaseShapes
-from shared.config import EngineConfig
-from shared.events import AdapterSlotAssigned
+from ledgerserve.shared.adapter_format import BaseShapes
+from ledgerserve.shared.config import EngineConfig
+from ledgerserve.shared.events import AdapterSlotAssigned
 from scripts.bench_decode import BLOCK, Bench
 from scripts.bench_fixtures import LLAMA3_8B, write_adapter, write_model_dir
-from worker_proc.cuda_graphs import DecodeGraphs
-from worker_proc.runner import ModelRunner
-from worker_proc.sampler import Sampler
-from worker_proc.step_inputs import PinnedStaging
+from ledgerserve.worker_proc.cuda_graphs import DecodeGraphs
+from ledgerserve.worker_proc.runner import ModelRunner
+from ledgerserve.worker_proc.sampler import Sampler
+from ledgerserve.worker_proc.step_inputs import PinnedStaging
 
 HOST_PARTS = [(ModelRunner, "_apply_plan"), (DecodeGraphs, "run"), (PinnedStaging, "upload_into"),
               (torch.cuda.CUDAGraph, "replay"), (Sampler, "launch"), (Sampler, "finish"), (ModelRunner, "digest")]

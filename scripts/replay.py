@@ -3,7 +3,7 @@
 
 import sys
 
-from shared.cli import main
+from ledgerserve.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["replay", *sys.argv[1:]]))

@@ -42,7 +42,7 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "Server":
-        args = [sys.executable, "-m", "shared.cli", "serve"]
+        args = [sys.executable, "-m", "ledgerserve", "serve"]
         args += [self.model_dir] if self.model_dir else []
         args += ["--port", str(self.port), "--event-log-dir", self.log_dir, *self.extra_args]
         self.output_path = os.path.join(self.log_dir, f"server-{self.port}.out")

@@ -35,8 +35,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from shared import events as ev  # noqa: E402
-from shared.sampling import SamplingParams  # noqa: E402
+from ledgerserve.shared import events as ev  # noqa: E402
+from ledgerserve.shared.sampling import SamplingParams  # noqa: E402
 from tests.scheduler_proc.driver import Driver, FakeWorker  # noqa: E402
 from tests.scheduler_proc.fake_adapters import PendingLoad  # noqa: E402
 

@@ -13,10 +13,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from shared.adapter_files import file_size, open_file, read_at
-from shared.adapter_types import CONFIG_FILE, AdapterError
-from shared.bounded_json import JsonError, loads, show
-from shared.module_pattern import MatchBudget, ModulePattern, PatternError, compile_key, compile_target
+from ledgerserve.shared.adapter_files import file_size, open_file, read_at
+from ledgerserve.shared.adapter_types import CONFIG_FILE, AdapterError
+from ledgerserve.shared.bounded_json import JsonError, loads, show
+from ledgerserve.shared.module_pattern import MatchBudget, ModulePattern, PatternError, compile_key, compile_target
 
 CONFIG_MAX_BYTES = 1 << 20
 CONFIG_MAX_MEMBERS = 16384

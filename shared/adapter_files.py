@@ -15,7 +15,7 @@ import os
 import stat
 from collections.abc import Sequence
 
-from shared.adapter_types import AdapterError
+from ledgerserve.shared.adapter_types import AdapterError
 
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 

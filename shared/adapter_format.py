@@ -19,15 +19,15 @@ import math
 import os
 from collections.abc import Callable, Sequence
 
-from shared.adapter_config import LoraSpec, PatternValue, read_config
-from shared.adapter_digest import ContentDigest
-from shared.adapter_files import file_size, is_inside, open_file
-from shared.adapter_types import (
+from ledgerserve.shared.adapter_config import LoraSpec, PatternValue, read_config
+from ledgerserve.shared.adapter_digest import ContentDigest
+from ledgerserve.shared.adapter_files import file_size, is_inside, open_file
+from ledgerserve.shared.adapter_types import (
     CONFIG_FILE, TARGET_KINDS, WEIGHTS_FILE, AdapterError, AdapterManifest, BaseShapes, LoraModule,
 )
-from shared.bounded_json import show
-from shared.module_pattern import MatchBudget, ModulePattern, PatternError
-from shared.safetensors_header import Header, TensorEntry, read_header, scan
+from ledgerserve.shared.bounded_json import show
+from ledgerserve.shared.module_pattern import MatchBudget, ModulePattern, PatternError
+from ledgerserve.shared.safetensors_header import Header, TensorEntry, read_header, scan
 
 __all__ = ["CONFIG_FILE", "TARGET_KINDS", "WEIGHTS_FILE", "AdapterError", "AdapterManifest", "BaseShapes",
            "LoraModule", "WeightsReader", "read_manifest"]

@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from shared import events
+from ledgerserve.shared import events
 
 _encoder = msgspec.msgpack.Encoder()
 

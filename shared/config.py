@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from shared.adapter_files import is_inside
+from ledgerserve.shared.adapter_files import is_inside
 
 
 @dataclass(frozen=True)

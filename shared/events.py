@@ -11,7 +11,7 @@ from typing import Union
 
 import msgspec
 
-from shared.sampling import SamplingParams
+from ledgerserve.shared.sampling import SamplingParams
 
 
 class Event(msgspec.Struct, frozen=True, tag=True, array_like=True, omit_defaults=True):

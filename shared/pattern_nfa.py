@@ -9,7 +9,7 @@ similar names (`model.layers.N....`) costs little more than one dictionary looku
 
 from __future__ import annotations
 
-from shared.pattern_syntax import Alt, Anchor, Chars, CharSet, Concat, Node, PatternError, Repeat
+from ledgerserve.shared.pattern_syntax import Alt, Anchor, Chars, CharSet, Concat, Node, PatternError, Repeat
 
 MAX_NFA_STATES = 4096
 MAX_REMEMBERED_SETS = 65536  # per pattern; past it, the remembered sets are forgotten between names

@@ -14,8 +14,8 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from shared import env, ipc
-from shared.config import EngineConfig
+from ledgerserve.shared import env, ipc
+from ledgerserve.shared.config import EngineConfig
 
 PARENT_POLL_S = 0.05
 PARENT_GONE_GRACE_S = 0.8  # a child's time to flush and close once the launcher is gone, before it exits anyway

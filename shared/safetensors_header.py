@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from shared.adapter_files import read_at
-from shared.adapter_types import WEIGHTS_FILE, AdapterError
-from shared.bounded_json import JsonError, loads, show
+from ledgerserve.shared.adapter_files import read_at
+from ledgerserve.shared.adapter_types import WEIGHTS_FILE, AdapterError
+from ledgerserve.shared.bounded_json import JsonError, loads, show
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 _EXPONENT_BITS = {"F64": ("<u8", 0x7FF0000000000000), "F32": ("<u4", 0x7F800000),

@@ -20,7 +20,7 @@ def tiny_checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.Tem
 @pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The demo model, built once into the session's temp dir (not the user's cache)."""
-    from shared.demo_model import ensure_demo_model
+    from ledgerserve.demo_model import ensure_demo_model
 
     return ensure_demo_model(str(tmp_path_factory.mktemp("demo") / "demo-model"))
 
@@ -34,6 +34,6 @@ def base_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="session")
 def base(base_dir: str):
     """The shapes of `base_dir`, as adapter validation reads them."""
-    from shared.adapter_format import BaseShapes
+    from ledgerserve.shared.adapter_format import BaseShapes
 
     return BaseShapes.from_hf_config(json.loads(Path(base_dir, "config.json").read_text()))

@@ -24,7 +24,7 @@ LARGE_FILES = {
 LARGE_FUNCTIONS = {
     ("kernels/paged_attention.py", "paged_decode_attention"): "a Triton kernel body: splitting it costs registers",
     ("kernels/prefill_attention.py", "_prefill_kernel"): "a Triton kernel body: splitting it costs registers",
-    ("shared/launcher.py", "resolve_config"): "maps every CLI argument onto EngineConfig in one readable call",
+    ("ledgerserve/launcher.py", "resolve_config"): "maps every CLI argument onto EngineConfig in one readable call",
 }
 
 
@@ -67,7 +67,7 @@ def test_functions_stay_small():
     assert not shrunk, f"no longer long (drop them from LARGE_FUNCTIONS): {shrunk}"
 
 
-PRODUCT_PACKAGES = ("shared/", "kernels/", "tokenizer_proc/", "scheduler_proc/", "worker_proc/")
+PRODUCT_PACKAGES = ("ledgerserve/", "shared/", "kernels/", "tokenizer_proc/", "scheduler_proc/", "worker_proc/")
 ENV_MODULE = "shared/env.py"
 
 

@@ -7,7 +7,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from shared.events import DECISION_TYPES
+from ledgerserve.shared.events import DECISION_TYPES
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS_MD = ROOT / "BENCHMARKS.md"

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from shared.events import AdapterLoadObserved, AdapterRow, EngineStats
+from ledgerserve.shared.events import AdapterLoadObserved, AdapterRow, EngineStats
 
 if TYPE_CHECKING:
-    from tokenizer_proc.engine_client import EngineClientBase
+    from ledgerserve.tokenizer_proc.engine_client import EngineClientBase
 
 TIERS = ("gpu", "cpu", "disk")
 LOAD_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

@@ -16,12 +16,12 @@ from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, StrictBool
 
-from shared.adapter_format import AdapterError, AdapterManifest, BaseShapes, read_manifest
-from shared.config import EngineConfig
-from shared.events import AdapterLoadRequested, AdapterUnloadRequested
-from tokenizer_proc import adapters
-from tokenizer_proc.engine_client import EngineClientBase
-from tokenizer_proc.errors import error_response
+from ledgerserve.shared.adapter_format import AdapterError, AdapterManifest, BaseShapes, read_manifest
+from ledgerserve.shared.config import EngineConfig
+from ledgerserve.shared.events import AdapterLoadRequested, AdapterUnloadRequested
+from ledgerserve.tokenizer_proc import adapters
+from ledgerserve.tokenizer_proc.engine_client import EngineClientBase
+from ledgerserve.tokenizer_proc.errors import error_response
 
 logger = logging.getLogger(__name__)
 

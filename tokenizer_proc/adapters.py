@@ -16,10 +16,10 @@ import os
 import unicodedata
 from typing import Any
 
-from shared.adapter_format import AdapterError, AdapterManifest, BaseShapes, read_manifest
-from shared.config import EngineConfig
-from shared.events import AdapterInfo, AdapterRow
-from tokenizer_proc.errors import ApiError
+from ledgerserve.shared.adapter_format import AdapterError, AdapterManifest, BaseShapes, read_manifest
+from ledgerserve.shared.config import EngineConfig
+from ledgerserve.shared.events import AdapterInfo, AdapterRow
+from ledgerserve.tokenizer_proc.errors import ApiError
 
 
 class AdapterRegistry:

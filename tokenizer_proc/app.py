@@ -9,23 +9,23 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Response
 
-from shared.config import EngineConfig
-from shared.events import AdapterInfo
-from tokenizer_proc import adapters
-from tokenizer_proc.adapter_routes import (
+from ledgerserve.shared.config import EngineConfig
+from ledgerserve.shared.events import AdapterInfo
+from ledgerserve.tokenizer_proc import adapters
+from ledgerserve.tokenizer_proc.adapter_routes import (
     StartupAdapterError,
     add_adapter_routes,
     load_startup_adapters,
     validate_startup_adapters,
 )
-from tokenizer_proc.chat_template import ChatTemplate
-from tokenizer_proc.engine_client import EngineClientBase
-from tokenizer_proc.errors import error_response, install_error_handlers
-from tokenizer_proc.generate_routes import Served, add_generate_routes
-from tokenizer_proc.lora_resolver import LoraResolver
-from tokenizer_proc.metrics import CONTENT_TYPE_LATEST, Metrics
-from tokenizer_proc.security import ApiKeyMiddleware, BodyLimitMiddleware, api_key_from_env
-from tokenizer_proc.text_check import TextCheckedRoute
+from ledgerserve.tokenizer_proc.chat_template import ChatTemplate
+from ledgerserve.tokenizer_proc.engine_client import EngineClientBase
+from ledgerserve.tokenizer_proc.errors import error_response, install_error_handlers
+from ledgerserve.tokenizer_proc.generate_routes import Served, add_generate_routes
+from ledgerserve.tokenizer_proc.lora_resolver import LoraResolver
+from ledgerserve.tokenizer_proc.metrics import CONTENT_TYPE_LATEST, Metrics
+from ledgerserve.tokenizer_proc.security import ApiKeyMiddleware, BodyLimitMiddleware, api_key_from_env
+from ledgerserve.tokenizer_proc.text_check import TextCheckedRoute
 
 VERSION = "0.1.0"
 logger = logging.getLogger(__name__)

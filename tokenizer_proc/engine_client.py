@@ -17,8 +17,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from shared import codec, ipc
-from shared.events import (
+from ledgerserve.shared import codec, ipc
+from ledgerserve.shared.events import (
     AdapterInfo,
     AdapterLoadObserved,
     AdapterLoadRequested,

@@ -11,9 +11,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tokenizer_proc.engine_client import EngineError
-from tokenizer_proc.protocol import InvalidParam
-from tokenizer_proc.request_fields import shown_name
+from ledgerserve.tokenizer_proc.engine_client import EngineError
+from ledgerserve.tokenizer_proc.protocol import InvalidParam
+from ledgerserve.tokenizer_proc.request_fields import shown_name
 
 logger = logging.getLogger(__name__)
 

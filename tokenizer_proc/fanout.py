@@ -9,8 +9,8 @@ from typing import AsyncIterator, Sequence
 
 import msgspec
 
-from shared.sampling import SamplingParams
-from tokenizer_proc.generation import Delta, RequestRun, Usage, collect
+from ledgerserve.shared.sampling import SamplingParams
+from ledgerserve.tokenizer_proc.generation import Delta, RequestRun, Usage, collect
 
 SEED_SPAN = 1 << 64
 SEED_LOW = -(1 << 63)

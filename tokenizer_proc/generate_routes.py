@@ -10,20 +10,20 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 
-from shared.config import EngineConfig
-from shared.events import AdapterInfo, RequestArrived
-from tokenizer_proc import adapters, inputs, streaming
-from tokenizer_proc.chat_template import ChatTemplate
-from tokenizer_proc.disconnect import ClientGone, until_disconnect
-from tokenizer_proc.engine_client import EngineClientBase, EngineDeadError
-from tokenizer_proc.errors import ApiError
-from tokenizer_proc.fanout import choice_params, choice_req_id, collect_all, total_usage
-from tokenizer_proc.generation import Delta, RequestRun
-from tokenizer_proc.lora_resolver import LoraResolver
-from tokenizer_proc.metrics import Metrics
-from tokenizer_proc.prompt_logprobs import PromptLogprobsBody, prompt_logprobs_body
-from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from tokenizer_proc.responses import (
+from ledgerserve.shared.config import EngineConfig
+from ledgerserve.shared.events import AdapterInfo, RequestArrived
+from ledgerserve.tokenizer_proc import adapters, inputs, streaming
+from ledgerserve.tokenizer_proc.chat_template import ChatTemplate
+from ledgerserve.tokenizer_proc.disconnect import ClientGone, until_disconnect
+from ledgerserve.tokenizer_proc.engine_client import EngineClientBase, EngineDeadError
+from ledgerserve.tokenizer_proc.errors import ApiError
+from ledgerserve.tokenizer_proc.fanout import choice_params, choice_req_id, collect_all, total_usage
+from ledgerserve.tokenizer_proc.generation import Delta, RequestRun
+from ledgerserve.tokenizer_proc.lora_resolver import LoraResolver
+from ledgerserve.tokenizer_proc.metrics import Metrics
+from ledgerserve.tokenizer_proc.prompt_logprobs import PromptLogprobsBody, prompt_logprobs_body
+from ledgerserve.tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from ledgerserve.tokenizer_proc.responses import (
     chat_choice,
     chat_logprobs,
     completion_choice,

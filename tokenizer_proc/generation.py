@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
-from shared.events import PromptLogprobs, RequestArrived, TokenLogprobs
-from tokenizer_proc.detokenizer import IncrementalDetokenizer
-from tokenizer_proc.engine_client import EngineClientBase
+from ledgerserve.shared.events import PromptLogprobs, RequestArrived, TokenLogprobs
+from ledgerserve.tokenizer_proc.detokenizer import IncrementalDetokenizer
+from ledgerserve.tokenizer_proc.engine_client import EngineClientBase
 
 
 @dataclass

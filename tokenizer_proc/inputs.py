@@ -6,9 +6,9 @@ import asyncio
 import re
 from typing import Any, Mapping, Sequence
 
-from shared.sampling import SamplingParams
-from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError, render_char_budget
-from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest, InvalidParam, SamplingFields
+from ledgerserve.shared.sampling import SamplingParams
+from ledgerserve.tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError, render_char_budget
+from ledgerserve.tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest, InvalidParam, SamplingFields
 
 
 # text longer than this is tokenized on a worker thread (the tokenizer releases the GIL), so a

@@ -26,13 +26,13 @@ from __future__ import annotations
 import asyncio
 import os
 
-from shared.adapter_format import BaseShapes
-from shared.config import EngineConfig
-from shared.events import AdapterInfo
-from tokenizer_proc import adapters
-from tokenizer_proc.adapter_routes import load_event
-from tokenizer_proc.engine_client import EngineClientBase
-from tokenizer_proc.errors import ApiError
+from ledgerserve.shared.adapter_format import BaseShapes
+from ledgerserve.shared.config import EngineConfig
+from ledgerserve.shared.events import AdapterInfo
+from ledgerserve.tokenizer_proc import adapters
+from ledgerserve.tokenizer_proc.adapter_routes import load_event
+from ledgerserve.tokenizer_proc.engine_client import EngineClientBase
+from ledgerserve.tokenizer_proc.errors import ApiError
 
 
 class LoraResolver:

@@ -22,13 +22,13 @@ import msgspec
 import uvicorn
 import zmq
 
-from shared import ipc
-from shared.config import EngineConfig
-from shared.proc import PARENT_GONE_EXIT, exit_with_parent
-from tokenizer_proc.adapter_routes import StartupAdapterError
-from tokenizer_proc.security import StartupRefused
-from tokenizer_proc.app import build_app
-from tokenizer_proc.engine_client import EngineClient
+from ledgerserve.shared import ipc
+from ledgerserve.shared.config import EngineConfig
+from ledgerserve.shared.proc import PARENT_GONE_EXIT, exit_with_parent
+from ledgerserve.tokenizer_proc.adapter_routes import StartupAdapterError
+from ledgerserve.tokenizer_proc.security import StartupRefused
+from ledgerserve.tokenizer_proc.app import build_app
+from ledgerserve.tokenizer_proc.engine_client import EngineClient
 
 logger = logging.getLogger("tokenizer_proc")
 DRAIN_POLL_S = 0.05
@@ -107,7 +107,7 @@ class Server(uvicorn.Server):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="tokenizer_proc.main", description="ledgerserve HTTP/tokenizer process")
+    parser = argparse.ArgumentParser(prog="ledgerserve.tokenizer_proc.main", description="ledgerserve HTTP/tokenizer process")
     parser.add_argument("--config", required=True, help="path to the EngineConfig JSON in the run directory")
     return parser.parse_args(argv)
 

@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
-from shared.events import AdapterInfo, AdapterLoadObserved, RequestArrived, TokensEmitted
-from tokenizer_proc.adapter_metrics import AdapterRowsCollector, LoadMetrics
+from ledgerserve.shared.events import AdapterInfo, AdapterLoadObserved, RequestArrived, TokensEmitted
+from ledgerserve.tokenizer_proc.adapter_metrics import AdapterRowsCollector, LoadMetrics
 
 if TYPE_CHECKING:
-    from tokenizer_proc.engine_client import EngineClientBase
+    from ledgerserve.tokenizer_proc.engine_client import EngineClientBase
 
 __all__ = ["BASE_LABEL", "CONTENT_TYPE_LATEST", "Metrics"]
 

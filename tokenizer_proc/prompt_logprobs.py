@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from shared.events import PromptLogprobs
+from ledgerserve.shared.events import PromptLogprobs
 
 PromptLogprobsBody = list[dict[int, dict[str, Any]] | None]
 

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt
 from pydantic_core import PydanticCustomError
 
-from tokenizer_proc.request_fields import refusal, shown_name
+from ledgerserve.tokenizer_proc.request_fields import refusal, shown_name
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16

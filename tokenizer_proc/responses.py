@@ -12,9 +12,9 @@ from typing import Any, Sequence
 
 from fastapi import Response
 
-from shared.events import TokenLogprobs
-from tokenizer_proc.engine_client import EngineError
-from tokenizer_proc.generation import Delta, Usage
+from ledgerserve.shared.events import TokenLogprobs
+from ledgerserve.tokenizer_proc.engine_client import EngineError
+from ledgerserve.tokenizer_proc.generation import Delta, Usage
 
 LOGPROB_FLOOR = -9999.0
 

@@ -12,9 +12,9 @@ from typing import Any, Awaitable, Callable
 
 from fastapi import HTTPException
 
-from shared import env
+from ledgerserve.shared import env
 
-from tokenizer_proc.errors import error_body
+from ledgerserve.tokenizer_proc.errors import error_body
 
 PROTECTED_PREFIX = "/v1"
 

@@ -8,13 +8,13 @@ import time
 from contextlib import aclosing
 from typing import Any, AsyncIterator, Sequence
 
-from tokenizer_proc.engine_client import EngineError
-from tokenizer_proc.errors import error_body
-from tokenizer_proc.fanout import merged, total_usage
-from tokenizer_proc.generation import Delta, RequestRun
-from tokenizer_proc.prompt_logprobs import PromptLogprobsBody, prompt_logprobs_body
-from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest
-from tokenizer_proc.responses import (
+from ledgerserve.tokenizer_proc.engine_client import EngineError
+from ledgerserve.tokenizer_proc.errors import error_body
+from ledgerserve.tokenizer_proc.fanout import merged, total_usage
+from ledgerserve.tokenizer_proc.generation import Delta, RequestRun
+from ledgerserve.tokenizer_proc.prompt_logprobs import PromptLogprobsBody, prompt_logprobs_body
+from ledgerserve.tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest
+from ledgerserve.tokenizer_proc.responses import (
     chat_choice,
     chat_logprobs,
     completion_choice,

@@ -15,8 +15,8 @@ from typing import Any, Callable, Coroutine
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
-from tokenizer_proc.protocol import InvalidParam
-from tokenizer_proc.request_fields import shown_name
+from ledgerserve.tokenizer_proc.protocol import InvalidParam
+from ledgerserve.tokenizer_proc.request_fields import shown_name
 
 # a surrogate written as an escape; a body with other non-ASCII bytes is walked whatever it holds
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")

@@ -9,12 +9,12 @@ from __future__ import annotations
 import os
 import time
 
-from shared.config import EngineConfig
-from shared.events import (
+from ledgerserve.shared.config import EngineConfig
+from ledgerserve.shared.events import (
     AdapterCpuEvicted, AdapterEvicted, AdapterLoadCompleted, AdapterLoadFailed, AdapterPrefetched,
     AdapterSlotAssigned, Event,
 )
-from worker_proc.lora.manager import LoraManager
+from ledgerserve.worker_proc.lora.manager import LoraManager
 
 
 class AdapterCommands:

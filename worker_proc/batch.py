@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention_ref import PagedAttentionMetadata
-from shared.events import CachedReq, NewReq
-from shared.sampling import SamplingParams
-from worker_proc.lora.mapping import LoraMapping, runs
-from worker_proc.step_inputs import DeviceAttentionMetadata, PinnedStaging, padded_tables
+from ledgerserve.kernels.attention_ref import PagedAttentionMetadata
+from ledgerserve.shared.events import CachedReq, NewReq
+from ledgerserve.shared.sampling import SamplingParams
+from ledgerserve.worker_proc.lora.mapping import LoraMapping, runs
+from ledgerserve.worker_proc.step_inputs import DeviceAttentionMetadata, PinnedStaging, padded_tables
 
 
 @dataclass

@@ -21,11 +21,11 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels import gemm_tuning, pdl
-from kernels.lora_ref import group_tiles, max_tiles
-from worker_proc.batch import ReqState, fill_placeholders, placeholder_pairs
-from worker_proc.lora.mapping import LoraMapping
-from worker_proc.step_inputs import DeviceAttentionMetadata, PinnedStaging
+from ledgerserve.kernels import gemm_tuning, pdl
+from ledgerserve.kernels.lora_ref import group_tiles, max_tiles
+from ledgerserve.worker_proc.batch import ReqState, fill_placeholders, placeholder_pairs
+from ledgerserve.worker_proc.lora.mapping import LoraMapping
+from ledgerserve.worker_proc.step_inputs import DeviceAttentionMetadata, PinnedStaging
 
 log = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from shared.config import EngineConfig
-from worker_proc.models.config import ModelConfig
+from ledgerserve.shared.config import EngineConfig
+from ledgerserve.worker_proc.models.config import ModelConfig
 
 CPU_KV_BUDGET_BYTES = 2 * 1024**3
 

@@ -17,9 +17,9 @@ import time
 import msgspec
 import zmq
 
-from shared import codec, env, events, ipc
-from shared.proc import child_args, exit_with_parent, load_config, send_ready, setup_logging
-from worker_proc.runner import InFlightStep, ModelRunner
+from ledgerserve.shared import codec, env, events, ipc
+from ledgerserve.shared.proc import child_args, exit_with_parent, load_config, send_ready, setup_logging
+from ledgerserve.worker_proc.runner import InFlightStep, ModelRunner
 
 # Test-only fault switch: this rank reports a wrong digest from this step on.
 # While a step runs and adapter loads are under way, each turn of the spin sleeps this long

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker_proc.batch import ReqState
+from ledgerserve.worker_proc.batch import ReqState
 
 
 @dataclass(frozen=True)

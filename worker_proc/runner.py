@@ -16,22 +16,22 @@ import msgspec
 import torch
 import xxhash
 
-from shared import env
-from shared.config import EngineConfig
-from shared.adapter_format import BaseShapes
-from shared.events import CachedReq, FailedReq, NewReq, RankDigest, SampledToken, StepCompleted, StepPlan, WorkerReady
-from worker_proc import prompt_logprobs
-from worker_proc.adapter_commands import AdapterCommands
-from worker_proc.batch import ReqState, build_batch, check_fault, validate_req
-from worker_proc.cuda_graphs import DecodeGraphs
-from worker_proc.kv_cache import KVCache, num_kv_blocks
-from worker_proc.lora.manager import LoraManager
-from worker_proc.models import build_model, load_eos_token_ids, load_model_config
-from worker_proc.models.llama import FAST_DTYPES
-from worker_proc.placeholders import SampledRows, mark_placeholder
-from worker_proc.sampler import PendingSample, Sampler, SamplingReq
-from worker_proc.step_inputs import PinnedStaging
-from worker_proc.warm_up import warm_up_batches
+from ledgerserve.shared import env
+from ledgerserve.shared.config import EngineConfig
+from ledgerserve.shared.adapter_format import BaseShapes
+from ledgerserve.shared.events import CachedReq, FailedReq, NewReq, RankDigest, SampledToken, StepCompleted, StepPlan, WorkerReady
+from ledgerserve.worker_proc import prompt_logprobs
+from ledgerserve.worker_proc.adapter_commands import AdapterCommands
+from ledgerserve.worker_proc.batch import ReqState, build_batch, check_fault, validate_req
+from ledgerserve.worker_proc.cuda_graphs import DecodeGraphs
+from ledgerserve.worker_proc.kv_cache import KVCache, num_kv_blocks
+from ledgerserve.worker_proc.lora.manager import LoraManager
+from ledgerserve.worker_proc.models import build_model, load_eos_token_ids, load_model_config
+from ledgerserve.worker_proc.models.llama import FAST_DTYPES
+from ledgerserve.worker_proc.placeholders import SampledRows, mark_placeholder
+from ledgerserve.worker_proc.sampler import PendingSample, Sampler, SamplingReq
+from ledgerserve.worker_proc.step_inputs import PinnedStaging
+from ledgerserve.worker_proc.warm_up import warm_up_batches
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

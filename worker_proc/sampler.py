@@ -16,9 +16,9 @@ import msgspec
 import torch
 import xxhash
 
-from kernels import ops
-from shared.events import TokenLogprobs
-from shared.sampling import SamplingParams
+from ledgerserve.kernels import ops
+from ledgerserve.shared.events import TokenLogprobs
+from ledgerserve.shared.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

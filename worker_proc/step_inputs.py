@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention_ref import PagedAttentionMetadata
+from ledgerserve.kernels.attention_ref import PagedAttentionMetadata
 
 # int64 elements per 16 bytes: every view handed out starts 16-byte aligned, as Triton compiles a
 # kernel apart for pointers that are and aren't, so a batch's layout never costs a new compile

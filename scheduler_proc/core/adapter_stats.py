@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared import events as ev
+from ledgerserve.shared import events as ev
 
-from scheduler_proc.core.adapter_figures import AdapterFigures, LoadRecord, PendingLoad, ReqState, ReqWait, VersionState
+from ledgerserve.scheduler_proc.core.adapter_figures import AdapterFigures, LoadRecord, PendingLoad, ReqState, ReqWait, VersionState
 
 __all__ = ["AdapterFigures", "AdapterStats", "LoadRecord", "ReqWait"]
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
-from scheduler_proc.core.request import Request, RequestStatus
-from scheduler_proc.core.slots import Slot, SlotState, SlotTable
+from ledgerserve.scheduler_proc.core.request import Request, RequestStatus
+from ledgerserve.scheduler_proc.core.slots import Slot, SlotState, SlotTable
 
 if TYPE_CHECKING:
-    from scheduler_proc.core.adapters import AdapterManager, AdapterVersion
+    from ledgerserve.scheduler_proc.core.adapters import AdapterManager, AdapterVersion
 
 
 def check_adapters(manager: AdapterManager, live_reqs: list[Request]) -> None:

@@ -21,13 +21,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from shared import events as ev
+from ledgerserve.shared import events as ev
 
-from scheduler_proc.core import adapter_views, marks
-from scheduler_proc.core.config import CoreConfig
-from scheduler_proc.core.request import Request
-from scheduler_proc.core.scheduler import distinct
-from scheduler_proc.core.slots import Slot, SlotState, SlotTable, lru_victim
+from ledgerserve.scheduler_proc.core import adapter_views, marks
+from ledgerserve.scheduler_proc.core.config import CoreConfig
+from ledgerserve.scheduler_proc.core.request import Request
+from ledgerserve.scheduler_proc.core.scheduler import distinct
+from ledgerserve.scheduler_proc.core.slots import Slot, SlotState, SlotTable, lru_victim
 
 Decisions = list[Any]
 

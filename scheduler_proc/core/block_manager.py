@@ -16,9 +16,9 @@ from functools import reduce
 
 import xxhash
 
-from scheduler_proc.core.integrity import BlockAccountingError, check_blocks
-from scheduler_proc.core.radix import Node, RadixCache
-from scheduler_proc.core.request import Request
+from ledgerserve.scheduler_proc.core.integrity import BlockAccountingError, check_blocks
+from ledgerserve.scheduler_proc.core.radix import Node, RadixCache
+from ledgerserve.scheduler_proc.core.request import Request
 
 __all__ = ["BlockAccounting", "BlockAccountingError", "BlockManager", "BlockPool", "PrefixMatch", "num_blocks_for"]
 

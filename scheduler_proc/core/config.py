@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.config import EngineConfig
+from ledgerserve.shared.config import EngineConfig
 
 _POSITIVE = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "tensor_parallel_size", "max_loras", "max_cpu_loras", "lora_max_wait_steps", "max_steps_in_flight",
              "max_on_demand_loras")

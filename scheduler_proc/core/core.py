@@ -10,16 +10,16 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from shared import events as ev
+from ledgerserve.shared import events as ev
 
-from scheduler_proc.core import digest, drain, movement, pins, prefetch, prefix, prompt_logprobs
-from scheduler_proc.core.adapters import AdapterManager
-from scheduler_proc.core.block_manager import BlockAccounting, BlockManager
-from scheduler_proc.core.config import CoreConfig
-from scheduler_proc.core.finish import admission_error, check_stop
-from scheduler_proc.core.plan import InFlightStep, build_plan
-from scheduler_proc.core.request import FINISH_REASON_TO_STATUS, Request, RequestStatus, transition
-from scheduler_proc.core.scheduler import Scheduler
+from ledgerserve.scheduler_proc.core import digest, drain, movement, pins, prefetch, prefix, prompt_logprobs
+from ledgerserve.scheduler_proc.core.adapters import AdapterManager
+from ledgerserve.scheduler_proc.core.block_manager import BlockAccounting, BlockManager
+from ledgerserve.scheduler_proc.core.config import CoreConfig
+from ledgerserve.scheduler_proc.core.finish import admission_error, check_stop
+from ledgerserve.scheduler_proc.core.plan import InFlightStep, build_plan
+from ledgerserve.scheduler_proc.core.request import FINISH_REASON_TO_STATUS, Request, RequestStatus, transition
+from ledgerserve.scheduler_proc.core.scheduler import Scheduler
 
 Decisions = list[Any]  # list[events.Decision]
 

@@ -7,9 +7,9 @@ from typing import Any
 import msgspec
 import xxhash
 
-from scheduler_proc.core.adapters import AdapterManager
-from scheduler_proc.core.request import Request
-from scheduler_proc.core.scheduler import Scheduler
+from ledgerserve.scheduler_proc.core.adapters import AdapterManager
+from ledgerserve.scheduler_proc.core.request import Request
+from ledgerserve.scheduler_proc.core.scheduler import Scheduler
 
 _encoder = msgspec.msgpack.Encoder()
 

@@ -40,14 +40,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from shared import events as ev
+from ledgerserve.shared import events as ev
 
-from scheduler_proc.core import prefetch
-from scheduler_proc.core.adapters import AdapterManager
-from scheduler_proc.core.config import CoreConfig
-from scheduler_proc.core.prefetch import LOOKAHEAD_VERSIONS_PER_SLOT
-from scheduler_proc.core.request import Request
-from scheduler_proc.core.slots import Slot, SlotState
+from ledgerserve.scheduler_proc.core import prefetch
+from ledgerserve.scheduler_proc.core.adapters import AdapterManager
+from ledgerserve.scheduler_proc.core.config import CoreConfig
+from ledgerserve.scheduler_proc.core.prefetch import LOOKAHEAD_VERSIONS_PER_SLOT
+from ledgerserve.scheduler_proc.core.request import Request
+from ledgerserve.scheduler_proc.core.slots import Slot, SlotState
 
 Decisions = list[Any]
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from shared.sampling import SamplingParams
+from ledgerserve.shared.sampling import SamplingParams
 
-from scheduler_proc.core.block_manager import num_blocks_for
+from ledgerserve.scheduler_proc.core.block_manager import num_blocks_for
 
 
 def check_stop(

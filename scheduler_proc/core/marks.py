@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from shared import events as ev
+from ledgerserve.shared import events as ev
 
 if TYPE_CHECKING:
-    from scheduler_proc.core.adapters import AdapterManager, AdapterVersion
+    from ledgerserve.scheduler_proc.core.adapters import AdapterManager, AdapterVersion
 
 LRU_REASON = "lru"
 

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared import events as ev
+from ledgerserve.shared import events as ev
 
-from scheduler_proc.core.adapters import AdapterManager
-from scheduler_proc.core.slots import SlotState
+from ledgerserve.scheduler_proc.core.adapters import AdapterManager
+from ledgerserve.scheduler_proc.core.slots import SlotState
 
 Decisions = list[Any]
 

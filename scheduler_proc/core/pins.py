@@ -19,10 +19,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from scheduler_proc.core import prefetch
-from scheduler_proc.core.adapters import AdapterManager
-from scheduler_proc.core.request import Request
-from scheduler_proc.core.slots import Slot, SlotState
+from ledgerserve.scheduler_proc.core import prefetch
+from ledgerserve.scheduler_proc.core.adapters import AdapterManager
+from ledgerserve.scheduler_proc.core.request import Request
+from ledgerserve.scheduler_proc.core.slots import Slot, SlotState
 
 Decisions = list[Any]
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.events import CachedReq, NewReq, StepPlan
+from ledgerserve.shared.events import CachedReq, NewReq, StepPlan
 
-from scheduler_proc.core.request import Request
-from scheduler_proc.core.scheduler import ScheduledReq, distinct
+from ledgerserve.scheduler_proc.core.request import Request
+from ledgerserve.scheduler_proc.core.scheduler import ScheduledReq, distinct
 
 
 @dataclass(frozen=True)

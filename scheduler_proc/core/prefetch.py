@@ -29,9 +29,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from scheduler_proc.core.adapters import AdapterManager
-from scheduler_proc.core.request import Request
-from scheduler_proc.core.slots import Slot, SlotState
+from ledgerserve.scheduler_proc.core.adapters import AdapterManager
+from ledgerserve.scheduler_proc.core.request import Request
+from ledgerserve.scheduler_proc.core.slots import Slot, SlotState
 
 Decisions = list[Any]
 LOOKAHEAD_VERSIONS_PER_SLOT = 4

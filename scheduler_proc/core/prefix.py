@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from shared import events as ev
+from ledgerserve.shared import events as ev
 
-from scheduler_proc.core.block_manager import BlockManager
-from scheduler_proc.core.request import Request
+from ledgerserve.scheduler_proc.core.block_manager import BlockManager
+from ledgerserve.scheduler_proc.core.request import Request
 
 
 def cache_computed(block_manager: BlockManager, req: Request, step: int) -> list[Any]:

@@ -8,8 +8,8 @@ Pure functions of the request's counts and the report; the core keeps `num_promp
 
 from __future__ import annotations
 
-from shared.events import PromptLogprobs
-from shared.sampling import SamplingParams
+from ledgerserve.shared.events import PromptLogprobs
+from ledgerserve.shared.sampling import SamplingParams
 
 
 def step_span(num_computed_tokens: int, num_tokens: int, num_prompt_tokens: int) -> tuple[int, int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from shared.sampling import SamplingParams
+from ledgerserve.shared.sampling import SamplingParams
 
 
 class RequestStatus(enum.Enum):

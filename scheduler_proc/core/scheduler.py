@@ -25,10 +25,10 @@ import bisect
 from collections import deque
 from dataclasses import dataclass
 
-from scheduler_proc.core.block_manager import BlockManager, PrefixMatch
-from scheduler_proc.core.config import CoreConfig
-from scheduler_proc.core.finish import reaches_length
-from scheduler_proc.core.request import Request, RequestStatus, transition
+from ledgerserve.scheduler_proc.core.block_manager import BlockManager, PrefixMatch
+from ledgerserve.scheduler_proc.core.config import CoreConfig
+from ledgerserve.scheduler_proc.core.finish import reaches_length
+from ledgerserve.scheduler_proc.core.request import Request, RequestStatus, transition
 
 
 @dataclass

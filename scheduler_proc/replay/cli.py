@@ -21,12 +21,12 @@ from typing import Any
 
 import msgspec
 
-from shared.eventlog import LogCorruption
-from shared.events import LogClosed
-from scheduler_proc.replay.figures import FIGURE_SECTIONS, figure_sections, render_figures
-from scheduler_proc.replay.diff import LogDiff, diff_logs
-from scheduler_proc.replay.state import SECTIONS, parse_sections, render, sections
-from scheduler_proc.replay.verify import Divergence, HistoryTrimmed, ReplayResult, replay
+from ledgerserve.shared.eventlog import LogCorruption
+from ledgerserve.shared.events import LogClosed
+from ledgerserve.scheduler_proc.replay.figures import FIGURE_SECTIONS, figure_sections, render_figures
+from ledgerserve.scheduler_proc.replay.diff import LogDiff, diff_logs
+from ledgerserve.scheduler_proc.replay.state import SECTIONS, parse_sections, render, sections
+from ledgerserve.scheduler_proc.replay.verify import Divergence, HistoryTrimmed, ReplayResult, replay
 
 __all__ = ["Divergence", "HistoryTrimmed", "ReplayResult", "main", "replay"]
 

@@ -15,12 +15,12 @@ from typing import Any
 
 import msgspec
 
-from shared import codec
-from shared import events as ev
-from shared.eventlog import RunScanner
+from ledgerserve.shared import codec
+from ledgerserve.shared import events as ev
+from ledgerserve.shared.eventlog import RunScanner
 
-from scheduler_proc.replay.format import differing_fields, side_by_side
-from scheduler_proc.replay.verify import DECISION, INPUT, KIND_BY_TAG, decode_event, require_whole_run, same_in_current_format, tag_of
+from ledgerserve.scheduler_proc.replay.format import differing_fields, side_by_side
+from ledgerserve.scheduler_proc.replay.verify import DECISION, INPUT, KIND_BY_TAG, decode_event, require_whole_run, same_in_current_format, tag_of
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from scheduler_proc.core.adapter_stats import AdapterStats
+from ledgerserve.scheduler_proc.core.adapter_stats import AdapterStats
 
 FIGURE_SECTIONS = {"adapters": "adapter_figures", "requests": "adapter_waits"}
 

@@ -15,14 +15,14 @@ from typing import Any
 
 import msgspec
 
-from shared import codec
-from shared import events as ev
-from shared.config import EngineConfig
-from shared.eventlog import RunScanner
+from ledgerserve.shared import codec
+from ledgerserve.shared import events as ev
+from ledgerserve.shared.config import EngineConfig
+from ledgerserve.shared.eventlog import RunScanner
 
-from scheduler_proc.core import Core, CoreConfig
-from scheduler_proc.core.adapter_stats import AdapterStats
-from scheduler_proc.replay.format import differing_fields, side_by_side
+from ledgerserve.scheduler_proc.core import Core, CoreConfig
+from ledgerserve.scheduler_proc.core.adapter_stats import AdapterStats
+from ledgerserve.scheduler_proc.replay.format import differing_fields, side_by_side
 
 INPUT, DECISION, SHELL_ONLY = 0, 1, 2
 _SHELL_ONLY_TYPES = (ev.LogClosed, ev.Shutdown)  # logged by the shell, never by the core

@@ -1,6 +1,6 @@
 """The append-only event log (docs/architecture.md, "The event log"): format, names, writer, reader, retention."""
 
-from shared.eventlog.format import (
+from ledgerserve.shared.eventlog.format import (
     MAGIC,
     MAX_RECORD_BYTES,
     SCHEMA_VERSION,
@@ -13,10 +13,10 @@ from shared.eventlog.format import (
     parse_header,
     record_hash,
 )
-from shared.eventlog.names import list_logs, log_number, newest_log, next_log_name, run_segments, segment_file_name
-from shared.eventlog.reader import EventLogReader, RunScanner
-from shared.eventlog.retention import LogFile, enforce_retention, plan_removals
-from shared.eventlog.writer import FSYNC_POLICIES, EventLogWriter
+from ledgerserve.shared.eventlog.names import list_logs, log_number, newest_log, next_log_name, run_segments, segment_file_name
+from ledgerserve.shared.eventlog.reader import EventLogReader, RunScanner
+from ledgerserve.shared.eventlog.retention import LogFile, enforce_retention, plan_removals
+from ledgerserve.shared.eventlog.writer import FSYNC_POLICIES, EventLogWriter
 
 __all__ = [
     "FSYNC_POLICIES",

@@ -34,7 +34,7 @@ from typing import Any
 import msgspec
 import xxhash
 
-from shared import codec
+from ledgerserve.shared import codec
 
 MAGIC = b"LSEVTLOG"
 SCHEMA_VERSION = 4

@@ -15,7 +15,7 @@ import re
 import warnings
 from dataclasses import dataclass
 
-from shared.eventlog.format import header_end, is_cut_header, read_header_bytes
+from ledgerserve.shared.eventlog.format import header_end, is_cut_header, read_header_bytes
 
 _LOG_NAME = re.compile(r"^events-(\d{6,})(?:-([A-Za-z0-9._-]+))?(?:\+(\d{6,}))?\.log$")
 _RUN_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")

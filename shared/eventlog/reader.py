@@ -23,8 +23,8 @@ from typing import Any
 import msgspec
 import xxhash
 
-from shared import codec
-from shared.eventlog.format import (
+from ledgerserve.shared import codec
+from ledgerserve.shared.eventlog.format import (
     MAX_RECORD_BYTES,
     RECORD_HEAD,
     LogCorruption,
@@ -34,7 +34,7 @@ from shared.eventlog.format import (
     parse_header,
     read_header_bytes,
 )
-from shared.eventlog.names import parse_name, run_segments
+from ledgerserve.shared.eventlog.names import parse_name, run_segments
 
 _envelope_decoder = msgspec.msgpack.Decoder(tuple[int, int, msgspec.Raw])
 

@@ -17,7 +17,7 @@ import fcntl
 import os
 from dataclasses import dataclass
 
-from shared.eventlog.names import SegmentName, parse_name, segments_in
+from ledgerserve.shared.eventlog.names import SegmentName, parse_name, segments_in
 
 RunKey = tuple[int, str]  # (run number, run id)
 

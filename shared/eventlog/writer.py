@@ -20,8 +20,8 @@ import os
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
-from shared.eventlog.format import RECORD_HEAD, LogWriteError, SegmentInfo, encode_header, encode_record, record_hash
-from shared.eventlog.names import next_log_name, parse_name, segment_file_name
+from ledgerserve.shared.eventlog.format import RECORD_HEAD, LogWriteError, SegmentInfo, encode_header, encode_record, record_hash
+from ledgerserve.shared.eventlog.names import next_log_name, parse_name, segment_file_name
 
 FSYNC_POLICIES = ("never", "step", "always")
 Opener = Callable[[str, str], BinaryIO]

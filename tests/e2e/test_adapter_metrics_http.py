@@ -19,9 +19,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from scheduler_proc.replay import main as replay_main
-from shared import events as ev
-from shared.eventlog import EventLogReader, newest_log
+from ledgerserve.scheduler_proc.replay import main as replay_main
+from ledgerserve.shared import events as ev
+from ledgerserve.shared.eventlog import EventLogReader, newest_log
 from tests.e2e.server import Server
 from tests.peft_util import make_tiny_peft_adapter
 

@@ -21,9 +21,9 @@ import httpx
 import openai
 import pytest
 
-from scheduler_proc.replay import replay
-from shared.adapter_types import WEIGHTS_FILE
-from shared.eventlog import newest_log
+from ledgerserve.scheduler_proc.replay import replay
+from ledgerserve.shared.adapter_types import WEIGHTS_FILE
+from ledgerserve.shared.eventlog import newest_log
 from tests.adapter_factory import load_peft_reference, make_peft_adapter
 from tests.e2e.server import Server
 from tests.model_factory import load_reference

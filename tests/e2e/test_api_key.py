@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from shared.eventlog import newest_log
+from ledgerserve.shared.eventlog import newest_log
 from tests.e2e.server import Server
 
 pytestmark = pytest.mark.slow
@@ -29,7 +29,7 @@ def test_api_key_guards_v1_and_stays_in_the_http_process(demo_model_dir, tmp_pat
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY, max_retries=0)
         assert client.completions.create(model=model, prompt="hi", max_tokens=2).choices[0].text is not None
         holders = [c.cmdline()[2] for c in server.children() if KEY in "".join(c.environ().values())]
-        assert holders == ["tokenizer_proc.main"]
+        assert holders == ["ledgerserve.tokenizer_proc.main"]
         run_dir = server.run_dirs()[0]
         with open(os.path.join(run_dir, "config.json"), "rb") as f:
             assert KEY.encode() not in f.read()

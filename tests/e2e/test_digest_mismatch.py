@@ -8,9 +8,9 @@ import os
 import httpx
 import pytest
 
-from scheduler_proc.replay import replay
-from shared import events as ev
-from shared.eventlog import EventLogReader, newest_log
+from ledgerserve.scheduler_proc.replay import replay
+from ledgerserve.shared import events as ev
+from ledgerserve.shared.eventlog import EventLogReader, newest_log
 from tests.e2e.server import Server, assert_all_gone
 
 pytestmark = pytest.mark.slow

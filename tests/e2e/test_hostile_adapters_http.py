@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from shared.adapter_types import CONFIG_FILE, WEIGHTS_FILE
+from ledgerserve.shared.adapter_types import CONFIG_FILE, WEIGHTS_FILE
 from tests.adapter_factory import make_peft_adapter
 from tests.e2e.server import Server
 from tests.shared.hostile_adapters import HOSTILE, edit_config

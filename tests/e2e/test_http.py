@@ -17,8 +17,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from shared import events as ev
-from shared.eventlog import EventLogReader
+from ledgerserve.shared import events as ev
+from ledgerserve.shared.eventlog import EventLogReader
 from tests.e2e.conftest import SCHEDULING_ARGS
 from tests.e2e.server import Server
 from tests.prompt_logprobs_ref import assert_same_json, check_entries, entries_from_json, prompt_logprobs_reference
@@ -273,7 +273,7 @@ def test_replay_verifies_the_log_under_two_hash_seeds(server, log_dir, schedulin
     outputs = []
     for seed in ("0", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        done = subprocess.run([sys.executable, "-m", "shared.cli", "replay", "--verify", "--show", "all", log_dir],
+        done = subprocess.run([sys.executable, "-m", "ledgerserve", "replay", "--verify", "--show", "all", log_dir],
                               env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stdout + done.stderr
         assert "decisions match" in done.stdout

@@ -188,7 +188,7 @@ def test_stress_has_no_unexpected_status(server, adapter_root):
 def test_replay_verifies_the_lora_log(server, log_dir):
     assert server.stop() == 0
     for seed in ("0", "999"):
-        done = subprocess.run([sys.executable, "-m", "shared.cli", "replay", "--verify", log_dir],
+        done = subprocess.run([sys.executable, "-m", "ledgerserve", "replay", "--verify", log_dir],
                               env={**os.environ, "PYTHONHASHSEED": seed}, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stdout + done.stderr
     assert glob.glob(os.path.join(log_dir, "*.log"))

@@ -20,8 +20,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared import events as ev
-from shared.eventlog import EventLogReader, newest_log, run_segments
+from ledgerserve.shared import events as ev
+from ledgerserve.shared.eventlog import EventLogReader, newest_log, run_segments
 from tests.adapter_factory import load_peft_reference, make_peft_adapter
 from tests.e2e.server import Server
 from tests.reference import Reference, assert_greedy_matches, greedy_reference
@@ -183,10 +183,10 @@ def test_log_replays_with_one_load_per_first_use(server, root):
     assert [(e.name, e.pinned, e.on_demand) for e in loads if e.pinned] == [("pin", True, False)]
     assert {e.name for e in records if isinstance(e, ev.AdapterUnloaded) and e.reason == "lru"} >= {"yname", "zname", "b-name"}
     for seed in ("0", "999"):
-        done = subprocess.run([sys.executable, "-m", "shared.cli", "replay", "--verify", server.log_dir],
+        done = subprocess.run([sys.executable, "-m", "ledgerserve", "replay", "--verify", server.log_dir],
                               env={**os.environ, "PYTHONHASHSEED": seed}, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stdout + done.stderr
-    shown = subprocess.run([sys.executable, "-m", "shared.cli", "replay", server.log_dir, "--show", "adapters", "--json"],
+    shown = subprocess.run([sys.executable, "-m", "ledgerserve", "replay", server.log_dir, "--show", "adapters", "--json"],
                            capture_output=True, text=True, timeout=120)
     versions = json.loads(shown.stdout)["state"]["adapters"]
     assert any(v.get("pinned") and v["name"] == "pin" for v in versions)

@@ -22,14 +22,14 @@ import openai
 import psutil
 import pytest
 
-from shared import events
-from shared.eventlog import EventLogReader, newest_log
+from ledgerserve.shared import events
+from ledgerserve.shared.eventlog import EventLogReader, newest_log
 from tests.e2e.server import Server, assert_all_gone
 from tests.netutil import free_port
 
 pytestmark = pytest.mark.slow
 
-MODULE_OF = {"scheduler": "scheduler_proc.main", "worker-0": "worker_proc.main", "tokenizer": "tokenizer_proc.main"}
+MODULE_OF = {"scheduler": "ledgerserve.scheduler_proc.main", "worker-0": "ledgerserve.worker_proc.main", "tokenizer": "ledgerserve.tokenizer_proc.main"}
 
 
 def _child(server: Server, module: str):
@@ -59,7 +59,7 @@ def _post(base_url: str, model: str, out: list[httpx.Response | None]) -> None:
 
 
 def _replay_ok(log_dir: str) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "shared.cli", "replay", "--verify", "--json", newest_log(log_dir)],
+    proc = subprocess.run([sys.executable, "-m", "ledgerserve", "replay", "--verify", "--json", newest_log(log_dir)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(proc.stdout)
@@ -192,7 +192,7 @@ def test_a_child_failing_at_start_leaves_no_run_directory(demo_model_dir, tmp_pa
     not_a_dir.write_text("")  # the scheduler cannot create its event log here
     runs = tempfile.mkdtemp(prefix="ls-runs-")  # short: ipc socket paths are limited to ~100 bytes
     try:
-        proc = subprocess.run([sys.executable, "-m", "shared.cli", "serve", demo_model_dir, "--port", str(free_port()),
+        proc = subprocess.run([sys.executable, "-m", "ledgerserve", "serve", demo_model_dir, "--port", str(free_port()),
                                "--event-log-dir", str(not_a_dir)], env={**os.environ, "TMPDIR": runs},
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 1 and "process 'scheduler'" in proc.stderr, proc.stderr

@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from scheduler_proc.core.core import Core, CoreConfig
-from shared import events
-from shared.config import EngineConfig
-from worker_proc.runner import ModelRunner
+from ledgerserve.scheduler_proc.core.core import Core, CoreConfig
+from ledgerserve.shared import events
+from ledgerserve.shared.config import EngineConfig
+from ledgerserve.worker_proc.runner import ModelRunner
 
 
 @dataclass

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from shared import events
-from shared.config import EngineConfig
-from shared.sampling import SamplingParams
+from ledgerserve.shared import events
+from ledgerserve.shared.config import EngineConfig
+from ledgerserve.shared.sampling import SamplingParams
 from tests.engine.harness import run_engine
 from tests.model_factory import make_tiny_checkpoint
 from tests.reference import assert_greedy_matches, greedy_reference

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.lora_ref import LoraDelta
+from ledgerserve.kernels.lora_ref import LoraDelta
 
 SLOTS = [0, -1, 3, 1, 1, 2, -1, 0, 3]  # slot 1 does not target slice 0; -1: base tokens
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_ref import write_kv
+from ledgerserve.kernels.attention_ref import write_kv
 
 
 @dataclass

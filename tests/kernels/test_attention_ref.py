@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_ref import PagedAttentionMetadata, paged_attention_ref
+from ledgerserve.kernels.attention_ref import PagedAttentionMetadata, paged_attention_ref
 
 
 def dense_reference(q_full: torch.Tensor, k_full: torch.Tensor, v_full: torch.Tensor, scale: float) -> torch.Tensor:

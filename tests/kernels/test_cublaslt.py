@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cublaslt, gemm_tuning, ops
+from ledgerserve.kernels import cublaslt, gemm_tuning, ops
 from tests.kernels.triton_device import DTYPES
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kernels.gemm_tuning import fastest
+from ledgerserve.kernels.gemm_tuning import fastest
 
 
 def test_keeps_linear_when_no_candidate_beats_it_by_the_margin() -> None:

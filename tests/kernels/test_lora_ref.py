@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.lora_ref import (
+from ledgerserve.kernels.lora_ref import (
     GROUP_TILE, group_tiles, lora_expand_grouped, lora_expand_segments, lora_expand_stacked, lora_expand_tokens, lora_shrink_grouped,
     lora_shrink_segments, lora_shrink_tokens, max_tiles,
 )

@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import ops
-from kernels.attention_ref import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv
-from kernels.fused_ref import apply_rope_ref, fused_add_rms_norm_ref, rms_norm_ref, rope_cos_sin_cache, silu_and_mul_ref
+from ledgerserve.kernels import ops
+from ledgerserve.kernels.attention_ref import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv
+from ledgerserve.kernels.fused_ref import apply_rope_ref, fused_add_rms_norm_ref, rms_norm_ref, rope_cos_sin_cache, silu_and_mul_ref
 from tests.kernels.lora_delta_data import SLOTS, make_delta, naive_delta
 from tests.kernels.paged_batch import make_paged_batch
-from worker_proc.models.config import RopeConfig
-from worker_proc.models.layers import RMSNorm
-from worker_proc.models.rope import RotaryEmbedding
-from worker_proc.models.rope import apply_rope as model_apply_rope
+from ledgerserve.worker_proc.models.config import RopeConfig
+from ledgerserve.worker_proc.models.layers import RMSNorm
+from ledgerserve.worker_proc.models.rope import RotaryEmbedding
+from ledgerserve.worker_proc.models.rope import apply_rope as model_apply_rope
 
 HEADS = [(7, 1, 16), (6, 3, 8), (4, 4, 32)]  # num_heads, num_kv_heads, head_dim
 

@@ -13,8 +13,8 @@ from tests.kernels.triton_device import DEVICE, requires_triton_device
 
 pytest.importorskip("triton")
 
-from kernels import ops, pdl  # noqa: E402
-from kernels.fused_ref import rope_cos_sin_cache  # noqa: E402
+from ledgerserve.kernels import ops, pdl  # noqa: E402
+from ledgerserve.kernels.fused_ref import rope_cos_sin_cache  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, requires_triton_device, pytest.mark.skipif(
     DEVICE != "cuda" or not pdl._capable(torch.device("cuda")), reason="needs sm_90+")]

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from kernels.pdl import edges_to_move  # noqa: E402
+from ledgerserve.kernels.pdl import edges_to_move  # noqa: E402
 
 DEFAULT, PROGRAMMATIC, LAUNCH_COMPLETION = 0, 1, 2  # dependency types / source ports
 

@@ -10,7 +10,7 @@ from tests.kernels.triton_device import DEVICE, requires_triton_device
 
 pytest.importorskip("triton")
 
-from kernels import argmax, ops  # noqa: E402
+from ledgerserve.kernels import argmax, ops  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, requires_triton_device]
 

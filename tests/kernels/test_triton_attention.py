@@ -10,10 +10,10 @@ from tests.kernels.triton_device import DEVICE, DTYPES, INTERPRET, TOL, requires
 
 pytest.importorskip("triton")
 
-from kernels import ops  # noqa: E402
-from kernels.attention_ref import paged_decode_attention_ref, paged_prefill_attention_ref  # noqa: E402
-from kernels.paged_attention import paged_decode_attention  # noqa: E402
-from kernels.prefill_attention import paged_prefill_attention  # noqa: E402
+from ledgerserve.kernels import ops  # noqa: E402
+from ledgerserve.kernels.attention_ref import paged_decode_attention_ref, paged_prefill_attention_ref  # noqa: E402
+from ledgerserve.kernels.paged_attention import paged_decode_attention  # noqa: E402
+from ledgerserve.kernels.prefill_attention import paged_prefill_attention  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, requires_triton_device]
 
@@ -77,7 +77,7 @@ def test_decode_matches_prefill_on_last_token(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("programs_per_sm", [0, 10**6])  # the largest and the smallest partition
 def test_decode_partition_sizes(programs_per_sm: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kernels import paged_attention
+    from ledgerserve.kernels import paged_attention
 
     monkeypatch.setattr(paged_attention, "PROGRAMS_PER_SM", programs_per_sm)
     seq_lens = [1, 64, 65, 511, 512, 513, 1029]
@@ -93,7 +93,7 @@ def test_decode_short_contexts_one_partition(dtype: torch.dtype, direct_pairs_pe
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Contexts within one partition: the partition kernel writes the output (zeros for a padding
     row) and no reduce runs, or the split path; both equal the reference."""
-    from kernels import paged_attention
+    from ledgerserve.kernels import paged_attention
 
     monkeypatch.setattr(paged_attention, "DIRECT_PAIRS_PER_SM", direct_pairs_per_sm)
     seq_lens = [1, 64, 65, 0, 200, 511, 512]  # 0: padding row

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fused_ref import (
+from ledgerserve.kernels.fused_ref import (
     apply_rope_ref,
     fused_add_rms_norm_ref,
     rms_norm_ref,
@@ -18,7 +18,7 @@ from tests.kernels.triton_device import DEVICE, DTYPES, TOL, requires_triton_dev
 
 pytest.importorskip("triton")
 
-from kernels import fused  # noqa: E402
+from ledgerserve.kernels import fused  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, requires_triton_device]
 HIDDEN = [1000, 4096 + 8, 128]

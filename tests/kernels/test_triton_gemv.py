@@ -10,7 +10,7 @@ from tests.kernels.triton_device import DEVICE, DTYPES, requires_triton_device
 
 pytest.importorskip("triton")
 
-from kernels import gemv, ops  # noqa: E402
+from ledgerserve.kernels import gemv, ops  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, requires_triton_device]
 SHAPES = [(6144 + 192, 4096), (4096, 4096), (28672 + 128, 4096), (4096, 14336), (1000, 1000 + 8), (37, 513)]

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import lora_ref
+from ledgerserve.kernels import lora_ref
 from tests.kernels.triton_device import DEVICE, DTYPES, requires_triton_device
 
 pytest.importorskip("triton")
 
-from kernels import lora  # noqa: E402
+from ledgerserve.kernels import lora  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, requires_triton_device]
 MAX_LORAS, MAX_RANK, IN = 5, 13, 1315  # IN > K_PER_SPLIT: two split-K partials, one ragged

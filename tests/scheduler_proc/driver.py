@@ -39,10 +39,10 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from shared import events as ev
-from shared.sampling import SamplingParams
+from ledgerserve.shared import events as ev
+from ledgerserve.shared.sampling import SamplingParams
 
-from scheduler_proc.core import Core, CoreConfig
+from ledgerserve.scheduler_proc.core import Core, CoreConfig
 from tests.scheduler_proc.fake_adapters import AdapterLoads, FakeSlots, LoadPolicy
 from tests.scheduler_proc.prompt_reports import fake_reports
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from shared import events as ev
+from ledgerserve.shared import events as ev
 
 
 @dataclass(frozen=True)

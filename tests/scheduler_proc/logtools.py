@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from shared import events as ev
-from shared.config import EngineConfig
-from shared.eventlog import EventLogReader, EventLogWriter, parse_header
-from shared.eventlog.format import SCHEMA_VERSION, encode_header
+from ledgerserve.shared import events as ev
+from ledgerserve.shared.config import EngineConfig
+from ledgerserve.shared.eventlog import EventLogReader, EventLogWriter, parse_header
+from ledgerserve.shared.eventlog.format import SCHEMA_VERSION, encode_header
 
 from tests.scheduler_proc.driver import Driver
 from tests.scheduler_proc.workload import run_workload

@@ -9,7 +9,7 @@ from __future__ import annotations
 import msgspec
 import xxhash
 
-from shared import events as ev
+from ledgerserve.shared import events as ev
 
 from tests.scheduler_proc.driver import Driver
 

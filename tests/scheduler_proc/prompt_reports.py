@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shared import events as ev
+from ledgerserve.shared import events as ev
 
 
 def fake_reports(plan: ev.StepPlan, asks: dict[str, tuple[int, int]]) -> list[ev.PromptLogprobs]:

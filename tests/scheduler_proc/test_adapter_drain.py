@@ -5,7 +5,7 @@ bounded by the max wait plus the victim's remaining tokens; a draining slot goes
 version; a drain is cancelled cleanly when it is no longer needed; and unloads, load
 failures and preemption leave nothing behind."""
 
-from shared import events as ev
+from ledgerserve.shared import events as ev
 
 from tests.scheduler_proc.driver import Driver
 from tests.scheduler_proc.test_adapter_movement import _moves, _slot_states

@@ -4,7 +4,7 @@ comes late and is ignored), a slow rank holds back only that version's requests,
 or in-place reload mid-load frees the slot when the load ends, and a preempted request
 resumes on its slot. No slot, pin, CPU entry or block leaks."""
 
-from shared import events as ev
+from ledgerserve.shared import events as ev
 
 from tests.scheduler_proc.driver import Driver
 from tests.scheduler_proc.test_adapter_movement import _moves, _slot_states, overlap_driver

@@ -3,10 +3,10 @@ every rank, the prefetch pass serves the head of the waiting queue first and nev
 slot that is loading, pinned, read by a step in flight or needed earlier in the queue, and
 the CPU tier is staged at registration and from the queue within max_cpu_loras."""
 
-from shared import events as ev
-from shared.sampling import SamplingParams
+from ledgerserve.shared import events as ev
+from ledgerserve.shared.sampling import SamplingParams
 
-from scheduler_proc.core import Core, CoreConfig
+from ledgerserve.scheduler_proc.core import Core, CoreConfig
 from tests.scheduler_proc.driver import Driver
 from tests.scheduler_proc.test_log_writes import make_shell
 

@@ -6,8 +6,8 @@ core's 404, never another adapter loaded under the same name."""
 
 import pytest
 
-from shared import events as ev
-from shared.sampling import SamplingParams
+from ledgerserve.shared import events as ev
+from ledgerserve.shared.sampling import SamplingParams
 
 from tests.scheduler_proc.driver import Driver
 

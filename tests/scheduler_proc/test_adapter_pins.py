@@ -6,7 +6,7 @@ overlapped loading."""
 
 import pytest
 
-from shared import events as ev
+from ledgerserve.shared import events as ev
 
 from tests.scheduler_proc.driver import Driver
 

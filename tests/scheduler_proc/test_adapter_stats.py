@@ -9,14 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared import events as ev
-from shared.config import EngineConfig
-from shared.eventlog import EventLogWriter
-from shared.sampling import SamplingParams
+from ledgerserve.shared import events as ev
+from ledgerserve.shared.config import EngineConfig
+from ledgerserve.shared.eventlog import EventLogWriter
+from ledgerserve.shared.sampling import SamplingParams
 
-from scheduler_proc.core.adapter_stats import AdapterStats, LoadRecord
-from scheduler_proc.core.slots import SlotState
-from scheduler_proc.replay import main as replay_main
+from ledgerserve.scheduler_proc.core.adapter_stats import AdapterStats, LoadRecord
+from ledgerserve.scheduler_proc.core.slots import SlotState
+from ledgerserve.scheduler_proc.replay import main as replay_main
 from tests.scheduler_proc.driver import Driver
 from tests.scheduler_proc.fake_adapters import LoadPolicy
 from tests.scheduler_proc.workload import run_adapter_workload

@@ -3,9 +3,9 @@ tie-breaks, deferred evictions, in-place reloads, failed loads, the CPU tier."""
 
 import pytest
 
-from shared import events as ev
+from ledgerserve.shared import events as ev
 
-from scheduler_proc.core import IllegalSlotTransition, SlotAction, SlotState, SlotTable, transition_slot
+from ledgerserve.scheduler_proc.core import IllegalSlotTransition, SlotAction, SlotState, SlotTable, transition_slot
 
 from tests.scheduler_proc.driver import Driver
 

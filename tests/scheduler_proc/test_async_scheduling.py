@@ -6,12 +6,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared import events as ev
-from shared.config import EngineConfig
-from shared.eventlog import EventLogWriter
+from ledgerserve.shared import events as ev
+from ledgerserve.shared.config import EngineConfig
+from ledgerserve.shared.eventlog import EventLogWriter
 
-from scheduler_proc.core import Core, CoreConfig
-from scheduler_proc.replay import replay
+from ledgerserve.scheduler_proc.core import Core, CoreConfig
+from ledgerserve.scheduler_proc.replay import replay
 from tests.scheduler_proc.driver import EOS, Driver
 from tests.scheduler_proc.fake_adapters import LoadPolicy
 from tests.scheduler_proc.workload import WORKLOAD_SPACE, run_adapter_workload, run_workload

@@ -1,6 +1,6 @@
 """Continuous batching, chunked prefill budgets, step pacing."""
 
-from shared import events as ev
+from ledgerserve.shared import events as ev
 
 from tests.scheduler_proc.driver import Driver
 

@@ -19,13 +19,13 @@ import os
 
 import pytest
 
-from scheduler_proc.replay import verify as replay_verify
-from scheduler_proc.replay import replay
-from scheduler_proc.replay.verify import core_config
-from shared.config import EngineConfig
-from scheduler_proc.replay.diff import diff_logs
-from shared import events as ev
-from shared.eventlog import EventLogReader, RunScanner
+from ledgerserve.scheduler_proc.replay import verify as replay_verify
+from ledgerserve.scheduler_proc.replay import replay
+from ledgerserve.scheduler_proc.replay.verify import core_config
+from ledgerserve.shared.config import EngineConfig
+from ledgerserve.scheduler_proc.replay.diff import diff_logs
+from ledgerserve.shared import events as ev
+from ledgerserve.shared.eventlog import EventLogReader, RunScanner
 from tests.scheduler_proc.logtools import rewrite
 
 LOG_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "logs")

@@ -2,10 +2,10 @@
 
 import pytest
 
-from shared import events as ev
-from shared.env import FAULT_DIGEST_RANK as FAULT_DIGEST_RANK_ENV
-from shared.env import FAULT_DIGEST_STEP as FAULT_DIGEST_STEP_ENV
-from worker_proc.main import _maybe_fault
+from ledgerserve.shared import events as ev
+from ledgerserve.shared.env import FAULT_DIGEST_RANK as FAULT_DIGEST_RANK_ENV
+from ledgerserve.shared.env import FAULT_DIGEST_STEP as FAULT_DIGEST_STEP_ENV
+from ledgerserve.worker_proc.main import _maybe_fault
 
 from tests.scheduler_proc.driver import Driver
 

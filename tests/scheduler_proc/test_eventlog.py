@@ -5,9 +5,9 @@ import warnings
 
 import pytest
 
-from shared import events as ev
-from shared.eventlog import EventLogReader, EventLogWriter, LogCorruption, list_logs, newest_log
-from shared.sampling import SamplingParams
+from ledgerserve.shared import events as ev
+from ledgerserve.shared.eventlog import EventLogReader, EventLogWriter, LogCorruption, list_logs, newest_log
+from ledgerserve.shared.sampling import SamplingParams
 
 CONFIG = b'{"max_model_len": 64}'
 
@@ -116,7 +116,7 @@ def test_bad_magic(tmp_path):
 
 
 def test_wrong_prev_hash_detected(tmp_path):
-    from shared.eventlog import encode_record
+    from ledgerserve.shared.eventlog import encode_record
 
     path, _ = _write(tmp_path)
     offsets = _record_offsets(path)

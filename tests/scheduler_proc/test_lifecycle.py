@@ -2,10 +2,10 @@
 
 import pytest
 
-from shared import events as ev
-from shared.sampling import SamplingParams
+from ledgerserve.shared import events as ev
+from ledgerserve.shared.sampling import SamplingParams
 
-from scheduler_proc.core import IllegalTransition, Request, RequestStatus, transition
+from ledgerserve.scheduler_proc.core import IllegalTransition, Request, RequestStatus, transition
 from tests.scheduler_proc.driver import Driver
 
 

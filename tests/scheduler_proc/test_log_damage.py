@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from shared.eventlog import EventLogReader, LogCorruption
+from ledgerserve.shared.eventlog import EventLogReader, LogCorruption
 
-from scheduler_proc.replay import main, replay
+from ledgerserve.scheduler_proc.replay import main, replay
 from tests.scheduler_proc.logtools import cut, flip_byte, record, record_offsets
 
 

@@ -9,10 +9,10 @@ import os
 
 import pytest
 
-from shared import codec
-from shared import events as ev
-from shared.config import EngineConfig
-from shared.eventlog import (
+from ledgerserve.shared import codec
+from ledgerserve.shared import events as ev
+from ledgerserve.shared.config import EngineConfig
+from ledgerserve.shared.eventlog import (
     EventLogReader,
     EventLogWriter,
     LogFile,
@@ -22,11 +22,11 @@ from shared.eventlog import (
     plan_removals,
     record_hash,
 )
-from shared.eventlog.names import parse_name
-from shared.sampling import SamplingParams
+from ledgerserve.shared.eventlog.names import parse_name
+from ledgerserve.shared.sampling import SamplingParams
 
-import scheduler_proc.loop as loop
-from scheduler_proc.replay import main
+import ledgerserve.scheduler_proc.loop as loop
+from ledgerserve.scheduler_proc.replay import main
 from tests.scheduler_proc.driver import FakeWorker
 from tests.scheduler_proc.logtools import ENGINE, flip_byte, record, record_offsets
 

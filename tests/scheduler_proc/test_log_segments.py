@@ -4,9 +4,9 @@ import os
 
 import pytest
 
-from shared.eventlog import EventLogReader, list_logs, newest_log, parse_header, run_segments
+from ledgerserve.shared.eventlog import EventLogReader, list_logs, newest_log, parse_header, run_segments
 
-from scheduler_proc.replay import main, replay
+from ledgerserve.scheduler_proc.replay import main, replay
 from tests.scheduler_proc.logtools import cut, record, record_offsets
 
 

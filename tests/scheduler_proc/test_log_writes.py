@@ -9,16 +9,16 @@ import os
 import pytest
 import zmq
 
-from scheduler_proc.replay import main as replay_main
-from shared import codec, ipc
-from shared import events as ev
-from shared.eventlog import EventLogReader, EventLogWriter, LogWriteError
-from shared.sampling import SamplingParams
+from ledgerserve.scheduler_proc.replay import main as replay_main
+from ledgerserve.shared import codec, ipc
+from ledgerserve.shared import events as ev
+from ledgerserve.shared.eventlog import EventLogReader, EventLogWriter, LogWriteError
+from ledgerserve.shared.sampling import SamplingParams
 
-from scheduler_proc.core.adapter_stats import AdapterStats
-from scheduler_proc.core import Core, CoreConfig
-from scheduler_proc.loop import SchedulerShell
-from scheduler_proc.replay import main
+from ledgerserve.scheduler_proc.core.adapter_stats import AdapterStats
+from ledgerserve.scheduler_proc.core import Core, CoreConfig
+from ledgerserve.scheduler_proc.loop import SchedulerShell
+from ledgerserve.scheduler_proc.replay import main
 from tests.scheduler_proc.driver import FakeWorker
 from tests.scheduler_proc.logtools import ENGINE, record
 

@@ -5,12 +5,12 @@ and its last block is gone; while a request still holds it, it stays covered."""
 import dataclasses
 import os
 
-from shared import events as ev
-from shared.config import EngineConfig
-from shared.eventlog import EventLogWriter, RunScanner
+from ledgerserve.shared import events as ev
+from ledgerserve.shared.config import EngineConfig
+from ledgerserve.shared.eventlog import EventLogWriter, RunScanner
 
-from scheduler_proc.core import digest
-from scheduler_proc.replay.verify import core_config, replay
+from ledgerserve.scheduler_proc.core import digest
+from ledgerserve.scheduler_proc.replay.verify import core_config, replay
 
 from tests.scheduler_proc.driver import Driver
 

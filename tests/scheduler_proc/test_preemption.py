@@ -1,6 +1,6 @@
 """Preemption by recompute, rejection of requests that can never fit, aborts."""
 
-from shared import events as ev
+from ledgerserve.shared import events as ev
 
 from tests.scheduler_proc.driver import Driver
 

@@ -9,12 +9,12 @@ import sys
 import pytest
 import xxhash
 
-from shared import codec
-from shared import events as ev
+from ledgerserve.shared import codec
+from ledgerserve.shared import events as ev
 
-from scheduler_proc.core.block_manager import BlockAccountingError, BlockManager
-from scheduler_proc.core.request import Request
-from shared.sampling import SamplingParams
+from ledgerserve.scheduler_proc.core.block_manager import BlockAccountingError, BlockManager
+from ledgerserve.scheduler_proc.core.request import Request
+from ledgerserve.shared.sampling import SamplingParams
 from tests.scheduler_proc.driver import Driver
 from tests.scheduler_proc.prefix_checks import PrefixChecker, expected_hashes
 

@@ -7,7 +7,7 @@ other tokens; at the end, idle means free + cached == total with nothing locked.
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared import events as ev
+from ledgerserve.shared import events as ev
 
 from tests.scheduler_proc.driver import EOS, Driver
 from tests.scheduler_proc.prefix_checks import PrefixChecker

@@ -8,7 +8,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from shared import events as ev
+from ledgerserve.shared import events as ev
 from tests.scheduler_proc import driver as driver_module
 from tests.scheduler_proc.driver import Driver
 from tests.scheduler_proc.prompt_reports import fake_reports

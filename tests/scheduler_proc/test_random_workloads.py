@@ -8,8 +8,8 @@ import sys
 import xxhash
 from hypothesis import given, settings
 
-from shared import codec
-from shared import events as ev
+from ledgerserve.shared import codec
+from ledgerserve.shared import events as ev
 
 from tests.scheduler_proc.driver import Driver
 from tests.scheduler_proc.workload import WORKLOAD_SPACE, run_workload

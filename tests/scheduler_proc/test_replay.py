@@ -5,11 +5,11 @@ import os
 import subprocess
 import sys
 
-from shared import events as ev
-from shared.config import EngineConfig
-from shared.eventlog import EventLogReader, EventLogWriter
+from ledgerserve.shared import events as ev
+from ledgerserve.shared.config import EngineConfig
+from ledgerserve.shared.eventlog import EventLogReader, EventLogWriter
 
-from scheduler_proc.replay import main, replay
+from ledgerserve.scheduler_proc.replay import main, replay
 from tests.scheduler_proc.driver import Driver
 from tests.scheduler_proc.workload import run_workload
 

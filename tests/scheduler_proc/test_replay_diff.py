@@ -2,11 +2,11 @@
 
 import json
 
-from shared import events as ev
-from shared.eventlog import EventLogReader, EventLogWriter
+from ledgerserve.shared import events as ev
+from ledgerserve.shared.eventlog import EventLogReader, EventLogWriter
 
-from scheduler_proc.replay import main
-from scheduler_proc.replay.diff import diff_logs
+from ledgerserve.scheduler_proc.replay import main
+from ledgerserve.scheduler_proc.replay.diff import diff_logs
 from tests.scheduler_proc.driver import Driver
 from tests.scheduler_proc.logtools import ENGINE, rewrite
 

@@ -7,7 +7,7 @@ import random
 
 from hypothesis import strategies as st
 
-from shared import events as ev
+from ledgerserve.shared import events as ev
 
 from tests.scheduler_proc.driver import EOS, Driver
 

@@ -14,9 +14,9 @@ from scripts.bench_adapter_churn import main
 from scripts.churn_plan import FULL, PROBE_CASES, QUICK, TableSetup, check_settings, server_groups
 from scripts.churn_report import load_stats
 from scripts.png_plot import PNG_SIGNATURE
-from shared import events as ev
-from shared.config import EngineConfig
-from shared.eventlog import EventLogWriter
+from ledgerserve.shared import events as ev
+from ledgerserve.shared.config import EngineConfig
+from ledgerserve.shared.eventlog import EventLogWriter
 
 
 def test_the_full_plan_is_the_one_asked_for() -> None:

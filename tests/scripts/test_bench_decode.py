@@ -28,10 +28,10 @@ def test_load_churn_keeps_spare_slots_loading_from_both_tiers(tmp_path) -> None:
     import time
 
     from scripts.decode_churn import LoadChurn
-    from shared.config import EngineConfig
+    from ledgerserve.shared.config import EngineConfig
     from tests.adapter_factory import make_peft_adapter
     from tests.model_factory import make_tiny_checkpoint
-    from worker_proc.runner import ModelRunner
+    from ledgerserve.worker_proc.runner import ModelRunner
 
     base = make_tiny_checkpoint("llama", tmp_path / "base")
     paths = [make_peft_adapter(base, tmp_path / f"a{i}", r=4, alpha=8, targets=["q_proj", "v_proj"], seed=i)

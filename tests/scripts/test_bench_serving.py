@@ -19,7 +19,7 @@ from scripts.serving_workload import (
     popularity_weights, random_prompt, request_body, workload_argv,
 )
 from scripts.png_plot import PNG_SIGNATURE, encode_png, nice_ticks
-from tokenizer_proc.protocol import CompletionRequest
+from ledgerserve.tokenizer_proc.protocol import CompletionRequest
 
 HF_CONFIG = {"vocab_size": 300, "bos_token_id": 0, "eos_token_id": [1, 2], "pad_token_id": None}
 BASE_ARGV = ["--base-url", "http://127.0.0.1:1", "--model-dir", "/nonexistent", "--adapter-dir", "/tmp/a"]

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from shared.adapter_types import CONFIG_FILE, WEIGHTS_FILE
+from ledgerserve.shared.adapter_types import CONFIG_FILE, WEIGHTS_FILE
 
 Build = Callable[[Path, Path], None]  # (adapter copy, a directory outside the allowed root)
 

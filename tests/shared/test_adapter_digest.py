@@ -13,8 +13,8 @@ import torch
 import xxhash
 from safetensors.torch import load_file, save_file
 
-from shared import safetensors_header
-from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterError, BaseShapes, read_manifest
+from ledgerserve.shared import safetensors_header
+from ledgerserve.shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterError, BaseShapes, read_manifest
 from tests.peft_util import make_tiny_peft_adapter
 
 MAX_RANK = 16

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from shared import adapter_files, adapter_format, safetensors_header
-from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterError, BaseShapes, read_manifest
-from shared.safetensors_header import read_header
+from ledgerserve.shared import adapter_files, adapter_format, safetensors_header
+from ledgerserve.shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterError, BaseShapes, read_manifest
+from ledgerserve.shared.safetensors_header import read_header
 from tests.peft_util import make_tiny_peft_adapter
 from tests.shared.hostile_adapters import HOSTILE, edit_config, poison_weights, read_weights, write_weights
 

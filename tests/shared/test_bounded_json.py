@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.bounded_json import MAX_DEPTH, JsonError, loads
+from ledgerserve.shared.bounded_json import MAX_DEPTH, JsonError, loads
 
 SETTINGS = settings(max_examples=300, deadline=None, derandomize=True, database=None)
 TEXT = st.text(alphabet=st.sampled_from('ab"\\/:,[]{} \n\u00e9\u2028'), max_size=8)

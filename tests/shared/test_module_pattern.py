@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.adapter_types import BaseShapes
-from shared.module_pattern import MatchBudget, PatternError, compile_key, compile_target
+from ledgerserve.shared.adapter_types import BaseShapes
+from ledgerserve.shared.module_pattern import MatchBudget, PatternError, compile_key, compile_target
 
 SETTINGS = settings(max_examples=400, deadline=None, derandomize=True, database=None)
 BASE = BaseShapes(num_layers=12, hidden_size=64, intermediate_size=128, q_size=64, kv_size=32, vocab_size=256)

@@ -8,9 +8,9 @@ from typing import Any, AsyncIterator
 
 import httpx
 
-from shared.config import EngineConfig
+from ledgerserve.shared.config import EngineConfig
 from tests.tokenizer_proc.fake_engine import FakeEngine
-from tokenizer_proc.app import build_app
+from ledgerserve.tokenizer_proc.app import build_app
 
 MODEL = "demo"
 GOOD_COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 2}

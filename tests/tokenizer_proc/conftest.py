@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.demo_model import ensure_demo_model
+from ledgerserve.demo_model import ensure_demo_model
 
 
 @pytest.fixture(scope="session")

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import asyncio
 
-from shared import codec
-from shared.events import (
+from ledgerserve.shared import codec
+from ledgerserve.shared.events import (
     AdapterInfo,
     AdapterLoadRequested,
     AdapterOpReplied,
@@ -28,7 +28,7 @@ from shared.events import (
     TokenLogprobs,
     TokensEmitted,
 )
-from tokenizer_proc.engine_client import EngineClientBase
+from ledgerserve.tokenizer_proc.engine_client import EngineClientBase
 
 
 class FakeEngine(EngineClientBase):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterError, BaseShapes, read_manifest
+from ledgerserve.shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterError, BaseShapes, read_manifest
 from tests.peft_util import build_peft_model, make_tiny_peft_adapter, peft_ranks_scalings
 
 MAX_RANK = 16

@@ -11,11 +11,11 @@ from typing import AsyncIterator
 import httpx
 import pytest
 
-from shared.config import EngineConfig
+from ledgerserve.shared.config import EngineConfig
 from tests.peft_util import make_tiny_peft_adapter
 from tests.tokenizer_proc.fake_engine import FakeEngine
-from tokenizer_proc.adapters import MAX_NAME_CHARS
-from tokenizer_proc.app import build_app
+from ledgerserve.tokenizer_proc.adapters import MAX_NAME_CHARS
+from ledgerserve.tokenizer_proc.app import build_app
 
 pytestmark = pytest.mark.anyio
 

@@ -12,12 +12,12 @@ import httpx
 import openai
 import pytest
 
-from shared.config import EngineConfig
-from shared.events import AdapterLoadRequested
+from ledgerserve.shared.config import EngineConfig
+from ledgerserve.shared.events import AdapterLoadRequested
 from tests.peft_util import make_tiny_peft_adapter
 from tests.tokenizer_proc.app_client import assert_error, assert_still_serves
 from tests.tokenizer_proc.fake_engine import FakeEngine
-from tokenizer_proc.app import build_app
+from ledgerserve.tokenizer_proc.app import build_app
 
 pytestmark = pytest.mark.anyio
 MODEL = "demo"

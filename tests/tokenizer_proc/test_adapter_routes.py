@@ -13,12 +13,12 @@ import pytest
 import torch
 import xxhash
 
-from shared.config import EngineConfig
+from ledgerserve.shared.config import EngineConfig
 from tests.peft_util import make_tiny_peft_adapter
 from tests.shared.hostile_adapters import poison_weights
 from tests.tokenizer_proc.fake_engine import FakeEngine
-from tokenizer_proc.adapter_routes import StartupAdapterError
-from tokenizer_proc.app import build_app
+from ledgerserve.tokenizer_proc.adapter_routes import StartupAdapterError
+from ledgerserve.tokenizer_proc.app import build_app
 
 pytestmark = pytest.mark.anyio
 MODEL = "demo"

@@ -6,9 +6,9 @@ from typing import AsyncIterator
 import httpx
 import pytest
 
-from shared.config import EngineConfig
+from ledgerserve.shared.config import EngineConfig
 from tests.tokenizer_proc.fake_engine import FakeEngine
-from tokenizer_proc.app import build_app
+from ledgerserve.tokenizer_proc.app import build_app
 
 pytestmark = pytest.mark.anyio
 MODEL = "demo"

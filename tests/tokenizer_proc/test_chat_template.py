@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError
+from ledgerserve.tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError
 
 
 def test_renders_model_template(demo_model_dir: str, tokenizer) -> None:

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from tokenizer_proc.detokenizer import IncrementalDetokenizer, held_back_chars
+from ledgerserve.tokenizer_proc.detokenizer import IncrementalDetokenizer, held_back_chars
 
 
 def _stream(tokenizer, text: str, stop=(), prompt: str = "Hi") -> tuple[list[str], IncrementalDetokenizer]:

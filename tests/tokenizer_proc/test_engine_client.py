@@ -10,8 +10,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from shared import codec, ipc
-from shared.events import (
+from ledgerserve.shared import codec, ipc
+from ledgerserve.shared.events import (
     AdapterInfo,
     AdapterLoadRequested,
     AdapterOpReplied,
@@ -22,8 +22,8 @@ from shared.events import (
     RequestRejected,
     TokensEmitted,
 )
-from shared.sampling import SamplingParams
-from tokenizer_proc.engine_client import EngineClient, EngineDeadError, RequestRejectedError
+from ledgerserve.shared.sampling import SamplingParams
+from ledgerserve.tokenizer_proc.engine_client import EngineClient, EngineDeadError, RequestRejectedError
 
 pytestmark = pytest.mark.anyio
 

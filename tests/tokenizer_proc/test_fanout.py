@@ -9,11 +9,11 @@ from typing import AsyncIterator
 import httpx
 import pytest
 
-from shared.config import EngineConfig
+from ledgerserve.shared.config import EngineConfig
 from tests.tokenizer_proc.fake_engine import FakeEngine
-from tokenizer_proc.app import build_app
-from tokenizer_proc.fanout import choice_params
-from shared.sampling import SamplingParams
+from ledgerserve.tokenizer_proc.app import build_app
+from ledgerserve.tokenizer_proc.fanout import choice_params
+from ledgerserve.shared.sampling import SamplingParams
 
 pytestmark = pytest.mark.anyio
 MODEL = "demo"

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tests.tokenizer_proc.app_client import MODEL, assert_error, assert_still_serves
-from tokenizer_proc.responses import LOGPROB_FLOOR, NonFiniteOutput, to_json
+from ledgerserve.tokenizer_proc.responses import LOGPROB_FLOOR, NonFiniteOutput, to_json
 
 pytestmark = pytest.mark.anyio
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,

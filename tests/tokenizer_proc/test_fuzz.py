@@ -28,9 +28,9 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from starlette.testclient import TestClient
 
-from shared.config import EngineConfig
+from ledgerserve.shared.config import EngineConfig
 from tests.tokenizer_proc.fake_engine import FakeEngine
-from tokenizer_proc.app import build_app
+from ledgerserve.tokenizer_proc.app import build_app
 
 EXAMPLES = 75
 MAX_STREAM_EVENTS = 10_000  # schemathesis stops reading a stream after 20 events by default

@@ -9,10 +9,10 @@ from typing import Iterator
 import pytest
 
 from scripts.lora_stress import Outcome, check_loopback, main, parse_args, run_stress, summarize
-from shared.config import EngineConfig
+from ledgerserve.shared.config import EngineConfig
 from tests.peft_util import make_tiny_peft_adapter
 from tests.tokenizer_proc.fake_engine import FakeEngine
-from tokenizer_proc.app import build_app
+from ledgerserve.tokenizer_proc.app import build_app
 from tests.netutil import free_port, serve_in_thread
 
 

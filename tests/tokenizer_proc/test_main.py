@@ -17,14 +17,14 @@ import pytest
 import uvicorn
 import zmq
 
-from shared import codec, ipc
-from shared.config import EngineConfig
+from ledgerserve.shared import codec, ipc
+from ledgerserve.shared.config import EngineConfig
 from tests.netutil import free_port
 from tests.tokenizer_proc.fake_engine import FakeEngine
-from shared.events import RequestArrived, TokensEmitted
-from shared.sampling import SamplingParams
-from tokenizer_proc.engine_client import EngineDeadError
-from tokenizer_proc.main import Server
+from ledgerserve.shared.events import RequestArrived, TokensEmitted
+from ledgerserve.shared.sampling import SamplingParams
+from ledgerserve.tokenizer_proc.engine_client import EngineDeadError
+from ledgerserve.tokenizer_proc.main import Server
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,7 +47,7 @@ def test_process_handshake_serves_and_drains_on_sigterm(demo_model_dir: str) -> 
     config_path = Path(run_dir) / "config.json"
     config_path.write_bytes(config.to_json())
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "tokenizer_proc.main", "--config", str(config_path)], env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "ledgerserve.tokenizer_proc.main", "--config", str(config_path)], env=env)
     try:
         ready = msgspec.msgpack.decode(_recv(control, 60))
         assert ready == {"process": "tokenizer", "pid": proc.pid}

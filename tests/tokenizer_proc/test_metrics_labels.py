@@ -13,10 +13,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.config import EngineConfig
+from ledgerserve.shared.config import EngineConfig
 from tests.peft_util import make_tiny_peft_adapter
 from tests.tokenizer_proc.fake_engine import FakeEngine
-from tokenizer_proc.app import build_app
+from ledgerserve.tokenizer_proc.app import build_app
 
 pytestmark = pytest.mark.anyio
 MODEL = "demo"

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from tests.tokenizer_proc.app_client import MODEL, assert_error, assert_still_serves
-from tokenizer_proc.protocol import MAX_LOGIT_BIAS
+from ledgerserve.tokenizer_proc.protocol import MAX_LOGIT_BIAS
 
 pytestmark = pytest.mark.anyio
 CHAT = "/v1/chat/completions"

@@ -9,12 +9,12 @@ from typing import AsyncIterator
 import httpx
 import pytest
 
-from shared.config import EngineConfig
+from ledgerserve.shared.config import EngineConfig
 from tests.tokenizer_proc.fake_engine import FakeEngine
-from tokenizer_proc.app import build_app
-from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError
-from shared.env import API_KEY as API_KEY_ENV
-from tokenizer_proc.security import StartupRefused, key_matches
+from ledgerserve.tokenizer_proc.app import build_app
+from ledgerserve.tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError
+from ledgerserve.shared.env import API_KEY as API_KEY_ENV
+from ledgerserve.tokenizer_proc.security import StartupRefused, key_matches
 
 MODEL = "demo"
 KEY = "s3cret-key"

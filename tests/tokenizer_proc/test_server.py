@@ -9,9 +9,9 @@ import httpx
 import openai
 import pytest
 
-from shared.config import EngineConfig
+from ledgerserve.shared.config import EngineConfig
 from tests.tokenizer_proc.fake_engine import FakeEngine
-from tokenizer_proc.app import build_app
+from ledgerserve.tokenizer_proc.app import build_app
 from tests.netutil import free_port, serve_in_thread
 
 MODEL = "demo"

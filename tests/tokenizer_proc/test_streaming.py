@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from tokenizer_proc.streaming import sse
+from ledgerserve.tokenizer_proc.streaming import sse
 
 
 def test_an_event_is_one_line_whatever_the_text_holds() -> None:

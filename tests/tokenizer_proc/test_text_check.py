@@ -20,8 +20,8 @@ from tests.tokenizer_proc.app_client import (
     assert_still_serves,
 )
 from tests.tokenizer_proc.fake_engine import FakeEngine
-from tokenizer_proc.inputs import INLINE_TOKENIZE_CHARS
-from tokenizer_proc.text_check import first_bad_text
+from ledgerserve.tokenizer_proc.inputs import INLINE_TOKENIZE_CHARS
+from ledgerserve.tokenizer_proc.text_check import first_bad_text
 
 pytestmark = pytest.mark.anyio
 HIGH, LOW = "\ud800", "\udfff"

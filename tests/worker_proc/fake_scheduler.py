@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.events import CachedReq, NewReq, StepCompleted, StepPlan
-from shared.sampling import SamplingParams
+from ledgerserve.shared.events import CachedReq, NewReq, StepCompleted, StepPlan
+from ledgerserve.shared.sampling import SamplingParams
 
 
 @dataclass

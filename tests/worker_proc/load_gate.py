@@ -7,8 +7,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from shared.events import Event
-from worker_proc.lora import loader
+from ledgerserve.shared.events import Event
+from ledgerserve.worker_proc.lora import loader
 
 
 class ReadGate:

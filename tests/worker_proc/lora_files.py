@@ -14,10 +14,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, BaseShapes, read_manifest
-from worker_proc.lora.manager import LoraManager
-from worker_proc.lora.file_image import module_path
-from worker_proc.lora.weights import LoraWeights
+from ledgerserve.shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, BaseShapes, read_manifest
+from ledgerserve.worker_proc.lora.manager import LoraManager
+from ledgerserve.worker_proc.lora.file_image import module_path
+from ledgerserve.worker_proc.lora.weights import LoraWeights
 
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 

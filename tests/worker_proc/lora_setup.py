@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.config import EngineConfig
-from shared.events import AdapterLoadCompleted, AdapterSlotAssigned
-from shared.sampling import SamplingParams
+from ledgerserve.shared.config import EngineConfig
+from ledgerserve.shared.events import AdapterLoadCompleted, AdapterSlotAssigned
+from ledgerserve.shared.sampling import SamplingParams
 from tests.adapter_factory import load_peft_reference, make_peft_adapter
 from tests.model_factory import load_reference, make_tiny_checkpoint
 from tests.reference import Reference, greedy_reference

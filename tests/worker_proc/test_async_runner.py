@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.events import CachedReq, NewReq, StepPlan
-from shared.sampling import SamplingParams
+from ledgerserve.shared.events import CachedReq, NewReq, StepPlan
+from ledgerserve.shared.sampling import SamplingParams
 from tests.reference import assert_greedy_matches
 from tests.worker_proc.fake_scheduler import FakeReq, FakeScheduler, run_one_step_ahead, run_to_completion
 from tests.worker_proc.lora_setup import BLOCK_SIZE as LORA_BLOCK_SIZE
@@ -17,7 +17,7 @@ from tests.worker_proc.lora_setup import NUM_BLOCKS as LORA_NUM_BLOCKS
 from tests.worker_proc.lora_setup import LoraSetup, load_all, lora_config
 from tests.worker_proc.test_lora_runner import CHUNKS
 from tests.worker_proc.test_runner import BLOCK_SIZE, NUM_BLOCKS, tiny_config
-from worker_proc.runner import ModelRunner
+from ledgerserve.worker_proc.runner import ModelRunner
 
 ODD_IDS = tuple(range(3, 256, 2))  # stop ids that min_tokens must mask: half the vocabulary
 GREEDY = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=2)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.events import AdapterSlotAssigned
+from ledgerserve.shared.events import AdapterSlotAssigned
 from tests.worker_proc.fake_scheduler import FakeScheduler, run_to_completion
 from tests.worker_proc.lora_setup import BLOCK_SIZE, GREEDY, NUM_BLOCKS, LoraSetup, lora_config
-from worker_proc.batch import ReqState, build_batch
-from worker_proc.runner import ModelRunner
+from ledgerserve.worker_proc.batch import ReqState, build_batch
+from ledgerserve.worker_proc.runner import ModelRunner
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

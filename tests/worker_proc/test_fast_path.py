@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.events import AdapterSlotAssigned
-from shared.sampling import SamplingParams
+from ledgerserve.shared.events import AdapterSlotAssigned
+from ledgerserve.shared.sampling import SamplingParams
 from tests.worker_proc.lora_setup import BLOCK_SIZE, LoraSetup, lora_config
-from worker_proc.batch import ReqState, build_batch
-from worker_proc.kv_cache import KVCache
-from worker_proc.runner import ModelRunner
+from ledgerserve.worker_proc.batch import ReqState, build_batch
+from ledgerserve.worker_proc.kv_cache import KVCache
+from ledgerserve.worker_proc.runner import ModelRunner
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

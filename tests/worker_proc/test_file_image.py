@@ -15,20 +15,20 @@ import torch
 
 from safetensors.torch import load_file, save_file
 
-from shared.adapter_format import WEIGHTS_FILE, BaseShapes, max_tensors, read_manifest
-from shared.events import (
+from ledgerserve.shared.adapter_format import WEIGHTS_FILE, BaseShapes, max_tensors, read_manifest
+from ledgerserve.shared.events import (
     AdapterCpuEvicted, AdapterEvicted, AdapterLoadCompleted, AdapterLoadFailed, AdapterSlotAssigned,
 )
-from shared.safetensors_header import read_header
+from ledgerserve.shared.safetensors_header import read_header
 from tests.worker_proc.lora_files import reference_load, write_adapter, write_raw
 from tests.worker_proc.lora_setup import ALL_SEVEN, LoraSetup, lora_config
-from worker_proc.lora import slot_copy
-from worker_proc.lora.file_image import FILE_DTYPES, SlotLayout
-from worker_proc.lora.pinned_pool import PinnedPool, PoolFull
-from worker_proc.lora.reader import ReadSpec, read_image
-from worker_proc.lora.slot_copy import SlotCopier, flat_tables, staging_bytes
-from worker_proc.lora.weights import LoraWeights
-from worker_proc.runner import ModelRunner
+from ledgerserve.worker_proc.lora import slot_copy
+from ledgerserve.worker_proc.lora.file_image import FILE_DTYPES, SlotLayout
+from ledgerserve.worker_proc.lora.pinned_pool import PinnedPool, PoolFull
+from ledgerserve.worker_proc.lora.reader import ReadSpec, read_image
+from ledgerserve.worker_proc.lora.slot_copy import SlotCopier, flat_tables, staging_bytes
+from ledgerserve.worker_proc.lora.weights import LoraWeights
+from ledgerserve.worker_proc.runner import ModelRunner
 
 MAX_RANK = 64
 CASES = {  # name -> write_adapter keyword arguments

@@ -3,9 +3,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.config import EngineConfig
-from worker_proc.kv_cache import CPU_KV_BUDGET_BYTES, KVCache, bytes_per_block, num_kv_blocks
-from worker_proc.models.config import parse_model_config
+from ledgerserve.shared.config import EngineConfig
+from ledgerserve.worker_proc.kv_cache import CPU_KV_BUDGET_BYTES, KVCache, bytes_per_block, num_kv_blocks
+from ledgerserve.worker_proc.models.config import parse_model_config
 
 RAW = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,

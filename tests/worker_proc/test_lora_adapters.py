@@ -8,14 +8,14 @@ import shutil
 
 import pytest
 
-from shared.adapter_format import WEIGHTS_FILE
-from shared.events import (
+from ledgerserve.shared.adapter_format import WEIGHTS_FILE
+from ledgerserve.shared.events import (
     AdapterCpuEvicted, AdapterEvicted, AdapterLoadCompleted, AdapterLoadFailed, AdapterSlotAssigned, NewReq, StepPlan,
 )
 from tests.reference import assert_greedy_matches
 from tests.worker_proc.fake_scheduler import FakeScheduler, run_to_completion
 from tests.worker_proc.lora_setup import BLOCK_SIZE, GREEDY, NUM_BLOCKS, LoraSetup, lora_config
-from worker_proc.runner import ModelRunner
+from ledgerserve.worker_proc.runner import ModelRunner
 
 
 def _assigned(slot: int, version_id: int, path: str) -> AdapterSlotAssigned:

@@ -12,12 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shared.adapter_format import WEIGHTS_FILE
-from shared.events import AdapterLoadCompleted, AdapterLoadFailed, AdapterSlotAssigned
+from ledgerserve.shared.adapter_format import WEIGHTS_FILE
+from ledgerserve.shared.events import AdapterLoadCompleted, AdapterLoadFailed, AdapterSlotAssigned
 from tests.model_factory import make_tiny_checkpoint
 from tests.peft_util import make_tiny_peft_adapter
 from tests.worker_proc.lora_setup import lora_config
-from worker_proc.runner import ModelRunner
+from ledgerserve.worker_proc.runner import ModelRunner
 
 
 @pytest.fixture(scope="module")

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.events import AdapterEvicted, AdapterLoadCompleted, AdapterSlotAssigned
+from ledgerserve.shared.events import AdapterEvicted, AdapterLoadCompleted, AdapterSlotAssigned
 from tests.reference import assert_greedy_matches
 from tests.worker_proc.fake_scheduler import FakeScheduler, run_to_completion
 from tests.worker_proc.lora_setup import ADAPTERS, BLOCK_SIZE, GREEDY, NUM_BLOCKS, LoraSetup, load_all, lora_config
-from worker_proc.lora.weights import LoraWeights
-from worker_proc.runner import ModelRunner
-from worker_proc.warm_up import warm_up_batches
+from ledgerserve.worker_proc.lora.weights import LoraWeights
+from ledgerserve.worker_proc.runner import ModelRunner
+from ledgerserve.worker_proc.warm_up import warm_up_batches
 
 CHUNKS = {"base": 5, "head": 3, "attn": 7, "mlp": 4, "all": 6}
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.lora_ref import group_tiles, max_tiles
-from worker_proc.cuda_graphs import slot_buckets
-from worker_proc.lora.mapping import LoraMapping
-from worker_proc.lora.weights import LoraWeights
-from worker_proc.models.layers import SlotLinear
+from ledgerserve.kernels.lora_ref import group_tiles, max_tiles
+from ledgerserve.worker_proc.cuda_graphs import slot_buckets
+from ledgerserve.worker_proc.lora.mapping import LoraMapping
+from ledgerserve.worker_proc.lora.weights import LoraWeights
+from ledgerserve.worker_proc.models.layers import SlotLinear
 
 
 def test_mapping_runs_and_kernel_choice() -> None:

@@ -8,10 +8,10 @@ import os
 import pytest
 import torch
 
-from kernels.attention_ref import PagedAttentionMetadata
+from ledgerserve.kernels.attention_ref import PagedAttentionMetadata
 from tests.model_factory import load_reference
-from worker_proc.models import build_model, load_eos_token_ids, load_model_config
-from worker_proc.models.config import parse_model_config
+from ledgerserve.worker_proc.models import build_model, load_eos_token_ids, load_model_config
+from ledgerserve.worker_proc.models.config import parse_model_config
 
 BLOCK_SIZE = 4
 

@@ -14,9 +14,9 @@ import time
 import pytest
 import torch
 
-from shared.adapter_digest import content_digest
-from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE
-from shared.events import (
+from ledgerserve.shared.adapter_digest import content_digest
+from ledgerserve.shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE
+from ledgerserve.shared.events import (
     AdapterCpuEvicted, AdapterEvicted, AdapterLoadCompleted, AdapterLoadFailed, AdapterPrefetched, AdapterSlotAssigned,
     NewReq, StepPlan,
 )
@@ -24,8 +24,8 @@ from tests.reference import assert_greedy_matches
 from tests.worker_proc.fake_scheduler import FakeScheduler, run_to_completion
 from tests.worker_proc.load_gate import ReadGate, poll_until, settle
 from tests.worker_proc.lora_setup import BLOCK_SIZE, GREEDY, NUM_BLOCKS, LoraSetup, lora_config
-from worker_proc.lora import loader
-from worker_proc.runner import ModelRunner
+from ledgerserve.worker_proc.lora import loader
+from ledgerserve.worker_proc.runner import ModelRunner
 
 
 @pytest.fixture

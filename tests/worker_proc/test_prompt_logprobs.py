@@ -11,8 +11,8 @@ import msgspec
 import pytest
 import torch
 
-from shared.events import PromptLogprobs
-from shared.sampling import SamplingParams
+from ledgerserve.shared.events import PromptLogprobs
+from ledgerserve.shared.sampling import SamplingParams
 from tests.adapter_factory import load_peft_reference
 from tests.model_factory import load_reference
 from tests.prompt_logprobs_ref import Entry, check_entries, prompt_logprobs_reference
@@ -20,8 +20,8 @@ from tests.worker_proc.fake_scheduler import FakeScheduler, run_one_step_ahead, 
 from tests.worker_proc.lora_setup import BLOCK_SIZE as LORA_BLOCK_SIZE, NUM_BLOCKS as LORA_NUM_BLOCKS
 from tests.worker_proc.lora_setup import LoraSetup, load_all, lora_config
 from tests.worker_proc.test_runner import BLOCK_SIZE, NUM_BLOCKS, tiny_config
-from worker_proc import prompt_logprobs
-from worker_proc.runner import ModelRunner
+from ledgerserve.worker_proc import prompt_logprobs
+from ledgerserve.worker_proc.runner import ModelRunner
 
 GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
 

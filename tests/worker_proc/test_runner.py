@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.config import EngineConfig
-from shared.events import CachedReq, NewReq, StepPlan
-from shared.sampling import SamplingParams
+from ledgerserve.shared.config import EngineConfig
+from ledgerserve.shared.events import CachedReq, NewReq, StepPlan
+from ledgerserve.shared.sampling import SamplingParams
 from tests.model_factory import load_reference
 from tests.worker_proc.fake_scheduler import FakeScheduler, run_to_completion
-from worker_proc.runner import ModelRunner
+from ledgerserve.worker_proc.runner import ModelRunner
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64

@@ -6,8 +6,8 @@ import torch
 
 import pytest
 
-from shared.sampling import SamplingParams
-from worker_proc.sampler import Sampler, SamplingReq, apply_penalties, filtered_probs
+from ledgerserve.shared.sampling import SamplingParams
+from ledgerserve.worker_proc.sampler import Sampler, SamplingReq, apply_penalties, filtered_probs
 
 CPU = torch.device("cpu")
 VOCAB = 12

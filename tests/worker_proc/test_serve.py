@@ -9,13 +9,13 @@ import logging
 
 import torch
 
-from shared import codec, events
+from ledgerserve.shared import codec, events
 from tests.worker_proc.fake_scheduler import FakeScheduler, run_to_completion
 from tests.worker_proc.test_async_runner import REQS, results
 from tests.worker_proc.test_runner import tiny_config
-from worker_proc.main import serve
-from worker_proc.runner import InFlightStep, ModelRunner
-from worker_proc.sampler import HostCopy, PendingSample
+from ledgerserve.worker_proc.main import serve
+from ledgerserve.worker_proc.runner import InFlightStep, ModelRunner
+from ledgerserve.worker_proc.sampler import HostCopy, PendingSample
 
 LOG = logging.getLogger("test-serve")
 

@@ -10,16 +10,16 @@ import time
 import pytest
 import torch
 
-from shared import codec, events
+from ledgerserve.shared import codec, events
 from tests.reference import assert_greedy_matches
 from tests.worker_proc.fake_scheduler import FakeScheduler
 from tests.worker_proc.load_gate import ReadGate
 from tests.worker_proc.lora_setup import BLOCK_SIZE, GREEDY, NUM_BLOCKS, LoraSetup, lora_config
 from tests.worker_proc.test_serve import AheadScheduler, BusyDevice
-from worker_proc.lora import loader
-from worker_proc.main import LoadReplies, serve, wait_for_command
-from worker_proc.runner import InFlightStep, ModelRunner
-from worker_proc.sampler import HostCopy, PendingSample
+from ledgerserve.worker_proc.lora import loader
+from ledgerserve.worker_proc.main import LoadReplies, serve, wait_for_command
+from ledgerserve.worker_proc.runner import InFlightStep, ModelRunner
+from ledgerserve.worker_proc.sampler import HostCopy, PendingSample
 
 LOG = logging.getLogger("test-serve-loads")
 

@@ -13,15 +13,15 @@ import time
 import pytest
 import torch
 
-from shared.events import AdapterEvicted, AdapterLoadCompleted, AdapterSlotAssigned
+from ledgerserve.shared.events import AdapterEvicted, AdapterLoadCompleted, AdapterSlotAssigned
 from tests.worker_proc.fake_scheduler import FakeScheduler, run_to_completion
 from tests.worker_proc.load_gate import settle
 from tests.worker_proc.lora_setup import BLOCK_SIZE, GREEDY, NUM_BLOCKS, LoraSetup, lora_config
 from tests.reference import assert_greedy_matches
 from tests.worker_proc.test_cuda_graphs import _decode_reqs
-from worker_proc.batch import build_batch
-from worker_proc.lora.slot_copy import SlotCopier
-from worker_proc.runner import ModelRunner
+from ledgerserve.worker_proc.batch import build_batch
+from ledgerserve.worker_proc.lora.slot_copy import SlotCopier
+from ledgerserve.worker_proc.runner import ModelRunner
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 SLEEP_CYCLES = 2_000_000_000  # about a second of the copy stream doing nothing

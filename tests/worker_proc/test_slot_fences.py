@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from tests.worker_proc.fake_scheduler import FakeScheduler
 from tests.worker_proc.lora_setup import BLOCK_SIZE, GREEDY, NUM_BLOCKS, LoraSetup, load_all, lora_config
-from worker_proc.lora.fences import SlotFences
-from worker_proc.runner import ModelRunner
+from ledgerserve.worker_proc.lora.fences import SlotFences
+from ledgerserve.worker_proc.runner import ModelRunner
 
 
 class FakeEvent:

@@ -11,9 +11,9 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from worker_proc.lora.pinned_pool import PinnedPool
-from worker_proc.lora.reader import FileImage
-from worker_proc.lora.slot_copy import Event
+from ledgerserve.worker_proc.lora.pinned_pool import PinnedPool
+from ledgerserve.worker_proc.lora.reader import FileImage
+from ledgerserve.worker_proc.lora.slot_copy import Event
 
 
 @dataclass

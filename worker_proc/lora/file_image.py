@@ -20,9 +20,9 @@ from functools import cached_property
 
 import torch
 
-from shared.adapter_types import LoraModule
-from shared.safetensors_header import Header, TensorEntry
-from worker_proc.lora.weights import LoraWeights
+from ledgerserve.shared.adapter_types import LoraModule
+from ledgerserve.shared.safetensors_header import Header, TensorEntry
+from ledgerserve.worker_proc.lora.weights import LoraWeights
 
 ALIGN_BYTES = 64
 FILE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}

@@ -22,15 +22,15 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from shared.adapter_types import AdapterError
-from shared.events import AdapterLoadCompleted, AdapterLoadFailed
-from worker_proc.lora.cpu_tier import CpuEntry, CpuTier
-from worker_proc.lora.fences import SlotFences
-from worker_proc.lora.file_image import ImageLayout
-from worker_proc.lora.pinned_pool import PinnedPool
-from worker_proc.lora.reader import ChangedOnDisk, FileImage, ReadSpec, read_image
-from worker_proc.lora.slot_copy import Event as CopyEvent
-from worker_proc.lora.slot_copy import Scatter, SlotCopier, launch_error
+from ledgerserve.shared.adapter_types import AdapterError
+from ledgerserve.shared.events import AdapterLoadCompleted, AdapterLoadFailed
+from ledgerserve.worker_proc.lora.cpu_tier import CpuEntry, CpuTier
+from ledgerserve.worker_proc.lora.fences import SlotFences
+from ledgerserve.worker_proc.lora.file_image import ImageLayout
+from ledgerserve.worker_proc.lora.pinned_pool import PinnedPool
+from ledgerserve.worker_proc.lora.reader import ChangedOnDisk, FileImage, ReadSpec, read_image
+from ledgerserve.worker_proc.lora.slot_copy import Event as CopyEvent
+from ledgerserve.worker_proc.lora.slot_copy import Scatter, SlotCopier, launch_error
 
 NUM_LOADER_THREADS = 2
 Reply = AdapterLoadCompleted | AdapterLoadFailed

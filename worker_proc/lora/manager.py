@@ -15,16 +15,16 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
-from shared.adapter_format import BaseShapes
-from shared.config import EngineConfig
-from worker_proc.lora.fences import SlotFences
-from worker_proc.lora.file_image import ImageLayout, SlotLayout
-from worker_proc.lora.loader import AdapterLoader, Reply
-from worker_proc.lora.pinned_pool import PinnedPool, page_bytes_for
-from worker_proc.lora.reader import ReadSpec
-from worker_proc.lora.slot_copy import DoneEvent, Event, SlotCopier, cuda_event, flat_tables, staging_bytes
-from worker_proc.lora.weights import LoraWeights
-from worker_proc.models.layers import SlotLinear
+from ledgerserve.shared.adapter_format import BaseShapes
+from ledgerserve.shared.config import EngineConfig
+from ledgerserve.worker_proc.lora.fences import SlotFences
+from ledgerserve.worker_proc.lora.file_image import ImageLayout, SlotLayout
+from ledgerserve.worker_proc.lora.loader import AdapterLoader, Reply
+from ledgerserve.worker_proc.lora.pinned_pool import PinnedPool, page_bytes_for
+from ledgerserve.worker_proc.lora.reader import ReadSpec
+from ledgerserve.worker_proc.lora.slot_copy import DoneEvent, Event, SlotCopier, cuda_event, flat_tables, staging_bytes
+from ledgerserve.worker_proc.lora.weights import LoraWeights
+from ledgerserve.worker_proc.models.layers import SlotLinear
 
 
 class LoraManager:

@@ -22,12 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.adapter_digest import ContentDigest
-from shared.adapter_files import read_at
-from shared.adapter_format import WEIGHTS_FILE, AdapterError, BaseShapes, LoraModule, read_manifest
-from shared.safetensors_header import Header, value_problem
-from worker_proc.lora.file_image import FileTensor, ImageBytes, ImageLayout, SlotLayout, write_tables
-from worker_proc.lora.pinned_pool import Extent, PinnedPool, PoolFull
+from ledgerserve.shared.adapter_digest import ContentDigest
+from ledgerserve.shared.adapter_files import read_at
+from ledgerserve.shared.adapter_format import WEIGHTS_FILE, AdapterError, BaseShapes, LoraModule, read_manifest
+from ledgerserve.shared.safetensors_header import Header, value_problem
+from ledgerserve.worker_proc.lora.file_image import FileTensor, ImageBytes, ImageLayout, SlotLayout, write_tables
+from ledgerserve.worker_proc.lora.pinned_pool import Extent, PinnedPool, PoolFull
 
 READ_CHUNK_BYTES = 16 << 20  # one positional read; the hash of a chunk runs beside the next read
 CHECK_CHUNK_BYTES = 4 << 20  # an unverified read's value check looks at this much at a time

@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker_proc.lora.file_image import ALIGN_BYTES, FileTensor, ImageBytes, ImageLayout, SlotLayout
-from worker_proc.lora.pinned_pool import PinnedPool
-from worker_proc.lora.reader import FileImage
-from worker_proc.lora.weights import LoraWeights
+from ledgerserve.worker_proc.lora.file_image import ALIGN_BYTES, FileTensor, ImageBytes, ImageLayout, SlotLayout
+from ledgerserve.worker_proc.lora.pinned_pool import PinnedPool
+from ledgerserve.worker_proc.lora.reader import FileImage
+from ledgerserve.worker_proc.lora.weights import LoraWeights
 
 MAX_STAGING_BYTES = 256 << 20
 

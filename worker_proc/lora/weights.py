@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import ops
-from worker_proc.lora.mapping import LoraMapping
+from ledgerserve.kernels import ops
+from ledgerserve.worker_proc.lora.mapping import LoraMapping
 
 SliceWeights = tuple[torch.Tensor, torch.Tensor, float]  # A [rank, in], B [out_slice, rank], scaling
 

@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import ops
-from kernels.lora_ref import LoraDelta
-from worker_proc.lora.mapping import LoraMapping
-from worker_proc.lora.weights import LoraWeights
+from ledgerserve.kernels import ops
+from ledgerserve.kernels.lora_ref import LoraDelta
+from ledgerserve.worker_proc.lora.mapping import LoraMapping
+from ledgerserve.worker_proc.lora.weights import LoraWeights
 
 
 class SlotLinear(nn.Module):

@@ -15,14 +15,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import ops
-from kernels.attention_ref import PagedAttentionMetadata, paged_attention_ref
-from kernels.lora_ref import LoraDelta
-from worker_proc.lora.mapping import LoraMapping
-from worker_proc.models.config import ModelConfig
-from worker_proc.models.layers import GatedMLP, RMSNorm, SlotLinear
-from worker_proc.models.rope import RotaryEmbedding, apply_rope
-from worker_proc.step_inputs import DeviceAttentionMetadata
+from ledgerserve.kernels import ops
+from ledgerserve.kernels.attention_ref import PagedAttentionMetadata, paged_attention_ref
+from ledgerserve.kernels.lora_ref import LoraDelta
+from ledgerserve.worker_proc.lora.mapping import LoraMapping
+from ledgerserve.worker_proc.models.config import ModelConfig
+from ledgerserve.worker_proc.models.layers import GatedMLP, RMSNorm, SlotLinear
+from ledgerserve.worker_proc.models.rope import RotaryEmbedding, apply_rope
+from ledgerserve.worker_proc.step_inputs import DeviceAttentionMetadata
 
 FAST_DTYPES = (torch.bfloat16, torch.float16)  # float32 on CUDA stays on the references (exact checks)
 KVCacheLayer = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, block_size, num_kv_heads, head_dim]

@@ -9,9 +9,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from worker_proc.models.config import ModelConfig
-from worker_proc.models.layers import RMSNorm, SlotLinear
-from worker_proc.models.llama import LlamaForCausalLM
+from ledgerserve.worker_proc.models.config import ModelConfig
+from ledgerserve.worker_proc.models.layers import RMSNorm, SlotLinear
+from ledgerserve.worker_proc.models.llama import LlamaForCausalLM
 
 # HF module name suffix -> (our fused module suffix, shard index)
 _FUSED = {

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from worker_proc.models.config import RopeConfig
+from ledgerserve.worker_proc.models.config import RopeConfig
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:  # [head_dim // 2] float32

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
-from shared import env, ipc
-from shared.config import EngineConfig
+from ledgerserve.shared import env, ipc
+from ledgerserve.shared.config import EngineConfig
 
 log = logging.getLogger("launcher")
 

@@ -8,10 +8,10 @@ import tempfile
 
 import pytest
 
-from shared.cli import build_parser
-from shared.cli import main as cli_main
-from shared.config import EngineConfig
-from shared.launcher import api_key, children, parse_lora_module, resolve_config
+from ledgerserve.cli import build_parser
+from ledgerserve.cli import main as cli_main
+from ledgerserve.shared.config import EngineConfig
+from ledgerserve.launcher import api_key, children, parse_lora_module, resolve_config
 
 
 def _args(*argv: str):

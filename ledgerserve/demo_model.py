@@ -1,7 +1,7 @@
 """A tiny deterministic demo checkpoint: Qwen3 architecture with RANDOM weights.
 
 `ensure_demo_model()` builds it once under `~/.cache/ledgerserve/demo-model-v1` (or the
-given directory): a byte-level BPE tokenizer trained on `shared/data/demo_corpus.txt`,
+given directory): a byte-level BPE tokenizer trained on `ledgerserve/data/demo_corpus.txt`,
 a ChatML chat template, and seeded random weights saved as safetensors. The model
 produces gibberish; it exists so the whole server can run on any machine. Building twice
 gives byte-identical files.

@@ -4,7 +4,9 @@ import hashlib
 import json
 from pathlib import Path
 
-from shared.demo_model import ensure_demo_model
+import pytest
+
+from ledgerserve.demo_model import ensure_demo_model
 
 
 def _sha(path: Path) -> str:
@@ -31,6 +33,13 @@ def test_files_say_weights_are_random(demo_model_dir: str) -> None:
     config = json.loads((Path(demo_model_dir) / "config.json").read_text())
     assert config["architectures"] == ["Qwen3ForCausalLM"]
     assert "random" in config["ledgerserve_note"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(demo_model_dir: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(demo_model_dir)
 
 
 def test_auto_tokenizer_round_trip(tokenizer) -> None:

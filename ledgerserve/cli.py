@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shared.config import EngineConfig
+from ledgerserve.shared.config import EngineConfig
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -71,11 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "replay":
-        from scheduler_proc.replay import main as replay_main
+        from ledgerserve.scheduler_proc.replay import main as replay_main
 
         return replay_main(argv[1:])
     args = build_parser().parse_args(argv)
-    from shared.launcher import serve
+    from ledgerserve.launcher import serve
 
     return serve(args)
 

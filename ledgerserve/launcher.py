@@ -11,9 +11,9 @@ import shutil
 import sys
 import time
 
-from shared import env, ipc
-from shared.config import EngineConfig
-from shared.process_group import Child, ProcessGroup
+from ledgerserve.shared import env, ipc
+from ledgerserve.shared.config import EngineConfig
+from ledgerserve.process_group import Child, ProcessGroup
 
 log = logging.getLogger("launcher")
 
@@ -50,12 +50,12 @@ def children(config: EngineConfig, key: str = "") -> list[Child]:
         f.write(config.to_json())
     py = sys.executable
     keyless = env.without_api_key()
-    procs = [Child("scheduler", [py, "-m", "scheduler_proc.main", "--config", cfg_path], keyless)]
+    procs = [Child("scheduler", [py, "-m", "ledgerserve.scheduler_proc.main", "--config", cfg_path], keyless)]
     for rank in range(config.tensor_parallel_size):
-        argv = [py, "-m", "worker_proc.main", "--config", cfg_path, "--rank", str(rank)]
+        argv = [py, "-m", "ledgerserve.worker_proc.main", "--config", cfg_path, "--rank", str(rank)]
         procs.append(Child(f"worker-{rank}", argv, keyless))
     tokenizer_env = {**keyless, env.API_KEY: key} if key else keyless
-    procs.append(Child("tokenizer", [py, "-m", "tokenizer_proc.main", "--config", cfg_path], tokenizer_env))
+    procs.append(Child("tokenizer", [py, "-m", "ledgerserve.tokenizer_proc.main", "--config", cfg_path], tokenizer_env))
     return procs
 
 
@@ -140,7 +140,7 @@ def parse_lora_module(spec: str) -> tuple[str, str, bool]:
 
 
 def _demo_model_dir() -> str:
-    from shared.demo_model import ensure_demo_model
+    from ledgerserve.demo_model import ensure_demo_model
 
     return ensure_demo_model()
 
