@@ -48,8 +48,10 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     idxs = torch.empty(num_rows, num_chunks, dtype=torch.int32, device=x.device)
     out = torch.empty(num_rows, dtype=torch.long, device=x.device)
     if num_rows:
-        _chunk_argmax_kernel[(num_rows, num_chunks)](x, vals, idxs, n_cols, x.stride(0), num_chunks, CHUNK=CHUNK,
-                                                     num_warps=8)
-        _merge_argmax_kernel[(num_rows,)](vals, idxs, out, num_chunks, CHUNKS_PAD=triton.next_power_of_2(num_chunks),
-                                          num_warps=1)
+        _chunk_argmax_kernel[(num_rows, num_chunks)](
+            x, vals, idxs, n_cols, x.stride(0), num_chunks, CHUNK=CHUNK, num_warps=8
+        )
+        _merge_argmax_kernel[(num_rows,)](
+            vals, idxs, out, num_chunks, CHUNKS_PAD=triton.next_power_of_2(num_chunks), num_warps=1
+        )
     return out

@@ -34,8 +34,13 @@ class Algo(ctypes.Structure):  # cublasLtMatmulAlgo_t
 
 
 class _HeuristicResult(ctypes.Structure):  # cublasLtMatmulHeuristicResult_t
-    _fields_ = [("algo", Algo), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
-                ("waves_count", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+    _fields_ = [
+        ("algo", Algo),
+        ("workspace_size", ctypes.c_size_t),
+        ("state", ctypes.c_int),
+        ("waves_count", ctypes.c_float),
+        ("reserved", ctypes.c_int * 4),
+    ]
 
 
 class CublasLtError(RuntimeError):
@@ -66,12 +71,27 @@ def _lib() -> ctypes.CDLL:
     lib.cublasLtCreate.argtypes = [ctypes.POINTER(vp)]
     lib.cublasLtMatmulDescCreate.argtypes = [ctypes.POINTER(vp), ctypes.c_int, ctypes.c_int]
     lib.cublasLtMatmulDescSetAttribute.argtypes = [vp, ctypes.c_int, vp, sz]
-    lib.cublasLtMatrixLayoutCreate.argtypes = [ctypes.POINTER(vp), ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64,
-                                               ctypes.c_int64]
+    lib.cublasLtMatrixLayoutCreate.argtypes = [
+        ctypes.POINTER(vp),
+        ctypes.c_int,
+        ctypes.c_uint64,
+        ctypes.c_uint64,
+        ctypes.c_int64,
+    ]
     lib.cublasLtMatmulPreferenceCreate.argtypes = [ctypes.POINTER(vp)]
     lib.cublasLtMatmulPreferenceSetAttribute.argtypes = [vp, ctypes.c_int, vp, sz]
-    lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [vp, vp, vp, vp, vp, vp, vp, ctypes.c_int,
-                                                   ctypes.POINTER(_HeuristicResult), ctypes.POINTER(ctypes.c_int)]
+    lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [
+        vp,
+        vp,
+        vp,
+        vp,
+        vp,
+        vp,
+        vp,
+        ctypes.c_int,
+        ctypes.POINTER(_HeuristicResult),
+        ctypes.POINTER(ctypes.c_int),
+    ]
     lib.cublasLtMatmul.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, ctypes.POINTER(Algo), vp, sz, vp]
     return lib
 
@@ -123,7 +143,7 @@ class _Plan:
         self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _plan(shape: GemmShape) -> _Plan:
     return _Plan(shape)
 
@@ -134,8 +154,10 @@ def _preference() -> ctypes.c_void_p:
     lib, pref = _lib(), ctypes.c_void_p()
     _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "PreferenceCreate")
     limit = ctypes.c_uint64(WORKSPACE_BYTES)
-    _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(limit), 8),
-           "PreferenceSetAttribute")
+    _check(
+        lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(limit), 8),
+        "PreferenceSetAttribute",
+    )
     return pref
 
 
@@ -145,9 +167,21 @@ def candidates(shape: GemmShape, device_index: int, max_count: int = 32) -> list
     lib, plan = _lib(), _plan(shape)
     results = (_HeuristicResult * max_count)()
     count = ctypes.c_int(0)
-    _check(lib.cublasLtMatmulAlgoGetHeuristic(_handle(device_index), plan.desc, plan.a, plan.b, plan.d, plan.d,
-                                              _preference(), max_count, results, ctypes.byref(count)),
-           "AlgoGetHeuristic")
+    _check(
+        lib.cublasLtMatmulAlgoGetHeuristic(
+            _handle(device_index),
+            plan.desc,
+            plan.a,
+            plan.b,
+            plan.d,
+            plan.d,
+            _preference(),
+            max_count,
+            results,
+            ctypes.byref(count),
+        ),
+        "AlgoGetHeuristic",
+    )
     return [_copy_algo(results[i].algo) for i in range(count.value) if results[i].state == 0]
 
 
@@ -165,7 +199,24 @@ def matmul_into(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, algo: Al
     shape = GemmShape(m, n, k, y.stride(0), x.dtype)
     plan, device_index = _plan(shape), x.device.index
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    _check(_lib().cublasLtMatmul(
-        _handle(device_index), plan.desc, ctypes.byref(plan.alpha), weight.data_ptr(), plan.a, x.data_ptr(), plan.b,
-        ctypes.byref(plan.beta), y.data_ptr(), plan.d, y.data_ptr(), plan.d, ctypes.byref(algo),
-        _workspace(device_index).data_ptr(), WORKSPACE_BYTES, stream), "cublasLtMatmul")
+    _check(
+        _lib().cublasLtMatmul(
+            _handle(device_index),
+            plan.desc,
+            ctypes.byref(plan.alpha),
+            weight.data_ptr(),
+            plan.a,
+            x.data_ptr(),
+            plan.b,
+            ctypes.byref(plan.beta),
+            y.data_ptr(),
+            plan.d,
+            y.data_ptr(),
+            plan.d,
+            ctypes.byref(algo),
+            _workspace(device_index).data_ptr(),
+            WORKSPACE_BYTES,
+            stream,
+        ),
+        "cublasLtMatmul",
+    )

@@ -13,7 +13,8 @@ import triton.language as tl
 
 from ledgerserve.kernels.lora import delta_args, lora_b_tile, lora_row_delta, lora_tile_delta, rank_pad
 from ledgerserve.kernels.lora_ref import LoraDelta
-from ledgerserve.kernels.pdl import enabled as pdl_enabled, wait_for_previous
+from ledgerserve.kernels.pdl import enabled as pdl_enabled
+from ledgerserve.kernels.pdl import wait_for_previous
 
 PREFETCH_B_ELEMS = 16 * 4096  # B elements a norm program holds to load them before gdc_wait (rank 16, hidden 4096)
 
@@ -35,16 +36,34 @@ def _rms_norm_kernel(
     if R_PAD > 0:
         slot = tl.load(slots_ptr + row)  # the step's input row: written before the graph ran
         if PREFETCH_B:  # B before the wait: its latency hides behind the previous kernel
-            bt, scale = lora_b_tile(b_ptr, scalings_ptr, slot, 0, 1, max_rank, cols, mask,
-                                    stride_bl, stride_bs, stride_bo, stride_br, R_PAD)
+            bt, scale = lora_b_tile(
+                b_ptr, scalings_ptr, slot, 0, 1, max_rank, cols, mask, stride_bl, stride_bs, stride_bo, stride_br, R_PAD
+            )
     wait_for_previous(PDL)  # x, residual and h come from earlier kernels
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if R_PAD > 0:  # x's pending LoRA delta (one slice)
         if PREFETCH_B:
             d = lora_tile_delta(h_ptr + row * stride_ht, slot, 0, max_rank, bt, scale, stride_hl, stride_hs, R_PAD)
         else:
-            d = lora_row_delta(h_ptr + row * stride_ht, b_ptr, scalings_ptr, slot, 0, 1, max_rank, cols, mask,
-                               stride_hl, stride_hs, stride_bl, stride_bs, stride_bo, stride_br, BLOCK, R_PAD)
+            d = lora_row_delta(
+                h_ptr + row * stride_ht,
+                b_ptr,
+                scalings_ptr,
+                slot,
+                0,
+                1,
+                max_rank,
+                cols,
+                mask,
+                stride_hl,
+                stride_hs,
+                stride_bl,
+                stride_bs,
+                stride_bo,
+                stride_br,
+                BLOCK,
+                R_PAD,
+            )
         x = (x.to(tl.float32) + d).to(x.dtype)
     if HAS_RESIDUAL:
         res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
@@ -245,10 +264,44 @@ def _silu_and_mul_kernel(
     if R_PAD > 0:  # the pending LoRA delta of slices gate (0) and up (1)
         slot = tl.load(slots_ptr + row)
         h_row = h_ptr + row * stride_ht
-        d_gate = lora_row_delta(h_row, b_ptr, scalings_ptr, slot, 0, 2, max_rank, cols, mask,
-                                stride_hl, stride_hs, stride_bl, stride_bs, stride_bo, stride_br, BLOCK, R_PAD)
-        d_up = lora_row_delta(h_row, b_ptr, scalings_ptr, slot, 1, 2, max_rank, cols, mask,
-                              stride_hl, stride_hs, stride_bl, stride_bs, stride_bo, stride_br, BLOCK, R_PAD)
+        d_gate = lora_row_delta(
+            h_row,
+            b_ptr,
+            scalings_ptr,
+            slot,
+            0,
+            2,
+            max_rank,
+            cols,
+            mask,
+            stride_hl,
+            stride_hs,
+            stride_bl,
+            stride_bs,
+            stride_bo,
+            stride_br,
+            BLOCK,
+            R_PAD,
+        )
+        d_up = lora_row_delta(
+            h_row,
+            b_ptr,
+            scalings_ptr,
+            slot,
+            1,
+            2,
+            max_rank,
+            cols,
+            mask,
+            stride_hl,
+            stride_hs,
+            stride_bl,
+            stride_bs,
+            stride_bo,
+            stride_br,
+            BLOCK,
+            R_PAD,
+        )
         gate = (gate.to(tl.float32) + d_gate).to(gate.dtype)
         up = (up.to(tl.float32) + d_up).to(up.dtype)
     up = up.to(tl.float32)
@@ -266,6 +319,15 @@ def silu_and_mul(x: torch.Tensor, delta: LoraDelta | None = None) -> torch.Tenso
     pdl = pdl_enabled(x.device)
     if x.shape[0] > 0:
         _silu_and_mul_kernel[(x.shape[0], triton.cdiv(d, block))](
-            x, out, x.stride(0), out.stride(0), d, *delta_args(delta, x), BLOCK=block, R_PAD=rank_pad(delta),
-            PDL=pdl, launch_pdl=pdl)
+            x,
+            out,
+            x.stride(0),
+            out.stride(0),
+            d,
+            *delta_args(delta, x),
+            BLOCK=block,
+            R_PAD=rank_pad(delta),
+            PDL=pdl,
+            launch_pdl=pdl,
+        )
     return out

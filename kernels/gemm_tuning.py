@@ -102,8 +102,10 @@ def tune(recorded: dict[GemmShape, list[torch.Tensor]]) -> dict[GemmShape, tuple
 
 def report() -> list[dict]:
     """Every shape tuned so far: m, n, k and us per GEMM with F.linear and with the choice."""
-    return [dict(m=s.m, n=s.n, k=s.k, linear_us=round(t[0], 2), chosen_us=round(t[1], 2), candidate=t[2])
-            for s, t in sorted(_timings.items(), key=lambda kv: (kv[0].m, kv[0].n, kv[0].k))]
+    return [
+        dict(m=s.m, n=s.n, k=s.k, linear_us=round(t[0], 2), chosen_us=round(t[1], 2), candidate=t[2])
+        for s, t in sorted(_timings.items(), key=lambda kv: (kv[0].m, kv[0].n, kv[0].k))
+    ]
 
 
 def time_shape(
@@ -123,9 +125,11 @@ def time_shape(
     torch_us = _graph_us(run_torch, len(chain))
     candidate_us: list[float | None] = []
     for algo in algos:
+
         def run(algo: cublaslt.Algo = algo) -> None:
             for w in chain:
                 cublaslt.matmul_into(y, x, w, algo)
+
         try:
             us = _graph_us(run, len(chain))
         except (cublaslt.CublasLtError, RuntimeError):

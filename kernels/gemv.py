@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ledgerserve.kernels.pdl import enabled as pdl_enabled, wait_for_previous
+from ledgerserve.kernels.pdl import enabled as pdl_enabled
+from ledgerserve.kernels.pdl import wait_for_previous
 
 
 @triton.jit
@@ -27,7 +28,9 @@ def _gemv_kernel(
     n_mask = n < N
     rows = w_ptr + n[:, None].to(tl.int64) * stride_wn
     k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
-    w = tl.load(rows + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0.0)  # the first chunk, before x exists
+    w = tl.load(
+        rows + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0.0
+    )  # the first chunk, before x exists
     wait_for_previous(PDL)  # x is the previous kernel's output
     x = tl.load(x_ptr + k, mask=k < K, other=0.0)
     acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)  # [BLOCK_N]
@@ -60,7 +63,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     pdl = pdl_enabled(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, x if bias is None else bias, y, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages,
         launch_pdl=pdl,
     )  # fmt: skip
     return y

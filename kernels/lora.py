@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 from ledgerserve.kernels.lora_ref import GROUP_TILE, LoraDelta
-from ledgerserve.kernels.pdl import enabled as pdl_enabled, wait_for_previous
+from ledgerserve.kernels.pdl import enabled as pdl_enabled
+from ledgerserve.kernels.pdl import wait_for_previous
 
 BLOCK_M_SEG = 32  # rows per program in the segment layout
 BLOCK_M_TOK = 16  # the smallest tl.dot tile; one valid row per program in the token layout
@@ -73,10 +74,14 @@ def _shrink_kernel(
         for k0 in range(ks * K_PER_SPLIT, (ks + 1) * K_PER_SPLIT, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             k_mask = k < in_features
-            xt = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xt + k[None, :],
-                         mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-            at = tl.load(a_base + r[None, :] * stride_ar + k[:, None],
-                         mask=r_mask[None, :] & k_mask[:, None], other=0.0)  # [BLOCK_K, BLOCK_R]
+            xt = tl.load(
+                x_ptr + rows[:, None].to(tl.int64) * stride_xt + k[None, :],
+                mask=row_mask[:, None] & k_mask[None, :],
+                other=0.0,
+            )  # [BLOCK_M, BLOCK_K]
+            at = tl.load(
+                a_base + r[None, :] * stride_ar + k[:, None], mask=r_mask[None, :] & k_mask[:, None], other=0.0
+            )  # [BLOCK_K, BLOCK_R]
             acc += tl.dot(xt, at)
         out = buf_ptr + s * stride_bufs + rows[:, None].to(tl.int64) * stride_buft + r[None, :]
         tl.atomic_add(out, acc, mask=row_mask[:, None] & r_mask[None, :], sem="relaxed")  # split-K partial sums
@@ -108,14 +113,20 @@ def _expand_kernel(
     n = nblk * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < size
     slot = tl.maximum(slot, 0)
-    bt = tl.load(b_ptr + slot * stride_bl + s * stride_bs + n[None, :] * stride_bo + r[:, None] * stride_br,
-                 mask=r_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
+    bt = tl.load(
+        b_ptr + slot * stride_bl + s * stride_bs + n[None, :] * stride_bo + r[:, None] * stride_br,
+        mask=r_mask[:, None] & n_mask[None, :],
+        other=0.0,
+    )  # [BLOCK_R, BLOCK_N]
     scale = tl.load(scalings_ptr + slot * num_slices + s)
     wait_for_previous(PDL)
     if active:
         h_base = buf_ptr + slot * stride_bufl + s * stride_bufs  # stride_bufl: 0 unless h holds every slot
-        h = tl.load(h_base + rows[:, None].to(tl.int64) * stride_buft + r[None, :],
-                    mask=row_mask[:, None] & r_mask[None, :], other=0.0).to(b_ptr.dtype.element_ty)  # [BLOCK_M, BLOCK_R]
+        h = tl.load(
+            h_base + rows[:, None].to(tl.int64) * stride_buft + r[None, :],
+            mask=row_mask[:, None] & r_mask[None, :],
+            other=0.0,
+        ).to(b_ptr.dtype.element_ty)  # [BLOCK_M, BLOCK_R]
         delta = tl.dot(h, bt) * scale  # [BLOCK_M, BLOCK_N] float32
         mask = row_mask[:, None] & n_mask[None, :]
         out = y_ptr + rows[:, None].to(tl.int64) * stride_yt + lo + n[None, :]
@@ -123,8 +134,18 @@ def _expand_kernel(
         tl.store(out, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _shrink(x, a, ranks, seg_starts, seg_slots, num_segs: int, m_blocks: int, per_token: bool, block_m: int,
-            order: torch.Tensor | None = None):
+def _shrink(
+    x,
+    a,
+    ranks,
+    seg_starts,
+    seg_slots,
+    num_segs: int,
+    m_blocks: int,
+    per_token: bool,
+    block_m: int,
+    order: torch.Tensor | None = None,
+):
     num_slices, max_rank, in_features = a.shape[1], a.shape[2], a.shape[3]
     assert x.stride(-1) == 1 and a.is_contiguous() and ranks.is_contiguous()
     buf = torch.zeros(num_slices, x.shape[0], max_rank, dtype=torch.float32, device=x.device)  # atomics: fp32
@@ -148,9 +169,24 @@ def _per_slice_strides(buf: torch.Tensor) -> tuple[int, int, int]:
     return 0, buf.stride(0), buf.stride(1)
 
 
-def _expand(y, buf, buf_strides: tuple[int, int, int], b, ranks, scalings, output_sizes, seg_starts, seg_slots,
-            num_segs, m_blocks, per_token, block_m, order: torch.Tensor | None = None, block_n: int = EXPAND_BLOCK_N,
-            num_warps: int = 4):
+def _expand(
+    y,
+    buf,
+    buf_strides: tuple[int, int, int],
+    b,
+    ranks,
+    scalings,
+    output_sizes,
+    seg_starts,
+    seg_slots,
+    num_segs,
+    m_blocks,
+    per_token,
+    block_m,
+    order: torch.Tensor | None = None,
+    block_n: int = EXPAND_BLOCK_N,
+    num_warps: int = 4,
+):
     """buf_strides: (slot, slice, token) strides of the shrink output; rank is its unit-stride dim."""
     num_slices, max_rank = b.shape[1], b.shape[3]
     assert len(output_sizes) == num_slices <= 3 and y.stride(-1) == 1
@@ -200,8 +236,21 @@ def lora_expand_segments(
     max_seg_len: int | None = None,
 ) -> None:
     m_blocks = triton.cdiv(max(_max_seg_len(seg_starts, max_seg_len), 1), BLOCK_M_SEG)
-    _expand(y, buf, _per_slice_strides(buf), b, ranks, scalings, output_sizes, seg_starts, seg_slots,
-            seg_slots.shape[0], m_blocks, False, BLOCK_M_SEG)
+    _expand(
+        y,
+        buf,
+        _per_slice_strides(buf),
+        b,
+        ranks,
+        scalings,
+        output_sizes,
+        seg_starts,
+        seg_slots,
+        seg_slots.shape[0],
+        m_blocks,
+        False,
+        BLOCK_M_SEG,
+    )
 
 
 def lora_shrink_tokens(
@@ -224,8 +273,21 @@ def lora_expand_tokens(
     token_slots: torch.Tensor,  # [num_tokens] int, -1 = base
     max_rank: int | None = None,  # unused
 ) -> None:
-    _expand(y, buf, _per_slice_strides(buf), b, ranks, scalings, output_sizes, token_slots, token_slots,
-            token_slots.shape[0], 1, True, BLOCK_M_TOK)
+    _expand(
+        y,
+        buf,
+        _per_slice_strides(buf),
+        b,
+        ranks,
+        scalings,
+        output_sizes,
+        token_slots,
+        token_slots,
+        token_slots.shape[0],
+        1,
+        True,
+        BLOCK_M_TOK,
+    )
 
 
 def lora_shrink_grouped(
@@ -250,8 +312,22 @@ def lora_expand_grouped(
     tile_starts: torch.Tensor,  # [num_tiles + 1] int
     tile_slots: torch.Tensor,  # [num_tiles] int
 ) -> None:
-    _expand(y, buf, _per_slice_strides(buf), b, ranks, scalings, output_sizes, tile_starts, tile_slots,
-            tile_slots.shape[0], 1, False, GROUP_TILE, order)
+    _expand(
+        y,
+        buf,
+        _per_slice_strides(buf),
+        b,
+        ranks,
+        scalings,
+        output_sizes,
+        tile_starts,
+        tile_slots,
+        tile_slots.shape[0],
+        1,
+        False,
+        GROUP_TILE,
+        order,
+    )
 
 
 def lora_expand_stacked(
@@ -268,8 +344,24 @@ def lora_expand_stacked(
     num_warps: int = 4,
 ) -> None:
     assert h.stride(-1) == 1
-    _expand(y, h, (h.stride(1), h.stride(2), h.stride(0)), b, ranks, scalings, output_sizes, tile_starts, tile_slots,
-            tile_slots.shape[0], 1, False, GROUP_TILE, order, block_n, num_warps)
+    _expand(
+        y,
+        h,
+        (h.stride(1), h.stride(2), h.stride(0)),
+        b,
+        ranks,
+        scalings,
+        output_sizes,
+        tile_starts,
+        tile_slots,
+        tile_slots.shape[0],
+        1,
+        False,
+        GROUP_TILE,
+        order,
+        block_n,
+        num_warps,
+    )
 
 
 # A pending LoRA delta (kernels/lora_ref.LoraDelta) added by the kernel that consumes the
@@ -304,8 +396,11 @@ def lora_row_delta(
         r = r0 + tl.arange(0, R_CHUNK)
         r_mask = r < rank_on
         hv = tl.load(h_base + r, mask=r_mask, other=0.0).to(tl.float32)  # [R_CHUNK]
-        bt = tl.load(b_base + r[:, None] * stride_br + cols[None, :] * stride_bo,
-                     mask=r_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)  # [R_CHUNK, BLOCK]
+        bt = tl.load(
+            b_base + r[:, None] * stride_br + cols[None, :] * stride_bo,
+            mask=r_mask[:, None] & col_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)  # [R_CHUNK, BLOCK]
         acc += tl.sum(hv[:, None] * bt, axis=0)
     return acc * scale
 
@@ -320,8 +415,11 @@ def lora_b_tile(
     gdc_wait; lora_tile_delta finishes the delta once h may be read."""
     slot, rank_on = _token_slot(slot, max_rank)
     r = tl.arange(0, R_PAD)
-    bt = tl.load(b_ptr + slot * stride_bl + s * stride_bs + r[:, None] * stride_br + cols[None, :] * stride_bo,
-                 mask=(r < rank_on)[:, None] & col_mask[None, :], other=0.0)  # [R_PAD, BLOCK]
+    bt = tl.load(
+        b_ptr + slot * stride_bl + s * stride_bs + r[:, None] * stride_br + cols[None, :] * stride_bo,
+        mask=(r < rank_on)[:, None] & col_mask[None, :],
+        other=0.0,
+    )  # [R_PAD, BLOCK]
     return bt, tl.load(scalings_ptr + slot * num_slices + s)
 
 

@@ -69,6 +69,7 @@ def add_lora_delta(y: torch.Tensor, delta: LoraDelta, output_sizes: list[int]) -
     lora_expand_tokens(out, buf, delta.b, delta.ranks, delta.scalings, output_sizes, slots)
     return out
 
+
 GROUP_TILE = 16  # rows per tile of the grouped layout (the smallest tl.dot tile)
 
 

@@ -10,9 +10,8 @@ from __future__ import annotations
 import torch
 
 from ledgerserve.kernels import gemm_tuning as _gemm_tuning
-from ledgerserve.kernels.attention_ref import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv
 from ledgerserve.kernels import lora_ref
-from ledgerserve.kernels.lora_ref import LoraDelta
+from ledgerserve.kernels.attention_ref import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv
 from ledgerserve.kernels.fused_ref import (
     apply_rope_ref,
     fused_add_rms_norm_ref,
@@ -21,6 +20,7 @@ from ledgerserve.kernels.fused_ref import (
     rope_cos_sin_cache,
     silu_and_mul_ref,
 )
+from ledgerserve.kernels.lora_ref import LoraDelta
 
 __all__ = [
     "apply_rope",
@@ -92,11 +92,25 @@ GEMV_MAX_N = 65536  # lm_head-sized GEMVs stay on cuBLAS, which streams them at 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear; one half-precision CUDA row (batch-1 decode) goes through the Triton GEMV, more
     rows through the cuBLASLt algorithm kernels/gemm_tuning.py chose for the shape, if any."""
-    if (use_triton(x) and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1
-            and weight.stride(-1) == 1 and weight.shape[0] <= GEMV_MAX_N):
+    if (
+        use_triton(x)
+        and x.dim() == 2
+        and x.shape[0] == 1
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.stride(-1) == 1
+        and weight.stride(-1) == 1
+        and weight.shape[0] <= GEMV_MAX_N
+    ):
         return _gemv.gemv(x, weight, bias)
-    if (x.is_cuda and bias is None and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)
-            and x.is_contiguous() and weight.is_contiguous() and _gemm_tuning.enabled()):
+    if (
+        x.is_cuda
+        and bias is None
+        and x.dim() == 2
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and _gemm_tuning.enabled()
+    ):
         return _gemm_tuning.linear(x, weight)  # the algorithm timed fastest for this shape (decode graphs)
     return torch.nn.functional.linear(x, weight, bias)
 
@@ -164,11 +178,13 @@ def lora_expand_segments(
     max_seg_len=None,
 ) -> None:  # fmt: skip
     if use_triton_lora(y):
-        _lora.lora_expand_segments(y, buf, b, ranks, scalings, output_sizes, seg_starts, seg_slots, rank_table,
-                                   scale_table, max_seg_len)
+        _lora.lora_expand_segments(
+            y, buf, b, ranks, scalings, output_sizes, seg_starts, seg_slots, rank_table, scale_table, max_seg_len
+        )
     else:
-        lora_ref.lora_expand_segments(y, buf, b, ranks, scalings, output_sizes, seg_starts, seg_slots, rank_table,
-                                      scale_table)
+        lora_ref.lora_expand_segments(
+            y, buf, b, ranks, scalings, output_sizes, seg_starts, seg_slots, rank_table, scale_table
+        )
 
 
 def lora_shrink_tokens(x, a, ranks, token_slots, max_rank=None) -> torch.Tensor:

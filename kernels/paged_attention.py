@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ledgerserve.kernels.pdl import enabled as pdl_enabled, wait_for_previous
+from ledgerserve.kernels.pdl import enabled as pdl_enabled
+from ledgerserve.kernels.pdl import wait_for_previous
 
 MAX_PARTITION = 512  # keys per split-K partition, halved down to BLOCK_N for small batches
 BLOCK_N = 64  # keys per tile inside a partition
@@ -107,18 +108,38 @@ def _decode_partition_kernel(
     d_mask = offs_d < HEAD_DIM
     hd_mask = g_mask[:, None] & d_mask[None, :]
     seq_len = tl.load(seq_lens_ptr + req)
-    q = tl.load(q_ptr + req * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=hd_mask,
-                other=0.0)  # [GROUP_PAD, D_PAD], in flight with seq_len
+    q = tl.load(
+        q_ptr + req * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=hd_mask, other=0.0
+    )  # [GROUP_PAD, D_PAD], in flight with seq_len
     start = part * PARTITION
     if start >= seq_len:
         if DIRECT:  # a padding row (seq_len 0)
-            _store_heads(out_ptr + req * stride_ot, heads, offs_d, stride_oth, tl.zeros([GROUP_PAD, D_PAD], tl.float32),
-                         hd_mask)
+            _store_heads(
+                out_ptr + req * stride_ot, heads, offs_d, stride_oth, tl.zeros([GROUP_PAD, D_PAD], tl.float32), hd_mask
+            )
         return
-    m, l, acc = _attend(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + req * stride_bt, kv_head, start,
-                        tl.minimum(start + PARTITION, seq_len), scale_log2, offs_d, d_mask,
-                        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                        GROUP_PAD, D_PAD, BLOCK_SIZE, BLOCK_N)
+    m, l, acc = _attend(
+        q,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_tables_ptr + req * stride_bt,
+        kv_head,
+        start,
+        tl.minimum(start + PARTITION, seq_len),
+        scale_log2,
+        offs_d,
+        d_mask,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_vb,
+        stride_vs,
+        stride_vh,
+        GROUP_PAD,
+        D_PAD,
+        BLOCK_SIZE,
+        BLOCK_N,
+    )
     if DIRECT:
         _store_heads(out_ptr + req * stride_ot, heads, offs_d, stride_oth, acc / l[:, None], hd_mask)
         return

@@ -57,8 +57,12 @@ _TYPE_PROGRAMMATIC = 1  # CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
 
 
 class _EdgeData(ctypes.Structure):  # CUgraphEdgeData
-    _fields_ = [("from_port", ctypes.c_ubyte), ("to_port", ctypes.c_ubyte), ("type", ctypes.c_ubyte),
-                ("reserved", ctypes.c_ubyte * 5)]
+    _fields_ = [
+        ("from_port", ctypes.c_ubyte),
+        ("to_port", ctypes.c_ubyte),
+        ("type", ctypes.c_ubyte),
+        ("reserved", ctypes.c_ubyte * 5),
+    ]
 
 
 @functools.lru_cache
@@ -89,8 +93,11 @@ def edges_to_move(edges: list[Edge]) -> list[int]:
     """Indices of the programmatic edges, still on the programmatic port, whose source was not
     itself launched with PDL (no programmatic edge into it): a kernel that never triggers."""
     pdl_launched = {dst for _, dst, kind, _ in edges if kind == _TYPE_PROGRAMMATIC}
-    return [i for i, (src, _, kind, port) in enumerate(edges)
-            if kind == _TYPE_PROGRAMMATIC and port == _PORT_PROGRAMMATIC and src not in pdl_launched]
+    return [
+        i
+        for i, (src, _, kind, port) in enumerate(edges)
+        if kind == _TYPE_PROGRAMMATIC and port == _PORT_PROGRAMMATIC and src not in pdl_launched
+    ]
 
 
 def _move_edge(graph: ctypes.c_void_p, src: int, dst: int, data: _EdgeData) -> bool:

@@ -79,7 +79,8 @@ def _prefill_kernel(
     rows = (q_start + offs_m).to(tl.int64)
     q = tl.load(
         q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-        mask=m_mask[:, None] & d_mask[None, :], other=0.0,
+        mask=m_mask[:, None] & d_mask[None, :],
+        other=0.0,
     )  # fmt: skip  [BLOCK_M, D_PAD]
     q_pos = seq_len - q_len + offs_m  # [BLOCK_M] absolute positions
     end = tl.minimum(seq_len, seq_len - q_len + m0 + BLOCK_M)  # keys past the tile's last query are unused

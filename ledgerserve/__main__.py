@@ -2,4 +2,4 @@
 
 from ledgerserve.cli import main
 
-main()
+raise SystemExit(main())

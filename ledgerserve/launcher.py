@@ -11,17 +11,16 @@ import shutil
 import sys
 import time
 
+from ledgerserve.process_group import Child, ProcessGroup
 from ledgerserve.shared import env, ipc
 from ledgerserve.shared.config import EngineConfig
-from ledgerserve.process_group import Child, ProcessGroup
 
 log = logging.getLogger("launcher")
 
 
 def serve(args: argparse.Namespace) -> int:
     """Run the group; the run directory is removed however it ends, a failed start included."""
-    logging.basicConfig(level=env.log_level(),
-                        format="%(asctime)s launcher %(levelname)s %(message)s")
+    logging.basicConfig(level=env.log_level(), format="%(asctime)s launcher %(levelname)s %(message)s")
     started = time.monotonic()
     run_dir = ipc.make_run_dir()
     try:

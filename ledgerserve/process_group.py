@@ -95,9 +95,15 @@ class ProcessGroup:
                 msg = _decode_ready(control.recv())
                 pending.discard(msg)
         elapsed = time.monotonic() - started_s
-        log.info("ready in %.1f s: http://%s:%d/v1 serving %r (run dir %s, event log %s)",
-                 elapsed, self.config.host, self.config.port, self.config.served_model_name,
-                 self.config.run_dir, self.config.event_log_dir)
+        log.info(
+            "ready in %.1f s: http://%s:%d/v1 serving %r (run dir %s, event log %s)",
+            elapsed,
+            self.config.host,
+            self.config.port,
+            self.config.served_model_name,
+            self.config.run_dir,
+            self.config.event_log_dir,
+        )
         return None
 
     def _supervise(self) -> int:

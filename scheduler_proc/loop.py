@@ -29,7 +29,11 @@ TO_TOKENIZER_TYPES = (
     events.AdapterOpReplied,
 )
 TO_WORKER_TYPES = (
-    events.StepPlan, events.AdapterSlotAssigned, events.AdapterEvicted, events.AdapterCpuEvicted, events.AdapterPrefetched,
+    events.StepPlan,
+    events.AdapterSlotAssigned,
+    events.AdapterEvicted,
+    events.AdapterCpuEvicted,
+    events.AdapterPrefetched,
 )
 
 
@@ -41,8 +45,7 @@ class SchedulerShell:
         self.from_workers = ipc.bind(ctx, zmq.PULL, config.run_dir, ipc.SCHED_FROM_WORKERS)
         self.to_tokenizer = ipc.bind(ctx, zmq.PUSH, config.run_dir, ipc.TO_TOKENIZER)
         self.to_workers = [
-            ipc.bind(ctx, zmq.PUSH, config.run_dir, ipc.to_worker(rank))
-            for rank in range(config.tensor_parallel_size)
+            ipc.bind(ctx, zmq.PUSH, config.run_dir, ipc.to_worker(rank)) for rank in range(config.tensor_parallel_size)
         ]
         self.tokenizer_decoder = codec.to_scheduler_decoder()
         self.worker_decoder = codec.from_worker_decoder()
@@ -150,17 +153,23 @@ class SchedulerShell:
         if not max_total_bytes:
             return
         try:
-            removed, num_bytes = enforce_retention(self.config.event_log_dir, max_total_bytes, self.log.current_path,
-                                                   reserve_bytes)
+            removed, num_bytes = enforce_retention(
+                self.config.event_log_dir, max_total_bytes, self.log.current_path, reserve_bytes
+            )
         except OSError as exc:
             log.warning("event-log retention failed: %s", exc)
             return
         for path in removed:
             log.info("event-log retention removed %s", path)
         if num_bytes + reserve_bytes > max_total_bytes:
-            log.warning("event-log directory %s holds %d bytes (+%d for the segment being written), over its bound "
-                        "of %d: the rest is this run's newest segment or runs another engine is writing",
-                        self.config.event_log_dir, num_bytes, reserve_bytes, max_total_bytes)
+            log.warning(
+                "event-log directory %s holds %d bytes (+%d for the segment being written), over its bound "
+                "of %d: the rest is this run's newest segment or runs another engine is writing",
+                self.config.event_log_dir,
+                num_bytes,
+                reserve_bytes,
+                max_total_bytes,
+            )
 
     def _send_stats(self) -> None:
         """Gauges for /metrics, sent when they change (not logged: derived from logged state).
@@ -168,13 +177,23 @@ class SchedulerShell:
         adapters its events touched, however many are registered."""
         sched = self.core.scheduler
         core = self.core
-        stats = events.EngineStats(core.step, len(sched.running), len(sched.waiting),
-                                   core.num_free_blocks, core.num_total_blocks,
-                                   core.num_pinned_slots, core.num_deferred_evictions,
-                                   core.num_cached_blocks, core.num_loading_slots,
-                                   core.num_cpu_tier_versions, core.cpu_tier_bytes, core.num_lora_wait_steps,
-                                   self.adapter_stats.take_changed_rows(), core.num_used_slots,
-                                   self.adapter_stats.lora_wait_ms)
+        stats = events.EngineStats(
+            core.step,
+            len(sched.running),
+            len(sched.waiting),
+            core.num_free_blocks,
+            core.num_total_blocks,
+            core.num_pinned_slots,
+            core.num_deferred_evictions,
+            core.num_cached_blocks,
+            core.num_loading_slots,
+            core.num_cpu_tier_versions,
+            core.cpu_tier_bytes,
+            core.num_lora_wait_steps,
+            self.adapter_stats.take_changed_rows(),
+            core.num_used_slots,
+            self.adapter_stats.lora_wait_ms,
+        )
         if stats != self.last_stats:
             self._send(self.to_tokenizer, codec.encode(stats))
             self.last_stats = stats

@@ -46,14 +46,14 @@ from typing import Any
 
 import torch
 
+from ledgerserve.demo_model import ensure_demo_model
+from ledgerserve.shared.adapter_format import BaseShapes
 from scripts import churn_report, io_bandwidth
 from scripts.bench_fixtures import link_adapter, write_adapter, write_served_model_dir
 from scripts.churn_plan import FULL, QUICK, ServerGroup, check_settings, server_groups
 from scripts.churn_workloads import Bench, serve_group, write_file
 from scripts.server_process import Server
 from scripts.serving_workload import read_model_config
-from ledgerserve.shared.adapter_format import BaseShapes
-from ledgerserve.demo_model import ensure_demo_model
 
 OVERLAP_FLAGS = {"on": "--lora-overlap-loading", "off": "--no-lora-overlap-loading"}
 
@@ -73,22 +73,59 @@ def prepare(args: argparse.Namespace, work_dir: str) -> Bench:
     demo_dir = ensure_demo_model()
     if args.quick:
         model_dir = demo_dir
-        model_args = [model_dir, "--device", "cpu", "--max-model-len", "256", "--num-kv-blocks", "256",
-                      "--max-num-seqs", "16", "--max-num-batched-tokens", "256"]
+        model_args = [
+            model_dir,
+            "--device",
+            "cpu",
+            "--max-model-len",
+            "256",
+            "--num-kv-blocks",
+            "256",
+            "--max-num-seqs",
+            "16",
+            "--max-num-batched-tokens",
+            "256",
+        ]
     else:
         if not torch.cuda.is_available():
             raise ValueError("the full run needs a CUDA GPU (use --quick on a CPU)")
         model_dir = write_served_model_dir(work_dir, demo_dir)
-        model_args = [model_dir, "--load-format", "dummy", "--dtype", "bfloat16", "--device", "cuda",
-                      "--max-model-len", "1024"]
-    report = {"benchmark": "adapter_churn", "quick": args.quick, "overlap": args.overlap,
-              "settings": dataclasses.asdict(settings), "device": _device(), "modes": {}}
-    bench = Bench(settings, args.seed, work_dir, model_dir, model_args + ["--async-scheduling"],
-                  read_model_config(demo_dir), report, args.out, args.groups, args.capacity_rps)
+        model_args = [
+            model_dir,
+            "--load-format",
+            "dummy",
+            "--dtype",
+            "bfloat16",
+            "--device",
+            "cuda",
+            "--max-model-len",
+            "1024",
+        ]
+    report = {
+        "benchmark": "adapter_churn",
+        "quick": args.quick,
+        "overlap": args.overlap,
+        "settings": dataclasses.asdict(settings),
+        "device": _device(),
+        "modes": {},
+    }
+    bench = Bench(
+        settings,
+        args.seed,
+        work_dir,
+        model_dir,
+        model_args + ["--async-scheduling"],
+        read_model_config(demo_dir),
+        report,
+        args.out,
+        args.groups,
+        args.capacity_rps,
+    )
     write_adapters(bench, BaseShapes.from_hf_config(read_model_config(model_dir)))
-    report["bandwidth"] = {"pinned_h2d_gbps": _round(io_bandwidth.pinned_h2d_gbps()),
-                           "page_cache_read_gbps": _round(io_bandwidth.page_cache_read_gbps(
-                               work_dir, settings.read_bandwidth_bytes))}
+    report["bandwidth"] = {
+        "pinned_h2d_gbps": _round(io_bandwidth.pinned_h2d_gbps()),
+        "page_cache_read_gbps": _round(io_bandwidth.page_cache_read_gbps(work_dir, settings.read_bandwidth_bytes)),
+    }
     return bench
 
 
@@ -103,8 +140,11 @@ def write_adapters(bench: Bench, base: BaseShapes) -> None:
     for i in range(s.zipf_distinct_weights):
         write_adapter(bench.dir("zipf"), i, base, s.zipf_rank, device)
     for i in range(s.zipf_distinct_weights, s.zipf_adapters):
-        link_adapter(os.path.join(bench.dir("zipf"), f"adapter-{i % s.zipf_distinct_weights}"),
-                     os.path.join(bench.dir("zipf"), f"adapter-{i}"), alpha=2.0 * s.zipf_rank + i)
+        link_adapter(
+            os.path.join(bench.dir("zipf"), f"adapter-{i % s.zipf_distinct_weights}"),
+            os.path.join(bench.dir("zipf"), f"adapter-{i}"),
+            alpha=2.0 * s.zipf_rank + i,
+        )
     if device == "cuda":
         torch.cuda.empty_cache()
 
@@ -134,9 +174,19 @@ def run_mode(bench: Bench, overlap: str) -> None:
 
 
 def server_args(bench: Bench, group: ServerGroup, overlap: str) -> list[str]:
-    return [*bench.model_args, "--enable-lora", "--max-lora-rank", str(bench.settings.max_rank),
-            "--lora-allowed-dir", os.path.join(bench.work_dir, "adapters"), "--max-loras", str(group.max_loras),
-            "--max-cpu-loras", str(group.max_cpu_loras), OVERLAP_FLAGS[overlap]]
+    return [
+        *bench.model_args,
+        "--enable-lora",
+        "--max-lora-rank",
+        str(bench.settings.max_rank),
+        "--lora-allowed-dir",
+        os.path.join(bench.work_dir, "adapters"),
+        "--max-loras",
+        str(group.max_loras),
+        "--max-cpu-loras",
+        str(group.max_cpu_loras),
+        OVERLAP_FLAGS[overlap],
+    ]
 
 
 # ---- entry -------------------------------------------------------------------------------
@@ -154,17 +204,29 @@ def _round(value: float | None) -> float | None:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench_adapter_churn", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny settings on the CPU with the demo model (a smoke test)")
-    p.add_argument("--overlap", choices=("on", "off", "both"), default="on",
-                   help="serve with --lora-overlap-loading, without it, or take everything in both modes")
+    p.add_argument(
+        "--overlap",
+        choices=("on", "off", "both"),
+        default="on",
+        help="serve with --lora-overlap-loading, without it, or take everything in both modes",
+    )
     p.add_argument("--work-dir", default=None, help="model dir, adapters and event logs (default: a temporary dir)")
     p.add_argument("--out", default="adapter_churn.json")
     p.add_argument("--plot", default="adapter_churn.png")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--groups", type=lambda text: tuple(int(g) for g in text.split(",")), default=None,
-                   help="run only these server groups (0: probe and the 8-slot table, 1: 64 slots, 2: Zipf), "
-                        "to split a run over several calls")
-    p.add_argument("--capacity-rps", type=float, default=None,
-                   help="the single-adapter burst's requests/s from an earlier run, when group 0 does not run")
+    p.add_argument(
+        "--groups",
+        type=lambda text: tuple(int(g) for g in text.split(",")),
+        default=None,
+        help="run only these server groups (0: probe and the 8-slot table, 1: 64 slots, 2: Zipf), "
+        "to split a run over several calls",
+    )
+    p.add_argument(
+        "--capacity-rps",
+        type=float,
+        default=None,
+        help="the single-adapter burst's requests/s from an earlier run, when group 0 does not run",
+    )
     return p.parse_args(argv)
 
 
@@ -174,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     started = time.perf_counter()
     try:
         bench = prepare(args, work_dir)
-        for overlap in (("on", "off") if args.overlap == "both" else (args.overlap,)):
+        for overlap in ("on", "off") if args.overlap == "both" else (args.overlap,):
             run_mode(bench, overlap)
     finally:
         if args.work_dir is None:

@@ -22,16 +22,22 @@ import time
 
 import torch
 
-from scripts.bench_fixtures import LLAMA3_8B, adapter_digest, write_adapter
 from ledgerserve.shared.adapter_format import BaseShapes
 from ledgerserve.worker_proc.lora.file_image import ImageBytes, SlotLayout
 from ledgerserve.worker_proc.lora.pinned_pool import PinnedPool, page_bytes_for
 from ledgerserve.worker_proc.lora.reader import ReadSpec, read_image
 from ledgerserve.worker_proc.lora.slot_copy import SlotCopier, flat_tables, staging_bytes
 from ledgerserve.worker_proc.lora.weights import LoraWeights
+from scripts.bench_fixtures import LLAMA3_8B, adapter_digest, write_adapter
 
-SMALL = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "vocab_size": 1024}
+SMALL = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 1024,
+}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -46,9 +52,12 @@ def main(argv: list[str] | None = None) -> dict:
     copier = SlotCopier(weights, layout, ranks, scalings, staging_bytes(layout, max_rank), device)
     pool = PinnedPool(2 * max_image + (64 << 20), page_bytes_for(max_image), pin=device.type == "cuda")
     spec = ReadSpec(base, max_rank, (), layout, torch.bfloat16)
-    report = {"device": str(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"),
-              "pinned_h2d_GBps": _h2d_bandwidth(device, args.copy_mib << 20, args.repeats) / 1e9,
-              "file_read_GBps": _file_bandwidth(args.read_mib << 20, args.repeats) / 1e9, "adapters": []}
+    report = {
+        "device": str(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"),
+        "pinned_h2d_GBps": _h2d_bandwidth(device, args.copy_mib << 20, args.repeats) / 1e9,
+        "file_read_GBps": _file_bandwidth(args.read_mib << 20, args.repeats) / 1e9,
+        "adapters": [],
+    }
     with tempfile.TemporaryDirectory() as root:
         for i, rank in enumerate(args.ranks):
             path = write_adapter(root, i, base, rank, "cpu")
@@ -83,14 +92,22 @@ def _base(args: argparse.Namespace) -> BaseShapes:
 def _slot_buffers(base: BaseShapes, max_rank: int, device: torch.device) -> dict[str, LoraWeights]:
     """One slot's buffers for every projection of every layer, as the worker stacks them."""
     h, i = base.hidden_size, base.intermediate_size
-    fused = {"self_attn.qkv_proj": (h, [base.q_size, base.kv_size, base.kv_size]), "self_attn.o_proj": (base.q_size, [h]),
-             "mlp.gate_up_proj": (h, [i, i]), "mlp.down_proj": (i, [h])}
-    return {f"model.layers.{layer}.{name}": LoraWeights(1, max_rank, n_in, outs, torch.bfloat16, device)
-            for layer in range(base.num_layers) for name, (n_in, outs) in fused.items()}
+    fused = {
+        "self_attn.qkv_proj": (h, [base.q_size, base.kv_size, base.kv_size]),
+        "self_attn.o_proj": (base.q_size, [h]),
+        "mlp.gate_up_proj": (h, [i, i]),
+        "mlp.down_proj": (i, [h]),
+    }
+    return {
+        f"model.layers.{layer}.{name}": LoraWeights(1, max_rank, n_in, outs, torch.bfloat16, device)
+        for layer in range(base.num_layers)
+        for name, (n_in, outs) in fused.items()
+    }
 
 
-def _adapter(report: dict, spec: ReadSpec, pool: PinnedPool, copier: SlotCopier, path: str, rank: int,
-             repeats: int) -> dict:
+def _adapter(
+    report: dict, spec: ReadSpec, pool: PinnedPool, copier: SlotCopier, path: str, rank: int, repeats: int
+) -> dict:
     read_s, image = float("inf"), None
     digest = adapter_digest(path)  # as registered: the read is checked against it
     for _ in range(repeats + 1):  # the first read fills the page cache
@@ -103,12 +120,21 @@ def _adapter(report: dict, spec: ReadSpec, pool: PinnedPool, copier: SlotCopier,
     pool.free(list(image.extents))
     file_bytes, image_bytes = image.num_file_bytes, image.layout.num_bytes
     read_bw, h2d_bw, slot_bw = file_bytes / read_s, image_bytes / h2d_s, image_bytes / slot_s
-    return {"rank": rank, "file_bytes": file_bytes, "image_bytes": image_bytes, "num_extents": len(image.extents),
-            "disk_to_cpu_ms": read_s * 1e3, "disk_to_cpu_GBps": read_bw / 1e9,
-            "disk_ratio": read_bw / (report["file_read_GBps"] * 1e9),
-            "h2d_ms": h2d_s * 1e3, "h2d_GBps": h2d_bw / 1e9, "h2d_ratio": h2d_bw / (report["pinned_h2d_GBps"] * 1e9),
-            "cpu_to_slot_ms": slot_s * 1e3, "cpu_to_slot_GBps": slot_bw / 1e9,
-            "slot_ratio": slot_bw / (report["pinned_h2d_GBps"] * 1e9)}
+    return {
+        "rank": rank,
+        "file_bytes": file_bytes,
+        "image_bytes": image_bytes,
+        "num_extents": len(image.extents),
+        "disk_to_cpu_ms": read_s * 1e3,
+        "disk_to_cpu_GBps": read_bw / 1e9,
+        "disk_ratio": read_bw / (report["file_read_GBps"] * 1e9),
+        "h2d_ms": h2d_s * 1e3,
+        "h2d_GBps": h2d_bw / 1e9,
+        "h2d_ratio": h2d_bw / (report["pinned_h2d_GBps"] * 1e9),
+        "cpu_to_slot_ms": slot_s * 1e3,
+        "cpu_to_slot_GBps": slot_bw / 1e9,
+        "slot_ratio": slot_bw / (report["pinned_h2d_GBps"] * 1e9),
+    }
 
 
 def _slot_times(copier: SlotCopier, pool: PinnedPool, image, repeats: int) -> tuple[float, float]:

@@ -32,12 +32,18 @@ from ledgerserve.shared.adapter_format import BaseShapes
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.events import AdapterSlotAssigned, CachedReq, NewReq, StepPlan
 from ledgerserve.shared.sampling import SamplingParams
-from scripts.bench_fixtures import (
-    LLAMA3_8B, adapter_bytes, copy_bandwidth, kv_bytes, weight_bytes, write_adapter, write_model_dir,
-)
-from scripts.decode_churn import LoadChurn, StepClock
 from ledgerserve.worker_proc.batch import build_batch
 from ledgerserve.worker_proc.runner import InFlightStep, ModelRunner
+from scripts.bench_fixtures import (
+    LLAMA3_8B,
+    adapter_bytes,
+    copy_bandwidth,
+    kv_bytes,
+    weight_bytes,
+    write_adapter,
+    write_model_dir,
+)
+from scripts.decode_churn import LoadChurn, StepClock
 
 BLOCK = 16
 GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
@@ -68,8 +74,11 @@ class Bench:
             prompt = torch.randint(1000, 100000, (self.prompt_len,), generator=gen).tolist()
             blocks = list(range(i * self.blocks_per_req, (i + 1) * self.blocks_per_req))
             slot = i % num_adapters if num_adapters else -1
-            new.append(NewReq(f"b{batch}a{num_adapters}r{i}", prompt, self.prompt_len, GREEDY, blocks, 0,
-                              self.prompt_len, slot))
+            new.append(
+                NewReq(
+                    f"b{batch}a{num_adapters}r{i}", prompt, self.prompt_len, GREEDY, blocks, 0, self.prompt_len, slot
+                )
+            )
         sampled = self._read(self.runner.launch(self.next_plan(new_reqs=new, finished_req_ids=self.live)))
         self.live = [r.req_id for r in new]
         self.slots = {r.req_id: r.lora_slot for r in new}
@@ -96,8 +105,10 @@ class Bench:
         to_send = last  # tokens read back, not yet sent to the worker
         in_flight = None
         for _ in range(num_steps):
-            cached = [CachedReq(rid, [to_send[rid]] if to_send else [], [], self.lengths[rid], 1, self.slots[rid])
-                      for rid in self.live]
+            cached = [
+                CachedReq(rid, [to_send[rid]] if to_send else [], [], self.lengths[rid], 1, self.slots[rid])
+                for rid in self.live
+            ]
             t0 = time.perf_counter()
             launched = self._launch(self.next_plan(cached_reqs=cached))
             to_send = {}
@@ -124,8 +135,8 @@ class Bench:
         return {s.req_id: s.token_id for s in done.sampled}
 
     def gpu_step(self) -> tuple[float, float]:
-        """(GPU-busy ms, CPU enqueue ms) of the forward + logits + argmax (the sampler's, ops.argmax) of the current batch,
-        queued behind a sleep kernel so the GPU never waits for the CPU inside it."""
+        """(GPU-busy ms, CPU enqueue ms) of the forward + logits + argmax (the sampler's, ops.argmax) of the
+        current batch, queued behind a sleep kernel so the GPU never waits for the CPU inside it."""
         runner = self.runner
         reqs = [runner.reqs[rid] for rid in self.live]
         for req in reqs:  # re-run the last known decode position (rewrites the same KV slots)
@@ -149,8 +160,9 @@ class Bench:
         end.synchronize()
         return start.elapsed_time(end), enqueue_ms
 
-    def run(self, batch: int, num_adapters: int, churn: LoadChurn | None = None
-            ) -> tuple[float, float, float, float, float]:
+    def run(
+        self, batch: int, num_adapters: int, churn: LoadChurn | None = None
+    ) -> tuple[float, float, float, float, float]:
         """(median step ms, GPU-busy ms, enqueue ms, mean sequence length, GPU idle share) while timed;
         with `churn`, its loads run beside every decode step."""
         last = self.start(batch, num_adapters)
@@ -169,7 +181,7 @@ class Bench:
         first = len(self.clock.events) + self.warmup
         if self.ahead:
             last, walls, lens = self.decode_ahead(last, self.warmup + self.steps + 1)
-            walls, lens = walls[self.warmup:], lens[self.warmup:]
+            walls, lens = walls[self.warmup :], lens[self.warmup :]
         else:
             for i in range(self.warmup + self.steps):
                 last, wall = self.decode(last)
@@ -181,8 +193,9 @@ class Bench:
         return statistics.median(walls) * 1e3, gpu_ms, enqueue_ms, statistics.mean(lens), idle
 
 
-def end_to_end(runner: ModelRunner, batch: int, num_adapters: int, prompt_len: int, gen_len: int,
-               ahead: bool = False) -> dict:
+def end_to_end(
+    runner: ModelRunner, batch: int, num_adapters: int, prompt_len: int, gen_len: int, ahead: bool = False
+) -> dict:
     """Prefill `batch` prompts then decode to `gen_len` output tokens each; tokens/s over the wall time.
     Each step returns its sampled tokens to the host, so the clock stops on finished work."""
     bench = Bench(runner, prompt_len, 0, gen_len, ahead)
@@ -195,9 +208,17 @@ def end_to_end(runner: ModelRunner, batch: int, num_adapters: int, prompt_len: i
         for _ in range(gen_len - 1):
             last, _ = bench.decode(last)
     wall = time.perf_counter() - t0
-    return dict(device=torch.cuda.get_device_name(), batch=batch, adapters=num_adapters, prompt_len=prompt_len,
-                async_scheduling=ahead, gen_len=gen_len, output_tokens=batch * gen_len, wall_s=round(wall, 3),
-                tok_s=round(batch * gen_len / wall, 1))
+    return dict(
+        device=torch.cuda.get_device_name(),
+        batch=batch,
+        adapters=num_adapters,
+        prompt_len=prompt_len,
+        async_scheduling=ahead,
+        gen_len=gen_len,
+        output_tokens=batch * gen_len,
+        wall_s=round(wall, 3),
+        tok_s=round(batch * gen_len / wall, 1),
+    )
 
 
 def parse_args() -> argparse.Namespace:
@@ -209,11 +230,18 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--max-loras", type=int, default=0, help="adapter slots (default: the largest of --adapters)")
-    ap.add_argument("--churn-slots", type=int, default=0,
-                    help="also time every row while this many spare slots keep loading adapters")
+    ap.add_argument(
+        "--churn-slots",
+        type=int,
+        default=0,
+        help="also time every row while this many spare slots keep loading adapters",
+    )
     ap.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs)")
-    ap.add_argument("--async-scheduling", action="store_true",
-                    help="launch each decode step before reading back the one ahead of it (the engine's flag)")
+    ap.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="launch each decode step before reading back the one ahead of it (the engine's flag)",
+    )
     ap.add_argument("--e2e", action="store_true", help="end to end: batch and adapters from the lists' largest")
     ap.add_argument("--gen-len", type=int, default=128, help="--e2e output tokens per request")
     ap.add_argument("--out", default="")
@@ -232,17 +260,27 @@ def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
     gen = args.gen_len if args.e2e else args.warmup + args.steps
     blocks_per_req = -(-(args.prompt_len + gen + 2) // BLOCK)
     return EngineConfig(
-        model_dir=model_dir, served_model_name="bench", max_model_len=args.prompt_len + max(64, gen + 16),
+        model_dir=model_dir,
+        served_model_name="bench",
+        max_model_len=args.prompt_len + max(64, gen + 16),
         dtype="bfloat16",
-        device="cuda", max_num_seqs=max(args.batches), block_size=BLOCK, load_format="dummy",
-        num_kv_blocks=max(args.batches) * blocks_per_req, enable_lora=True, max_loras=args.max_loras,
-        max_lora_rank=args.rank, max_cpu_loras=args.max_loras + 2 * args.churn_slots, enforce_eager=args.eager,
+        device="cuda",
+        max_num_seqs=max(args.batches),
+        block_size=BLOCK,
+        load_format="dummy",
+        num_kv_blocks=max(args.batches) * blocks_per_req,
+        enable_lora=True,
+        max_loras=args.max_loras,
+        max_lora_rank=args.rank,
+        max_cpu_loras=args.max_loras + 2 * args.churn_slots,
+        enforce_eager=args.eager,
         lora_overlap_loading=True,
     )
 
 
-def sweep(bench: Bench, base: BaseShapes, args: argparse.Namespace, bw: float, churn: LoadChurn | None = None
-          ) -> list[dict]:
+def sweep(
+    bench: Bench, base: BaseShapes, args: argparse.Namespace, bw: float, churn: LoadChurn | None = None
+) -> list[dict]:
     """One row per (adapter count, batch size): step time beside its bandwidth floor; with `churn`,
     each row once more with the churning loads beside the steps."""
     results = []
@@ -254,24 +292,49 @@ def sweep(bench: Bench, base: BaseShapes, args: argparse.Namespace, bw: float, c
     return results
 
 
-def _rows(bench: Bench, base: BaseShapes, args: argparse.Namespace, bw: float, batch: int, num_adapters: int,
-          churn: LoadChurn | None) -> list[dict]:
+def _rows(
+    bench: Bench,
+    base: BaseShapes,
+    args: argparse.Namespace,
+    bw: float,
+    batch: int,
+    num_adapters: int,
+    churn: LoadChurn | None,
+) -> list[dict]:
     rows = [_row(bench, base, args, bw, batch, num_adapters)]
     if churn is not None:
         rows.append(_row(bench, base, args, bw, batch, num_adapters, churn))
     return rows
 
 
-def _row(bench: Bench, base: BaseShapes, args: argparse.Namespace, bw: float, batch: int, num_adapters: int,
-         churn: LoadChurn | None = None) -> dict:
+def _row(
+    bench: Bench,
+    base: BaseShapes,
+    args: argparse.Namespace,
+    bw: float,
+    batch: int,
+    num_adapters: int,
+    churn: LoadChurn | None = None,
+) -> dict:
     step_ms, gpu_ms, enqueue_ms, mean_len, idle = bench.run(batch, num_adapters, churn)
     distinct = min(num_adapters, batch)
-    read = (weight_bytes(bench.runner.model, batch) + distinct * adapter_bytes(base, args.rank)
-            + kv_bytes(base, base.num_layers, [round(mean_len)] * batch))
+    read = (
+        weight_bytes(bench.runner.model, batch)
+        + distinct * adapter_bytes(base, args.rank)
+        + kv_bytes(base, base.num_layers, [round(mean_len)] * batch)
+    )
     floor_ms = read / bw * 1e3
-    row = dict(batch=batch, adapters=distinct, step_ms=round(step_ms, 3), tok_s=round(batch / step_ms * 1e3, 1),
-               floor_ms=round(floor_ms, 3), x_floor=round(step_ms / floor_ms, 2), gpu_ms=round(gpu_ms, 3),
-               gpu_idle=round(idle, 3), enqueue_ms=round(enqueue_ms, 2))
+    row = dict(
+        batch=batch,
+        adapters=distinct,
+        step_ms=round(step_ms, 3),
+        tok_s=round(batch / step_ms * 1e3, 1),
+        floor_ms=round(floor_ms, 3),
+        x_floor=round(step_ms / floor_ms, 2),
+        gpu_ms=round(gpu_ms, 3),
+        gpu_idle=round(idle, 3),
+        enqueue_ms=round(enqueue_ms, 2),
+    )
     if churn is not None:
         row.update(churn_slots=len(churn.slots), churn_loads=churn.num_loads, churn_sources=churn.sources)
     return row
@@ -290,8 +353,12 @@ def main() -> None:
         runner.load_adapter(AdapterSlotAssigned(i, i, path))
     adapters_s = time.perf_counter() - t0
     if args.e2e:
-        _report(end_to_end(runner, args.batches[0], args.adapter_counts[0], args.prompt_len, args.gen_len,
-                           args.async_scheduling), args.out)
+        _report(
+            end_to_end(
+                runner, args.batches[0], args.adapter_counts[0], args.prompt_len, args.gen_len, args.async_scheduling
+            ),
+            args.out,
+        )
         return
     bw = copy_bandwidth(runner.device)
     churn = None
@@ -300,11 +367,21 @@ def main() -> None:
         churn = LoadChurn(runner, max(args.adapter_counts), args.churn_slots, paths)
     bench = Bench(runner, args.prompt_len, args.warmup, args.steps, args.async_scheduling)
     results = sweep(bench, base, args, bw, churn)
-    report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bw_GBps=round(bw / 1e9, 1),
-                  model_load_s=round(load_s, 1), adapters_load_s=round(adapters_s, 1), graphs=not args.eager,
-                  max_loras=args.max_loras, prompt_len=args.prompt_len, rank=args.rank,
-                  async_scheduling=args.async_scheduling, churn_slots=args.churn_slots, results=results,
-                  gemm_tuning=gemm_tuning.report())
+    report = dict(
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        copy_bw_GBps=round(bw / 1e9, 1),
+        model_load_s=round(load_s, 1),
+        adapters_load_s=round(adapters_s, 1),
+        graphs=not args.eager,
+        max_loras=args.max_loras,
+        prompt_len=args.prompt_len,
+        rank=args.rank,
+        async_scheduling=args.async_scheduling,
+        churn_slots=args.churn_slots,
+        results=results,
+        gemm_tuning=gemm_tuning.report(),
+    )
     _report(report, args.out)
 
 

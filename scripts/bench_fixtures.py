@@ -16,12 +16,28 @@ from ledgerserve.shared.adapter_format import CONFIG_FILE, TARGET_KINDS, WEIGHTS
 
 SEVEN = list(TARGET_KINDS[:7])
 LLAMA3_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-    "vocab_size": 128256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192},
-    "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16",
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "tie_word_embeddings": False,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "torch_dtype": "bfloat16",
 }
 
 
@@ -50,8 +66,9 @@ def _module_path(kind: str, layer: int) -> str:
     return f"base_model.model.model.layers.{layer}.{group}.{kind}"
 
 
-def write_adapter(root: str, index: int, base: BaseShapes, rank: int, device: str,
-                  targets: list[str] | None = None) -> str:
+def write_adapter(
+    root: str, index: int, base: BaseShapes, rank: int, device: str, targets: list[str] | None = None
+) -> str:
     """A random PEFT LoRA adapter (rank `rank`, alpha 2*rank) on `targets` (default: all
     seven projections; lm_head is not supported here)."""
     targets = list(SEVEN if targets is None else targets)
@@ -69,8 +86,15 @@ def write_adapter(root: str, index: int, base: BaseShapes, rank: int, device: st
             tensors[f"{_module_path(kind, layer)}.lora_A.weight"] = a.to(torch.bfloat16).cpu()
             tensors[f"{_module_path(kind, layer)}.lora_B.weight"] = b.to(torch.bfloat16).cpu()
     save_file(tensors, os.path.join(path, WEIGHTS_FILE))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": targets,
-              "bias": "none", "lora_dropout": 0.0, "task_type": "CAUSAL_LM"}
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "target_modules": targets,
+        "bias": "none",
+        "lora_dropout": 0.0,
+        "task_type": "CAUSAL_LM",
+    }
     with open(os.path.join(path, CONFIG_FILE), "w", encoding="utf-8") as f:
         json.dump(config, f)
     return path

@@ -44,14 +44,18 @@ def row(name: str, triton_fn: Callable[[], object], ref_fn: Callable[[], object]
 def attention_rows() -> None:
     scale = HEAD_DIM**-0.5
     for num_reqs, seq_len in [(1, 4096), (32, 1029), (64, 2048), (256, 1029)]:
-        b = make_paged_batch([1] * num_reqs, [seq_len] * num_reqs, HEADS, KV_HEADS, HEAD_DIM, 16, torch.bfloat16, "cuda")
+        b = make_paged_batch(
+            [1] * num_reqs, [seq_len] * num_reqs, HEADS, KV_HEADS, HEAD_DIM, 16, torch.bfloat16, "cuda"
+        )
         args = (b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, scale)
         t = do_bench_cudagraph(lambda: paged_decode_attention(*args), rep=50) * 1e-3
         gbs = 2 * num_reqs * seq_len * KV_HEADS * HEAD_DIM * 2 / t / 1e9
         row(f"decode {num_reqs}x{seq_len}", lambda: paged_decode_attention(*args),
             lambda: paged_decode_attention_ref(*args), f"{gbs:.0f} GB/s of KV in a graph")  # fmt: skip
     for num_reqs, q_len, seq_len in [(4, 512, 1024), (1, 2048, 2048), (8, 128, 1029)]:
-        b = make_paged_batch([q_len] * num_reqs, [seq_len] * num_reqs, HEADS, KV_HEADS, HEAD_DIM, 16, torch.bfloat16, "cuda")
+        b = make_paged_batch(
+            [q_len] * num_reqs, [seq_len] * num_reqs, HEADS, KV_HEADS, HEAD_DIM, 16, torch.bfloat16, "cuda"
+        )
         args = (b.q, b.k_cache, b.v_cache, b.block_tables, b.query_start_loc, b.seq_lens, scale)
         row(f"prefill {num_reqs}x(q {q_len}, seq {seq_len})", lambda: paged_prefill_attention(*args, b.max_query_len),
             lambda: paged_prefill_attention_ref(*args))  # fmt: skip
@@ -69,7 +73,11 @@ def fused_rows() -> None:
     inv_freq = 1.0 / (1e6 ** (torch.arange(0, HEAD_DIM, 2, device="cuda").float() / HEAD_DIM))
     cache = rope_cos_sin_cache(inv_freq, 32768)
     pos = torch.randint(0, 32768, (4096,), device="cuda")
-    row("rope 4096 tokens 28+4 heads", lambda: fused.apply_rope(q, k, pos, cache), lambda: apply_rope_ref(q, k, pos, cache))
+    row(
+        "rope 4096 tokens 28+4 heads",
+        lambda: fused.apply_rope(q, k, pos, cache),
+        lambda: apply_rope_ref(q, k, pos, cache),
+    )
     gu = torch.randn(4096, 2 * INTER, device="cuda", dtype=torch.bfloat16)
     row("silu_and_mul 4096x(2x18944)", lambda: fused.silu_and_mul(gu), lambda: silu_and_mul_ref(gu))
 
@@ -91,8 +99,9 @@ def max_errors() -> None:
         norm_err = (fused.rms_norm(x, w, 1e-6).float() - rms_norm_ref(x.float(), w.float(), 1e-6)).abs().max()
         gu = torch.randn(333, 2000, device="cuda").to(dtype)
         silu_err = (fused.silu_and_mul(gu).float() - silu_and_mul_ref(gu.float())).abs().max()
+        errors = f"rms_norm {norm_err:.2e}  silu_and_mul {silu_err:.2e}"
         print(f"{str(dtype):<15} max|err| decode {(dec.float() - dec_ref).abs().max():.2e}  "
-              f"prefill {(pre.float() - pre_ref).abs().max():.2e}  rms_norm {norm_err:.2e}  silu_and_mul {silu_err:.2e}")  # fmt: skip
+              f"prefill {(pre.float() - pre_ref).abs().max():.2e}  {errors}")  # fmt: skip
 
 
 def main() -> None:

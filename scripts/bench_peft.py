@@ -24,8 +24,14 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from scripts.bench_fixtures import LLAMA3_8B, SEVEN
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=512)  # --tiny: a CPU smoke run of this script
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+)  # --tiny: a CPU smoke run of this script
 
 
 def build(num_adapters: int, rank: int, device: str, tiny: bool) -> peft.PeftModel:
@@ -34,8 +40,14 @@ def build(num_adapters: int, rank: int, device: str, tiny: bool) -> peft.PeftMod
     cfg = LlamaConfig(**(fields | TINY if tiny else fields))
     with torch.device(device):
         base = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    lora = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=SEVEN, lora_dropout=0.0,
-                      init_lora_weights=False, task_type="CAUSAL_LM")
+    lora = LoraConfig(
+        r=rank,
+        lora_alpha=2 * rank,
+        target_modules=SEVEN,
+        lora_dropout=0.0,
+        init_lora_weights=False,
+        task_type="CAUSAL_LM",
+    )
     model = get_peft_model(base, lora, adapter_name="a0")
     for i in range(1, num_adapters):
         model.add_adapter(f"a{i}", lora)
@@ -95,11 +107,22 @@ def main() -> None:
     tokens = generate(model, ids, names, args.gen_len, mixed)
     sync()
     wall = time.perf_counter() - t0
-    report = dict(device=torch.cuda.get_device_name() if args.device == "cuda" else args.device,
-                  torch=torch.__version__, transformers=transformers.__version__, peft=peft.__version__,
-                  mixed_batch=mixed, batch=args.adapters, adapters=args.adapters, rank=args.rank,
-                  prompt_len=args.prompt_len, gen_len=args.gen_len, output_tokens=tokens, build_s=round(build_s, 1),
-                  wall_s=round(wall, 3), tok_s=round(tokens / wall, 1))
+    report = dict(
+        device=torch.cuda.get_device_name() if args.device == "cuda" else args.device,
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        peft=peft.__version__,
+        mixed_batch=mixed,
+        batch=args.adapters,
+        adapters=args.adapters,
+        rank=args.rank,
+        prompt_len=args.prompt_len,
+        gen_len=args.gen_len,
+        output_tokens=tokens,
+        build_s=round(build_s, 1),
+        wall_s=round(wall, 3),
+        tok_s=round(tokens / wall, 1),
+    )
     if args.ours:
         with open(args.ours, encoding="utf-8") as f:
             ours = json.load(f)

@@ -32,7 +32,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=2)
     parser.add_argument("--max-token-id", type=int, default=1000, help="prompt ids are drawn below this (vocab bound)")
-    parser.add_argument("--seed", type=int, default=None, help="prompt salt; default: the clock, so each run starts cold")
+    parser.add_argument(
+        "--seed", type=int, default=None, help="prompt salt; default: the clock, so each run starts cold"
+    )
     parser.add_argument("--timeout-s", type=float, default=120.0)
     args = parser.parse_args(argv)
     if args.prompt_tokens <= 0 or args.repeats <= 0 or args.max_tokens <= 0 or args.max_token_id <= 2:

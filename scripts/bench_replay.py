@@ -28,8 +28,12 @@ from ledgerserve.shared.sampling import SamplingParams  # noqa: E402
 from tests.scheduler_proc.driver import FakeWorker  # noqa: E402
 
 CONFIG = EngineConfig(
-    model_dir="bench", served_model_name="bench", max_model_len=1024,
-    max_num_seqs=32, max_num_batched_tokens=1024, block_size=16,
+    model_dir="bench",
+    served_model_name="bench",
+    max_model_len=1024,
+    max_num_seqs=32,
+    max_num_batched_tokens=1024,
+    block_size=16,
 )
 NUM_LIVE = 48  # requests kept arrived (running + waiting)
 

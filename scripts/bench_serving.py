@@ -60,14 +60,20 @@ from typing import Any
 
 import httpx
 
+from ledgerserve.shared.adapter_format import BaseShapes
 from scripts.bench_fixtures import write_adapter
 from scripts.lora_stress import _base_model, _post
-from ledgerserve.shared.adapter_format import BaseShapes
-
 from scripts.serving_report import RequestResult, StreamTally, render_plot, result_of, summarize
 from scripts.serving_workload import (
-    AdapterSpec, PlannedRequest, adapter_specs, parse_config, plan_workload, popularity_line, popularity_shares,
-    read_model_config, request_body,
+    AdapterSpec,
+    PlannedRequest,
+    adapter_specs,
+    parse_config,
+    plan_workload,
+    popularity_line,
+    popularity_shares,
+    read_model_config,
+    request_body,
 )
 
 # ---- IO ------------------------------------------------------------------------------
@@ -122,19 +128,28 @@ async def send_request(client: httpx.AsyncClient, planned: PlannedRequest, body:
         async with client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 detail = (await r.aread()).decode(errors="replace")[:200]
-                return RequestResult(planned.index, planned.adapter, r.status_code, start_s, time.perf_counter(), detail)
+                return RequestResult(
+                    planned.index, planned.adapter, r.status_code, start_s, time.perf_counter(), detail
+                )
             async for line in r.aiter_lines():
                 tally.feed(line, time.perf_counter())
                 if tally.done:
                     break
     except httpx.HTTPError as e:
-        return RequestResult(planned.index, planned.adapter, 0, start_s, time.perf_counter(),
-                             f"{type(e).__name__}: {e}"[:200])
+        return RequestResult(
+            planned.index, planned.adapter, 0, start_s, time.perf_counter(), f"{type(e).__name__}: {e}"[:200]
+        )
     return result_of(planned, tally, start_s, time.perf_counter())
 
 
-async def run_plan(client: httpx.AsyncClient, plan: Sequence[PlannedRequest], models: Sequence[str],
-                   base_model: str, output_len: int, max_concurrency: int | None) -> list[RequestResult]:
+async def run_plan(
+    client: httpx.AsyncClient,
+    plan: Sequence[PlannedRequest],
+    models: Sequence[str],
+    base_model: str,
+    output_len: int,
+    max_concurrency: int | None,
+) -> list[RequestResult]:
     """Send each request at its arrival time (at most `max_concurrency` in flight)."""
     gate = asyncio.Semaphore(max_concurrency or len(plan))
     start_s = time.perf_counter()
@@ -148,8 +163,9 @@ async def run_plan(client: httpx.AsyncClient, plan: Sequence[PlannedRequest], mo
     return list(await asyncio.gather(*(one(p) for p in plan)))
 
 
-async def _bench(args: argparse.Namespace, hf_config: dict[str, Any], specs: Sequence[AdapterSpec],
-                 plan: Sequence[PlannedRequest]) -> tuple[list[RequestResult], str, list[str]]:
+async def _bench(
+    args: argparse.Namespace, hf_config: dict[str, Any], specs: Sequence[AdapterSpec], plan: Sequence[PlannedRequest]
+) -> tuple[list[RequestResult], str, list[str]]:
     """Check the server, write and load the adapters, run the plan, unload the adapters
     (whatever happened)."""
     limits = httpx.Limits(max_connections=(args.max_concurrency or args.num_requests) + 4)
@@ -160,8 +176,9 @@ async def _bench(args: argparse.Namespace, hf_config: dict[str, Any], specs: Seq
         loaded: list[str] = []
         try:
             await load_adapters(client, specs, loaded)
-            results = await run_plan(client, plan, [s.name for s in specs], base_model, args.output_len,
-                                     args.max_concurrency)
+            results = await run_plan(
+                client, plan, [s.name for s in specs], base_model, args.output_len, args.max_concurrency
+            )
         finally:
             unload_failures = await unload_adapters(client, loaded)
     return results, base_model, unload_failures
@@ -197,8 +214,10 @@ def cli(argv: Sequence[str] | None = None) -> int:
     try:
         report = main(argv, echo=print)
     except (ValueError, RuntimeError, httpx.HTTPError) as e:
-        print(f"bench_serving: {type(e).__name__}: {e}" if isinstance(e, httpx.HTTPError) else f"bench_serving: {e}",
-              file=sys.stderr)
+        print(
+            f"bench_serving: {type(e).__name__}: {e}" if isinstance(e, httpx.HTTPError) else f"bench_serving: {e}",
+            file=sys.stderr,
+        )
         return 2
     print(json.dumps(report, indent=2))
     return 0 if report["num_errors"] == 0 and not report["unload_failures"] else 1

@@ -1,8 +1,8 @@
 """Judge one GPU run against the five decode targets (BENCHMARKS.md), from the JSON the benches wrote:
 `bench_decode.py --batch-sizes 1,32 --adapters 0,4,32 ...` (TARGETS), `bench_decode.py --e2e`
 (E2E) and `bench_peft.py` (PEFT). Prints one line a target and, with `--out`, the same as JSON;
-exits 1 if any target is missed, with a message if the reports cannot be judged. The step time judged is the bench's `step_ms` (wall time a
-step in the loop); the GPU time alone is printed beside it.
+exits 1 if any target is missed, with a message if the reports cannot be judged. The step time
+judged is the bench's `step_ms` (wall time a step in the loop); the GPU time alone is printed beside it.
 
     python scripts/check_targets.py targets.json e2e.json peft.json --out verdict.json
 """
@@ -13,10 +13,10 @@ import argparse
 import json
 from dataclasses import asdict, dataclass
 
-FLOOR_MAX = 1.25          # step time / its bandwidth floor
-ADAPTERS_32_MIN = 0.80    # 32-adapter throughput / base throughput, batch 32
-ADAPTERS_4_MIN = 0.92     # 4-adapter throughput / base throughput, batch 32
-PEFT_MIN = 100.0          # our end-to-end throughput / transformers + PEFT
+FLOOR_MAX = 1.25  # step time / its bandwidth floor
+ADAPTERS_32_MIN = 0.80  # 32-adapter throughput / base throughput, batch 32
+ADAPTERS_4_MIN = 0.92  # 4-adapter throughput / base throughput, batch 32
+PEFT_MIN = 100.0  # our end-to-end throughput / transformers + PEFT
 
 
 @dataclass(frozen=True)
@@ -38,8 +38,10 @@ def _row(results: list[dict], batch: int, adapters: int) -> dict:
 
 def _floor_verdict(name: str, row: dict) -> Verdict:
     ratio = row["step_ms"] / row["floor_ms"]
-    detail = (f"{row['step_ms']:.3f} ms / floor {row['floor_ms']:.3f} ms"
-              f" (GPU alone {row['gpu_ms']:.3f} ms = {row['gpu_ms'] / row['floor_ms']:.3f}x)")
+    detail = (
+        f"{row['step_ms']:.3f} ms / floor {row['floor_ms']:.3f} ms"
+        f" (GPU alone {row['gpu_ms']:.3f} ms = {row['gpu_ms'] / row['floor_ms']:.3f}x)"
+    )
     return Verdict(name, round(ratio, 4), FLOOR_MAX, ratio <= FLOOR_MAX, detail)
 
 
@@ -61,12 +63,17 @@ def judge(targets: dict, e2e: dict, peft: dict) -> list[Verdict]:
     return [
         _floor_verdict(f"batch 1 step <= {FLOOR_MAX}x floor", _row(results, 1, 0)),
         _floor_verdict(f"batch 32, 32 adapters step <= {FLOOR_MAX}x floor", adapters_32),
-        _throughput_verdict(f"batch 32, 32 adapters >= {ADAPTERS_32_MIN}x base", adapters_32, base_32,
-                            ADAPTERS_32_MIN),
-        _throughput_verdict(f"batch 32, 4 adapters >= {ADAPTERS_4_MIN}x base", _row(results, 32, 4), base_32,
-                            ADAPTERS_4_MIN),
-        Verdict(f">= {PEFT_MIN:g}x transformers + PEFT", round(ours / theirs, 1), PEFT_MIN,
-                ours / theirs >= PEFT_MIN, f"{ours:.1f} / {theirs:.1f} tok/s"),
+        _throughput_verdict(f"batch 32, 32 adapters >= {ADAPTERS_32_MIN}x base", adapters_32, base_32, ADAPTERS_32_MIN),
+        _throughput_verdict(
+            f"batch 32, 4 adapters >= {ADAPTERS_4_MIN}x base", _row(results, 32, 4), base_32, ADAPTERS_4_MIN
+        ),
+        Verdict(
+            f">= {PEFT_MIN:g}x transformers + PEFT",
+            round(ours / theirs, 1),
+            PEFT_MIN,
+            ours / theirs >= PEFT_MIN,
+            f"{ours:.1f} / {theirs:.1f} tok/s",
+        ),
     ]
 
 
@@ -92,8 +99,15 @@ def main() -> None:
         print(f"{'met   ' if v.met else 'MISSED'} {v.target}: {v.value} (limit {v.limit}); {v.detail}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": targets["device"], "copy_bw_GBps": targets["copy_bw_GBps"],
-                       "verdicts": [asdict(v) for v in verdicts]}, f, indent=1)
+            json.dump(
+                {
+                    "device": targets["device"],
+                    "copy_bw_GBps": targets["copy_bw_GBps"],
+                    "verdicts": [asdict(v) for v in verdicts],
+                },
+                f,
+                indent=1,
+            )
     raise SystemExit(0 if all(v.met for v in verdicts) else 1)
 
 

@@ -56,21 +56,53 @@ class ChurnSettings:
 
 
 FULL = ChurnSettings(
-    input_len=256, output_len=128, ranks=(8, 16), min_cpu_loras=SERVER_DEFAULT_MIN_CPU_LORAS,
-    probe_reps=5, probe_rank=16, touch_input_len=16,
-    burst_requests=384, burst_in_flight=128, poisson_rate=10.0, poisson_requests=200,
+    input_len=256,
+    output_len=128,
+    ranks=(8, 16),
+    min_cpu_loras=SERVER_DEFAULT_MIN_CPU_LORAS,
+    probe_reps=5,
+    probe_rank=16,
+    touch_input_len=16,
+    burst_requests=384,
+    burst_in_flight=128,
+    poisson_rate=10.0,
+    poisson_requests=200,
     table=(TableSetup(1, 8), TableSetup(8, 8), TableSetup(16, 8), TableSetup(64, 8), TableSetup(64, 64)),
-    zipf_adapters=512, zipf_distinct_weights=64, zipf_rank=8, zipf_s=1.1, zipf_max_loras=32,
-    zipf_max_cpu_loras=128, zipf_requests=400, zipf_load=0.7, read_bandwidth_bytes=1 << 30, load_concurrency=8,
+    zipf_adapters=512,
+    zipf_distinct_weights=64,
+    zipf_rank=8,
+    zipf_s=1.1,
+    zipf_max_loras=32,
+    zipf_max_cpu_loras=128,
+    zipf_requests=400,
+    zipf_load=0.7,
+    read_bandwidth_bytes=1 << 30,
+    load_concurrency=8,
 )
 
 QUICK = ChurnSettings(
-    input_len=32, output_len=4, ranks=(4, 8), min_cpu_loras=3,
-    probe_reps=1, probe_rank=8, touch_input_len=8,
-    burst_requests=12, burst_in_flight=6, poisson_rate=40.0, poisson_requests=8,
+    input_len=32,
+    output_len=4,
+    ranks=(4, 8),
+    min_cpu_loras=3,
+    probe_reps=1,
+    probe_rank=8,
+    touch_input_len=8,
+    burst_requests=12,
+    burst_in_flight=6,
+    poisson_rate=40.0,
+    poisson_requests=8,
     table=(TableSetup(1, 2), TableSetup(2, 2), TableSetup(4, 2), TableSetup(6, 2), TableSetup(6, 6)),
-    zipf_adapters=16, zipf_distinct_weights=4, zipf_rank=4, zipf_s=1.1, zipf_max_loras=2,
-    zipf_max_cpu_loras=4, zipf_requests=12, zipf_load=0.7, read_bandwidth_bytes=32 << 20, load_concurrency=4,
+    zipf_adapters=16,
+    zipf_distinct_weights=4,
+    zipf_rank=4,
+    zipf_s=1.1,
+    zipf_max_loras=2,
+    zipf_max_cpu_loras=4,
+    zipf_requests=12,
+    zipf_load=0.7,
+    read_bandwidth_bytes=32 << 20,
+    load_concurrency=4,
 )
 
 
@@ -117,11 +149,19 @@ def check_settings(settings: ChurnSettings) -> None:
     first = settings.table[0] if settings.table else None
     checks = [
         (first is not None and first.num_adapters == 1, "the first table setup must be the single adapter (capacity)"),
-        (first is not None and settings.cpu_loras(first.max_loras) >= first.max_loras + 1,
-         "the probe's CPU tier must hold an adapter beside a full set of slots"),
-        (max((s.num_adapters for s in settings.table), default=0) >= settings.cpu_loras(first.max_loras if first else 1),
-         "the probe needs as many table adapters as its server's CPU tier holds, to evict one from it"),
-        (1 <= settings.zipf_distinct_weights <= settings.zipf_adapters, "zipf_distinct_weights must be in 1..zipf_adapters"),
+        (
+            first is not None and settings.cpu_loras(first.max_loras) >= first.max_loras + 1,
+            "the probe's CPU tier must hold an adapter beside a full set of slots",
+        ),
+        (
+            max((s.num_adapters for s in settings.table), default=0)
+            >= settings.cpu_loras(first.max_loras if first else 1),
+            "the probe needs as many table adapters as its server's CPU tier holds, to evict one from it",
+        ),
+        (
+            1 <= settings.zipf_distinct_weights <= settings.zipf_adapters,
+            "zipf_distinct_weights must be in 1..zipf_adapters",
+        ),
         (0 < settings.zipf_load <= 1, "zipf_load must be in (0, 1]"),
     ]
     for ok, message in checks:

@@ -57,8 +57,16 @@ async def touch(client: httpx.AsyncClient, names: Sequence[str], prompts: Prompt
         await ttft_ms(client, name, prompts.next(num_tokens))
 
 
-async def one_repetition(client: httpx.AsyncClient, base_model: str, fresh: AdapterSpec, others: Sequence[str],
-                         num_slots: int, prompts: Prompts, input_len: int, touch_len: int) -> dict[str, float]:
+async def one_repetition(
+    client: httpx.AsyncClient,
+    base_model: str,
+    fresh: AdapterSpec,
+    others: Sequence[str],
+    num_slots: int,
+    prompts: Prompts,
+    input_len: int,
+    touch_len: int,
+) -> dict[str, float]:
     sample = {"base": await ttft_ms(client, base_model, prompts.next(input_len))}
     loaded: list[str] = []
     start_s = time.perf_counter()
@@ -78,9 +86,16 @@ async def one_repetition(client: httpx.AsyncClient, base_model: str, fresh: Adap
     return sample
 
 
-async def run_probe(client: httpx.AsyncClient, base_model: str, fresh: Sequence[AdapterSpec],
-                    others: Sequence[AdapterSpec], num_slots: int, prompts: Prompts, input_len: int,
-                    touch_len: int) -> dict[str, Any]:
+async def run_probe(
+    client: httpx.AsyncClient,
+    base_model: str,
+    fresh: Sequence[AdapterSpec],
+    others: Sequence[AdapterSpec],
+    num_slots: int,
+    prompts: Prompts,
+    input_len: int,
+    touch_len: int,
+) -> dict[str, Any]:
     """`len(fresh)` repetitions; `others` (registered here, unloaded at the end) must be at
     least as many as the server's CPU tier holds."""
     loaded: list[str] = []
@@ -90,8 +105,9 @@ async def run_probe(client: httpx.AsyncClient, base_model: str, fresh: Sequence[
         names = [o.name for o in others]
         await touch(client, names, prompts, touch_len)  # every other adapter has been used once
         for spec in fresh:
-            samples.append(await one_repetition(client, base_model, spec, names, num_slots, prompts, input_len,
-                                                touch_len))
+            samples.append(
+                await one_repetition(client, base_model, spec, names, num_slots, prompts, input_len, touch_len)
+            )
     finally:
         await unload_adapters(client, loaded)
     return summarize_probe(samples)

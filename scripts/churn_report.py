@@ -8,15 +8,16 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from scripts.png_plot import BarPanel, CdfPanel, plot_png
-from scripts.serving_report import RequestResult
 from ledgerserve.shared import codec
 from ledgerserve.shared import events as ev
 from ledgerserve.shared.eventlog import RunScanner, newest_log
+from scripts.png_plot import BarPanel, CdfPanel, plot_png
+from scripts.serving_report import RequestResult
 
 
-def workload_row(name: str, summary: dict[str, Any], results: Sequence[RequestResult],
-                 extra: dict[str, Any]) -> dict[str, Any]:
+def workload_row(
+    name: str, summary: dict[str, Any], results: Sequence[RequestResult], extra: dict[str, Any]
+) -> dict[str, Any]:
     """The table's view of one bench_serving summary, plus every TTFT (for the CDFs)."""
     return {
         "workload": name,
@@ -38,8 +39,13 @@ def load_stats(log_dir: str) -> dict[str, Any]:
     (a GPU slot, or the CPU tier for a staging) and source tier, how many, their median
     duration and bandwidth; and how many movement decisions of each kind the core took."""
     loads: dict[str, list[ev.AdapterLoadCompleted]] = {}
-    decisions = {"AdapterSlotAssigned": 0, "AdapterPrefetched": 0, "AdapterEvicted": 0, "AdapterCpuEvicted": 0,
-                 "AdapterLoadFailed": 0}
+    decisions = {
+        "AdapterSlotAssigned": 0,
+        "AdapterPrefetched": 0,
+        "AdapterEvicted": 0,
+        "AdapterCpuEvicted": 0,
+        "AdapterLoadFailed": 0,
+    }
     decoder = codec.log_event_decoder()
     for _, raw in RunScanner(newest_log(log_dir)):
         if b"Adapter" not in bytes(raw):  # every record is checked; only adapter events are decoded
@@ -65,14 +71,18 @@ def _load_row(done: Sequence[ev.AdapterLoadCompleted]) -> dict[str, Any]:
 
 def table_text(rows: Sequence[dict[str, Any]]) -> str:
     """The serving table as aligned text, one line per workload."""
-    head = f"{'workload':<34} {'req':>5} {'err':>4} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} " \
-           f"{'TPOT p50':>9} {'TPOT p99':>9}"
+    head = (
+        f"{'workload':<34} {'req':>5} {'err':>4} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} "
+        f"{'TPOT p50':>9} {'TPOT p99':>9}"
+    )
     lines = [head]
     for row in rows:
         ttft, tpot = row["ttft_ms"], row["tpot_ms"]
-        lines.append(f"{row['workload']:<34} {row['num_requests']:>5} {row['num_errors']:>4} "
-                     f"{_num(row['output_tokens_per_s']):>10} {_num(ttft['p50']):>9} {_num(ttft['p99']):>9} "
-                     f"{_num(tpot['p50']):>9} {_num(tpot['p99']):>9}")
+        lines.append(
+            f"{row['workload']:<34} {row['num_requests']:>5} {row['num_errors']:>4} "
+            f"{_num(row['output_tokens_per_s']):>10} {_num(ttft['p50']):>9} {_num(ttft['p99']):>9} "
+            f"{_num(tpot['p50']):>9} {_num(tpot['p99']):>9}"
+        )
     return "\n".join(lines)
 
 
@@ -85,8 +95,9 @@ def plot_panels(rows: Sequence[dict[str, Any]]) -> list[CdfPanel | BarPanel]:
     by_arrival: dict[str, dict[str, list[float]]] = {}
     for row in rows:
         by_arrival.setdefault(row["arrival"], {})[f"{row['mode']} {row['label']}"] = row["ttft_values_ms"]
-    panels: list[CdfPanel | BarPanel] = [CdfPanel(f"TTFT ms CDF, {arrival}", series)
-                                         for arrival, series in by_arrival.items()]
+    panels: list[CdfPanel | BarPanel] = [
+        CdfPanel(f"TTFT ms CDF, {arrival}", series) for arrival, series in by_arrival.items()
+    ]
     bars = [(str(i), row["output_tokens_per_s"] or 0.0) for i, row in enumerate(rows)]
     panels.append(BarPanel("output tok/s by workload (see the report)", bars))
     return panels

@@ -53,8 +53,9 @@ async def serve_group(bench: Bench, group: ServerGroup, server: Server, mode: di
             prompts = Prompts(bench.seed, bench.prompt_config["vocab_size"], special_token_ids(bench.prompt_config))
             fresh = adapter_specs(s.probe_reps, [s.probe_rank], bench.dir("probe"), "probe-fresh-")
             others = adapter_specs(group.max_cpu_loras, s.ranks, bench.dir("pool"), "probe-other-")
-            mode["probe"] = await run_probe(client, base_model, fresh, others, group.max_loras, prompts,
-                                            s.input_len, s.touch_input_len)
+            mode["probe"] = await run_probe(
+                client, base_model, fresh, others, group.max_loras, prompts, s.input_len, s.touch_input_len
+            )
             _check_idle(server, mode, "probe")
         for setup in group.setups:
             for arrival in ARRIVALS:
@@ -67,21 +68,45 @@ async def serve_group(bench: Bench, group: ServerGroup, server: Server, mode: di
             _check_idle(server, mode, "zipf")
 
 
-async def table_workload(bench: Bench, client: httpx.AsyncClient, base_model: str, setup: TableSetup,
-                         group: ServerGroup, arrival: str, index: int) -> dict[str, Any]:
+async def table_workload(
+    bench: Bench,
+    client: httpx.AsyncClient,
+    base_model: str,
+    setup: TableSetup,
+    group: ServerGroup,
+    arrival: str,
+    index: int,
+) -> dict[str, Any]:
     s = bench.settings
-    flags = ["--adapter-dir", bench.dir("pool"), "--num-adapters", str(setup.num_adapters),
-             "--ranks", ",".join(map(str, s.ranks)), "--popularity", "uniform", "--arrival", arrival]
+    flags = [
+        "--adapter-dir",
+        bench.dir("pool"),
+        "--num-adapters",
+        str(setup.num_adapters),
+        "--ranks",
+        ",".join(map(str, s.ranks)),
+        "--popularity",
+        "uniform",
+        "--arrival",
+        arrival,
+    ]
     if arrival == "burst":
         flags += ["--num-requests", str(s.burst_requests), "--max-concurrency", str(s.burst_in_flight)]
     else:
         flags += ["--rate", str(s.poisson_rate), "--num-requests", str(s.poisson_requests)]
-    extra = {"label": setup.label, "arrival": arrival, "num_adapters": setup.num_adapters,
-             "max_loras": group.max_loras, "max_cpu_loras": group.max_cpu_loras}
+    extra = {
+        "label": setup.label,
+        "arrival": arrival,
+        "num_adapters": setup.num_adapters,
+        "max_loras": group.max_loras,
+        "max_cpu_loras": group.max_cpu_loras,
+    }
     return await workload(bench, client, base_model, f"{setup.label} {arrival}", flags, index, extra)
 
 
-async def zipf_workload(bench: Bench, client: httpx.AsyncClient, base_model: str, mode: dict[str, Any]) -> dict[str, Any]:
+async def zipf_workload(
+    bench: Bench, client: httpx.AsyncClient, base_model: str, mode: dict[str, Any]
+) -> dict[str, Any]:
     """Poisson at zipf_load of the single-adapter burst's completed requests per second."""
     s = bench.settings
     measured = [r["requests_per_s"] for r in mode["table"] if r["num_adapters"] == 1 and r["arrival"] == "burst"]
@@ -90,40 +115,89 @@ async def zipf_workload(bench: Bench, client: httpx.AsyncClient, base_model: str
         raise ValueError("the Zipf run needs the single-adapter capacity: run group 0 too, or pass --capacity-rps")
     mode["capacity_requests_per_s"] = capacity
     rate = round(s.zipf_load * capacity, 3)
-    flags = ["--adapter-dir", bench.dir("zipf"), "--num-adapters", str(s.zipf_adapters), "--ranks", str(s.zipf_rank),
-             "--popularity", "zipf", "--zipf-s", str(s.zipf_s), "--arrival", "poisson", "--rate", str(rate),
-             "--num-requests", str(s.zipf_requests)]
-    extra = {"label": f"zipf {s.zipf_adapters}a/{s.zipf_max_loras}s", "arrival": "zipf poisson",
-             "num_adapters": s.zipf_adapters, "max_loras": s.zipf_max_loras, "max_cpu_loras": s.zipf_max_cpu_loras,
-             "rate": rate}
+    flags = [
+        "--adapter-dir",
+        bench.dir("zipf"),
+        "--num-adapters",
+        str(s.zipf_adapters),
+        "--ranks",
+        str(s.zipf_rank),
+        "--popularity",
+        "zipf",
+        "--zipf-s",
+        str(s.zipf_s),
+        "--arrival",
+        "poisson",
+        "--rate",
+        str(rate),
+        "--num-requests",
+        str(s.zipf_requests),
+    ]
+    extra = {
+        "label": f"zipf {s.zipf_adapters}a/{s.zipf_max_loras}s",
+        "arrival": "zipf poisson",
+        "num_adapters": s.zipf_adapters,
+        "max_loras": s.zipf_max_loras,
+        "max_cpu_loras": s.zipf_max_cpu_loras,
+        "rate": rate,
+    }
     return await workload(bench, client, base_model, extra["label"], flags, 1000, extra)
 
 
-async def workload(bench: Bench, client: httpx.AsyncClient, base_model: str, name: str, flags: list[str],
-                   index: int, extra: dict[str, Any]) -> dict[str, Any]:
+async def workload(
+    bench: Bench,
+    client: httpx.AsyncClient,
+    base_model: str,
+    name: str,
+    flags: list[str],
+    index: int,
+    extra: dict[str, Any],
+) -> dict[str, Any]:
     """Plan with bench_serving's flags, register the adapters, run, unload; one table row."""
     s = bench.settings
-    args = parse_config(["--base-url", str(client.base_url), "--model-dir", bench.model_dir, "--adapter-prefix",
-                         f"w{index}-", "--input-len", str(s.input_len), "--output-len", str(s.output_len),
-                         "--seed", str(bench.seed * 10_000 + index), "--timeout-s", "600", *flags])
+    args = parse_config(
+        [
+            "--base-url",
+            str(client.base_url),
+            "--model-dir",
+            bench.model_dir,
+            "--adapter-prefix",
+            f"w{index}-",
+            "--input-len",
+            str(s.input_len),
+            "--output-len",
+            str(s.output_len),
+            "--seed",
+            str(bench.seed * 10_000 + index),
+            "--timeout-s",
+            "600",
+            *flags,
+        ]
+    )
     plan, weights = plan_workload(args, bench.prompt_config)
     specs = adapter_specs(args.num_adapters, args.ranks, args.adapter_dir, args.adapter_prefix)
     loaded: list[str] = []
     try:
         await register(client, specs, loaded, s.load_concurrency)
-        results = await run_plan(client, plan, [a.name for a in specs], base_model, args.output_len,
-                                 args.max_concurrency)
+        results = await run_plan(
+            client, plan, [a.name for a in specs], base_model, args.output_len, args.max_concurrency
+        )
     finally:
         failures = await unload_adapters(client, loaded)
     summary = summarize(vars(args), plan, weights, results, specs, base_model)
     row = churn_report.workload_row(name, summary, results, extra)
     row["unload_failures"] = failures
-    print(f"{name}: {row['num_errors']} errors, {row['output_tokens_per_s']} out tok/s, "
-          f"TTFT p50 {row['ttft_ms']['p50']} ms p99 {row['ttft_ms']['p99']} ms", file=sys.stderr)
+    print(
+        f"{name}: {row['num_errors']} errors, {row['output_tokens_per_s']} out tok/s, "
+        f"TTFT p50 {row['ttft_ms']['p50']} ms p99 {row['ttft_ms']['p99']} ms",
+        file=sys.stderr,
+    )
     return row
 
 
-async def register(client: httpx.AsyncClient, specs: Sequence[AdapterSpec], loaded: list[str], concurrency: int) -> None:
+async def register(
+    client: httpx.AsyncClient, specs: Sequence[AdapterSpec], loaded: list[str], concurrency: int
+) -> None:
     gate = asyncio.Semaphore(concurrency)
 
     async def one(spec: AdapterSpec) -> None:

@@ -9,8 +9,8 @@ import time
 import torch
 
 from ledgerserve.shared.events import AdapterCpuEvicted, AdapterEvicted, AdapterSlotAssigned
-from scripts.bench_fixtures import adapter_digest
 from ledgerserve.worker_proc.runner import ModelRunner
+from scripts.bench_fixtures import adapter_digest
 
 
 def idle_share(spans: list[tuple[float, float]]) -> float:

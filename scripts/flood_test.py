@@ -87,8 +87,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     wait_idle(args.base_url)
     after = rss_mib(args.pid)
     growth = {k: round(after[k] - warm[k], 1) for k in after if k in warm}
-    return {"statuses": counts, "rss_mib_before": before, "rss_mib_after_warmup": warm,
-            "rss_mib_after_flood": after, "rss_growth_during_flood_mib": growth}
+    return {
+        "statuses": counts,
+        "rss_mib_before": before,
+        "rss_mib_after_warmup": warm,
+        "rss_mib_after_flood": after,
+        "rss_growth_during_flood_mib": growth,
+    }
 
 
 if __name__ == "__main__":

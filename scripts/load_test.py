@@ -36,8 +36,18 @@ from typing import Any
 
 import httpx
 
-from scripts.lora_stress import Outcome, Run, _base_model, _percentile, _post, _stream, _timed
-from scripts.lora_stress import check_loopback, parse_adapters, summarize
+from scripts.lora_stress import (
+    Outcome,
+    Run,
+    _base_model,
+    _percentile,
+    _post,
+    _stream,
+    _timed,
+    check_loopback,
+    parse_adapters,
+    summarize,
+)
 
 REQUEST_KINDS = ("base", "adapter", "lora_path")
 
@@ -49,7 +59,7 @@ async def _aborted_stream(client: httpx.AsyncClient, path: str, body: dict) -> t
             return r.status_code, (await r.aread()).decode(errors="replace")
         async for line in r.aiter_lines():
             if line.startswith("data: {") and '"error"' in line:
-                return int(json.loads(line[len("data: "):])["error"].get("code") or 500), line
+                return int(json.loads(line[len("data: ") :])["error"].get("code") or 500), line
             if line.startswith("data: "):
                 return 200, "aborted"
     return -1, "stream ended without data"
@@ -89,11 +99,22 @@ async def _admin_loop(run: Run, client: httpx.AsyncClient, name: str, path: str,
     while time.monotonic() < deadline:
         group, run.next_group = run.next_group, run.next_group + 1
         size = run.rng.choice((1, 2))
-        await asyncio.gather(*(
-            _timed(run, "load", name, lambda: _post(client, "/v1/load_lora_adapter", body), group=group, group_size=size)
-            for _ in range(size)
-        ))
-        await _timed(run, "reload", name, lambda: _post(client, "/v1/load_lora_adapter", {**body, "load_inplace": True}))
+        await asyncio.gather(
+            *(
+                _timed(
+                    run,
+                    "load",
+                    name,
+                    lambda: _post(client, "/v1/load_lora_adapter", body),
+                    group=group,
+                    group_size=size,
+                )
+                for _ in range(size)
+            )
+        )
+        await _timed(
+            run, "reload", name, lambda: _post(client, "/v1/load_lora_adapter", {**body, "load_inplace": True})
+        )
         await asyncio.sleep(run.rng.uniform(0.3, 1.5) * run.args.hold_scale)
         await _timed(run, "unload", name, lambda: _post(client, "/v1/unload_lora_adapter", {"lora_name": name}))
         await asyncio.sleep(run.rng.uniform(0.0, 0.2))
@@ -104,7 +125,9 @@ async def _run(args: argparse.Namespace) -> list[Outcome]:
     async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout_s) as client:
         run = Run(args, await _base_model(client), random.Random(args.seed))
         for name in adapters:
-            await _timed(run, "setup_unload", name, lambda n=name: _post(client, "/v1/unload_lora_adapter", {"lora_name": n}))
+            await _timed(
+                run, "setup_unload", name, lambda n=name: _post(client, "/v1/unload_lora_adapter", {"lora_name": n})
+            )
         deadline = time.monotonic() + args.duration_s
         await asyncio.gather(
             *(_admin_loop(run, client, name, path, deadline) for name, path in adapters.items()),
@@ -172,7 +195,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--duration-s", type=float, default=30.0)
     p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--adapters", nargs="*", default=[], metavar="NAME=PATH", help="paths inside the server's allowed dir")
+    p.add_argument(
+        "--adapters", nargs="*", default=[], metavar="NAME=PATH", help="paths inside the server's allowed dir"
+    )
     p.add_argument("--abort-fraction", type=float, default=0.15, help="share of requests closed after the first chunk")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--hold-scale", type=float, default=1.0, help="scales how long each adapter stays loaded per cycle")

@@ -109,7 +109,7 @@ async def _stream(client: httpx.AsyncClient, path: str, body: dict) -> tuple[int
             if line == "data: [DONE]":
                 return 200, ""
             if line.startswith("data: {"):
-                event = json.loads(line[len("data: "):])
+                event = json.loads(line[len("data: ") :])
                 if "error" in event:
                     return int(event["error"].get("code") or 500), line
     return -1, "stream ended without [DONE]"
@@ -119,10 +119,14 @@ async def _admin(run: Run, client: httpx.AsyncClient, name: str, path: str) -> N
     group, run.next_group = run.next_group, run.next_group + 1
     size = run.rng.choice((1, 2))
     body = {"lora_name": name, "lora_path": path}
-    await asyncio.gather(*(
-        _timed(run, "load", name, lambda: _post(client, "/v1/load_lora_adapter", body), group=group, group_size=size)
-        for _ in range(size)
-    ))
+    await asyncio.gather(
+        *(
+            _timed(
+                run, "load", name, lambda: _post(client, "/v1/load_lora_adapter", body), group=group, group_size=size
+            )
+            for _ in range(size)
+        )
+    )
     reload = {**body, "load_inplace": True}
     await _timed(run, "reload", name, lambda: _post(client, "/v1/load_lora_adapter", reload))
     await asyncio.sleep(run.rng.uniform(0.0, 0.2))
@@ -159,9 +163,14 @@ async def _run(args: argparse.Namespace) -> list[Outcome]:
     async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout_s) as client:
         run = Run(args, await _base_model(client), random.Random(args.seed))
         for name in adapters:
-            await _timed(run, "setup_unload", name, lambda n=name: _post(client, "/v1/unload_lora_adapter", {"lora_name": n}))
+            await _timed(
+                run, "setup_unload", name, lambda n=name: _post(client, "/v1/unload_lora_adapter", {"lora_name": n})
+            )
         for _ in range(args.rounds):
-            shares = [args.requests // args.concurrency + (i < args.requests % args.concurrency) for i in range(args.concurrency)]
+            shares = [
+                args.requests // args.concurrency + (i < args.requests % args.concurrency)
+                for i in range(args.concurrency)
+            ]
             await asyncio.gather(
                 *(_admin(run, client, name, path) for name, path in adapters.items()),
                 *(_worker(run, client, n) for n in shares),
@@ -233,8 +242,14 @@ def _group_violations(outcomes: list[Outcome]) -> list[dict[str, Any]]:
     for loads in groups.values():
         num_ok = sum(o.status == 200 for o in loads)
         if num_ok != 1:
-            bad.append({"kind": "load_group", "adapter": loads[0].adapter, "status": num_ok,
-                        "detail": f"{num_ok} of {len(loads)} racing loads succeeded; exactly 1 should"})
+            bad.append(
+                {
+                    "kind": "load_group",
+                    "adapter": loads[0].adapter,
+                    "status": num_ok,
+                    "detail": f"{num_ok} of {len(loads)} racing loads succeeded; exactly 1 should",
+                }
+            )
     return bad
 
 
@@ -258,7 +273,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--requests", type=int, default=24, help="completions per round")
-    p.add_argument("--adapters", nargs="*", default=[], metavar="NAME=PATH", help="paths inside the server's allowed dir")
+    p.add_argument(
+        "--adapters", nargs="*", default=[], metavar="NAME=PATH", help="paths inside the server's allowed dir"
+    )
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=60.0)

@@ -31,8 +31,20 @@ OUT_DIR = os.path.join(ROOT, "tests", "data", "logs")
 # header's engine config on replay, so they are written there too.
 LOGS = {
     "base": (run_workload, 11, 120, dict(max_num_seqs=4, max_num_batched_tokens=16, block_size=4, num_kv_blocks=12)),
-    "lora": (run_adapter_workload, 5, 200, dict(max_num_seqs=4, max_num_batched_tokens=16, block_size=4,
-                                                num_kv_blocks=12, enable_lora=True, max_loras=2, max_cpu_loras=3)),
+    "lora": (
+        run_adapter_workload,
+        5,
+        200,
+        dict(
+            max_num_seqs=4,
+            max_num_batched_tokens=16,
+            block_size=4,
+            num_kv_blocks=12,
+            enable_lora=True,
+            max_loras=2,
+            max_cpu_loras=3,
+        ),
+    ),
 }
 
 
@@ -42,9 +54,15 @@ def record(name: str, out_dir: str) -> str:
     engine = EngineConfig(model_dir="compat", served_model_name="compat", max_model_len=32, **settings)
     writer = EventLogWriter(out_dir, engine.to_json(), run_id=name)
     driver = Driver(
-        num_kv_blocks, max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=engine.max_num_batched_tokens,
-        block_size=engine.block_size, max_model_len=engine.max_model_len, enable_lora=engine.enable_lora,
-        max_loras=engine.max_loras, max_cpu_loras=engine.max_cpu_loras, log=writer,
+        num_kv_blocks,
+        max_num_seqs=engine.max_num_seqs,
+        max_num_batched_tokens=engine.max_num_batched_tokens,
+        block_size=engine.block_size,
+        max_model_len=engine.max_model_len,
+        enable_lora=engine.enable_lora,
+        max_loras=engine.max_loras,
+        max_cpu_loras=engine.max_cpu_loras,
+        log=writer,
     )
     workload(driver, seed, num_events)
     writer.append(ev.LogClosed("recorded by scripts/make_compat_logs.py"))

@@ -55,7 +55,7 @@ def encode_png(width: int, height: int, rgb: bytes | bytearray) -> bytes:
     stride = 3 * width
     if width < 1 or height < 1 or len(rgb) != stride * height:
         raise ValueError(f"need {stride * height} RGB bytes for {width}x{height}, got {len(rgb)}")
-    raw = b"".join(b"\x00" + bytes(rgb[y * stride:(y + 1) * stride]) for y in range(height))  # filter 0 per row
+    raw = b"".join(b"\x00" + bytes(rgb[y * stride : (y + 1) * stride]) for y in range(height))  # filter 0 per row
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     return PNG_SIGNATURE + _chunk(b"IHDR", header) + _chunk(b"IDAT", zlib.compress(raw, 9)) + _chunk(b"IEND", b"")
 
@@ -74,7 +74,7 @@ class Canvas:
     def put(self, x: int, y: int, color: Color) -> None:
         if 0 <= x < self.width and 0 <= y < self.height:
             i = 3 * (y * self.width + x)
-            self.rgb[i:i + 3] = bytes(color)
+            self.rgb[i : i + 3] = bytes(color)
 
     def rect(self, x0: int, y0: int, x1: int, y1: int, color: Color) -> None:
         """Fill the rectangle with corners (x0, y0) and (x1, y1), both included."""
@@ -84,7 +84,7 @@ class Canvas:
         row = bytes(color) * (right - left + 1)
         for y in range(max(0, min(y0, y1)), min(self.height, max(y0, y1) + 1)):
             start = 3 * (y * self.width + left)
-            self.rgb[start:start + len(row)] = row
+            self.rgb[start : start + len(row)] = row
 
     def line(self, x0: int, y0: int, x1: int, y1: int, color: Color, width: int = 1) -> None:
         """Bresenham's line, `width` pixels thick (a square brush)."""
@@ -109,8 +109,9 @@ class Canvas:
             for r, bits in enumerate(rows):
                 for c in range(GLYPH_W):
                     if bits & (4 >> c):
-                        self.rect(left + c * scale, y + r * scale, left + (c + 1) * scale - 1,
-                                  y + (r + 1) * scale - 1, color)
+                        self.rect(
+                            left + c * scale, y + r * scale, left + (c + 1) * scale - 1, y + (r + 1) * scale - 1, color
+                        )
 
     def png(self) -> bytes:
         return encode_png(self.width, self.height, self.rgb)

@@ -26,8 +26,13 @@ def probe(m: int, n: int, k: int, chain: int) -> dict:
     linear_us, candidate_us = time_shape(shape, weights, cublaslt.candidates(shape, 0))
     del weights
     torch.cuda.empty_cache()
-    return dict(m=m, n=n, k=k, linear_us=round(linear_us, 2),
-                candidates_us=[None if us is None else round(us, 2) for us in candidate_us])
+    return dict(
+        m=m,
+        n=n,
+        k=k,
+        linear_us=round(linear_us, 2),
+        candidates_us=[None if us is None else round(us, 2) for us in candidate_us],
+    )
 
 
 def main() -> None:

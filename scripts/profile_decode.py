@@ -25,15 +25,22 @@ from torch.profiler import ProfilerActivity, profile
 from ledgerserve.shared.adapter_format import BaseShapes
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.events import AdapterSlotAssigned
-from scripts.bench_decode import BLOCK, Bench
-from scripts.bench_fixtures import LLAMA3_8B, write_adapter, write_model_dir
 from ledgerserve.worker_proc.cuda_graphs import DecodeGraphs
 from ledgerserve.worker_proc.runner import ModelRunner
 from ledgerserve.worker_proc.sampler import Sampler
 from ledgerserve.worker_proc.step_inputs import PinnedStaging
+from scripts.bench_decode import BLOCK, Bench
+from scripts.bench_fixtures import LLAMA3_8B, write_adapter, write_model_dir
 
-HOST_PARTS = [(ModelRunner, "_apply_plan"), (DecodeGraphs, "run"), (PinnedStaging, "upload_into"),
-              (torch.cuda.CUDAGraph, "replay"), (Sampler, "launch"), (Sampler, "finish"), (ModelRunner, "digest")]
+HOST_PARTS = [
+    (ModelRunner, "_apply_plan"),
+    (DecodeGraphs, "run"),
+    (PinnedStaging, "upload_into"),
+    (torch.cuda.CUDAGraph, "replay"),
+    (Sampler, "launch"),
+    (Sampler, "finish"),
+    (ModelRunner, "digest"),
+]
 
 
 def time_host_parts(totals: dict[str, float]) -> None:
@@ -59,8 +66,10 @@ def kernel_table(prof, num_steps: int) -> list[dict]:
         if evt.device_type == torch.autograd.DeviceType.CUDA:
             rows[evt.name][0] += 1
             rows[evt.name][1] += evt.device_time_total
-    table = [dict(kernel=name[:90], calls=round(n / num_steps, 1), us=round(us / num_steps, 1))
-             for name, (n, us) in rows.items()]
+    table = [
+        dict(kernel=name[:90], calls=round(n / num_steps, 1), us=round(us / num_steps, 1))
+        for name, (n, us) in rows.items()
+    ]
     return sorted(table, key=lambda r: -r["us"])
 
 
@@ -80,9 +89,15 @@ def profile_point(bench: Bench, batch: int, num_adapters: int, steps: int, host:
             last, _ = bench.decode(last)
         torch.cuda.synchronize()
     kernels = kernel_table(prof, steps)
-    return dict(batch=batch, adapters=num_adapters, step_ms=round(sorted(walls)[len(walls) // 2] * 1e3, 3),
-                host_ms=host_ms, kernel_us_total=round(sum(k["us"] for k in kernels), 1),
-                kernel_calls=round(sum(k["calls"] for k in kernels)), kernels=kernels)
+    return dict(
+        batch=batch,
+        adapters=num_adapters,
+        step_ms=round(sorted(walls)[len(walls) // 2] * 1e3, 3),
+        host_ms=host_ms,
+        kernel_us_total=round(sum(k["us"] for k in kernels), 1),
+        kernel_calls=round(sum(k["calls"] for k in kernels)),
+        kernels=kernels,
+    )
 
 
 def main() -> None:
@@ -104,10 +119,20 @@ def main() -> None:
     max_batch = max(b for b, _ in points)
     blocks_per_req = -(-(128 + 8 * args.steps + 2) // BLOCK)  # as Bench sizes them
     config = EngineConfig(
-        model_dir=write_model_dir(root), served_model_name="bench", max_model_len=128 + 8 * args.steps + 64,
-        dtype="bfloat16", device="cuda", max_num_seqs=max_batch, block_size=BLOCK, load_format="dummy",
-        num_kv_blocks=max_batch * blocks_per_req, enable_lora=True, max_loras=args.max_loras,
-        max_lora_rank=args.rank, max_cpu_loras=args.max_loras, enforce_eager=args.eager,
+        model_dir=write_model_dir(root),
+        served_model_name="bench",
+        max_model_len=128 + 8 * args.steps + 64,
+        dtype="bfloat16",
+        device="cuda",
+        max_num_seqs=max_batch,
+        block_size=BLOCK,
+        load_format="dummy",
+        num_kv_blocks=max_batch * blocks_per_req,
+        enable_lora=True,
+        max_loras=args.max_loras,
+        max_lora_rank=args.rank,
+        max_cpu_loras=args.max_loras,
+        enforce_eager=args.eager,
     )
     runner = ModelRunner(config)
     for i in range(max(a for _, a in points)):
@@ -119,8 +144,10 @@ def main() -> None:
     for batch, num_adapters in points:
         row = profile_point(bench, batch, num_adapters, args.steps, host)
         report.append(row)
-        print(f"\n== batch {batch}, {num_adapters} adapters: step {row['step_ms']} ms, kernels "
-              f"{row['kernel_us_total']} us in {row['kernel_calls']} launches; host ms {row['host_ms']}")
+        print(
+            f"\n== batch {batch}, {num_adapters} adapters: step {row['step_ms']} ms, kernels "
+            f"{row['kernel_us_total']} us in {row['kernel_calls']} launches; host ms {row['host_ms']}"
+        )
         for k in row["kernels"][: args.top]:
             print(f"{k['us']:9.1f} us {k['calls']:6.1f}x  {k['kernel']}")
     if args.out:

@@ -41,7 +41,7 @@ class Server:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> "Server":
+    def start(self) -> Server:
         args = [sys.executable, "-m", "ledgerserve", "serve"]
         args += [self.model_dir] if self.model_dir else []
         args += ["--port", str(self.port), "--event-log-dir", self.log_dir, *self.extra_args]

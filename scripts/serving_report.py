@@ -10,10 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-
 from scripts.png_plot import GREY, PALETTE, BarPanel, CdfPanel, plot_png
 from scripts.serving_workload import PERCENTILES, AdapterSpec, PlannedRequest, popularity_shares
-
 
 # ---- one request's stream (pure) -----------------------------------------------------
 
@@ -51,7 +49,7 @@ class StreamTally:
         if not line.startswith("data: "):
             return
         try:
-            event = json.loads(line[len("data: "):])
+            event = json.loads(line[len("data: ") :])
         except json.JSONDecodeError:
             self.error = self.error or (-1, f"not JSON: {line[:200]}")
             return
@@ -79,10 +77,18 @@ def result_of(planned: PlannedRequest, tally: StreamTally, start_s: float, end_s
     usage = tally.usage or {}
     num_output = int(usage.get("completion_tokens", tally.num_streamed_tokens))
     tpot_ms = (tally.last_token_s - tally.first_token_s) * 1e3 / (num_output - 1) if num_output > 1 else None
-    return RequestResult(planned.index, planned.adapter, 200, start_s, end_s,
-                         ttft_ms=(tally.first_token_s - start_s) * 1e3, tpot_ms=tpot_ms,
-                         e2e_ms=(end_s - start_s) * 1e3,
-                         prompt_tokens=int(usage.get("prompt_tokens", len(planned.prompt))), output_tokens=num_output)
+    return RequestResult(
+        planned.index,
+        planned.adapter,
+        200,
+        start_s,
+        end_s,
+        ttft_ms=(tally.first_token_s - start_s) * 1e3,
+        tpot_ms=tpot_ms,
+        e2e_ms=(end_s - start_s) * 1e3,
+        prompt_tokens=int(usage.get("prompt_tokens", len(planned.prompt))),
+        output_tokens=num_output,
+    )
 
 
 # ---- statistics and the report (pure) ------------------------------------------------
@@ -119,8 +125,9 @@ def jain_index(values: Sequence[float]) -> float | None:
     return sum(values) ** 2 / (len(values) * squares) if values and squares > 0 else None
 
 
-def per_model_rows(results: Sequence[RequestResult], adapters: Sequence[AdapterSpec], base_model: str,
-                   duration_s: float) -> list[dict[str, Any]]:
+def per_model_rows(
+    results: Sequence[RequestResult], adapters: Sequence[AdapterSpec], base_model: str, duration_s: float
+) -> list[dict[str, Any]]:
     """One row per model that got requests: the base model first, then adapters by index."""
     by_target: dict[int | None, list[RequestResult]] = {}
     for r in results:
@@ -129,16 +136,20 @@ def per_model_rows(results: Sequence[RequestResult], adapters: Sequence[AdapterS
     for target in sorted(by_target, key=lambda a: -1 if a is None else a):
         mine = by_target[target]
         ok = [r for r in mine if r.status == 200]
-        rows.append({
-            "model": base_model if target is None else adapters[target].name,
-            "adapter": target,  # index into the adapters; None: the base model
-            "rank": None if target is None else adapters[target].rank,
-            "num_requests": len(mine),
-            "num_errors": len(mine) - len(ok),
-            "mean_ttft_ms": _round(_mean([r.ttft_ms for r in ok if r.ttft_ms is not None])),
-            "mean_tpot_ms": _round(_mean([r.tpot_ms for r in ok if r.tpot_ms is not None])),
-            "output_tokens_per_s": _round(sum(r.output_tokens for r in ok) / duration_s) if duration_s > 0 else None,
-        })
+        rows.append(
+            {
+                "model": base_model if target is None else adapters[target].name,
+                "adapter": target,  # index into the adapters; None: the base model
+                "rank": None if target is None else adapters[target].rank,
+                "num_requests": len(mine),
+                "num_errors": len(mine) - len(ok),
+                "mean_ttft_ms": _round(_mean([r.ttft_ms for r in ok if r.ttft_ms is not None])),
+                "mean_tpot_ms": _round(_mean([r.tpot_ms for r in ok if r.tpot_ms is not None])),
+                "output_tokens_per_s": _round(sum(r.output_tokens for r in ok) / duration_s)
+                if duration_s > 0
+                else None,
+            }
+        )
     return rows
 
 
@@ -161,8 +172,14 @@ def error_summary(results: Sequence[RequestResult], num_samples: int = 5) -> dic
     }
 
 
-def summarize(config: dict[str, Any], plan: Sequence[PlannedRequest], weights: Sequence[float],
-              results: Sequence[RequestResult], adapters: Sequence[AdapterSpec], base_model: str) -> dict[str, Any]:
+def summarize(
+    config: dict[str, Any],
+    plan: Sequence[PlannedRequest],
+    weights: Sequence[float],
+    results: Sequence[RequestResult],
+    adapters: Sequence[AdapterSpec],
+    base_model: str,
+) -> dict[str, Any]:
     ok = [r for r in results if r.status == 200]
     duration_s = (max(r.end_s for r in results) - min(r.start_s for r in results)) if results else 0.0
     num_output = sum(r.output_tokens for r in ok)
@@ -187,13 +204,17 @@ def summarize(config: dict[str, Any], plan: Sequence[PlannedRequest], weights: S
         "errors": error_summary(results),
         "num_output_len_mismatches": sum(r.output_tokens != config["output_len"] for r in ok),
         "duration_s": _round(duration_s),
-        "throughput": {"requests_per_s": rate(len(ok)), "output_tokens_per_s": rate(num_output),
-                       "total_tokens_per_s": rate(num_total)},
+        "throughput": {
+            "requests_per_s": rate(len(ok)),
+            "output_tokens_per_s": rate(num_output),
+            "total_tokens_per_s": rate(num_total),
+        },
         "ttft_ms": stats("ttft_ms"),
         "tpot_ms": stats("tpot_ms"),
         "e2e_ms": stats("e2e_ms"),
-        "by_kind": {kind: {"ttft_ms": stats("ttft_ms", kind), "tpot_ms": stats("tpot_ms", kind)}
-                    for kind in ("base", "adapter")},
+        "by_kind": {
+            kind: {"ttft_ms": stats("ttft_ms", kind), "tpot_ms": stats("tpot_ms", kind)} for kind in ("base", "adapter")
+        },
         "per_adapter": rows,
         "fairness": fairness(rows),
     }
@@ -204,14 +225,18 @@ def render_plot(results: Sequence[RequestResult], rows: Sequence[dict[str, Any]]
     ok = [r for r in results if r.status == 200]
 
     def series(attr: str) -> dict[str, list[float]]:
-        return {kind: [v for r in ok if (r.adapter is None) == (kind == "base") and (v := getattr(r, attr)) is not None]
-                for kind in ("base", "adapter")}
+        return {
+            kind: [v for r in ok if (r.adapter is None) == (kind == "base") and (v := getattr(r, attr)) is not None]
+            for kind in ("base", "adapter")
+        }
 
     plotted = [row for row in rows if row["mean_tpot_ms"] is not None]
     bars = [("B" if row["adapter"] is None else str(row["adapter"]), row["mean_tpot_ms"]) for row in plotted]
     colors = [GREY if row["adapter"] is None else PALETTE[1] for row in plotted]
-    return plot_png([
-        CdfPanel("TTFT ms CDF", series("ttft_ms")),
-        CdfPanel("TPOT ms CDF", series("tpot_ms")),
-        BarPanel("mean TPOT ms by model: B base, 0.. adapters", bars, colors),
-    ])
+    return plot_png(
+        [
+            CdfPanel("TTFT ms CDF", series("ttft_ms")),
+            CdfPanel("TPOT ms CDF", series("tpot_ms")),
+            BarPanel("mean TPOT ms by model: B base, 0.. adapters", bars, colors),
+        ]
+    )

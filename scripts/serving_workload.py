@@ -15,10 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-
 from scripts.bench_fixtures import SEVEN
 from scripts.lora_stress import check_loopback
-
 
 POPULARITIES = ("uniform", "zipf")
 ARRIVALS = ("poisson", "burst")
@@ -50,8 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="bench_serving", description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", default=None, help="JSON file with any of these fields; flags override it")
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--model-dir", default=None, help="the server's base model dir (its config.json shapes the adapters)")
-    p.add_argument("--adapter-dir", default=None, help="where adapters are written; inside the server's --lora-allowed-dir")
+    p.add_argument(
+        "--model-dir", default=None, help="the server's base model dir (its config.json shapes the adapters)"
+    )
+    p.add_argument(
+        "--adapter-dir", default=None, help="where adapters are written; inside the server's --lora-allowed-dir"
+    )
     p.add_argument("--adapter-prefix", default="bench-a", help="adapters are loaded as PREFIX0, PREFIX1, ...")
     p.add_argument("--num-adapters", type=int, default=4)
     p.add_argument("--ranks", type=_int_list, default=[8, 16, 32], help="rank mix: adapter i gets ranks[i %% len]")
@@ -121,21 +123,28 @@ def validate(args: argparse.Namespace) -> None:
         (args.arrival in ARRIVALS, f"--arrival must be one of {ARRIVALS}"),
         (args.num_adapters >= 0, "--num-adapters must be >= 0"),
         (bool(args.ranks) and all(r >= 1 for r in args.ranks), "--ranks must be one or more ranks >= 1"),
-        (bool(args.target_modules) and set(args.target_modules) <= set(SEVEN), f"--target-modules must be among {SEVEN}"),
+        (
+            bool(args.target_modules) and set(args.target_modules) <= set(SEVEN),
+            f"--target-modules must be among {SEVEN}",
+        ),
         (args.zipf_s > 0 and math.isfinite(args.zipf_s), "--zipf-s must be > 0"),
         (0.0 <= args.base_share <= 1.0, "--base-share must be in [0, 1]"),
         (args.num_adapters > 0 or args.base_share == 1.0, "--num-adapters 0 needs --base-share 1"),
         (args.num_adapters == 0 or args.adapter_dir is not None, "--adapter-dir is required with adapters"),
-        (args.arrival != "poisson" or (args.rate > 0 and math.isfinite(args.rate)),
-         "--rate must be a finite number > 0 (use --arrival burst to send everything at once)"),
+        (
+            args.arrival != "poisson" or (args.rate > 0 and math.isfinite(args.rate)),
+            "--rate must be a finite number > 0 (use --arrival burst to send everything at once)",
+        ),
         (args.burst_size is None or args.burst_size >= 1, "--burst-size must be >= 1"),
         (args.burst_interval_s >= 0 and math.isfinite(args.burst_interval_s), "--burst-interval-s must be >= 0"),
         (args.num_requests >= 1, "--num-requests must be >= 1"),
         (args.input_len >= 1 and args.output_len >= 1, "--input-len and --output-len must be >= 1"),
         (args.max_concurrency is None or args.max_concurrency >= 1, "--max-concurrency must be >= 1"),
         (args.timeout_s > 0, "--timeout-s must be > 0"),
-        (bool(args.adapter_prefix) and args.adapter_prefix == args.adapter_prefix.strip(),
-         "--adapter-prefix must be non-empty, without surrounding spaces"),
+        (
+            bool(args.adapter_prefix) and args.adapter_prefix == args.adapter_prefix.strip(),
+            "--adapter-prefix must be non-empty, without surrounding spaces",
+        ),
     ]
     for ok, message in checks:
         if not ok:
@@ -171,8 +180,10 @@ class PlannedRequest:
 
 def adapter_specs(num_adapters: int, ranks: Sequence[int], adapter_dir: str, prefix: str) -> list[AdapterSpec]:
     root = os.path.abspath(adapter_dir)
-    return [AdapterSpec(f"{prefix}{i}", os.path.join(root, f"adapter-{i}"), ranks[i % len(ranks)])
-            for i in range(num_adapters)]
+    return [
+        AdapterSpec(f"{prefix}{i}", os.path.join(root, f"adapter-{i}"), ranks[i % len(ranks)])
+        for i in range(num_adapters)
+    ]
 
 
 def popularity_weights(num_adapters: int, popularity: str, zipf_s: float, rng: random.Random) -> list[float]:
@@ -191,8 +202,9 @@ def popularity_weights(num_adapters: int, popularity: str, zipf_s: float, rng: r
     return [w / total for w in weights]
 
 
-def choose_targets(num_requests: int, weights: Sequence[float], base_share: float,
-                   rng: random.Random) -> list[int | None]:
+def choose_targets(
+    num_requests: int, weights: Sequence[float], base_share: float, rng: random.Random
+) -> list[int | None]:
     """Per request: an adapter index drawn by `weights`, or None (the base model) for
     exactly round(base_share * num_requests) requests at random positions."""
     num_base = round(base_share * num_requests) if weights else num_requests
@@ -202,8 +214,9 @@ def choose_targets(num_requests: int, weights: Sequence[float], base_share: floa
     return [None if base else pick for base, pick in zip(is_base, picks)]
 
 
-def arrival_times_s(num_requests: int, arrival: str, rate: float, burst_size: int | None,
-                    burst_interval_s: float, rng: random.Random) -> list[float]:
+def arrival_times_s(
+    num_requests: int, arrival: str, rate: float, burst_size: int | None, burst_interval_s: float, rng: random.Random
+) -> list[float]:
     """Send times from the start of the run, non-decreasing."""
     if arrival == "poisson":
         times, t = [], 0.0
@@ -234,17 +247,22 @@ def random_prompt(rng: random.Random, num_tokens: int, vocab_size: int, avoid: s
 
 def plan_workload(args: argparse.Namespace, hf_config: dict[str, Any]) -> tuple[list[PlannedRequest], list[float]]:
     """The requests to send (arrival, target, prompt) and the adapters' popularity weights."""
+
     def stream(aspect: str) -> random.Random:
         return random.Random(f"{args.seed}-{aspect}")
 
     weights = popularity_weights(args.num_adapters, args.popularity, args.zipf_s, stream("popularity"))
     targets = choose_targets(args.num_requests, weights, args.base_share, stream("targets"))
-    arrivals = arrival_times_s(args.num_requests, args.arrival, args.rate, args.burst_size, args.burst_interval_s,
-                               stream("arrivals"))
+    arrivals = arrival_times_s(
+        args.num_requests, args.arrival, args.rate, args.burst_size, args.burst_interval_s, stream("arrivals")
+    )
     prompts_rng, avoid = stream("prompts"), special_token_ids(hf_config)
-    plan = [PlannedRequest(i, arrivals[i], targets[i], random_prompt(prompts_rng, args.input_len,
-                                                                     hf_config["vocab_size"], avoid))
-            for i in range(args.num_requests)]
+    plan = [
+        PlannedRequest(
+            i, arrivals[i], targets[i], random_prompt(prompts_rng, args.input_len, hf_config["vocab_size"], avoid)
+        )
+        for i in range(args.num_requests)
+    ]
     return plan, weights
 
 
@@ -269,12 +287,22 @@ def popularity_shares(targets: Sequence[int | None], weights: Sequence[float]) -
 
 
 def popularity_line(pop: dict[str, Any]) -> str:
-    return (f"popularity: top-1 adapter {pop['top1_share']} and top-10 {pop['top10_share']} of adapter requests "
-            f"(expected {pop['expected_top1_share']} and {pop['expected_top10_share']}); "
-            f"base share {pop['base_share']}; adapters used: {pop['num_adapters_used']}")
+    return (
+        f"popularity: top-1 adapter {pop['top1_share']} and top-10 {pop['top10_share']} of adapter requests "
+        f"(expected {pop['expected_top1_share']} and {pop['expected_top10_share']}); "
+        f"base share {pop['base_share']}; adapters used: {pop['num_adapters_used']}"
+    )
 
 
 def request_body(model: str, prompt: list[int], output_len: int) -> dict[str, Any]:
-    return {"model": model, "prompt": prompt, "max_tokens": output_len, "min_tokens": output_len,
-            "ignore_eos": True, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
-            "return_token_ids": True}
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "min_tokens": output_len,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }

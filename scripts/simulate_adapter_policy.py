@@ -84,11 +84,19 @@ class SimDriver(Driver):
 
     def __init__(self, settings: SimSettings, policy: str, check: bool) -> None:
         super().__init__(
-            settings.num_kv_blocks, max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
-            block_size=settings.block_size, max_model_len=settings.prompt_tokens + settings.output_tokens,
-            enable_lora=True, max_loras=settings.max_loras, max_cpu_loras=4 * settings.max_loras + 64,
-            lora_max_wait_steps=settings.lora_max_wait_steps, max_steps_in_flight=2, lora_overlap_loading=True,
-            lora_targeted_drain=policy == "drain", ready=False,
+            settings.num_kv_blocks,
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            block_size=settings.block_size,
+            max_model_len=settings.prompt_tokens + settings.output_tokens,
+            enable_lora=True,
+            max_loras=settings.max_loras,
+            max_cpu_loras=4 * settings.max_loras + 64,
+            lora_max_wait_steps=settings.lora_max_wait_steps,
+            max_steps_in_flight=2,
+            lora_overlap_loading=True,
+            lora_targeted_drain=policy == "drain",
+            ready=False,
         )
         self.worker = LeanWorker(settings.block_size, self.worker.slots)
         self.check = check
@@ -165,7 +173,11 @@ def simulate(settings: SimSettings, workload: Workload, policy: str, check: bool
             next_arrival = clock.now_ms
         step_end = clock.step_ends[0] if clock.step_ends else None
         load_end = clock.load_ends[0][0] if clock.load_ends else None
-        if step_end is not None and (load_end is None or step_end <= load_end) and (next_arrival is None or step_end <= next_arrival):
+        if (
+            step_end is not None
+            and (load_end is None or step_end <= load_end)
+            and (next_arrival is None or step_end <= next_arrival)
+        ):
             clock.now_ms = clock.step_ends.popleft()
             out = d.complete()
         elif load_end is not None and (next_arrival is None or load_end <= next_arrival):
@@ -191,15 +203,21 @@ def simulate(settings: SimSettings, workload: Workload, policy: str, check: bool
     return _summary(settings, d, list(ttft_ms.values()), num_tokens, clock.now_ms)
 
 
-def _summary(settings: SimSettings, d: SimDriver, ttft_ms: list[float], num_tokens: int, end_ms: float) -> dict[str, Any]:
+def _summary(
+    settings: SimSettings, d: SimDriver, ttft_ms: list[float], num_tokens: int, end_ms: float
+) -> dict[str, Any]:
     num_steps = len(d.plans)
     p50, p99 = percentile(ttft_ms, 50), percentile(ttft_ms, 99)
     return {
-        "ttft_p50_ms": round(p50, 1), "ttft_p99_ms": round(p99, 1),
-        "ttft_p50_steps": round(p50 / settings.step_ms, 1), "ttft_p99_steps": round(p99 / settings.step_ms, 1),
+        "ttft_p50_ms": round(p50, 1),
+        "ttft_p99_ms": round(p99, 1),
+        "ttft_p50_steps": round(p50 / settings.step_ms, 1),
+        "ttft_p99_steps": round(p99 / settings.step_ms, 1),
         "tokens_per_step": round(num_tokens / max(num_steps, 1), 2),
         "tok_per_s": round(num_tokens / (end_ms / 1000.0), 1) if end_ms else 0.0,
-        "num_steps": num_steps, "num_slot_loads": d.num_loads, "num_drains": d.num_drains,
+        "num_steps": num_steps,
+        "num_slot_loads": d.num_loads,
+        "num_drains": d.num_drains,
     }
 
 
@@ -214,7 +232,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
-def run_table(settings: SimSettings, workloads: list[Workload], policies: list[str], check: bool) -> list[dict[str, Any]]:
+def run_table(
+    settings: SimSettings, workloads: list[Workload], policies: list[str], check: bool
+) -> list[dict[str, Any]]:
     rows = []
     for workload in workloads:
         for policy in policies:
@@ -226,9 +246,12 @@ def run_table(settings: SimSettings, workloads: list[Workload], policies: list[s
 
 def _format_row(row: dict[str, Any], settings: SimSettings) -> str:
     name = f"{row['workload']:<8} {row['num_adapters']:>2} adapters / {settings.max_loras} slots  {row['policy']:<5}"
-    ttft = (f"TTFT p50 {row['ttft_p50_ms']:>8.0f} ms ({row['ttft_p50_steps']:>6.1f} steps)  "
-            f"p99 {row['ttft_p99_ms']:>8.0f} ms ({row['ttft_p99_steps']:>6.1f} steps)")
-    rest = f"{row['tokens_per_step']:>6.2f} tok/step {row['tok_per_s']:>7.0f} tok/s  loads {row['num_slot_loads']:>4}  drains {row['num_drains']:>4}"
+    ttft = (
+        f"TTFT p50 {row['ttft_p50_ms']:>8.0f} ms ({row['ttft_p50_steps']:>6.1f} steps)  "
+        f"p99 {row['ttft_p99_ms']:>8.0f} ms ({row['ttft_p99_steps']:>6.1f} steps)"
+    )
+    moves = f"loads {row['num_slot_loads']:>4}  drains {row['num_drains']:>4}"
+    rest = f"{row['tokens_per_step']:>6.2f} tok/step {row['tok_per_s']:>7.0f} tok/s  {moves}"
     return f"{name}  {ttft}  {rest}"
 
 
@@ -246,8 +269,14 @@ def main(argv: list[str] | None = None) -> int:
     add("--check", action="store_true", help="check the core's integrity after every event (slow)")
     add("--json", default=None, metavar="PATH", help="write the rows as JSON")
     args = parser.parse_args(argv)
-    settings = dataclasses.replace(SimSettings(), num_requests=args.num_requests, burst_requests=args.burst_requests,
-                                   lora_max_wait_steps=args.max_wait_steps, load_steps=args.load_steps, seed=args.seed)
+    settings = dataclasses.replace(
+        SimSettings(),
+        num_requests=args.num_requests,
+        burst_requests=args.burst_requests,
+        lora_max_wait_steps=args.max_wait_steps,
+        load_steps=args.load_steps,
+        seed=args.seed,
+    )
     policies = args.policies.split(",")
     if any(p not in POLICIES for p in policies):
         parser.error(f"--policies: choose from {', '.join(POLICIES)}")

@@ -63,8 +63,13 @@ class LoraSpec:
     alpha_pattern: tuple[PatternValue, ...]
 
 
-def read_config(directory: str, roots: Sequence[str], max_lora_rank: int, budget: MatchBudget,
-                feed: Callable[[bytes], None] | None = None) -> LoraSpec:
+def read_config(
+    directory: str,
+    roots: Sequence[str],
+    max_lora_rank: int,
+    budget: MatchBudget,
+    feed: Callable[[bytes], None] | None = None,
+) -> LoraSpec:
     """The checked spec of `directory`'s config; its bytes, as read, also go to `feed`."""
     fd, _ = open_file(directory, CONFIG_FILE, roots)
     try:
@@ -139,8 +144,9 @@ def _targets(value: Any) -> str | list[str]:
     return value
 
 
-def _patterns(config: dict[str, Any], field: str, check: Callable[[Any, str], float],
-              budget: MatchBudget) -> tuple[PatternValue, ...]:
+def _patterns(
+    config: dict[str, Any], field: str, check: Callable[[Any, str], float], budget: MatchBudget
+) -> tuple[PatternValue, ...]:
     """rank_pattern / alpha_pattern: keys compiled, values checked, longest key first (a stable
     sort: keys of one length keep the file's order)."""
     raw = config.get(field)
@@ -160,8 +166,9 @@ def _patterns(config: dict[str, Any], field: str, check: Callable[[Any, str], fl
     return tuple(entries)
 
 
-def _compile(compile_fn: Callable[[str, MatchBudget], ModulePattern], text: str, budget: MatchBudget,
-             where: str) -> ModulePattern:
+def _compile(
+    compile_fn: Callable[[str, MatchBudget], ModulePattern], text: str, budget: MatchBudget, where: str
+) -> ModulePattern:
     try:
         return compile_fn(text, budget)
     except PatternError as e:

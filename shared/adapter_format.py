@@ -23,14 +23,29 @@ from ledgerserve.shared.adapter_config import LoraSpec, PatternValue, read_confi
 from ledgerserve.shared.adapter_digest import ContentDigest
 from ledgerserve.shared.adapter_files import file_size, is_inside, open_file
 from ledgerserve.shared.adapter_types import (
-    CONFIG_FILE, TARGET_KINDS, WEIGHTS_FILE, AdapterError, AdapterManifest, BaseShapes, LoraModule,
+    CONFIG_FILE,
+    TARGET_KINDS,
+    WEIGHTS_FILE,
+    AdapterError,
+    AdapterManifest,
+    BaseShapes,
+    LoraModule,
 )
 from ledgerserve.shared.bounded_json import show
 from ledgerserve.shared.module_pattern import MatchBudget, ModulePattern, PatternError
 from ledgerserve.shared.safetensors_header import Header, TensorEntry, read_header, scan
 
-__all__ = ["CONFIG_FILE", "TARGET_KINDS", "WEIGHTS_FILE", "AdapterError", "AdapterManifest", "BaseShapes",
-           "LoraModule", "WeightsReader", "read_manifest"]
+__all__ = [
+    "CONFIG_FILE",
+    "TARGET_KINDS",
+    "WEIGHTS_FILE",
+    "AdapterError",
+    "AdapterManifest",
+    "BaseShapes",
+    "LoraModule",
+    "WeightsReader",
+    "read_manifest",
+]
 
 MAX_MATCH_STEPS = 4_000_000  # pattern building and matching, all the patterns of one adapter
 logger = logging.getLogger(__name__)
@@ -40,9 +55,15 @@ logger = logging.getLogger(__name__)
 WeightsReader = Callable[[int, int, Header, list[LoraModule], ContentDigest], None]
 
 
-def read_manifest(path: str, base: BaseShapes, max_lora_rank: int, allowed_dirs: Sequence[str] = (),
-                  check_weights: bool = False, model_dtype: str = "float32",
-                  read_weights: WeightsReader | None = None) -> AdapterManifest:
+def read_manifest(
+    path: str,
+    base: BaseShapes,
+    max_lora_rank: int,
+    allowed_dirs: Sequence[str] = (),
+    check_weights: bool = False,
+    model_dtype: str = "float32",
+    read_weights: WeightsReader | None = None,
+) -> AdapterManifest:
     """The manifest of the adapter at `path`, or AdapterError (404: no directory there; 400:
     anything else). When the directory lies inside one of `allowed_dirs`, every file read must
     resolve inside one of them too. `check_weights` also reads the whole weights file, refusing
@@ -66,8 +87,15 @@ def read_manifest(path: str, base: BaseShapes, max_lora_rank: int, allowed_dirs:
         raise AdapterError(f"The adapter is malformed ({type(e).__name__}).") from e
 
 
-def _read(real: str, base: BaseShapes, max_lora_rank: int, roots: tuple[str, ...],
-          check_weights: bool, model_dtype: str, read_weights: WeightsReader | None) -> AdapterManifest:
+def _read(
+    real: str,
+    base: BaseShapes,
+    max_lora_rank: int,
+    roots: tuple[str, ...],
+    check_weights: bool,
+    model_dtype: str,
+    read_weights: WeightsReader | None,
+) -> AdapterManifest:
     budget = MatchBudget(MAX_MATCH_STEPS)
     digest = ContentDigest()
     spec = read_config(real, roots, max_lora_rank, budget, digest.update)
@@ -111,13 +139,16 @@ def _resolve_modules(spec: LoraSpec, base: BaseShapes) -> list[LoraModule]:
         alpha = _pattern_value(spec.alpha_pattern, name, spec.alpha)
         scaling = alpha / math.sqrt(rank) if spec.use_rslora else alpha / rank
         prefix = f"base_model.model.{name}"
-        modules.append(LoraModule(name, kind, layer, rank, float(scaling), f"{prefix}.lora_A.weight", f"{prefix}.lora_B.weight"))
+        modules.append(
+            LoraModule(name, kind, layer, rank, float(scaling), f"{prefix}.lora_A.weight", f"{prefix}.lora_B.weight")
+        )
     if not modules:
         raise AdapterError(f"target_modules {show(spec.target_text)} match no module of the base model.")
     unknown = [t for t in spec.target_names if not any(n == t or n.endswith("." + t) for n, _, _ in names)]
     if unknown:
-        raise AdapterError(f"target_modules {show(unknown)} are not modules of the base model "
-                           f"(supported: {', '.join(TARGET_KINDS)}).")
+        raise AdapterError(
+            f"target_modules {show(unknown)} are not modules of the base model (supported: {', '.join(TARGET_KINDS)})."
+        )
     return modules
 
 
@@ -156,11 +187,15 @@ def _check_tensors(modules: list[LoraModule], tensors: dict[str, TensorEntry], b
             if key not in tensors:
                 raise AdapterError(f"{WEIGHTS_FILE} lacks tensor {key}.")
             if tensors[key].shape != shape:
-                raise AdapterError(f"Tensor {key} has shape {list(tensors[key].shape)}, the base model needs {list(shape)}.")
+                raise AdapterError(
+                    f"Tensor {key} has shape {list(tensors[key].shape)}, the base model needs {list(shape)}."
+                )
     extra = sorted(k for k in tensors if k not in expected_keys and not _is_saved_embedding(k, tensors[k], base))
     if extra:
-        raise AdapterError(f"{WEIGHTS_FILE} holds tensors the adapter config does not explain, e.g. {show(extra[0])} "
-                           "(extra vocabulary or modules are not supported).")
+        raise AdapterError(
+            f"{WEIGHTS_FILE} holds tensors the adapter config does not explain, e.g. {show(extra[0])} "
+            "(extra vocabulary or modules are not supported)."
+        )
 
 
 def _is_saved_embedding(key: str, entry: TensorEntry, base: BaseShapes) -> bool:
@@ -170,13 +205,14 @@ def _is_saved_embedding(key: str, entry: TensorEntry, base: BaseShapes) -> bool:
         return False
     shape = entry.shape
     if len(shape) == 2 and shape[1] == base.hidden_size and shape[0] != base.vocab_size:
-        raise AdapterError(f"The adapter changes the vocabulary ({show(key)} has {shape[0]} rows, the base model "
-                           f"{base.vocab_size}); adapters that add tokens are not supported.")
+        raise AdapterError(
+            f"The adapter changes the vocabulary ({show(key)} has {shape[0]} rows, the base model "
+            f"{base.vocab_size}); adapters that add tokens are not supported."
+        )
     return shape == (base.vocab_size, base.hidden_size)
 
 
-def _scan_weights(fd: int, header: Header, modules: list[LoraModule], digest: ContentDigest,
-                  model_dtype: str) -> None:
+def _scan_weights(fd: int, header: Header, modules: list[LoraModule], digest: ContentDigest, model_dtype: str) -> None:
     """One pass over the weights file: all of it into `digest`, the modules' tensors checked
     finite in `model_dtype`."""
     problems = scan(fd, header, digest.update, {key for m in modules for key in (m.a_key, m.b_key)}, model_dtype)

@@ -32,7 +32,7 @@ class BaseShapes:
     vocab_size: int
 
     @staticmethod
-    def from_hf_config(cfg: dict) -> "BaseShapes":
+    def from_hf_config(cfg: dict) -> BaseShapes:
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         return BaseShapes(
             num_layers=cfg["num_hidden_layers"],
@@ -47,8 +47,13 @@ class BaseShapes:
         """(in_features, out_features) of one projection."""
         h, i = self.hidden_size, self.intermediate_size
         return {
-            "q_proj": (h, self.q_size), "k_proj": (h, self.kv_size), "v_proj": (h, self.kv_size),
-            "o_proj": (self.q_size, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+            "q_proj": (h, self.q_size),
+            "k_proj": (h, self.kv_size),
+            "v_proj": (h, self.kv_size),
+            "o_proj": (self.q_size, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
             "lm_head": (h, self.vocab_size),
         }[kind]
 

@@ -64,7 +64,7 @@ class EngineConfig:
         return msgspec.json.encode(dataclasses.asdict(self))
 
     @staticmethod
-    def from_json(data: bytes) -> "EngineConfig":
+    def from_json(data: bytes) -> EngineConfig:
         return msgspec.json.decode(data, type=EngineConfig)
 
 
@@ -87,21 +87,29 @@ def _validate(cfg: EngineConfig) -> None:
         (cfg.lora_max_wait_steps >= 1, "lora_max_wait_steps must be >= 1"),
         (cfg.event_log_fsync in ("never", "step", "always"), f"unknown event_log_fsync {cfg.event_log_fsync!r}"),
         (cfg.event_log_max_bytes >= 4096, "event_log_max_bytes must be >= 4096"),
-        (cfg.event_log_max_total_bytes == 0 or cfg.event_log_max_total_bytes >= 2 * cfg.event_log_max_bytes,
-         f"event_log_max_total_bytes must be 0 (unlimited) or at least twice event_log_max_bytes "
-         f"({2 * cfg.event_log_max_bytes}): room for the segment being written and the one before it; "
-         f"got {cfg.event_log_max_total_bytes}"),
+        (
+            cfg.event_log_max_total_bytes == 0 or cfg.event_log_max_total_bytes >= 2 * cfg.event_log_max_bytes,
+            f"event_log_max_total_bytes must be 0 (unlimited) or at least twice event_log_max_bytes "
+            f"({2 * cfg.event_log_max_bytes}): room for the segment being written and the one before it; "
+            f"got {cfg.event_log_max_total_bytes}",
+        ),
         (cfg.max_request_bytes >= 1024, "max_request_bytes must be >= 1024"),
         (cfg.max_n >= 1, "max_n must be >= 1"),
         (cfg.max_waiting_requests >= 1, "max_waiting_requests must be >= 1"),
         (cfg.max_on_demand_loras >= 1, f"max_on_demand_loras must be >= 1, got {cfg.max_on_demand_loras}"),
-        (not cfg.lora_resolve_dir or is_inside(os.path.realpath(cfg.lora_resolve_dir), cfg.lora_allowed_dirs),
-         f"lora_resolve_dir {cfg.lora_resolve_dir!r} must lie inside a --lora-allowed-dir"),
-        (set(cfg.pinned_lora_modules) <= {name for name, _ in cfg.lora_modules},
-         "pinned_lora_modules must name adapters of lora_modules"),
-        (len(cfg.pinned_lora_modules) <= cfg.max_loras - 1,
-         f"at most max_loras - 1 = {cfg.max_loras - 1} adapters may be pinned (--max-loras {cfg.max_loras}), "
-         f"got {len(cfg.pinned_lora_modules)}"),
+        (
+            not cfg.lora_resolve_dir or is_inside(os.path.realpath(cfg.lora_resolve_dir), cfg.lora_allowed_dirs),
+            f"lora_resolve_dir {cfg.lora_resolve_dir!r} must lie inside a --lora-allowed-dir",
+        ),
+        (
+            set(cfg.pinned_lora_modules) <= {name for name, _ in cfg.lora_modules},
+            "pinned_lora_modules must name adapters of lora_modules",
+        ),
+        (
+            len(cfg.pinned_lora_modules) <= cfg.max_loras - 1,
+            f"at most max_loras - 1 = {cfg.max_loras - 1} adapters may be pinned (--max-loras {cfg.max_loras}), "
+            f"got {len(cfg.pinned_lora_modules)}",
+        ),
     ]
     for ok, message in checks:
         if not ok:

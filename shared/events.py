@@ -425,22 +425,48 @@ class LogClosed(Event):
 
 # ---------------------------------------------------------------- channel unions
 
-ToScheduler = Union[RequestArrived, RequestAborted, AdapterLoadRequested, AdapterUnloadRequested]
-FromScheduler = Union[TokensEmitted, RequestRejected, EngineFailed, EngineReady, EngineStats, AdapterOpReplied,
-                      AdapterLoadObserved]
-ToWorker = Union[StepPlan, Shutdown, AdapterSlotAssigned, AdapterEvicted, AdapterCpuEvicted, AdapterPrefetched]
-FromWorker = Union[WorkerReady, StepCompleted, RankDigest, WorkerFailed, AdapterLoadCompleted, AdapterLoadFailed]
+ToScheduler = RequestArrived | RequestAborted | AdapterLoadRequested | AdapterUnloadRequested
+FromScheduler = (
+    TokensEmitted | RequestRejected | EngineFailed | EngineReady | EngineStats | AdapterOpReplied | AdapterLoadObserved
+)
+ToWorker = StepPlan | Shutdown | AdapterSlotAssigned | AdapterEvicted | AdapterCpuEvicted | AdapterPrefetched
+FromWorker = WorkerReady | StepCompleted | RankDigest | WorkerFailed | AdapterLoadCompleted | AdapterLoadFailed
 # What the core takes in, and what it decides; the log holds both, and LogClosed.
 INPUT_TYPES: tuple[type, ...] = (
-    RequestArrived, RequestAborted, WorkerReady, StepCompleted, RankDigest, WorkerFailed,
-    AdapterLoadRequested, AdapterUnloadRequested, AdapterLoadCompleted, AdapterLoadFailed,
+    RequestArrived,
+    RequestAborted,
+    WorkerReady,
+    StepCompleted,
+    RankDigest,
+    WorkerFailed,
+    AdapterLoadRequested,
+    AdapterUnloadRequested,
+    AdapterLoadCompleted,
+    AdapterLoadFailed,
 )
 DECISION_TYPES: tuple[type, ...] = (
-    StepPlan, TokensEmitted, RequestRejected, EngineFailed, RequestFinished, RequestPreempted,
-    StateDigest, Shutdown, AdapterOpReplied, AdapterRegistered, AdapterUnloaded,
-    AdapterSlotAssigned, AdapterEvicted, AdapterEvictionDeferred, AdapterCpuEvicted,
-    DigestMismatch, PrefixCached, NamespaceEvicted, AdapterPrefetched, AdapterDrainStarted, AdapterDrainCancelled,
+    StepPlan,
+    TokensEmitted,
+    RequestRejected,
+    EngineFailed,
+    RequestFinished,
+    RequestPreempted,
+    StateDigest,
+    Shutdown,
+    AdapterOpReplied,
+    AdapterRegistered,
+    AdapterUnloaded,
+    AdapterSlotAssigned,
+    AdapterEvicted,
+    AdapterEvictionDeferred,
+    AdapterCpuEvicted,
+    DigestMismatch,
+    PrefixCached,
+    NamespaceEvicted,
+    AdapterPrefetched,
+    AdapterDrainStarted,
+    AdapterDrainCancelled,
 )
-CoreInput = Union[INPUT_TYPES]  # type: ignore[valid-type]
-Decision = Union[DECISION_TYPES]  # type: ignore[valid-type]
-LogEvent = Union[INPUT_TYPES + DECISION_TYPES + (LogClosed,)]  # type: ignore[valid-type]
+CoreInput = Union[INPUT_TYPES]  # type: ignore[valid-type]  # noqa: UP007
+Decision = Union[DECISION_TYPES]  # type: ignore[valid-type]  # noqa: UP007
+LogEvent = Union[INPUT_TYPES + DECISION_TYPES + (LogClosed,)]  # type: ignore[valid-type]  # noqa: UP007

@@ -18,7 +18,18 @@ that does not end like the key is given up after a few characters.
 from __future__ import annotations
 
 from ledgerserve.shared.pattern_nfa import MatchBudget, Nfa, Simulation
-from ledgerserve.shared.pattern_syntax import DOT, Alt, Anchor, Chars, CharSet, Concat, Node, PatternError, Repeat, parse
+from ledgerserve.shared.pattern_syntax import (
+    DOT,
+    Alt,
+    Anchor,
+    Chars,
+    CharSet,
+    Concat,
+    Node,
+    PatternError,
+    Repeat,
+    parse,
+)
 
 __all__ = ["MatchBudget", "ModulePattern", "PatternError", "compile_key", "compile_target"]
 

@@ -27,8 +27,9 @@ class MatchBudget:
     def spend(self, num_steps: int) -> None:
         self.num_steps += num_steps
         if self.num_steps > self.max_steps:
-            raise PatternError(f"the module patterns need more than {self.max_steps} matching steps; "
-                               "use fewer or simpler patterns")
+            raise PatternError(
+                f"the module patterns need more than {self.max_steps} matching steps; use fewer or simpler patterns"
+            )
 
 
 class Nfa:

@@ -55,17 +55,17 @@ class Chars:
 
 @dataclass(frozen=True)
 class Concat:
-    items: tuple["Node", ...]
+    items: tuple[Node, ...]
 
 
 @dataclass(frozen=True)
 class Alt:
-    options: tuple["Node", ...]
+    options: tuple[Node, ...]
 
 
 @dataclass(frozen=True)
 class Repeat:
-    item: "Node"
+    item: Node
     min: int
     max: int | None  # None: unbounded
 
@@ -155,7 +155,7 @@ class _Parser:
     def _braces(self) -> tuple[int, int | None]:
         start = self.pos - 1
         close = self.text.find("}", self.pos)
-        low, comma, high = self.text[self.pos:close].partition(",")
+        low, comma, high = self.text[self.pos : close].partition(",")
         well_formed = all(part == "" or (part.isascii() and part.isdigit()) for part in (low, high))
         if close < 0 or not well_formed or not (low if not comma else low or high):
             raise self._error("`{` must start a repetition {m}, {m,}, {,n} or {m,n}; write \\{ for a brace", start)
@@ -188,9 +188,12 @@ class _Parser:
 
     def _group(self, start: int) -> Node:
         if self._peek() == "?":
-            if self.text[self.pos:self.pos + 2] != "?:":
-                raise self._error("only plain `(...)` and `(?:...)` groups are supported (no lookarounds, "
-                                  "flags, named or conditional groups)", start)
+            if self.text[self.pos : self.pos + 2] != "?:":
+                raise self._error(
+                    "only plain `(...)` and `(?:...)` groups are supported (no lookarounds, "
+                    "flags, named or conditional groups)",
+                    start,
+                )
             self.pos += 2
         self.depth += 1
         if self.depth > MAX_GROUP_DEPTH:
@@ -210,8 +213,10 @@ class _Parser:
         if ch in _PUNCTUATION:
             return _literal(ch)
         where = " inside a set" if in_class else ""
-        raise self._error(f"unsupported escape \\{ch}{where} (backreferences, \\b, \\A, \\Z and character "
-                          "escapes are not supported)", start)
+        raise self._error(
+            f"unsupported escape \\{ch}{where} (backreferences, \\b, \\A, \\Z and character escapes are not supported)",
+            start,
+        )
 
     def _class(self, start: int) -> CharSet:
         negate = self._peek() == "^"

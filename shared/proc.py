@@ -36,10 +36,7 @@ def load_config(path: str) -> EngineConfig:
 
 
 def setup_logging(name: str) -> logging.Logger:
-    logging.basicConfig(
-        level=env.log_level(),
-        format=f"%(asctime)s {name} %(levelname)s %(message)s",
-    )
+    logging.basicConfig(level=env.log_level(), format=f"%(asctime)s {name} %(levelname)s %(message)s")
     return logging.getLogger(name)
 
 

@@ -23,8 +23,12 @@ from ledgerserve.shared.adapter_types import WEIGHTS_FILE, AdapterError
 from ledgerserve.shared.bounded_json import JsonError, loads, show
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
-_EXPONENT_BITS = {"F64": ("<u8", 0x7FF0000000000000), "F32": ("<u4", 0x7F800000),
-                  "F16": ("<u2", 0x7C00), "BF16": ("<u2", 0x7F80)}  # all set: inf or NaN
+_EXPONENT_BITS = {
+    "F64": ("<u8", 0x7FF0000000000000),
+    "F32": ("<u4", 0x7F800000),
+    "F16": ("<u2", 0x7C00),
+    "BF16": ("<u2", 0x7F80),
+}  # all set: inf or NaN
 _FLOATS = {"F64": "<f8", "F32": "<f4", "F16": "<f2"}
 # the largest magnitude of a finite value once cast to float32, rounded up (F64's may overflow it)
 DTYPE_MAX = {"F64": math.inf, "F32": 3.41e38, "F16": 65504.0, "BF16": 3.39e38}
@@ -62,19 +66,22 @@ def read_header(fd: int, file_size: int, max_tensors: int) -> Header:
     if header_len > file_size - 8:
         raise AdapterError(f"{WEIGHTS_FILE} is truncated or malformed (bad header length).")
     if header_len > max_bytes:
-        raise AdapterError(f"{WEIGHTS_FILE} has a {header_len}-byte header; an adapter of this base model "
-                           f"needs at most {max_bytes}.")
+        raise AdapterError(
+            f"{WEIGHTS_FILE} has a {header_len}-byte header; an adapter of this base model needs at most {max_bytes}."
+        )
     try:
-        raw = loads(read_at(fd, 8, header_len, WEIGHTS_FILE), max_tensors * HEADER_MEMBERS_PER_TENSOR
-                    + HEADER_SLACK_MEMBERS)
+        raw = loads(
+            read_at(fd, 8, header_len, WEIGHTS_FILE), max_tensors * HEADER_MEMBERS_PER_TENSOR + HEADER_SLACK_MEMBERS
+        )
     except JsonError as e:
         raise AdapterError(f"{WEIGHTS_FILE} has a malformed header: it {e.message}.") from None
     if not isinstance(raw, dict):
         raise AdapterError(f"{WEIGHTS_FILE} has a malformed header: not a JSON object.")
     _check_metadata(raw.pop("__metadata__", None))
     if len(raw) > max_tensors:
-        raise AdapterError(f"{WEIGHTS_FILE} holds {len(raw)} tensors; an adapter of this base model has at most "
-                           f"{max_tensors}.")
+        raise AdapterError(
+            f"{WEIGHTS_FILE} holds {len(raw)} tensors; an adapter of this base model has at most {max_tensors}."
+        )
     tensors = {key: _entry(key, value) for key, value in raw.items()}
     _check_layout(tensors, file_size - 8 - header_len)
     return Header(tensors, 8 + header_len)
@@ -96,10 +103,15 @@ def _entry(key: str, value: Any) -> TensorEntry:
     if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
         raise AdapterError(f"{where} has an unsupported dtype {show(dtype)} (supported: {', '.join(DTYPE_BYTES)}).")
     if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_int(d, 0, MAX_DIM_SIZE) for d in shape):
-        raise AdapterError(f"{where} has a malformed shape {show(shape)} (a list of at most {MAX_DIMS} "
-                           "non-negative integers).")
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o, 0, None) for o in offsets) \
-            or offsets[0] > offsets[1]:
+        raise AdapterError(
+            f"{where} has a malformed shape {show(shape)} (a list of at most {MAX_DIMS} non-negative integers)."
+        )
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_int(o, 0, None) for o in offsets)
+        or offsets[0] > offsets[1]
+    ):
         raise AdapterError(f"{where} has malformed data_offsets {show(offsets)} (two integers, 0 <= start <= stop).")
     if offsets[1] - offsets[0] != DTYPE_BYTES[dtype] * math.prod(shape):
         raise AdapterError(f"{where} has inconsistent offsets for its shape and dtype.")
@@ -115,17 +127,21 @@ def _check_layout(tensors: dict[str, TensorEntry], data_bytes: int) -> None:
     end = 0
     for key, entry in sorted(tensors.items(), key=lambda item: (item[1].start, item[1].stop, item[0])):
         if entry.start != end:
-            raise AdapterError(f"{WEIGHTS_FILE}: tensor {show(key)} has offsets that overlap another tensor "
-                               "or leave a gap.")
+            raise AdapterError(
+                f"{WEIGHTS_FILE}: tensor {show(key)} has offsets that overlap another tensor or leave a gap."
+            )
         end = entry.stop
     if end > data_bytes:
-        raise AdapterError(f"{WEIGHTS_FILE} is truncated: its header needs {end} data bytes, the file has {data_bytes}.")
+        raise AdapterError(
+            f"{WEIGHTS_FILE} is truncated: its header needs {end} data bytes, the file has {data_bytes}."
+        )
     if end < data_bytes:
         raise AdapterError(f"{WEIGHTS_FILE} has {data_bytes - end} bytes after its last tensor.")
 
 
-def scan(fd: int, header: Header, feed: Callable[[bytes], None], checked_keys: Collection[str],
-         model_dtype: str = "float32") -> dict[str, str]:
+def scan(
+    fd: int, header: Header, feed: Callable[[bytes], None], checked_keys: Collection[str], model_dtype: str = "float32"
+) -> dict[str, str]:
     """Read the whole file once, front to back, in chunks: every byte goes to `feed` (the
     content digest), and the tensors of `checked_keys` are checked to be finite in the model's
     dtype (`value_problem`). Returns those of them that are not, in file order, each with what
@@ -139,8 +155,7 @@ def scan(fd: int, header: Header, feed: Callable[[bytes], None], checked_keys: C
     return problems
 
 
-def _scan_tensor(fd: int, data_offset: int, entry: TensorEntry, feed: Callable[[bytes], None],
-                 model_dtype: str) -> str:
+def _scan_tensor(fd: int, data_offset: int, entry: TensorEntry, feed: Callable[[bytes], None], model_dtype: str) -> str:
     """Feed one tensor's bytes; what is wrong with its values in `model_dtype` ('' if nothing,
     or when `model_dtype` is '': not checked)."""
     step = SCAN_CHUNK_BYTES - SCAN_CHUNK_BYTES % DTYPE_BYTES[entry.dtype]

@@ -28,8 +28,14 @@ def make_peft_adapter(
     from peft import LoraConfig, get_peft_model
 
     lora_config = LoraConfig(
-        r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, bias="none",
-        use_rslora=use_rslora, rank_pattern=rank_pattern or {}, alpha_pattern=alpha_pattern or {},
+        r=r,
+        lora_alpha=alpha,
+        target_modules=targets,
+        lora_dropout=0.0,
+        bias="none",
+        use_rslora=use_rslora,
+        rank_pattern=rank_pattern or {},
+        alpha_pattern=alpha_pattern or {},
         init_lora_weights=False,
     )
     torch.manual_seed(seed)

@@ -27,8 +27,14 @@ def tiny_config(arch: str) -> Any:
     import transformers
 
     if arch == "llama":  # llama3 rope scaling, GQA
-        rope = dict(rope_type="llama3", rope_theta=50000.0, factor=8.0, low_freq_factor=1.0,
-                    high_freq_factor=4.0, original_max_position_embeddings=32)
+        rope = dict(
+            rope_type="llama3",
+            rope_theta=50000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=32,
+        )
         return transformers.LlamaConfig(**_COMMON, rope_scaling=rope, tie_word_embeddings=False)
     if arch == "qwen2":  # qkv bias
         return transformers.Qwen2Config(**_COMMON, rope_theta=1000000.0, tie_word_embeddings=False)
@@ -54,7 +60,9 @@ def load_reference(path: str | os.PathLike[str]) -> Any:
     """The transformers model for a checkpoint, fp32, eager attention."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="eager"
+    )
     return model.eval()
 
 

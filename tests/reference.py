@@ -17,8 +17,9 @@ class Reference:
 
 
 @torch.no_grad()
-def greedy_reference(model, prompt_ids: list[int], num_new_tokens: int,
-                     logit_bias: dict[int, float] | None = None) -> Reference:
+def greedy_reference(
+    model, prompt_ids: list[int], num_new_tokens: int, logit_bias: dict[int, float] | None = None
+) -> Reference:
     """`model.generate` greedy that does not stop at EOS (like `ignore_eos`), keeping
     each step's logits; `logit_bias` is added to them (transformers' sequence_bias)."""
     input_ids = torch.tensor([prompt_ids])
@@ -35,7 +36,7 @@ def greedy_reference(model, prompt_ids: list[int], num_new_tokens: int,
         pad_token_id=0,
         sequence_bias=bias,
     )
-    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    tokens = out.sequences[0, len(prompt_ids) :].tolist()
     gaps = []
     for logits in out.scores if bias else out.logits:  # [1, vocab] each; scores: after the bias
         top2 = torch.topk(logits[0].float(), 2).values

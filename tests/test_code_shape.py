@@ -1,7 +1,7 @@
-"""Small files and small functions, and one module that reads the environment: every non-test Python file stays within MAX_FILE_LINES
-lines and every function within MAX_FUNCTION_LINES, except the few listed below, each with
-the reason it is larger. A new exception needs a line here; a listed one that shrank below
-the bound must leave the list."""
+"""Small files and small functions, and one module that reads the environment: every non-test
+Python file stays within MAX_FILE_LINES lines and every function within MAX_FUNCTION_LINES,
+except the few listed below, each with the reason it is larger. A new exception needs a line
+here; a listed one that shrank below the bound must leave the list."""
 
 from __future__ import annotations
 
@@ -20,11 +20,23 @@ LARGE_FILES = {
     "scheduler_proc/core/adapter_stats.py": "the fold of every adapter-related event into per-adapter figures",
     "kernels/lora.py": "the LoRA shrink/expand Triton kernels with their launch helpers",
     "scripts/bench_decode.py": "a benchmark script: its sweep, churn and report in one runnable file",
+    "kernels/fused.py": "three fused Triton kernels (RMSNorm, SiLU-and-mul, residual add) with their launchers",
+    "scripts/serving_workload.py": "the serving benchmark's workload: adapters, prompts, arrivals in one file",
 }
 LARGE_FUNCTIONS = {
     ("kernels/paged_attention.py", "paged_decode_attention"): "a Triton kernel body: splitting it costs registers",
     ("kernels/prefill_attention.py", "_prefill_kernel"): "a Triton kernel body: splitting it costs registers",
     ("ledgerserve/launcher.py", "resolve_config"): "maps every CLI argument onto EngineConfig in one readable call",
+    ("kernels/paged_attention.py", "_decode_partition_kernel"): "a Triton kernel body: splitting it costs registers",
+    ("kernels/fused.py", "_rms_norm_kernel"): "a Triton kernel body: splitting it costs registers",
+    ("kernels/fused.py", "_silu_and_mul_kernel"): "a Triton kernel body: splitting it costs registers",
+    ("ledgerserve/cli.py", "add_serve_args"): "one add_argument per engine setting, in the order --help lists them",
+    ("worker_proc/batch.py", "build_batch"): "one pass over the plan's requests filling every step input",
+    ("worker_proc/main.py", "serve"): "the worker's start-up sequence, read top to bottom",
+    ("tokenizer_proc/app.py", "build_app"): "the app's routes and middleware, registered in one place",
+    ("scripts/bench_adapter_churn.py", "prepare"): "a benchmark's set-up, step by step",
+    ("scripts/bench_peft.py", "main"): "a benchmark's main, step by step",
+    ("scripts/profile_decode.py", "main"): "a profiler's main, step by step",
 }
 
 
@@ -72,6 +84,11 @@ ENV_MODULE = "shared/env.py"
 
 
 def test_only_one_module_reads_the_environment():
-    readers = sorted(path for path in _source_files() if path.startswith(PRODUCT_PACKAGES) and path != ENV_MODULE
-                     and ("os.environ" in _read(path) or "getenv" in _read(path)))
+    readers = sorted(
+        path
+        for path in _source_files()
+        if path.startswith(PRODUCT_PACKAGES)
+        and path != ENV_MODULE
+        and ("os.environ" in _read(path) or "getenv" in _read(path))
+    )
     assert not readers, f"read environment variables through {ENV_MODULE}: {readers}"

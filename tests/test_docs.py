@@ -46,7 +46,9 @@ def test_every_path_benchmarks_md_cites_exists():
     assert cited, "BENCHMARKS.md cites no report"
     for path in sorted(cited):
         target = ROOT / path
-        assert target.is_dir() if path.endswith("/") else target.is_file(), f"BENCHMARKS.md cites {path}, which does not exist"
+        assert target.is_dir() if path.endswith("/") else target.is_file(), (
+            f"BENCHMARKS.md cites {path}, which does not exist"
+        )
 
 
 def test_every_report_under_benchmarks_is_cited_and_named_by_gpu_and_date():
@@ -76,5 +78,7 @@ def test_the_checks_catch_what_they_guard():
     assert not constructs("class StepPlan(Event):\n    step: int", "StepPlan")
     assert not constructs("isinstance(d, events.StepPlan)", "StepPlan")
     assert constructs("return ev.StepPlan(step, new_reqs)", "StepPlan")
-    assert cited_paths("see `benchmarks/gpu/h100_2026-11-25_sweep.json`.") == {"benchmarks/gpu/h100_2026-11-25_sweep.json"}
+    assert cited_paths("see `benchmarks/gpu/h100_2026-11-25_sweep.json`.") == {
+        "benchmarks/gpu/h100_2026-11-25_sweep.json"
+    }
     assert cited_paths("reports are in `benchmarks/gpu/`") == {"benchmarks/gpu/"}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,9 +17,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PRODUCT_FOLDERS = ("shared", "kernels", "scheduler_proc", "tokenizer_proc", "worker_proc")
 
 
-def _tracked_python_files() -> list[str]:
-    out = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    return [path for path in out.split() if (ROOT / path).exists()]
+def _tracked_files(pattern: str = "*") -> list[str]:
+    out = subprocess.run(["git", "ls-files", pattern], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return [path for path in out.splitlines() if (ROOT / path).is_file()]
 
 
 def _top_level_imports(path: str) -> set[str]:
@@ -32,7 +33,7 @@ def _top_level_imports(path: str) -> set[str]:
 
 
 def test_code_imports_product_folders_through_ledgerserve():
-    bare = {path: sorted(_top_level_imports(path) & set(PRODUCT_FOLDERS)) for path in _tracked_python_files()}
+    bare = {path: sorted(_top_level_imports(path) & set(PRODUCT_FOLDERS)) for path in _tracked_files("*.py")}
     bare = {path: names for path, names in bare.items() if names}
     assert not bare, f"import these as ledgerserve.<name>: {bare}"
 
@@ -59,10 +60,13 @@ print("ok")
 
 
 def test_installed_wheel_sits_beside_hugging_face_kernels(tmp_path: Path):
-    wheel_dir, target = tmp_path / "wheel", tmp_path / "site"
+    source, wheel_dir, target = tmp_path / "source", tmp_path / "wheel", tmp_path / "site"
+    for path in _tracked_files():  # a copy: building writes build/ beside the sources
+        (source / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / path, source / path)
     pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
     subprocess.run(
-        [*pip, "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-w", str(wheel_dir)],
+        [*pip, "wheel", str(source), "--no-deps", "--no-build-isolation", "-w", str(wheel_dir)],
         check=True,
         capture_output=True,
         cwd=tmp_path,

@@ -13,7 +13,8 @@ folded it from its event log (scheduler_proc.core.adapter_stats), so /metrics an
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -29,10 +30,19 @@ LOAD_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 
 class LoadMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.loads = Counter("ledgerserve_lora_loads", "adapter slot loads done on every rank, by where the bytes came from",
-                             ["adapter", "source_tier"], registry=registry)
-        self.load_seconds = Histogram("ledgerserve_lora_load_seconds", "adapter slot load time (the slowest rank)",
-                                      ["adapter"], buckets=LOAD_SECONDS_BUCKETS, registry=registry)
+        self.loads = Counter(
+            "ledgerserve_lora_loads",
+            "adapter slot loads done on every rank, by where the bytes came from",
+            ["adapter", "source_tier"],
+            registry=registry,
+        )
+        self.load_seconds = Histogram(
+            "ledgerserve_lora_load_seconds",
+            "adapter slot load time (the slowest rank)",
+            ["adapter"],
+            buckets=LOAD_SECONDS_BUCKETS,
+            registry=registry,
+        )
         self._tiers: dict[str, list[str]] = {}  # adapter -> source tiers it has a series for
 
     def on_load(self, load: AdapterLoadObserved, registered: set[str]) -> None:
@@ -73,29 +83,42 @@ class AdapterRowsCollector:
         labels = (",".join(r.name for r in rows if r.num_running), ",".join(r.name for r in rows if r.num_waiting))
         if labels != self._info_labels:
             self._info_labels, self._info_time_s = labels, time.time()
-        family = GaugeMetricFamily("vllm:lora_requests_info", "running and waiting LoRA adapters (the value: when this set was first seen)",
-                                   labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+        family = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "running and waiting LoRA adapters (the value: when this set was first seen)",
+            labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+        )
         family.add_metric([labels[0], labels[1], str(self.max_loras)], self._info_time_s)
         return family
 
 
 def _row_families(rows: list[AdapterRow]) -> Iterator[Metric]:
-    location = GaugeMetricFamily("ledgerserve_lora_location", "1 for the tier an adapter's current version is in",
-                                 labels=["adapter", "tier"])
+    location = GaugeMetricFamily(
+        "ledgerserve_lora_location", "1 for the tier an adapter's current version is in", labels=["adapter", "tier"]
+    )
     gauges = {
         "pinned": GaugeMetricFamily("ledgerserve_lora_pinned", "1 if the adapter is pinned", labels=["adapter"]),
-        "num_running": GaugeMetricFamily("ledgerserve_lora_requests_running", "the adapter's running requests",
-                                         labels=["adapter"]),
-        "num_waiting": GaugeMetricFamily("ledgerserve_lora_requests_waiting", "the adapter's waiting requests",
-                                         labels=["adapter"]),
+        "num_running": GaugeMetricFamily(
+            "ledgerserve_lora_requests_running", "the adapter's running requests", labels=["adapter"]
+        ),
+        "num_waiting": GaugeMetricFamily(
+            "ledgerserve_lora_requests_waiting", "the adapter's waiting requests", labels=["adapter"]
+        ),
     }
     counters = {
-        "num_prompt_tokens": CounterMetricFamily("ledgerserve_lora_prompt_tokens",
-                                                 "prompt tokens of the adapter's finished requests", labels=["adapter"]),
-        "num_generated_tokens": CounterMetricFamily("ledgerserve_lora_generation_tokens",
-                                                    "tokens generated for the adapter's finished requests", labels=["adapter"]),
-        "num_cached_tokens": CounterMetricFamily("ledgerserve_lora_prefix_cache_hit_tokens",
-                                                 "the adapter's prompt tokens served from the prefix cache", labels=["adapter"]),
+        "num_prompt_tokens": CounterMetricFamily(
+            "ledgerserve_lora_prompt_tokens", "prompt tokens of the adapter's finished requests", labels=["adapter"]
+        ),
+        "num_generated_tokens": CounterMetricFamily(
+            "ledgerserve_lora_generation_tokens",
+            "tokens generated for the adapter's finished requests",
+            labels=["adapter"],
+        ),
+        "num_cached_tokens": CounterMetricFamily(
+            "ledgerserve_lora_prefix_cache_hit_tokens",
+            "the adapter's prompt tokens served from the prefix cache",
+            labels=["adapter"],
+        ),
     }
     for row in rows:
         for tier in TIERS:
@@ -109,14 +132,24 @@ def _row_families(rows: list[AdapterRow]) -> Iterator[Metric]:
 
 def _engine_families(stats: EngineStats) -> Iterator[Metric]:
     gauges = (
-        ("ledgerserve_lora_slots_used", "adapter slots holding a version (loading, loaded or pinned)", stats.num_used_slots),
+        (
+            "ledgerserve_lora_slots_used",
+            "adapter slots holding a version (loading, loaded or pinned)",
+            stats.num_used_slots,
+        ),
         ("ledgerserve_lora_loads_in_flight", "adapter slot loads not yet done on every rank", stats.num_loading_slots),
         ("ledgerserve_lora_cpu_tier_versions", "adapter versions in the CPU tier", stats.num_cpu_tier_versions),
         ("ledgerserve_lora_cpu_tier_bytes", "bytes of the adapter versions in the CPU tier", stats.cpu_tier_bytes),
     )
     for name, doc, value in gauges:
         yield GaugeMetricFamily(name, doc, value=float(value))
-    yield CounterMetricFamily("ledgerserve_lora_wait_steps", "steps that left a request waiting only on its adapter's load",
-                              value=float(stats.num_lora_wait_steps))
-    yield CounterMetricFamily("ledgerserve_lora_wait_seconds", "adapter requests' waits for their adapter's load, summed "
-                              "(where the event log times them)", value=stats.lora_wait_ms / 1000.0)
+    yield CounterMetricFamily(
+        "ledgerserve_lora_wait_steps",
+        "steps that left a request waiting only on its adapter's load",
+        value=float(stats.num_lora_wait_steps),
+    )
+    yield CounterMetricFamily(
+        "ledgerserve_lora_wait_seconds",
+        "adapter requests' waits for their adapter's load, summed (where the event log times them)",
+        value=stats.lora_wait_ms / 1000.0,
+    )

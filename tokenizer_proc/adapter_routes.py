@@ -78,27 +78,41 @@ def validate_startup_adapters(config: EngineConfig, base: BaseShapes | None) -> 
         if base is None:
             raise StartupAdapterError("LoRA is enabled but the base shapes are unknown")
         try:
-            checked.append((name, read_manifest(path, base, config.max_lora_rank, config.lora_allowed_dirs,
-                                                check_weights=True, model_dtype=config.dtype)))
+            checked.append(
+                (
+                    name,
+                    read_manifest(
+                        path,
+                        base,
+                        config.max_lora_rank,
+                        config.lora_allowed_dirs,
+                        check_weights=True,
+                        model_dtype=config.dtype,
+                    ),
+                )
+            )
         except AdapterError as e:
             raise StartupAdapterError(f"start-up adapter '{name}' at {path}: {e.message}") from None
     return checked
 
 
-async def load_startup_adapters(engine: EngineClientBase, config: EngineConfig,
-                                checked: list[tuple[str, AdapterManifest]]) -> None:
+async def load_startup_adapters(
+    engine: EngineClientBase, config: EngineConfig, checked: list[tuple[str, AdapterManifest]]
+) -> None:
     """Register the start-up adapters with the core, one at a time, before serving."""
     for name, manifest in checked:
         pinned = name in config.pinned_lora_modules
         reply = await engine.adapter_op(load_event(name, manifest, pinned=pinned))
         if reply.code != 200:
-            raise StartupAdapterError(f"start-up adapter '{name}' at {manifest.path}: the engine refused it "
-                                      f"({reply.code}): {reply.message}")
+            raise StartupAdapterError(
+                f"start-up adapter '{name}' at {manifest.path}: the engine refused it ({reply.code}): {reply.message}"
+            )
         logger.info("adapter '%s' loaded from %s (version %d)", name, manifest.path, reply.version_id)
 
 
-def load_event(name: str, manifest: AdapterManifest, load_inplace: bool = False, pinned: bool = False,
-               on_demand: bool = False) -> AdapterLoadRequested:
+def load_event(
+    name: str, manifest: AdapterManifest, load_inplace: bool = False, pinned: bool = False, on_demand: bool = False
+) -> AdapterLoadRequested:
     return AdapterLoadRequested(
         op_id=_op_id(),
         name=name,
@@ -114,4 +128,3 @@ def load_event(name: str, manifest: AdapterManifest, load_inplace: bool = False,
 
 def _op_id() -> str:
     return f"lora-op-{uuid.uuid4().hex}"
-

@@ -66,8 +66,9 @@ def check_name(name: str, config: EngineConfig) -> None:
     if len(name) > MAX_NAME_CHARS:
         raise ApiError(400, f"lora_name is longer than {MAX_NAME_CHARS} characters.", "lora_name")
     if any(unicodedata.category(ch) in _REFUSED_CATEGORIES for ch in name):
-        raise ApiError(400, "lora_name must not hold control characters, line separators or lone surrogates.",
-                       "lora_name")
+        raise ApiError(
+            400, "lora_name must not hold control characters, line separators or lone surrogates.", "lora_name"
+        )
     if name == config.served_model_name:
         raise ApiError(400, f"lora_name `{name}` is the base model's name.", "lora_name")
 
@@ -75,8 +76,12 @@ def check_name(name: str, config: EngineConfig) -> None:
 def allowed_real_path(path: str, roots: tuple[str, ...]) -> str:
     """The real path of `path` (symlinks followed) if it lies inside one of `roots`."""
     if not roots:
-        raise ApiError(400, "Loading adapters at run time is disabled; start the server with "
-                       "--lora-allowed-dir DIR to allow adapters under DIR.", "lora_path")
+        raise ApiError(
+            400,
+            "Loading adapters at run time is disabled; start the server with "
+            "--lora-allowed-dir DIR to allow adapters under DIR.",
+            "lora_path",
+        )
     if not path or "\x00" in path:
         raise ApiError(400, "lora_path must be a non-empty path.", "lora_path")
     real = os.path.realpath(path)
@@ -93,21 +98,26 @@ def validate(path: str, base: BaseShapes, config: EngineConfig) -> AdapterManife
     refusals turned into OpenAI-shaped errors. Called off the event loop (asyncio.to_thread):
     it reads the whole adapter."""
     try:
-        return read_manifest(path, base, config.max_lora_rank, config.lora_allowed_dirs, check_weights=True,
-                             model_dtype=config.dtype)
+        return read_manifest(
+            path, base, config.max_lora_rank, config.lora_allowed_dirs, check_weights=True, model_dtype=config.dtype
+        )
     except AdapterError as e:
         raise ApiError(e.code, e.message, e.param) from None
 
 
-def model_cards(config: EngineConfig, registry: AdapterRegistry, created: int,
-                rows: dict[str, AdapterRow] | None = None) -> list[dict[str, Any]]:
+def model_cards(
+    config: EngineConfig, registry: AdapterRegistry, created: int, rows: dict[str, AdapterRow] | None = None
+) -> list[dict[str, Any]]:
     """The base model's card, then each adapter's with `pinned` and `location` (gpu, cpu or disk)
     from its latest row; an adapter the scheduler has sent no row for yet is on disk."""
     base = _card(config.served_model_name, config.model_dir, None, config, created)
     rows = rows or {}
     return [base] + [
-        {**_card(a.name, a.path, config.served_model_name, config, created), "pinned": a.pinned,
-         "location": _location(rows.get(a.name))}
+        {
+            **_card(a.name, a.path, config.served_model_name, config, created),
+            "pinned": a.pinned,
+            "location": _location(rows.get(a.name)),
+        }
         for a in registry.all()
     ]
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Response
 
@@ -41,8 +42,17 @@ def build_app(
     registry = adapters.AdapterRegistry()
     base = adapters.load_base_shapes(config.model_dir) if config.enable_lora else None
     resolver = LoraResolver(engine, config, registry, base)
-    served = Served(engine, tokenizer, config, template, len(tokenizer), int(time.time()),
-                    Metrics(engine, config.max_loras), registry, resolver)
+    served = Served(
+        engine,
+        tokenizer,
+        config,
+        template,
+        len(tokenizer),
+        int(time.time()),
+        Metrics(engine, config.max_loras),
+        registry,
+        resolver,
+    )
     engine.finished_listeners.append(served.metrics.on_finished)
     engine.load_listeners.append(served.metrics.on_load)
 

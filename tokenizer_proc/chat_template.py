@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 from jinja2 import TemplateError
 from jinja2.ext import loopcontrols
@@ -50,7 +51,7 @@ class ChatTemplate:
         self._eos_token = eos_token or ""
 
     @classmethod
-    def from_model_dir(cls, model_dir: str) -> "ChatTemplate | None":
+    def from_model_dir(cls, model_dir: str) -> ChatTemplate | None:
         config = _read_tokenizer_config(Path(model_dir))
         source = _template_source(Path(model_dir), config)
         if source is None:

@@ -9,7 +9,8 @@ request runs, a tail that could still grow into a stop string is held back.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 REPLACEMENT_CHAR = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 5  # prompt tail decoded with the output, for spacing

@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 import msgspec
 import zmq
@@ -89,10 +89,10 @@ class EngineClientBase(abc.ABC):
     async def _send(self, event: Event) -> None:
         """Deliver one event to the scheduler."""
 
-    async def start(self) -> None:
+    async def start(self) -> None:  # noqa: B027 - a hook: clients without background work keep it
         """Start background work (readers); idempotent."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - a hook, as start
         """Stop background work and release sockets."""
 
     @property

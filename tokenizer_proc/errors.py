@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -45,7 +46,9 @@ def error_body(status_code: int, message: str, param: str | None = None, error_t
     return {"error": {"message": message, "type": kind, "param": param, "code": status_code}}
 
 
-def error_response(status_code: int, message: str, param: str | None = None, error_type: str | None = None) -> JSONResponse:
+def error_response(
+    status_code: int, message: str, param: str | None = None, error_type: str | None = None
+) -> JSONResponse:
     return JSONResponse(error_body(status_code, message, param, error_type), status_code=status_code)
 
 
@@ -73,8 +76,9 @@ def validation_error_response(exc: RequestValidationError) -> JSONResponse:
         name = shown_name(str(raw_loc[1]))
         return error_response(400, f"`{name}` is not a known field of this request", name)
     body = getattr(exc, "body", None)
-    path, message = describe([(field_path(e.get("loc", ()), body, e.get("type")), str(e.get("msg", "invalid value")))
-                              for e in errors])
+    path, message = describe(
+        [(field_path(e.get("loc", ()), body, e.get("type")), str(e.get("msg", "invalid value"))) for e in errors]
+    )
     where = ".".join(path)
     return error_response(400, f"{where}: {message}" if where else message, path[0] if path else None)
 
@@ -124,8 +128,9 @@ def install_error_handlers(app: FastAPI, secret_paths: tuple[str, ...] = ()) -> 
     """OpenAI-shaped errors for everything; `secret_paths` never appear in a message."""
     redact = redacting(secret_paths)
 
-    def respond(status_code: int, message: str, param: str | None = None,
-                error_type: str | None = None) -> JSONResponse:
+    def respond(
+        status_code: int, message: str, param: str | None = None, error_type: str | None = None
+    ) -> JSONResponse:
         return error_response(status_code, redact(message), param, error_type)
 
     @app.exception_handler(RequestValidationError)

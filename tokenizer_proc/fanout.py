@@ -5,7 +5,7 @@ may then use the prefix cache), and the responses copy them to every choice."""
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import msgspec
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
@@ -71,7 +72,9 @@ def add_generate_routes(app: FastAPI, served: Served) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         adapter = await check_request(req, served)
-        prompt_ids = await inputs.chat_prompt_ids(req, served.tokenizer, served.chat_template, served.config.max_model_len)
+        prompt_ids = await inputs.chat_prompt_ids(
+            req, served.tokenizer, served.chat_template, served.config.max_model_len
+        )
         max_tokens, num_logprobs = req.max_output_tokens(), req.num_logprobs()
         req_id, runs = start_runs(served, req, prompt_ids, max_tokens, num_logprobs, "chatcmpl", adapter)
         if req.stream:
@@ -127,8 +130,12 @@ def check_capacity(engine: EngineClientBase, config: EngineConfig, n: int) -> No
     max_num_seqs + max_waiting_requests (each of the n choices counts)."""
     limit = config.max_num_seqs + config.max_waiting_requests
     if engine.num_in_flight + n > limit:
-        raise ApiError(503, f"The server is overloaded ({limit} requests in flight); retry later.", None,
-                       {"Retry-After": str(RETRY_AFTER_S)})
+        raise ApiError(
+            503,
+            f"The server is overloaded ({limit} requests in flight); retry later.",
+            None,
+            {"Retry-After": str(RETRY_AFTER_S)},
+        )
 
 
 def start_runs(

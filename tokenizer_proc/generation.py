@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Sequence
+from typing import Any
 
 from ledgerserve.shared.events import PromptLogprobs, RequestArrived, TokenLogprobs
 from ledgerserve.tokenizer_proc.detokenizer import IncrementalDetokenizer

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import re
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ledgerserve.shared.sampling import SamplingParams
 from ledgerserve.tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError, render_char_budget
 from ledgerserve.tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest, InvalidParam, SamplingFields
-
 
 # text longer than this is tokenized on a worker thread (the tokenizer releases the GIL), so a
 # long prompt never stalls the event loop; shorter text is cheaper to tokenize in place

@@ -36,8 +36,13 @@ from ledgerserve.tokenizer_proc.errors import ApiError
 
 
 class LoraResolver:
-    def __init__(self, engine: EngineClientBase, config: EngineConfig, registry: adapters.AdapterRegistry,
-                 base: BaseShapes | None) -> None:
+    def __init__(
+        self,
+        engine: EngineClientBase,
+        config: EngineConfig,
+        registry: adapters.AdapterRegistry,
+        base: BaseShapes | None,
+    ) -> None:
         self.engine = engine
         self.config = config
         self.registry = registry
@@ -55,7 +60,9 @@ class LoraResolver:
             adapters.require_lora(self.config)
             by_path = await self._by_path(lora_path)
             if name is not None and name != by_path:
-                raise ApiError(400, f"model `{model}` and lora_path `{lora_path}` name different adapters.", "lora_path")
+                raise ApiError(
+                    400, f"model `{model}` and lora_path `{lora_path}` name different adapters.", "lora_path"
+                )
             name = by_path
         info = self.registry.get(name) if name is not None else None
         if name is not None and info is None:  # unloaded again before this request could use it
@@ -74,8 +81,9 @@ class LoraResolver:
         try:
             real = adapters.allowed_real_path(directory, self.config.lora_allowed_dirs)
         except ApiError:
-            raise ApiError(400, f"The adapter `{model}` of --lora-resolve-dir leads outside every --lora-allowed-dir.",
-                           "model") from None
+            raise ApiError(
+                400, f"The adapter `{model}` of --lora-resolve-dir leads outside every --lora-allowed-dir.", "model"
+            ) from None
         await self._load_once(model, real, "model")
         return model
 
@@ -87,8 +95,12 @@ class LoraResolver:
             raise ApiError(404, f"The LoRA adapter `{lora_path}` is not loaded.", "lora_path")
         real = adapters.allowed_real_path(lora_path, self.config.lora_allowed_dirs)
         if len(real) > adapters.MAX_NAME_CHARS:
-            raise ApiError(400, f"lora_path `{lora_path}` resolves to a path longer than {adapters.MAX_NAME_CHARS} "
-                           "characters, the longest adapter name.", "lora_path")
+            raise ApiError(
+                400,
+                f"lora_path `{lora_path}` resolves to a path longer than {adapters.MAX_NAME_CHARS} "
+                "characters, the longest adapter name.",
+                "lora_path",
+            )
         try:
             adapters.check_name(real, self.config)
         except ApiError as e:

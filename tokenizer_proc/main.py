@@ -16,7 +16,8 @@ import logging
 import os
 import signal
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import msgspec
 import uvicorn
@@ -26,9 +27,9 @@ from ledgerserve.shared import ipc
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.proc import PARENT_GONE_EXIT, exit_with_parent
 from ledgerserve.tokenizer_proc.adapter_routes import StartupAdapterError
-from ledgerserve.tokenizer_proc.security import StartupRefused
 from ledgerserve.tokenizer_proc.app import build_app
 from ledgerserve.tokenizer_proc.engine_client import EngineClient
+from ledgerserve.tokenizer_proc.security import StartupRefused
 
 logger = logging.getLogger("tokenizer_proc")
 DRAIN_POLL_S = 0.05
@@ -107,7 +108,9 @@ class Server(uvicorn.Server):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="ledgerserve.tokenizer_proc.main", description="ledgerserve HTTP/tokenizer process")
+    parser = argparse.ArgumentParser(
+        prog="ledgerserve.tokenizer_proc.main", description="ledgerserve HTTP/tokenizer process"
+    )
     parser.add_argument("--config", required=True, help="path to the EngineConfig JSON in the run directory")
     return parser.parse_args(argv)
 
@@ -177,8 +180,9 @@ async def serve(config: EngineConfig) -> None:
     if server.launcher_gone:  # nobody waits for this process: skip the interpreter's teardown (a second or more)
         os._exit(PARENT_GONE_EXIT)
     if not server.started:
-        raise SystemExit("tokenizer: HTTP server failed to start (see the log above; a refused "
-                         "start-up adapter is named there)")
+        raise SystemExit(
+            "tokenizer: HTTP server failed to start (see the log above; a refused start-up adapter is named there)"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,7 +41,9 @@ class Metrics:
         self.healthy = gauge("ledgerserve_engine_healthy", "1 when the engine is up and ready")
         counter = lambda name, doc: Counter(name, doc, ["namespace"], registry=self.registry)  # noqa: E731
         self.prompt_tokens = counter("ledgerserve_prompt_tokens", "prompt tokens of finished requests")
-        self.prefix_hit_tokens = counter("ledgerserve_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache")
+        self.prefix_hit_tokens = counter(
+            "ledgerserve_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache"
+        )
         self._by_namespace = (self.prompt_tokens, self.prefix_hit_tokens)
         self._registered: set[str] = set()  # adapter names, as the core last reported them
         self._labelled: set[str] = set()  # adapter names that have series

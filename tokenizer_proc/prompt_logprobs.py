@@ -7,15 +7,17 @@ and shows its top-k rank. Token ids become string keys in JSON, as in vLLM's res
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ledgerserve.shared.events import PromptLogprobs
 
 PromptLogprobsBody = list[dict[int, dict[str, Any]] | None]
 
 
-def prompt_logprobs_body(tokenizer: Any, prompt_ids: Sequence[int], reports: Sequence[PromptLogprobs]
-                         ) -> PromptLogprobsBody:
+def prompt_logprobs_body(
+    tokenizer: Any, prompt_ids: Sequence[int], reports: Sequence[PromptLogprobs]
+) -> PromptLogprobsBody:
     body: PromptLogprobsBody = [None] * len(prompt_ids)
     texts = _token_texts(tokenizer, prompt_ids, reports)
     for report in reports:

@@ -36,6 +36,7 @@ class InvalidParam(ValueError):
         self.message = message
         self.param = param
 
+
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 
@@ -68,7 +69,9 @@ class SamplingFields(BaseModel):
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=100.0)] | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    stop_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = (
+        None
+    )
     ignore_eos: StrictBool = False
     min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
     n: Annotated[StrictInt, Field(ge=1)] = 1  # at most config.max_n, checked in check_n
@@ -108,8 +111,10 @@ class SamplingFields(BaseModel):
         if any(not s or len(s) > MAX_STOP_STRING_CHARS for s in stops):
             raise InvalidParam(f"stop strings must have 1 to {MAX_STOP_STRING_CHARS} characters", "stop")
         if self.prompt_logprobs == -1:
-            raise InvalidParam(f"prompt_logprobs=-1 (the whole vocabulary) is not supported; ask for at most "
-                               f"{MAX_LOGPROBS}", "prompt_logprobs")
+            raise InvalidParam(
+                f"prompt_logprobs=-1 (the whole vocabulary) is not supported; ask for at most {MAX_LOGPROBS}",
+                "prompt_logprobs",
+            )
 
     def check_n(self, max_n: int) -> None:
         if self.n > max_n:
@@ -142,16 +147,24 @@ class CompletionRequest(SamplingFields):
 
 
 NON_TEXT_PARTS = {  # content part type -> what it carries
-    "image_url": "image", "input_image": "image", "image": "image", "image_embeds": "image",
-    "input_audio": "audio", "audio_url": "audio", "video_url": "video", "file": "file", "input_file": "file",
+    "image_url": "image",
+    "input_image": "image",
+    "image": "image",
+    "image_embeds": "image",
+    "input_audio": "audio",
+    "audio_url": "audio",
+    "video_url": "video",
+    "file": "file",
+    "input_file": "file",
 }
 
 
 def _text_only(part: Any) -> Any:
     kind = part.get("type") if isinstance(part, dict) else None
     if isinstance(kind, str) and kind in NON_TEXT_PARTS:
-        raise PydanticCustomError("content_part_not_supported", "{kind} content parts are not supported yet",
-                                  {"kind": NON_TEXT_PARTS[kind]})
+        raise PydanticCustomError(
+            "content_part_not_supported", "{kind} content parts are not supported yet", {"kind": NON_TEXT_PARTS[kind]}
+        )
     return part
 
 

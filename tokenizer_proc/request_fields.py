@@ -78,4 +78,3 @@ def refusal(name: str, value: Any) -> str | None:
 def shown_name(name: str) -> str:
     """A client-chosen field name, cut short for an error message."""
     return name if len(name) <= MAX_SHOWN_NAME_CHARS else name[:MAX_SHOWN_NAME_CHARS] + "..."
-

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from fastapi import Response
 
@@ -113,9 +114,7 @@ def chat_logprobs(
     content = []
     for token_id, lp in zip(token_ids, logprobs):
         entry = _chat_entry(tokenizer, token_id, lp.logprob)
-        entry["top_logprobs"] = [
-            _chat_entry(tokenizer, t, v) for t, v in zip(lp.top_token_ids, lp.top_logprobs)
-        ]
+        entry["top_logprobs"] = [_chat_entry(tokenizer, t, v) for t, v in zip(lp.top_token_ids, lp.top_logprobs)]
         content.append(entry)
     return {"content": content}
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import hmac
 import json
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from fastapi import HTTPException
 
 from ledgerserve.shared import env
-
 from ledgerserve.tokenizer_proc.errors import error_body
 
 PROTECTED_PREFIX = "/v1"
@@ -33,8 +33,10 @@ def api_key_from_env(required: bool) -> str | None:
     """The key to enforce, or None when none is configured; refuses a required-but-empty key."""
     key = env.api_key()
     if required and not key:
-        raise StartupRefused(f"an API key is required (--api-key) but {env.API_KEY} is empty in the "
-                             "HTTP process; refusing to start without authentication")
+        raise StartupRefused(
+            f"an API key is required (--api-key) but {env.API_KEY} is empty in the "
+            "HTTP process; refusing to start without authentication"
+        )
     return key or None
 
 
@@ -73,8 +75,12 @@ class ApiKeyMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and _is_protected(scope.get("path", "")):
             if not key_matches(_header(scope, b"authorization"), self.key):
-                await send_error(send, 401, "Invalid or missing API key; send `Authorization: Bearer <key>`.",
-                                 {"www-authenticate": "Bearer"})
+                await send_error(
+                    send,
+                    401,
+                    "Invalid or missing API key; send `Authorization: Bearer <key>`.",
+                    {"www-authenticate": "Bearer"},
+                )
                 return
         await self.app(scope, receive, send)
 

@@ -5,8 +5,9 @@ them, so the other choices' chunks wait for its first delta (fanout.merged)."""
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
-from typing import Any, AsyncIterator, Sequence
+from typing import Any
 
 from ledgerserve.tokenizer_proc.engine_client import EngineError
 from ledgerserve.tokenizer_proc.errors import error_body
@@ -69,16 +70,18 @@ async def completion_stream(
     yield DONE
 
 
-def _prompt_body(prompt: PromptLogprobsBody | None, delta: Delta, runs: Sequence[RequestRun], tokenizer: Any
-                 ) -> PromptLogprobsBody | None:
+def _prompt_body(
+    prompt: PromptLogprobsBody | None, delta: Delta, runs: Sequence[RequestRun], tokenizer: Any
+) -> PromptLogprobsBody | None:
     """The stream's prompt logprobs: built from choice 0's first delta (the first to go out)."""
     if prompt is not None or delta.prompt_logprobs is None:
         return prompt
     return prompt_logprobs_body(tokenizer, runs[0].arrived.prompt_token_ids, delta.prompt_logprobs)
 
 
-def _role_chunks(req_id: str, created: int, req: ChatCompletionRequest, runs: Sequence[RequestRun],
-                 prompt: PromptLogprobsBody | None) -> list[str]:
+def _role_chunks(
+    req_id: str, created: int, req: ChatCompletionRequest, runs: Sequence[RequestRun], prompt: PromptLogprobsBody | None
+) -> list[str]:
     chunks = []
     for index in range(len(runs)):
         role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}

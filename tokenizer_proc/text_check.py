@@ -10,7 +10,8 @@ it is, e.g. `messages.0.content`.
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Coroutine
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from fastapi import Request, Response
 from fastapi.routing import APIRoute

@@ -11,8 +11,13 @@ import time
 
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.events import (
-    AdapterCpuEvicted, AdapterEvicted, AdapterLoadCompleted, AdapterLoadFailed, AdapterPrefetched,
-    AdapterSlotAssigned, Event,
+    AdapterCpuEvicted,
+    AdapterEvicted,
+    AdapterLoadCompleted,
+    AdapterLoadFailed,
+    AdapterPrefetched,
+    AdapterSlotAssigned,
+    Event,
 )
 from ledgerserve.worker_proc.lora.manager import LoraManager
 
@@ -37,8 +42,11 @@ class AdapterCommands:
             raise ValueError(f"unexpected command {type(cmd).__name__}")
         if self.lora is None:
             slot = cmd.slot if isinstance(cmd, AdapterSlotAssigned) else -1
-            return [AdapterLoadFailed(self.rank, slot, cmd.version_id, f"adapter {_name(cmd.path)}: LoRA is not "
-                                      "enabled (--enable-lora)")]
+            return [
+                AdapterLoadFailed(
+                    self.rank, slot, cmd.version_id, f"adapter {_name(cmd.path)}: LoRA is not enabled (--enable-lora)"
+                )
+            ]
         if isinstance(cmd, AdapterPrefetched):
             self.lora.prefetch(cmd.version_id, cmd.path, cmd.content_digest, arrival_s)
             return self.lora.poll() if not self.config.lora_overlap_loading else []

@@ -31,10 +31,16 @@ class ReqState:
     placeholder_row: int = -1
 
     @staticmethod
-    def from_new(req: NewReq) -> "ReqState":
+    def from_new(req: NewReq) -> ReqState:
         return ReqState(
-            req.req_id, list(req.token_ids), req.num_prompt_tokens, req.sampling, list(req.block_ids),
-            req.num_computed_tokens, req.num_scheduled_tokens, req.lora_slot,
+            req.req_id,
+            list(req.token_ids),
+            req.num_prompt_tokens,
+            req.sampling,
+            list(req.block_ids),
+            req.num_computed_tokens,
+            req.num_scheduled_tokens,
+            req.lora_slot,
         )
 
     def apply_delta(self, delta: CachedReq) -> None:
@@ -65,8 +71,9 @@ class ReqState:
         return ids + [0] if self.placeholder_row >= 0 else ids
 
 
-def validate_req(req: ReqState, new_block_ids: Sequence[int], block_size: int, num_blocks: int,
-                 max_model_len: int) -> None:
+def validate_req(
+    req: ReqState, new_block_ids: Sequence[int], block_size: int, num_blocks: int, max_model_len: int
+) -> None:
     """Raise ValueError if this request's step can't be run; it fails alone. Block ids are
     range-checked as they arrive (`new_block_ids`), so a step costs O(new blocks), not O(context)."""
     end = req.num_tokens_after_step
@@ -99,8 +106,9 @@ def placeholder_pairs(reqs: Sequence[ReqState], last_token_index: Sequence[int])
     return [[dst for dst, _ in pairs], [src for _, src in pairs]]
 
 
-def fill_placeholders(input_ids: torch.Tensor, dst: torch.Tensor, src: torch.Tensor,
-                      prev_token_ids: torch.Tensor | None) -> None:
+def fill_placeholders(
+    input_ids: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, prev_token_ids: torch.Tensor | None
+) -> None:
     """input_ids[dst] = prev_token_ids[src], queued on the device behind the step that sampled them.
     input_ids: [num_tokens] int64; dst, src: [num_placeholders] int64."""
     if prev_token_ids is None:
@@ -121,7 +129,10 @@ class ForwardBatch:
 
 
 def build_batch(
-    reqs: Sequence[ReqState], block_size: int, device: torch.device, staging: PinnedStaging | None = None,
+    reqs: Sequence[ReqState],
+    block_size: int,
+    device: torch.device,
+    staging: PinnedStaging | None = None,
     prev_token_ids: torch.Tensor | None = None,
 ) -> ForwardBatch:
     """One flat batch of every scheduled token, in the given request order. With `staging`
@@ -149,8 +160,20 @@ def build_batch(
 
     placeholders = placeholder_pairs(reqs, [s - 1 for s in starts[1:]])
     if staging is not None:
-        return _device_batch(staging, input_ids, positions, lora_slots, slots, sample_indices, starts, seq_lens,
-                             tables, sampling_reqs, placeholders, prev_token_ids)
+        return _device_batch(
+            staging,
+            input_ids,
+            positions,
+            lora_slots,
+            slots,
+            sample_indices,
+            starts,
+            seq_lens,
+            tables,
+            sampling_reqs,
+            placeholders,
+            prev_token_ids,
+        )
 
     def as_tensor(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
@@ -165,15 +188,35 @@ def build_batch(
 
 
 def _device_batch(
-    staging: PinnedStaging, input_ids: list[int], positions: list[int], lora_slots: list[int], slots: list[int],
-    sample_indices: list[int], starts: list[int], seq_lens: list[int], tables: list[list[int]],
-    sampling_reqs: list[ReqState], placeholders: list[list[int]], prev_token_ids: torch.Tensor | None,
+    staging: PinnedStaging,
+    input_ids: list[int],
+    positions: list[int],
+    lora_slots: list[int],
+    slots: list[int],
+    sample_indices: list[int],
+    starts: list[int],
+    seq_lens: list[int],
+    tables: list[list[int]],
+    sampling_reqs: list[ReqState],
+    placeholders: list[list[int]],
+    prev_token_ids: torch.Tensor | None,
 ) -> ForwardBatch:
     flat_tables, width = padded_tables(tables)
     run_starts, run_slots = runs(lora_slots)
     ids, pos, lslots, smap, sidx, qsl, slens, bt, rstarts, rslots, dst, src = staging.upload(
-        [input_ids, positions, lora_slots, slots, sample_indices, starts, seq_lens, flat_tables, run_starts, run_slots,
-         *placeholders]
+        [
+            input_ids,
+            positions,
+            lora_slots,
+            slots,
+            sample_indices,
+            starts,
+            seq_lens,
+            flat_tables,
+            run_starts,
+            run_slots,
+            *placeholders,
+        ]
     )
     if placeholders[0]:
         fill_placeholders(ids, dst, src, prev_token_ids)

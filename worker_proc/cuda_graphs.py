@@ -54,26 +54,46 @@ class DecodeGraph:
         b = self.batch
         t = self.num_tiles
         ids, pos, smap, tslots, slens, order, tstarts, tile_slots, bt = self.inputs.split(
-            [b, b, b, b, b, b, t + 1, t, b * self.width])
+            [b, b, b, b, b, b, t + 1, t, b * self.width]
+        )
         qsl = torch.arange(b + 1, dtype=torch.int32, device=ids.device)
         meta = DeviceAttentionMetadata([], [], [], smap, bt.view(b, self.width).int(), slens.int(), qsl, 1)
         lora = None
         if num_slots:
             empty = torch.zeros(0, dtype=torch.long)
-            lora = LoraMapping(tslots, empty, empty, False, (), in_graph=True, grouped=(order, tstarts, tile_slots),
-                               num_slots=num_slots)
+            lora = LoraMapping(
+                tslots,
+                empty,
+                empty,
+                False,
+                (),
+                in_graph=True,
+                grouped=(order, tstarts, tile_slots),
+                num_slots=num_slots,
+            )
         hidden = model(ids, pos, kv_layers, meta, lora=lora)  # [b, hidden]
         return model.compute_logits(hidden, lora=lora)  # [b, vocab] float32
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, kv_layers: list, scratch_slot: int, width: int,
-                 max_batch: int, with_lora: bool, device: torch.device, max_loras: int = 0) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_layers: list,
+        scratch_slot: int,
+        width: int,
+        max_batch: int,
+        with_lora: bool,
+        device: torch.device,
+        max_loras: int = 0,
+    ) -> None:
         self.model, self.kv_layers, self.scratch_slot, self.width = model, kv_layers, scratch_slot, width
         self.buckets = [b for b in BUCKETS if b <= max_batch] or [1]
         self.device, self.max_loras = device, max_loras
         # slot bucket (0: no LoRA) -> batch bucket -> graph
-        self.sets: dict[int, dict[int, DecodeGraph]] = {n: {} for n in [0] + (slot_buckets(max_loras) if with_lora else [])}
+        self.sets: dict[int, dict[int, DecodeGraph]] = {
+            n: {} for n in [0] + (slot_buckets(max_loras) if with_lora else [])
+        }
         self.pool = None
         self.replays = 0
 
@@ -103,8 +123,13 @@ class DecodeGraphs:
             r.num_scheduled_tokens == 1 and r.samples and len(r.block_ids) <= self.width for r in reqs
         )
 
-    def run(self, reqs: Sequence[ReqState], block_size: int, staging: PinnedStaging,
-            prev_token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def run(
+        self,
+        reqs: Sequence[ReqState],
+        block_size: int,
+        staging: PinnedStaging,
+        prev_token_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits [len(reqs), vocab] float32 of one decode step, by graph replay. Placeholder ids
         come from `prev_token_ids` [num_prev_sampling] int64, written into the static row on the
         device before the replay. The logits are the graph's static buffer: the next replay
@@ -129,12 +154,21 @@ class DecodeGraphs:
 
 def _log_tuning(batch: int, num_slots: int, timings: dict) -> None:
     for shape, (torch_us, chosen_us, _) in timings.items():
-        log.info("decode GEMM %dx%dx%d (batch %d, %d slots): F.linear %.1f us, chosen %.1f us",
-                 shape.m, shape.n, shape.k, batch, num_slots, torch_us, chosen_us)
+        log.info(
+            "decode GEMM %dx%dx%d (batch %d, %d slots): F.linear %.1f us, chosen %.1f us",
+            shape.m,
+            shape.n,
+            shape.k,
+            batch,
+            num_slots,
+            torch_us,
+            chosen_us,
+        )
 
 
-def decode_row(reqs: Sequence[ReqState], bucket: int, width: int, block_size: int, scratch_slot: int,
-               num_tiles: int | None) -> list[list[int]]:
+def decode_row(
+    reqs: Sequence[ReqState], bucket: int, width: int, block_size: int, scratch_slot: int, num_tiles: int | None
+) -> list[list[int]]:
     """The parts of a DecodeGraph's input row for `reqs` padded to `bucket` rows: token ids,
     positions, KV slots, adapter slots, sequence lengths, the grouped layout (when num_tiles is
     given: the LoRA set) and the block tables padded to `width`."""

@@ -12,7 +12,12 @@ CPU_KV_BUDGET_BYTES = 2 * 1024**3
 
 class KVCache:
     def __init__(
-        self, model_cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+        self,
+        model_cfg: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
         scratch_blocks: int = 0,
     ) -> None:
         """`scratch_blocks` extra blocks past `num_blocks` (ids num_blocks...) take the KV writes of

@@ -53,8 +53,14 @@ def main(argv: list[str] | None = None) -> int:
         runner.close()
 
 
-def serve(runner: ModelRunner, rank: int, inbox: zmq.Socket, outbox: zmq.Socket, log: logging.Logger,
-          overlap_loading: bool = False) -> int:
+def serve(
+    runner: ModelRunner,
+    rank: int,
+    inbox: zmq.Socket,
+    outbox: zmq.Socket,
+    log: logging.Logger,
+    overlap_loading: bool = False,
+) -> int:
     """Apply the commands in order and send their replies. A StepPlan is launched as it arrives
     and completed (its replies sent) once the next plan is launched, once the device finished it
     with no command waiting, or before any other command (with `overlap_loading`, before a
@@ -101,7 +107,7 @@ def serve(runner: ModelRunner, rank: int, inbox: zmq.Socket, outbox: zmq.Socket,
             outbox.send(codec.encode(reply))
 
 
-def wait_for_command(inbox: zmq.Socket, step: InFlightStep, loads: "LoadReplies") -> bool:
+def wait_for_command(inbox: zmq.Socket, step: InFlightStep, loads: LoadReplies) -> bool:
     """Spin until a command is waiting (True) or the device finished `step` (False). A plan that
     arrives while the step runs is launched behind it, so the device never waits for the host.
     While loads run, their replies go out as they end, and each turn really sleeps a little,

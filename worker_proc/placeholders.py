@@ -24,7 +24,7 @@ class SampledRows:
     rows: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @staticmethod
-    def of(token_ids: torch.Tensor, reqs: Sequence[ReqState]) -> "SampledRows":
+    def of(token_ids: torch.Tensor, reqs: Sequence[ReqState]) -> SampledRows:
         """reqs: the step's sampling requests, in the order of token_ids' rows."""
         return SampledRows(token_ids, {r.req_id: (i, r.num_tokens_after_step) for i, r in enumerate(reqs)})
 
@@ -40,6 +40,8 @@ def mark_placeholder(req: ReqState, prev: SampledRows) -> None:
     if sampled_index != len(req.token_ids):
         return
     if req.sampling.penalised:
-        raise ValueError(f"token {len(req.token_ids)} is scheduled before its id is known, but penalties "
-                         "need it on the host: a penalised request can't be scheduled ahead")
+        raise ValueError(
+            f"token {len(req.token_ids)} is scheduled before its id is known, but penalties "
+            "need it on the host: a penalised request can't be scheduled ahead"
+        )
     req.placeholder_row = row

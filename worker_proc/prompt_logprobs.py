@@ -116,11 +116,17 @@ def finish(pending: PendingPromptLogprobs) -> tuple[list[PromptLogprobs], list[F
         values, tops = chosen[row:end], [v[: span.num_top] for v in top_values[row:end]]
         if any(math.isnan(v) for v in values) or any(math.isnan(v) for top in tops for v in top):
             last = span.start + span.num_rows - 1
-            failed.append(FailedReq(span.req_id, f"the logprobs of prompt positions {span.start}..{last} hold a NaN "
-                                                 "(the model's logits are not finite)"))
+            failed.append(
+                FailedReq(
+                    span.req_id,
+                    f"the logprobs of prompt positions {span.start}..{last} hold a NaN "
+                    "(the model's logits are not finite)",
+                )
+            )
         else:
             ids = [t[: span.num_top] for t in top_ids[row:end]] if span.num_top else []
-            reports.append(PromptLogprobs(span.req_id, span.start, values, ranks[row:end], ids,
-                                          tops if span.num_top else []))
+            reports.append(
+                PromptLogprobs(span.req_id, span.start, values, ranks[row:end], ids, tops if span.num_top else [])
+            )
         row = end
     return reports, failed

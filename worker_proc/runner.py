@@ -17,9 +17,18 @@ import torch
 import xxhash
 
 from ledgerserve.shared import env
-from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.adapter_format import BaseShapes
-from ledgerserve.shared.events import CachedReq, FailedReq, NewReq, RankDigest, SampledToken, StepCompleted, StepPlan, WorkerReady
+from ledgerserve.shared.config import EngineConfig
+from ledgerserve.shared.events import (
+    CachedReq,
+    FailedReq,
+    NewReq,
+    RankDigest,
+    SampledToken,
+    StepCompleted,
+    StepPlan,
+    WorkerReady,
+)
 from ledgerserve.worker_proc import prompt_logprobs
 from ledgerserve.worker_proc.adapter_commands import AdapterCommands
 from ledgerserve.worker_proc.batch import ReqState, build_batch, check_fault, validate_req
@@ -70,8 +79,14 @@ class ModelRunner(AdapterCommands):
         self.lora = self._build_lora() if config.enable_lora else None  # before KV sizing: its buffers count
         num_blocks = num_kv_blocks(config, self.model_cfg, self.dtype, self.device)
         use_graphs = self.device.type == "cuda" and not config.enforce_eager and self.dtype in FAST_DTYPES
-        self.kv_cache = KVCache(self.model_cfg, num_blocks, config.block_size, self.dtype, self.device,
-                                scratch_blocks=1 if use_graphs else 0)
+        self.kv_cache = KVCache(
+            self.model_cfg,
+            num_blocks,
+            config.block_size,
+            self.dtype,
+            self.device,
+            scratch_blocks=1 if use_graphs else 0,
+        )
         self.sampler = Sampler(self.eos_token_ids, config.seed, self.device)
         self.reqs: dict[str, ReqState] = {}
         self.prev_sampled = SampledRows()  # the last launched step's, for placeholders
@@ -79,8 +94,16 @@ class ModelRunner(AdapterCommands):
         self.graphs: DecodeGraphs | None = None
         if use_graphs:
             width = -(-config.max_model_len // config.block_size)
-            self.graphs = DecodeGraphs(self.model, self.kv_cache.layers, num_blocks * config.block_size, width,
-                                       config.max_num_seqs, config.enable_lora, self.device, config.max_loras)
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.kv_cache.layers,
+                num_blocks * config.block_size,
+                width,
+                config.max_num_seqs,
+                config.enable_lora,
+                self.device,
+                config.max_loras,
+            )
             self.graphs.capture()
         if self.device.type == "cuda":
             self.warm_up()
@@ -96,8 +119,9 @@ class ModelRunner(AdapterCommands):
         them: the Triton kernels of prefill, mixed batches and sampling are compiled before the
         first request, not during it."""
         slot = 0 if self.lora is not None else -1
-        batches = warm_up_batches(self.config.block_size, self.kv_cache.num_blocks, self.config.max_model_len,
-                                  self.model_cfg.vocab_size, slot)
+        batches = warm_up_batches(
+            self.config.block_size, self.kv_cache.num_blocks, self.config.max_model_len, self.model_cfg.vocab_size, slot
+        )
         with self.lora.zero_adapter(slot) if self.lora is not None else contextlib.nullcontext():
             for reqs in batches:
                 logits, sampling, _ = self._forward(reqs, use_graphs=False)  # the graphs compiled theirs
@@ -142,8 +166,10 @@ class ModelRunner(AdapterCommands):
         """Read back a launched step's sampled tokens (its one device -> host sync)."""
         sampled = []
         if step.pending is not None:
-            sampled = [SampledToken(req_id, s.token_id, s.logprobs)
-                       for req_id, s in zip(step.sampling_req_ids, self.sampler.finish(step.pending))]
+            sampled = [
+                SampledToken(req_id, s.token_id, s.logprobs)
+                for req_id, s in zip(step.sampling_req_ids, self.sampler.finish(step.pending))
+            ]
         prompt, failed = prompt_logprobs.finish(step.prompt) if step.prompt is not None else ([], [])
         completed = StepCompleted(step.step, self.rank, sampled if self.rank == 0 else [], step.failed + failed, prompt)
         return completed, step.digest
@@ -165,7 +191,9 @@ class ModelRunner(AdapterCommands):
             try:
                 req = self._update_req(update)
                 new_blocks = update.block_ids if isinstance(update, NewReq) else update.new_block_ids
-                validate_req(req, new_blocks, self.config.block_size, self.kv_cache.num_blocks, self.config.max_model_len)
+                validate_req(
+                    req, new_blocks, self.config.block_size, self.kv_cache.num_blocks, self.config.max_model_len
+                )
                 self._check_slot(req.lora_slot)
                 check_fault(req, self.fault_token_id)
             except ValueError as e:
@@ -204,8 +232,9 @@ class ModelRunner(AdapterCommands):
         mark_placeholder(req, self.prev_sampled)
         return req
 
-    def _forward(self, scheduled: list[ReqState], use_graphs: bool = True
-                 ) -> tuple[torch.Tensor | None, list[ReqState], torch.Tensor | None]:
+    def _forward(
+        self, scheduled: list[ReqState], use_graphs: bool = True
+    ) -> tuple[torch.Tensor | None, list[ReqState], torch.Tensor | None]:
         """Queue the step's forward pass: the logits [num_sampling, vocab] float32 of the requests
         that sample this step (None if none does), those requests, and the final hidden states
         [num_tokens, hidden] (None from a CUDA graph: a pure decode step has no prompt rows)."""
@@ -224,8 +253,9 @@ class ModelRunner(AdapterCommands):
         logits = self.model.compute_logits(hidden[batch.sample_indices], sample_slots, sample_lora)
         return logits, batch.sampling_reqs, hidden
 
-    def _launch_prompt_logprobs(self, scheduled: list[ReqState], hidden: torch.Tensor | None
-                                ) -> prompt_logprobs.PendingPromptLogprobs | None:
+    def _launch_prompt_logprobs(
+        self, scheduled: list[ReqState], hidden: torch.Tensor | None
+    ) -> prompt_logprobs.PendingPromptLogprobs | None:
         rows = prompt_logprobs.prompt_rows(scheduled)
         if not rows.spans:
             return None

@@ -60,7 +60,7 @@ class HostCopy:
     ready: torch.cuda.Event | None  # None on CPU: the tensors are the host tensors
 
     @staticmethod
-    def of(*tensors: torch.Tensor) -> "HostCopy":
+    def of(*tensors: torch.Tensor) -> HostCopy:
         if tensors[0].device.type != "cuda":
             return HostCopy(tensors, None)
         host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors)
@@ -130,8 +130,10 @@ class Sampler:
         if len(host) == 1:
             return [SampleResult(t, None) for t in token_ids]
         chosen, top_values, top_ids = host[1].tolist(), host[2].tolist(), host[3].tolist()
-        return [SampleResult(t, token_logprobs(chosen[i], top_ids[i], top_values[i], req.params.logprobs))
-                for i, (t, req) in enumerate(zip(token_ids, pending.reqs))]
+        return [
+            SampleResult(t, token_logprobs(chosen[i], top_ids[i], top_values[i], req.params.logprobs))
+            for i, (t, req) in enumerate(zip(token_ids, pending.reqs))
+        ]
 
     def _choose(self, logits: torch.Tensor, reqs: Sequence[SamplingReq]) -> torch.Tensor:  # [num_reqs]
         token_ids = ops.argmax(logits)
@@ -239,7 +241,9 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
-def token_logprobs(chosen: float, top_ids: list[int], top_values: list[float], num_top: int | None) -> TokenLogprobs | None:
+def token_logprobs(
+    chosen: float, top_ids: list[int], top_values: list[float], num_top: int | None
+) -> TokenLogprobs | None:
     """One request's logprobs from the step's host copies: its sampled token's, and the first
     `num_top` of the step's top-k (the largest k any request asked for), all from the log_softmax
     of the unmodified logits. None when the request asked for none."""

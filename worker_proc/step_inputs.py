@@ -64,8 +64,9 @@ class PinnedStaging:
         self.copied.record()
         return _views(dev, parts)
 
-    def upload_into(self, dst: torch.Tensor, parts: list[list[int]], extra: list[list[int]] | None = None
-                    ) -> list[torch.Tensor]:
+    def upload_into(
+        self, dst: torch.Tensor, parts: list[list[int]], extra: list[list[int]] | None = None
+    ) -> list[torch.Tensor]:
         """One H2D copy of `parts`, concatenated, into the device int64 tensor `dst` (as many elements);
         the lists in `extra`, if any, follow from the same pinned buffer in a second copy, as device views."""
         extra = extra or []

@@ -15,8 +15,9 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0, logprobs=2)
 PENALISED = SamplingParams(max_tokens=4, temperature=0.0, repetition_penalty=1.1, min_tokens=2, logprobs=0)
 
 
-def warm_up_batches(block_size: int, num_blocks: int, max_model_len: int, vocab_size: int,
-                    lora_slot: int) -> list[list[ReqState]]:
+def warm_up_batches(
+    block_size: int, num_blocks: int, max_model_len: int, vocab_size: int, lora_slot: int
+) -> list[list[ReqState]]:
     """Batches of (num_computed, num_tokens) shapes a serving step takes: fresh prefills, prefills
     over a cached prefix, one beside a decode row (a mixed batch), and a lone decode row.
     Adapter rows use `lora_slot` (-1: LoRA off). Batches that don't fit the pool or
@@ -35,8 +36,18 @@ def warm_up_batches(block_size: int, num_blocks: int, max_model_len: int, vocab_
             num_req_blocks = -(-num_tokens // block_size)
             token_ids = [(7 * i + t) % vocab_size for t in range(num_tokens)]
             block_ids = list(range(next_block, next_block + num_req_blocks))
-            reqs.append(ReqState(f"warm-up-{i}", token_ids, min(num_tokens, block_size), sampling, block_ids,
-                                 num_computed, num_tokens - num_computed, slot))
+            reqs.append(
+                ReqState(
+                    f"warm-up-{i}",
+                    token_ids,
+                    min(num_tokens, block_size),
+                    sampling,
+                    block_ids,
+                    num_computed,
+                    num_tokens - num_computed,
+                    slot,
+                )
+            )
             next_block += num_req_blocks
         if next_block <= num_blocks and all(len(r.token_ids) <= max_model_len for r in reqs):
             batches.append(reqs)

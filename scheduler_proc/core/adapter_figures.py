@@ -32,8 +32,13 @@ class ReqWait:
     wait_ms: float | None
 
     def to_json(self) -> dict[str, Any]:
-        return {"req_id": self.req_id, "adapter": self.name, "hit": self.hit, "wait_steps": self.wait_steps,
-                "wait_ms": _round(self.wait_ms)}
+        return {
+            "req_id": self.req_id,
+            "adapter": self.name,
+            "hit": self.hit,
+            "wait_steps": self.wait_steps,
+            "wait_ms": _round(self.wait_ms),
+        }
 
 
 @dataclass
@@ -87,9 +92,12 @@ class AdapterFigures:
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,
             "loads": {tier_name: self.num_loads.get(tier_name, 0) for tier_name in SOURCE_TIERS},
-            "load_ms": {"count": num_loads, "total": _round(self.load_ms_total),
-                        "mean": _round(self.load_ms_total / num_loads if num_loads else 0.0),
-                        "max": _round(self.load_ms_max)},
+            "load_ms": {
+                "count": num_loads,
+                "total": _round(self.load_ms_total),
+                "mean": _round(self.load_ms_total / num_loads if num_loads else 0.0),
+                "max": _round(self.load_ms_max),
+            },
             "num_stagings": self.num_stagings,
             "slot_hits": self.num_hits,
             "slot_misses": self.num_misses,

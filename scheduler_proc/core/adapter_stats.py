@@ -23,9 +23,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from ledgerserve.scheduler_proc.core.adapter_figures import (
+    AdapterFigures,
+    LoadRecord,
+    PendingLoad,
+    ReqState,
+    ReqWait,
+    VersionState,
+)
 from ledgerserve.shared import events as ev
-
-from ledgerserve.scheduler_proc.core.adapter_figures import AdapterFigures, LoadRecord, PendingLoad, ReqState, ReqWait, VersionState
 
 __all__ = ["AdapterFigures", "AdapterStats", "LoadRecord", "ReqWait"]
 
@@ -54,8 +60,17 @@ class AdapterStats:
 
     def row(self, name: str) -> ev.AdapterRow:
         fig = self.figures[name]
-        return ev.AdapterRow(fig.name, fig.version_id, self.tier(fig.version_id), fig.pinned, fig.num_running,
-                             fig.num_waiting, fig.num_prompt_tokens, fig.num_generated_tokens, fig.num_cached_tokens)
+        return ev.AdapterRow(
+            fig.name,
+            fig.version_id,
+            self.tier(fig.version_id),
+            fig.pinned,
+            fig.num_running,
+            fig.num_waiting,
+            fig.num_prompt_tokens,
+            fig.num_generated_tokens,
+            fig.num_cached_tokens,
+        )
 
     def tier(self, version_id: int) -> str:
         version = self._versions.get(version_id)
@@ -191,9 +206,17 @@ class AdapterStats:
         version = self._versions.get(fig.version_id) if fig is not None else None
         if fig is None or version is None:
             return  # the base model, or an unknown adapter (rejected)
-        self._reqs[event.req_id] = ReqState(event.req_id, fig.name, version.version_id, fig.registration, self.step,
-                                            event.arrival_time_s, len(event.prompt_token_ids), version.is_ready,
-                                            version.num_readies)
+        self._reqs[event.req_id] = ReqState(
+            event.req_id,
+            fig.name,
+            version.version_id,
+            fig.registration,
+            self.step,
+            event.arrival_time_s,
+            len(event.prompt_token_ids),
+            version.is_ready,
+            version.num_readies,
+        )
         version.num_reqs += 1
         fig.num_waiting += 1
         self._mark(fig.name)

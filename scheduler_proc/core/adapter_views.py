@@ -25,8 +25,12 @@ def check_adapters(manager: AdapterManager, live_reqs: list[Request]) -> None:
         if req.version_id:
             num_reqs[req.version_id] = num_reqs.get(req.version_id, 0) + 1
     for slot in manager.slots.slots:
-        _check_slot(slot, num_pins[slot.index], manager.versions.get(slot.version_id), manager.config.tensor_parallel_size)
-        if slot.state != SlotState.FREE and (manager.slots.find(slot.version_id) != slot.index or slot.version_id not in manager.cpu_last_used_step):
+        _check_slot(
+            slot, num_pins[slot.index], manager.versions.get(slot.version_id), manager.config.tensor_parallel_size
+        )
+        if slot.state != SlotState.FREE and (
+            manager.slots.find(slot.version_id) != slot.index or slot.version_id not in manager.cpu_last_used_step
+        ):
             raise RuntimeError(f"slot {slot.index}: version {slot.version_id} is in two slots or not in the CPU tier")
     if not manager.config.lora_overlap_loading and (manager.slots.num_loading or manager.cpu_staged_ranks):
         raise RuntimeError("a slot loads, or a staging is tracked, with overlapped loading off")
@@ -34,7 +38,10 @@ def check_adapters(manager: AdapterManager, live_reqs: list[Request]) -> None:
     for version_id in sorted(manager.versions):
         version = manager.versions[version_id]
         if version.num_reqs != num_reqs.get(version_id, 0):
-            raise RuntimeError(f"adapter version {version_id} counts {version.num_reqs} requests, {num_reqs.get(version_id, 0)} hold it")
+            raise RuntimeError(
+                f"adapter version {version_id} counts {version.num_reqs} requests, "
+                f"{num_reqs.get(version_id, 0)} hold it"
+            )
         if version.is_registered != (manager.registry.get(version.name) == version_id):
             raise RuntimeError(f"adapter version {version_id} and the registry disagree")
     for name in sorted(manager.registry):
@@ -74,8 +81,10 @@ def _check_drains(manager: AdapterManager, live_reqs: list[Request]) -> None:
         else:
             is_kept = slot.state in (SlotState.LOADED, SlotState.PINNED) and manager.slots.find(target) < 0
         if not (manager.config.drains_slots and is_kept and waits) or target in targets:
-            raise RuntimeError(f"slot {slot.index} ({slot.state.name}, version {slot.version_id}) drains for "
-                               f"version {target}: not a mark the policy keeps")
+            raise RuntimeError(
+                f"slot {slot.index} ({slot.state.name}, version {slot.version_id}) drains for "
+                f"version {target}: not a mark the policy keeps"
+            )
         targets.append(target)
 
 
@@ -88,8 +97,15 @@ def _check_cpu_tier(manager: AdapterManager) -> None:
             raise RuntimeError(f"the CPU tier holds dropped version {version_id}")
     for version_id in sorted(manager.cpu_staged_ranks):
         ranks = manager.cpu_staged_ranks[version_id]
-        if version_id not in tier or not _ascending(ranks) or not 0 <= ranks[0] <= ranks[-1] < manager.config.tensor_parallel_size:
-            raise RuntimeError(f"version {version_id} is noted staged on ranks {ranks}: not in the CPU tier, or ranks out of order or range")
+        if (
+            version_id not in tier
+            or not _ascending(ranks)
+            or not 0 <= ranks[0] <= ranks[-1] < manager.config.tensor_parallel_size
+        ):
+            raise RuntimeError(
+                f"version {version_id} is noted staged on ranks {ranks}: "
+                "not in the CPU tier, or ranks out of order or range"
+            )
 
 
 def _check_req_slot(req: Request, slots: SlotTable) -> None:
@@ -97,12 +113,16 @@ def _check_req_slot(req: Request, slots: SlotTable) -> None:
     if req.version_id and running and (req.lora_slot < 0 or slots.slots[req.lora_slot].version_id != req.version_id):
         raise RuntimeError(f"running request {req.req_id!r} of version {req.version_id} is in slot {req.lora_slot}")
     if req.lora_slot >= 0 and not (running and req.version_id):
-        raise RuntimeError(f"request {req.req_id!r} ({req.status.name}, version {req.version_id}) holds slot {req.lora_slot}")
+        raise RuntimeError(
+            f"request {req.req_id!r} ({req.status.name}, version {req.version_id}) holds slot {req.lora_slot}"
+        )
 
 
 def _check_slot(slot: Slot, num_pins: int, version: AdapterVersion | None, num_ranks: int) -> None:
     if slot.num_pins != num_pins or (slot.state == SlotState.PINNED) != (num_pins > 0):
-        raise RuntimeError(f"slot {slot.index} ({slot.state.name}) has {slot.num_pins} pins, {num_pins} running requests use it")
+        raise RuntimeError(
+            f"slot {slot.index} ({slot.state.name}) has {slot.num_pins} pins, {num_pins} running requests use it"
+        )
     loading = slot.state == SlotState.LOADING
     if slot.ready_ranks and (not loading or len(slot.ready_ranks) >= num_ranks or not _ascending(slot.ready_ranks)):
         raise RuntimeError(f"slot {slot.index} ({slot.state.name}) lists ranks {slot.ready_ranks} done of {num_ranks}")
@@ -132,7 +152,9 @@ def rows(manager: AdapterManager) -> list[Any]:
         out.append([[v, list(manager.cpu_staged_ranks[v])] for v in sorted(manager.cpu_staged_ranks)])
     if manager.config.drains_slots and manager.config.enable_lora:
         out.append(manager.slots.drain_rows())
-    marks = [[v.version_id, v.pinned, v.on_demand, v.last_used] for v in _sorted_versions(manager) if v.pinned or v.on_demand]
+    marks = [
+        [v.version_id, v.pinned, v.on_demand, v.last_used] for v in _sorted_versions(manager) if v.pinned or v.on_demand
+    ]
     if marks:  # user pins and on-demand marks; absent when there are none, as in older logs' digests
         out.append([marks, manager.num_uses])
     return out
@@ -144,12 +166,27 @@ def snapshot(manager: AdapterManager) -> dict[str, Any]:
     return {
         "registry": {name: manager.registry[name] for name in sorted(manager.registry)},
         "versions": [
-            {"version_id": v.version_id, "name": v.name, "path": v.path, "is_registered": v.is_registered, "num_reqs": v.num_reqs,
-             "pinned": v.pinned, "on_demand": v.on_demand, "last_used": v.last_used, "lineage_id": v.lineage_id}
+            {
+                "version_id": v.version_id,
+                "name": v.name,
+                "path": v.path,
+                "is_registered": v.is_registered,
+                "num_reqs": v.num_reqs,
+                "pinned": v.pinned,
+                "on_demand": v.on_demand,
+                "last_used": v.last_used,
+                "lineage_id": v.lineage_id,
+            }
             for v in _sorted_versions(manager)
         ],
         "slots": [
-            {"slot": s.index, "state": s.state.name, "version_id": s.version_id, "num_pins": s.num_pins, "last_used_step": s.last_used_step}
+            {
+                "slot": s.index,
+                "state": s.state.name,
+                "version_id": s.version_id,
+                "num_pins": s.num_pins,
+                "last_used_step": s.last_used_step,
+            }
             for s in manager.slots.slots
         ],
         "cpu_tier": [[v, tier[v]] for v in sorted(tier)],
@@ -158,11 +195,16 @@ def snapshot(manager: AdapterManager) -> dict[str, Any]:
         "on_demand_use_clock": manager.num_uses,
         "loads_in_flight": [
             {"slot": s.index, "version_id": s.version_id, "ready_ranks": list(s.ready_ranks)}
-            for s in manager.slots.slots if s.state == SlotState.LOADING
+            for s in manager.slots.slots
+            if s.state == SlotState.LOADING
         ],
-        "drains": [{"slot": row[0], "version_id": row[1], "for_version_id": row[2]} for row in manager.slots.drain_rows()],
+        "drains": [
+            {"slot": row[0], "version_id": row[1], "for_version_id": row[2]} for row in manager.slots.drain_rows()
+        ],
         "cpu_tier_bytes": manager.cpu_tier_bytes,
-        "cpu_staged_on_every_rank": [v for v in sorted(manager.cpu_staged_ranks) if len(manager.cpu_staged_ranks[v]) == num_ranks],
+        "cpu_staged_on_every_rank": [
+            v for v in sorted(manager.cpu_staged_ranks) if len(manager.cpu_staged_ranks[v]) == num_ranks
+        ],
     }
 
 

@@ -21,13 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ledgerserve.shared import events as ev
-
 from ledgerserve.scheduler_proc.core import adapter_views, marks
 from ledgerserve.scheduler_proc.core.config import CoreConfig
 from ledgerserve.scheduler_proc.core.request import Request
 from ledgerserve.scheduler_proc.core.scheduler import distinct
 from ledgerserve.scheduler_proc.core.slots import Slot, SlotState, SlotTable, lru_victim
+from ledgerserve.shared import events as ev
 
 Decisions = list[Any]
 
@@ -122,10 +121,18 @@ class AdapterManager:
 
     def load(self, event: ev.AdapterLoadRequested, step: int) -> Decisions:
         if not self.config.enable_lora:
-            return [self._reply(event.op_id, 400, "LoRA is disabled; start the server with --enable-lora to load adapters.")]
+            return [
+                self._reply(event.op_id, 400, "LoRA is disabled; start the server with --enable-lora to load adapters.")
+            ]
         old_version_id = self.registry.get(event.name, 0)
         if old_version_id and not event.load_inplace:
-            return [self._reply(event.op_id, 400, f"The lora adapter '{event.name}' has already been loaded; pass load_inplace=true to replace it.")]
+            return [
+                self._reply(
+                    event.op_id,
+                    400,
+                    f"The lora adapter '{event.name}' has already been loaded; pass load_inplace=true to replace it.",
+                )
+            ]
         refusal = marks.refusal(self, event, old_version_id)
         if refusal is not None:
             return [self._reply(event.op_id, *refusal)]
@@ -133,9 +140,16 @@ class AdapterManager:
         self._num_versions += 1
         version_id = self._num_versions
         self.versions[version_id] = AdapterVersion(
-            version_id, event.name, event.path, event.max_rank, event.num_bytes, content_digest=event.content_digest,
-            pinned=event.pinned, on_demand=event.on_demand,
-            lineage_id=self.versions[old_version_id].lineage_id if old_version_id else version_id)
+            version_id,
+            event.name,
+            event.path,
+            event.max_rank,
+            event.num_bytes,
+            content_digest=event.content_digest,
+            pinned=event.pinned,
+            on_demand=event.on_demand,
+            lineage_id=self.versions[old_version_id].lineage_id if old_version_id else version_id,
+        )
         self.registry[event.name] = version_id
         self.note_use(version_id)
         decisions.append(ev.AdapterRegistered(event.name, version_id, event.path, old_version_id, event.content_digest))
@@ -153,11 +167,17 @@ class AdapterManager:
         if victim is None:
             raise RuntimeError("no idle on-demand adapter to unregister: the load should have been refused")
         del self.registry[victim.name]
-        return [ev.AdapterUnloaded(victim.name, victim.version_id, marks.LRU_REASON)] + self._unregister(victim.version_id)
+        return [ev.AdapterUnloaded(victim.name, victim.version_id, marks.LRU_REASON)] + self._unregister(
+            victim.version_id
+        )
 
     def unload(self, event: ev.AdapterUnloadRequested) -> Decisions:
         if not self.config.enable_lora:
-            return [self._reply(event.op_id, 400, "LoRA is disabled; start the server with --enable-lora to unload adapters.")]
+            return [
+                self._reply(
+                    event.op_id, 400, "LoRA is disabled; start the server with --enable-lora to unload adapters."
+                )
+            ]
         version_id = self.registry.pop(event.name, 0)
         if not version_id:
             return [self._reply(event.op_id, 404, f"The lora adapter '{event.name}' cannot be found.")]
@@ -234,7 +254,11 @@ class AdapterManager:
         needed = distinct([req.version_id for req in reqs if req.version_id])
         decisions: Decisions = []
         for version_id in needed:
-            decisions += self._use_slot(version_id, step) if self.config.lora_overlap_loading else self._ensure_slot(version_id, needed, step)
+            decisions += (
+                self._use_slot(version_id, step)
+                if self.config.lora_overlap_loading
+                else self._ensure_slot(version_id, needed, step)
+            )
         for req in reqs:
             if req.version_id and req.lora_slot < 0:
                 req.lora_slot = self.slots.find(req.version_id)
@@ -254,7 +278,9 @@ class AdapterManager:
         if index < 0:
             victim = lru_victim(self.slots.slots, needed + self.pinned_versions())
             if victim is None:
-                raise RuntimeError(f"no GPU slot for adapter version {version_id}: the step holds more than max_loras adapters")
+                raise RuntimeError(
+                    f"no GPU slot for adapter version {version_id}: the step holds more than max_loras adapters"
+                )
             index = victim.index
             if victim.state == SlotState.LOADED:
                 decisions.append(ev.AdapterEvicted(index, self.slots.evict(index)))

@@ -190,7 +190,9 @@ class BlockManager:
         for k in range(len(path), num_full):
             parent = path[-1] if path else None
             block_id = req.block_ids[k]
-            node = self.cache.insert(req.namespace, parent, token_ids[k * self.block_size : (k + 1) * self.block_size], block_id, step)
+            node = self.cache.insert(
+                req.namespace, parent, token_ids[k * self.block_size : (k + 1) * self.block_size], block_id, step
+            )
             if node is None:
                 break
             self.pool.disown(block_id, req.req_id)

@@ -6,8 +6,18 @@ from dataclasses import dataclass
 
 from ledgerserve.shared.config import EngineConfig
 
-_POSITIVE = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "tensor_parallel_size", "max_loras", "max_cpu_loras", "lora_max_wait_steps", "max_steps_in_flight",
-             "max_on_demand_loras")
+_POSITIVE = (
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "block_size",
+    "max_model_len",
+    "tensor_parallel_size",
+    "max_loras",
+    "max_cpu_loras",
+    "lora_max_wait_steps",
+    "max_steps_in_flight",
+    "max_on_demand_loras",
+)
 
 
 @dataclass(frozen=True)
@@ -38,6 +48,7 @@ class CoreConfig:
     def drains_slots(self) -> bool:
         """Whether the targeted-drain policy is on (it needs overlapped loading)."""
         return self.lora_overlap_loading and self.lora_targeted_drain
+
     max_on_demand_loras: int = 64  # adapters registered on demand at once; past it the LRU idle one goes
 
     def __post_init__(self) -> None:
@@ -54,7 +65,7 @@ class CoreConfig:
                 raise ValueError(f"CoreConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
     @staticmethod
-    def from_engine(cfg: EngineConfig) -> "CoreConfig":
+    def from_engine(cfg: EngineConfig) -> CoreConfig:
         return CoreConfig(
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,

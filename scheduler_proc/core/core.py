@@ -10,8 +10,6 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from ledgerserve.shared import events as ev
-
 from ledgerserve.scheduler_proc.core import digest, drain, movement, pins, prefetch, prefix, prompt_logprobs
 from ledgerserve.scheduler_proc.core.adapters import AdapterManager
 from ledgerserve.scheduler_proc.core.block_manager import BlockAccounting, BlockManager
@@ -20,6 +18,7 @@ from ledgerserve.scheduler_proc.core.finish import admission_error, check_stop
 from ledgerserve.scheduler_proc.core.plan import InFlightStep, build_plan
 from ledgerserve.scheduler_proc.core.request import FINISH_REASON_TO_STATUS, Request, RequestStatus, transition
 from ledgerserve.scheduler_proc.core.scheduler import Scheduler
+from ledgerserve.shared import events as ev
 
 Decisions = list[Any]  # list[events.Decision]
 
@@ -101,7 +100,9 @@ class Core:
             self.scheduler.block_manager.check_integrity(tables)
         for req in self.scheduler.running:
             if len(req.block_ids) * self.config.block_size < req.num_computed_tokens:
-                raise RuntimeError(f"{req.req_id!r} holds {len(req.block_ids)} blocks for {req.num_computed_tokens} computed tokens")
+                raise RuntimeError(
+                    f"{req.req_id!r} holds {len(req.block_ids)} blocks for {req.num_computed_tokens} computed tokens"
+                )
         queued = list(self.scheduler.waiting) + self.scheduler.running
         if len(queued) != len(self.requests) or any(self.requests.get(r.req_id) is not r for r in queued):
             raise RuntimeError("queues and the request table disagree")
@@ -109,8 +110,13 @@ class Core:
 
     def state_rows(self) -> list[Any]:
         """What the next StateDigest hashes, as plain data."""
-        return digest.state_rows(self.step, self.scheduler, self._live_requests(), self.adapters,
-                                 with_in_flight=self.config.max_steps_in_flight > 1)
+        return digest.state_rows(
+            self.step,
+            self.scheduler,
+            self._live_requests(),
+            self.adapters,
+            with_in_flight=self.config.max_steps_in_flight > 1,
+        )
 
     def snapshot(self) -> dict[str, Any]:
         in_flight_steps = [step.step for step in self.in_flight]
@@ -146,7 +152,9 @@ class Core:
 
     def _on_worker_ready(self, event: ev.WorkerReady) -> Decisions:
         if not 0 <= event.rank < self.config.tensor_parallel_size:
-            return self._fail(f"WorkerReady from rank {event.rank}, but tensor_parallel_size is {self.config.tensor_parallel_size}")
+            return self._fail(
+                f"WorkerReady from rank {event.rank}, but tensor_parallel_size is {self.config.tensor_parallel_size}"
+            )
         if event.rank in self.ready:
             return self._fail(f"rank {event.rank} reported ready twice")
         self.ready[event.rank] = event
@@ -165,17 +173,33 @@ class Core:
 
     def _on_request_arrived(self, event: ev.RequestArrived) -> Decisions:
         if event.req_id in self.requests or event.req_id in self.finished_req_ids:
-            return [ev.RequestRejected(event.req_id, f"Request id {event.req_id!r} is already in use.", param="request_id")]
+            return [
+                ev.RequestRejected(event.req_id, f"Request id {event.req_id!r} is already in use.", param="request_id")
+            ]
         version_id = 0 if event.lora_name is None else self.adapters.resolve(event.lora_name)
         if version_id is None:
-            return [ev.RequestRejected(event.req_id, f"The model `{event.lora_name}` does not exist.", code=404, param="model")]
+            return [
+                ev.RequestRejected(
+                    event.req_id, f"The model `{event.lora_name}` does not exist.", code=404, param="model"
+                )
+            ]
         if event.lora_version_id and version_id and not self.adapters.same_adapter(version_id, event.lora_version_id):
-            message = (f"The adapter `{event.lora_name}` was unloaded after this request named it, and that name now "
-                       f"names a newly loaded adapter; retry the request.")
+            message = (
+                f"The adapter `{event.lora_name}` was unloaded after this request named it, and that name now "
+                f"names a newly loaded adapter; retry the request."
+            )
             return [ev.RequestRejected(event.req_id, message, code=404, param="model")]
         self.adapters.note_use(version_id)
         self._num_arrived += 1
-        req = Request(event.req_id, event.prompt_token_ids, event.sampling, self._num_arrived, event.lora_name, version_id, self.step)
+        req = Request(
+            event.req_id,
+            event.prompt_token_ids,
+            event.sampling,
+            self._num_arrived,
+            event.lora_name,
+            version_id,
+            self.step,
+        )
         self.requests[req.req_id] = req
         self.adapters.hold(req)
         self.scheduler.add(req)
@@ -247,7 +271,9 @@ class Core:
             return []
         listing = ", ".join(f"rank {rank}={values[rank]:#018x}" for rank in range(tp))
         mismatch = ev.DigestMismatch(event.step, values, odd_ranks)
-        message = f"tensor-parallel ranks disagree after step {event.step}: ranks {odd_ranks} differ from rank 0 ({listing})"
+        message = (
+            f"tensor-parallel ranks disagree after step {event.step}: ranks {odd_ranks} differ from rank 0 ({listing})"
+        )
         return [mismatch] + self._fail(message)
 
     def _on_worker_failed(self, event: ev.WorkerFailed) -> Decisions:
@@ -269,7 +295,10 @@ class Core:
         version = self.adapters.versions.get(event.version_id)
         if version is None:
             return []  # already dropped (another rank reported it first)
-        message = f"adapter {version.name!r} (version {version.version_id}) failed to load on rank {event.rank}: {event.message}"
+        message = (
+            f"adapter {version.name!r} (version {version.version_id}) failed to load on rank {event.rank}: "
+            f"{event.message}"
+        )
         decisions: Decisions = movement.abort_load(self.adapters, event.version_id)
         for req in sorted(self._live_requests(), key=lambda r: r.arrival_order):
             if req.version_id == event.version_id:
@@ -300,7 +329,9 @@ class Core:
             return self._finish(req, reason, [token.token_id], logprobs, stop_token_id)
         return [self._emitted(req, [token.token_id], logprobs, None, None)]
 
-    def _finish(self, req: Request, reason: str, token_ids: list[int], logprobs: Any, stop_token_id: int | None) -> Decisions:
+    def _finish(
+        self, req: Request, reason: str, token_ids: list[int], logprobs: Any, stop_token_id: int | None
+    ) -> Decisions:
         released = self._retire(req, FINISH_REASON_TO_STATUS[reason])
         return [
             self._emitted(req, token_ids, logprobs, reason, stop_token_id),
@@ -316,7 +347,9 @@ class Core:
 
     def _reject_if_unservable(self, req: Request) -> Decisions:
         num_total_blocks = self.num_total_blocks if self.scheduler.is_ready else None
-        message = admission_error(req.num_prompt_tokens, req.sampling, self.config.max_model_len, self.config.block_size, num_total_blocks)
+        message = admission_error(
+            req.num_prompt_tokens, req.sampling, self.config.max_model_len, self.config.block_size, num_total_blocks
+        )
         if message is None:
             return []
         released = self._retire(req, RequestStatus.FINISHED_ERROR)
@@ -332,8 +365,15 @@ class Core:
             self.finished_req_ids.append(req.req_id)
         return released
 
-    def _emitted(self, req: Request, token_ids: list[int], logprobs: Any, reason: str | None, stop_token_id: int | None,
-                 prompt: ev.PromptLogprobs | None = None) -> ev.TokensEmitted:
+    def _emitted(
+        self,
+        req: Request,
+        token_ids: list[int],
+        logprobs: Any,
+        reason: str | None,
+        stop_token_id: int | None,
+        prompt: ev.PromptLogprobs | None = None,
+    ) -> ev.TokensEmitted:
         return ev.TokensEmitted(
             req_id=req.req_id,
             new_token_ids=token_ids,
@@ -359,8 +399,12 @@ class Core:
         if not self.config.lora_overlap_loading:
             return decisions
         if self.config.drains_slots:
-            return decisions + drain.movement_pass(self.adapters, waiting, self.scheduler.running, self.step, busy_slots)
-        order = prefetch.lookahead(waiting, self.config.max_num_seqs, prefetch.LOOKAHEAD_VERSIONS_PER_SLOT * self.config.max_loras)
+            return decisions + drain.movement_pass(
+                self.adapters, waiting, self.scheduler.running, self.step, busy_slots
+            )
+        order = prefetch.lookahead(
+            waiting, self.config.max_num_seqs, prefetch.LOOKAHEAD_VERSIONS_PER_SLOT * self.config.max_loras
+        )
         return decisions + prefetch.prefetch(self.adapters, order, self.step, busy_slots)
 
     def _maybe_plan(self) -> Decisions:
@@ -379,12 +423,15 @@ class Core:
     def _plan_step(self) -> Decisions:
         """The next step's plan and what it decides, or [] when only a step in flight can make progress."""
         draining = drain.draining(self.adapters) if self.config.drains_slots else None
-        scheduled, preempted = self.scheduler.schedule(self.step + 1, not self.in_flight, self.adapters.slot_readiness(),
-                                                       draining, self.adapters.pinned_in_slots())
+        scheduled, preempted = self.scheduler.schedule(
+            self.step + 1, not self.in_flight, self.adapters.slot_readiness(), draining, self.adapters.pinned_in_slots()
+        )
         if not scheduled:
             if self.in_flight or self.adapters.num_loading_slots:
                 return []  # planned when a step completes or a load ends
-            return self._fail(f"the scheduler can make no progress: {len(self.scheduler.waiting)} waiting, nothing fits")
+            return self._fail(
+                f"the scheduler can make no progress: {len(self.scheduler.waiting)} waiting, nothing fits"
+            )
         self.step += 1
         preempted_ids = [req.req_id for req in preempted]
         decisions: Decisions = [ev.RequestPreempted(req_id, self.step) for req_id in preempted_ids]

@@ -20,15 +20,24 @@ def request_rows(requests: list[Request], with_in_flight: bool = False) -> list[
     rows = []
     for req in sorted(requests, key=lambda r: (r.arrival_order, r.req_id)):
         row = [
-            req.req_id, req.status.value, req.num_prompt_tokens, req.num_output_tokens, req.num_computed_tokens,
-            list(req.block_ids), req.version_id, req.lora_slot, req.num_cached_tokens, req.num_shared_blocks,
+            req.req_id,
+            req.status.value,
+            req.num_prompt_tokens,
+            req.num_output_tokens,
+            req.num_computed_tokens,
+            list(req.block_ids),
+            req.version_id,
+            req.lora_slot,
+            req.num_cached_tokens,
+            req.num_shared_blocks,
         ]
         rows.append(row + [req.num_in_flight_tokens, req.num_pending_samples] if with_in_flight else row)
     return rows
 
 
-def state_rows(step: int, scheduler: Scheduler, requests: list[Request], adapters: AdapterManager,
-               with_in_flight: bool = False) -> list[Any]:
+def state_rows(
+    step: int, scheduler: Scheduler, requests: list[Request], adapters: AdapterManager, with_in_flight: bool = False
+) -> list[Any]:
     """The canonical encoding the StateDigest hashes: O(live state), not O(history)."""
     return [
         step,
@@ -57,7 +66,9 @@ def _free_rows(scheduler: Scheduler) -> list[int]:
     return [pool.num_free, pool.free_membership]
 
 
-def snapshot(step: int, in_flight_steps: list[int], scheduler: Scheduler, requests: list[Request], adapters: AdapterManager) -> dict[str, Any]:
+def snapshot(
+    step: int, in_flight_steps: list[int], scheduler: Scheduler, requests: list[Request], adapters: AdapterManager
+) -> dict[str, Any]:
     ready = scheduler.is_ready
     return {
         "step": step,

@@ -40,20 +40,20 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from ledgerserve.shared import events as ev
-
 from ledgerserve.scheduler_proc.core import prefetch
 from ledgerserve.scheduler_proc.core.adapters import AdapterManager
 from ledgerserve.scheduler_proc.core.config import CoreConfig
 from ledgerserve.scheduler_proc.core.prefetch import LOOKAHEAD_VERSIONS_PER_SLOT
 from ledgerserve.scheduler_proc.core.request import Request
 from ledgerserve.scheduler_proc.core.slots import Slot, SlotState
+from ledgerserve.shared import events as ev
 
 Decisions = list[Any]
 
 
-def movement_pass(adapters: AdapterManager, waiting: Iterable[Request], running: list[Request], step: int,
-                  busy_slots: list[int]) -> Decisions:
+def movement_pass(
+    adapters: AdapterManager, waiting: Iterable[Request], running: list[Request], step: int, busy_slots: list[int]
+) -> Decisions:
     """Cancel the drains no longer needed, prefetch in slot order (a drained slot goes to its
     version), cancel those whose version just got another slot, start the drains now needed."""
     view = WaitingView(waiting, adapters.config)
@@ -112,8 +112,13 @@ def drained_slots(adapters: AdapterManager, view: WaitingView, busy_slots: list[
     out: dict[int, int] = {}
     for slot in adapters.slots.slots:
         target = slot.drain_for_version_id
-        if (adapters.slots.is_draining(slot.index) and target in view.first_index and slot.state == SlotState.LOADED
-                and slot.index not in busy_slots and slot.version_id not in view.ahead_of(target)):
+        if (
+            adapters.slots.is_draining(slot.index)
+            and target in view.first_index
+            and slot.state == SlotState.LOADED
+            and slot.index not in busy_slots
+            and slot.version_id not in view.ahead_of(target)
+        ):
             out[target] = slot.index
     return out
 
@@ -145,7 +150,9 @@ def _cancel_reason(adapters: AdapterManager, view: WaitingView, slot: Slot, for_
     return ""
 
 
-def start_needed(adapters: AdapterManager, view: WaitingView, order: list[int], running: list[Request], step: int) -> Decisions:
+def start_needed(
+    adapters: AdapterManager, view: WaitingView, order: list[int], running: list[Request], step: int
+) -> Decisions:
     """Start a drain for each version of the order that needs one (after the prefetch pass)."""
     slots = adapters.slots
     pinned = adapters.pinned_versions()  # user pins: their slots never come free nor drain

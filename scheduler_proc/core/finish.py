@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from ledgerserve.shared.sampling import SamplingParams
-
 from ledgerserve.scheduler_proc.core.block_manager import num_blocks_for
+from ledgerserve.shared.sampling import SamplingParams
 
 
 def check_stop(
@@ -39,11 +38,7 @@ def max_blocks_needed(num_prompt_tokens: int, max_tokens: int, max_model_len: in
 
 
 def admission_error(
-    num_prompt_tokens: int,
-    sampling: SamplingParams,
-    max_model_len: int,
-    block_size: int,
-    num_total_blocks: int | None,
+    num_prompt_tokens: int, sampling: SamplingParams, max_model_len: int, block_size: int, num_total_blocks: int | None
 ) -> str | None:
     """Why a request can never be served, or None. Requests are only admitted if they fit
     the whole KV pool alone at their longest, so the oldest one always makes progress."""

@@ -46,16 +46,22 @@ def check_blocks(
     _check_refs(nodes, num_refs)
     _check_paths(paths, tables)
     if len(free) + len(nodes) + num_private != num_total or not all(seen):
-        raise BlockAccountingError(f"free {len(free)} + cached {len(nodes)} + private {num_private} != total {num_total}")
+        raise BlockAccountingError(
+            f"free {len(free)} + cached {len(nodes)} + private {num_private} != total {num_total}"
+        )
 
 
 def _check_refs(nodes: dict[int, Any], num_refs: dict[int, int]) -> None:
     for block_id in sorted(nodes):
         node = nodes[block_id]
         if node.ref_count != num_refs.get(block_id, 0):
-            raise BlockAccountingError(f"cached block {block_id} has ref_count {node.ref_count}, {num_refs.get(block_id, 0)} tables hold it")
+            raise BlockAccountingError(
+                f"cached block {block_id} has ref_count {node.ref_count}, {num_refs.get(block_id, 0)} tables hold it"
+            )
         if node.parent is not None and node.parent.ref_count < node.ref_count:
-            raise BlockAccountingError(f"cached block {block_id} is held more often than its parent {node.parent.block_id}")
+            raise BlockAccountingError(
+                f"cached block {block_id} is held more often than its parent {node.parent.block_id}"
+            )
     for block_id in sorted(num_refs):
         if block_id not in nodes:
             raise BlockAccountingError(f"block {block_id} is in a cached path but not in the cache")

@@ -27,8 +27,11 @@ LRU_REASON = "lru"
 
 def registered(manager: AdapterManager, replaced_version_id: int = 0) -> list[AdapterVersion]:
     """The registered on-demand versions, by id, but the one a load_inplace replaces."""
-    return [manager.versions[v] for v in sorted(manager.versions)
-            if manager.versions[v].on_demand and manager.versions[v].is_registered and v != replaced_version_id]
+    return [
+        manager.versions[v]
+        for v in sorted(manager.versions)
+        if manager.versions[v].on_demand and manager.versions[v].is_registered and v != replaced_version_id
+    ]
 
 
 def is_full(manager: AdapterManager, replaced_version_id: int = 0) -> bool:
@@ -48,10 +51,14 @@ def refusal(manager: AdapterManager, event: ev.AdapterLoadRequested, old_version
     replaced version does not count."""
     max_loras = manager.config.max_loras
     if event.pinned and len([v for v in manager.pinned_versions() if v != old_version_id]) >= max_loras - 1:
-        return 400, (f"At most max_loras - 1 = {max_loras - 1} adapters may be pinned (--max-loras {max_loras}); "
-                     f"unload one, or reload it unpinned, first.")
+        return 400, (
+            f"At most max_loras - 1 = {max_loras - 1} adapters may be pinned (--max-loras {max_loras}); "
+            f"unload one, or reload it unpinned, first."
+        )
     if event.on_demand and is_full(manager, old_version_id) and lru_idle(manager, old_version_id) is None:
         limit = manager.config.max_on_demand_loras
-        return 503, (f"Cannot load adapter '{event.name}' on demand: all {limit} adapters loaded on demand "
-                     f"(--max-on-demand-loras) are in use by requests; retry later.")
+        return 503, (
+            f"Cannot load adapter '{event.name}' on demand: all {limit} adapters loaded on demand "
+            f"(--max-on-demand-loras) are in use by requests; retry later."
+        )
     return None

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ledgerserve.shared import events as ev
-
 from ledgerserve.scheduler_proc.core.adapters import AdapterManager
 from ledgerserve.scheduler_proc.core.slots import SlotState
+from ledgerserve.shared import events as ev
 
 Decisions = list[Any]
 

@@ -53,7 +53,8 @@ def pin_victim(adapters: AdapterManager, busy_slots: list[int]) -> Slot | None:
             return slot
     pinned = adapters.pinned_versions()
     candidates = [
-        s for s in slots
+        s
+        for s in slots
         if s.state == SlotState.LOADED and s.version_id not in pinned and adapters.versions[s.version_id].num_reqs == 0
     ]
     return min(candidates, key=lambda s: (s.last_used_step, s.index)) if candidates else None

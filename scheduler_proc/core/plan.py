@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ledgerserve.shared.events import CachedReq, NewReq, StepPlan
-
 from ledgerserve.scheduler_proc.core.request import Request
 from ledgerserve.scheduler_proc.core.scheduler import ScheduledReq, distinct
+from ledgerserve.shared.events import CachedReq, NewReq, StepPlan
 
 
 @dataclass(frozen=True)
@@ -50,10 +49,7 @@ def cached_req(req: Request, num_tokens: int) -> CachedReq:
 
 
 def build_plan(
-    step: int,
-    scheduled: list[ScheduledReq],
-    finished_req_ids: list[str],
-    preempted_req_ids: list[str],
+    step: int, scheduled: list[ScheduledReq], finished_req_ids: list[str], preempted_req_ids: list[str]
 ) -> tuple[StepPlan, InFlightStep]:
     """The plan for `step`; records on each request what the workers now hold, and what
     this step puts in flight. A request whose newest token is pending is scheduled past the

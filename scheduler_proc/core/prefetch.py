@@ -37,8 +37,9 @@ Decisions = list[Any]
 LOOKAHEAD_VERSIONS_PER_SLOT = 4
 
 
-def prefetch(adapters: AdapterManager, order: list[int], step: int, busy_slots: list[int],
-             drained: dict[int, int] | None = None) -> Decisions:
+def prefetch(
+    adapters: AdapterManager, order: list[int], step: int, busy_slots: list[int], drained: dict[int, int] | None = None
+) -> Decisions:
     """The prefetch pass over `order` (the lookahead, in the order its versions get slots):
     slots for its head, then the CPU tier for the rest. `drained`: version -> the idle slot a
     drain freed for it (drain.py), which it takes first and no other version takes."""
@@ -77,7 +78,9 @@ def lookahead(waiting: Iterable[Request], max_num_reqs: int, max_num_versions: i
     return versions
 
 
-def slot_victim(slots: list[Slot], protected: list[int], waiting_needs: dict[int, bool], busy_slots: list[int]) -> Slot | None:
+def slot_victim(
+    slots: list[Slot], protected: list[int], waiting_needs: dict[int, bool], busy_slots: list[int]
+) -> Slot | None:
     """The slot to load into, never one in `busy_slots` (read by a step in flight) or draining
     for a version: the lowest FREE one, else the LOADED one whose version is not `protected`
     and no waiting request needs, then LRU, then the lowest index. None if there is none."""
@@ -85,8 +88,11 @@ def slot_victim(slots: list[Slot], protected: list[int], waiting_needs: dict[int
         if slot.state == SlotState.FREE and slot.index not in busy_slots:
             return slot
     candidates = [
-        s for s in slots
-        if s.state == SlotState.LOADED and s.version_id not in protected and s.index not in busy_slots
+        s
+        for s in slots
+        if s.state == SlotState.LOADED
+        and s.version_id not in protected
+        and s.index not in busy_slots
         and not s.drain_for_version_id
     ]
     if not candidates:
@@ -111,7 +117,10 @@ def load_into(adapters: AdapterManager, slot: Slot, version_id: int, order: list
     decisions: Decisions = []
     if slot.state == SlotState.LOADED:
         decisions.append(adapters.evict_slot(slot))
-    if version_id not in adapters.cpu_last_used_step and len(adapters.cpu_last_used_step) >= adapters.config.max_cpu_loras:
+    if (
+        version_id not in adapters.cpu_last_used_step
+        and len(adapters.cpu_last_used_step) >= adapters.config.max_cpu_loras
+    ):
         victim = cpu_victim(adapters.cpu_last_used_step, _slotted(adapters), order, must=True)
         if victim is None:
             raise RuntimeError(f"no CPU-tier entry for adapter version {version_id}: every one is in a slot")

@@ -7,10 +7,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ledgerserve.shared import events as ev
-
 from ledgerserve.scheduler_proc.core.block_manager import BlockManager
 from ledgerserve.scheduler_proc.core.request import Request
+from ledgerserve.shared import events as ev
 
 
 def cache_computed(block_manager: BlockManager, req: Request, step: int) -> list[Any]:

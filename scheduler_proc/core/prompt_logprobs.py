@@ -20,23 +20,32 @@ def step_span(num_computed_tokens: int, num_tokens: int, num_prompt_tokens: int)
     return num_computed_tokens + 1, max(0, end - num_computed_tokens)
 
 
-def report_error(sampling: SamplingParams, first: int, count: int, num_sent: int,
-                 report: PromptLogprobs | None) -> str | None:
+def report_error(
+    sampling: SamplingParams, first: int, count: int, num_sent: int, report: PromptLogprobs | None
+) -> str | None:
     """Why rank 0's `report` for a step whose prompt span is (first, count) is wrong, or None.
     Positions 1..num_sent went out already; a report may repeat them, never skip past them."""
     if sampling.prompt_logprobs is None or count == 0:
-        return None if report is None else f"rank 0 reported prompt logprobs from position {report.start}, none were due"
+        return (
+            None if report is None else f"rank 0 reported prompt logprobs from position {report.start}, none were due"
+        )
     if report is None:
         return f"rank 0 reported no prompt logprobs for positions {first}..{first + count - 1}"
     if report.start != first or len(report.logprobs) != count or len(report.ranks) != count:
-        return (f"rank 0 reported {len(report.logprobs)} prompt logprobs from position {report.start}, "
-                f"expected {count} from position {first}")
+        return (
+            f"rank 0 reported {len(report.logprobs)} prompt logprobs from position {report.start}, "
+            f"expected {count} from position {first}"
+        )
     if first > num_sent + 1:
         return f"prompt logprobs of positions {num_sent + 1}..{first - 1} were never reported"
     num_top = sampling.prompt_logprobs
     if (report.top_token_ids or report.top_logprobs) and (
-            len(report.top_token_ids) != count or len(report.top_logprobs) != count
-            or any(len(ids) != len(lps) or len(ids) > num_top for ids, lps in zip(report.top_token_ids, report.top_logprobs))):
+        len(report.top_token_ids) != count
+        or len(report.top_logprobs) != count
+        or any(
+            len(ids) != len(lps) or len(ids) > num_top for ids, lps in zip(report.top_token_ids, report.top_logprobs)
+        )
+    ):
         return f"rank 0 reported top prompt logprobs of mismatched lengths (k = {num_top})"
     return None
 
@@ -48,5 +57,11 @@ def unsent(report: PromptLogprobs, num_sent: int) -> PromptLogprobs | None:
         return report
     if skip >= len(report.logprobs):
         return None
-    return PromptLogprobs(report.req_id, report.start + skip, report.logprobs[skip:], report.ranks[skip:],
-                          report.top_token_ids[skip:], report.top_logprobs[skip:])
+    return PromptLogprobs(
+        report.req_id,
+        report.start + skip,
+        report.logprobs[skip:],
+        report.ranks[skip:],
+        report.top_token_ids[skip:],
+        report.top_logprobs[skip:],
+    )

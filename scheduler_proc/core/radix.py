@@ -106,7 +106,9 @@ class RadixCache:
             children = node.children
         return path
 
-    def insert(self, namespace: int, parent: Node | None, token_ids: list[int], block_id: int, step: int) -> Node | None:
+    def insert(
+        self, namespace: int, parent: Node | None, token_ids: list[int], block_id: int, step: int
+    ) -> Node | None:
         """Add `block_id` (full, computed) under `parent`, locked once for its inserter.
         None if the namespace is evicted or these tokens are already cached there."""
         if self.is_evicted(namespace) or block_id in self.nodes:
@@ -186,7 +188,9 @@ class RadixCache:
         """An evicted namespace that holds no block and that no request can reach again (its
         version is dropped) leaves the cache's state, so that state stays O(live namespaces)."""
         if namespace in self.roots:
-            raise RuntimeError(f"namespace {namespace} forgotten while it holds {self.roots[namespace].num_blocks} blocks")
+            raise RuntimeError(
+                f"namespace {namespace} forgotten while it holds {self.roots[namespace].num_blocks} blocks"
+            )
         del self.evicted_namespaces[namespace]
 
     def _remove(self, node: Node) -> None:

@@ -129,7 +129,8 @@ class Request:
         self.num_pending_samples = 0
 
     def __repr__(self) -> str:
-        return f"Request({self.req_id!r}, {self.status.name}, tokens={self.num_tokens}, computed={self.num_computed_tokens})"
+        tokens = f"tokens={self.num_tokens}, computed={self.num_computed_tokens}"
+        return f"Request({self.req_id!r}, {self.status.name}, {tokens})"
 
 
 def transition(req: Request, new_status: RequestStatus) -> None:

@@ -74,9 +74,14 @@ class Scheduler:
             self.block_manager.release(req.namespace, req.req_id, req.block_ids, step)
             req.num_shared_blocks = 0
 
-    def schedule(self, step: int, may_preempt: bool = True, slot_ready: dict[int, bool] | None = None,
-                 draining: dict[int, int] | None = None, reserved: list[int] | None = None
-                 ) -> tuple[list[ScheduledReq], list[Request]]:
+    def schedule(
+        self,
+        step: int,
+        may_preempt: bool = True,
+        slot_ready: dict[int, bool] | None = None,
+        draining: dict[int, int] | None = None,
+        reserved: list[int] | None = None,
+    ) -> tuple[list[ScheduledReq], list[Request]]:
         """Running requests first (a decode token or their next prefill chunk), then
         waiting ones FCFS under the adapter cap. `step` is the step being built (aging).
         A step planned ahead of one in flight (`may_preempt` False) stops where blocks run
@@ -116,7 +121,8 @@ class Scheduler:
             return True
         num_pending = req.num_pending_samples
         return not req.sampling.penalised and not reaches_length(
-            req.num_output_tokens + num_pending, req.num_tokens + num_pending, req.sampling, self.config.max_model_len)
+            req.num_output_tokens + num_pending, req.num_tokens + num_pending, req.sampling, self.config.max_model_len
+        )
 
     def _make_room(self, req: Request, num_tokens: int, preempted: list[Request], step: int, may_preempt: bool) -> bool:
         """Preempt the newest running requests until `req` can grow (free blocks, then
@@ -145,8 +151,15 @@ class Scheduler:
         transition(req, RequestStatus.WAITING)
         self.waiting.appendleft(req)
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledReq], step: int, slot_ready: dict[int, bool] | None,
-                       draining: dict[int, int] | None, reserved: list[int]) -> bool:
+    def _admit_waiting(
+        self,
+        budget: int,
+        scheduled: list[ScheduledReq],
+        step: int,
+        slot_ready: dict[int, bool] | None,
+        draining: dict[int, int] | None,
+        reserved: list[int],
+    ) -> bool:
         """Admit waiting requests FCFS; True if one was left waiting only because its slot loads."""
         version_ids = distinct([req.version_id for req in self.running if req.version_id] + reserved)
         is_barred = False  # an aged, cap-blocked request: no adapter request overtakes it (without drains)
@@ -165,7 +178,9 @@ class Scheduler:
                 is_held_by_load = True  # its slot loads: it bars nothing
                 continue
             if req.version_id and (is_barred or not self._fits(req.version_id, version_ids, slot_ready)):
-                is_barred = is_barred or (draining is None and step - req.arrival_step >= self.config.lora_max_wait_steps)
+                is_barred = is_barred or (
+                    draining is None and step - req.arrival_step >= self.config.lora_max_wait_steps
+                )
                 continue
             match = self._match_prefix(req)
             num_tokens = min(req.num_tokens - match.num_cached_tokens, budget)

@@ -162,9 +162,14 @@ class SlotTable:
 
     def start_drain(self, index: int, for_version_id: int) -> None:
         slot = self.slots[index]
-        if (slot.state not in (SlotState.LOADED, SlotState.PINNED) or slot.drain_for_version_id
-                or for_version_id in (0, slot.version_id)):
-            raise IllegalSlotTransition(f"slot {index}: cannot drain a {slot.state.name} slot for version {for_version_id}")
+        if (
+            slot.state not in (SlotState.LOADED, SlotState.PINNED)
+            or slot.drain_for_version_id
+            or for_version_id in (0, slot.version_id)
+        ):
+            raise IllegalSlotTransition(
+                f"slot {index}: cannot drain a {slot.state.name} slot for version {for_version_id}"
+            )
         slot.drain_for_version_id = for_version_id
 
     def reserve(self, index: int) -> None:

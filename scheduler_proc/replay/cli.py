@@ -21,12 +21,12 @@ from typing import Any
 
 import msgspec
 
-from ledgerserve.shared.eventlog import LogCorruption
-from ledgerserve.shared.events import LogClosed
-from ledgerserve.scheduler_proc.replay.figures import FIGURE_SECTIONS, figure_sections, render_figures
 from ledgerserve.scheduler_proc.replay.diff import LogDiff, diff_logs
+from ledgerserve.scheduler_proc.replay.figures import FIGURE_SECTIONS, figure_sections, render_figures
 from ledgerserve.scheduler_proc.replay.state import SECTIONS, parse_sections, render, sections
 from ledgerserve.scheduler_proc.replay.verify import Divergence, HistoryTrimmed, ReplayResult, replay
+from ledgerserve.shared.eventlog import LogCorruption
+from ledgerserve.shared.events import LogClosed
 
 __all__ = ["Divergence", "HistoryTrimmed", "ReplayResult", "main", "replay"]
 
@@ -42,10 +42,19 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--until", type=int, default=None, metavar="SEQ", help="stop after record SEQ")
     where.add_argument("--at-step", type=int, default=None, metavar="N", help="stop once the core has planned step N")
     where.add_argument("--step", type=int, default=None, dest="at_step", help=argparse.SUPPRESS)  # old spelling
-    add("--show", default=None, metavar="SECTIONS",
-        help=f"print the state where the replay stops: 'all', or comma-separated of {', '.join(SECTIONS)}")
+    add(
+        "--show",
+        default=None,
+        metavar="SECTIONS",
+        help=f"print the state where the replay stops: 'all', or comma-separated of {', '.join(SECTIONS)}",
+    )
     add("--json", action="store_true", help="machine-readable output on stdout")
-    add("--diff", default=None, metavar="OTHER_LOG", help="report the first decision where this log and OTHER_LOG differ")
+    add(
+        "--diff",
+        default=None,
+        metavar="OTHER_LOG",
+        help="report the first decision where this log and OTHER_LOG differ",
+    )
     return parser
 
 
@@ -72,8 +81,9 @@ def main(argv: list[str] | None = None) -> int:
 def _replay(args: argparse.Namespace, names: list[str]) -> int:
     verify = args.verify or not names
     with_figures = any(name in FIGURE_SECTIONS for name in names)
-    result = replay(args.log, verify=verify, until_seq=args.until, until_step=args.at_step,
-                    with_adapter_stats=with_figures)
+    result = replay(
+        args.log, verify=verify, until_seq=args.until, until_step=args.at_step, with_adapter_stats=with_figures
+    )
     state = sections(result.core.snapshot(), names)
     figures = figure_sections(result.adapter_stats, names, result.core.num_lora_wait_steps) if with_figures else {}
     code = DIFFERENT if result.divergence is not None else OK
@@ -86,8 +96,10 @@ def _replay(args: argparse.Namespace, names: list[str]) -> int:
         print(result.divergence.describe())
     elif verify:
         tail = " (log ends before the last input's decisions)" if result.truncated_tail else ""
-        print(f"OK {result.path}: {result.num_inputs} inputs, {result.num_decisions} decisions match, "
-              f"step {result.core.step}, {len(result.segments)} segment(s), last seq {result.last_seq}{tail}")
+        print(
+            f"OK {result.path}: {result.num_inputs} inputs, {result.num_decisions} decisions match, "
+            f"step {result.core.step}, {len(result.segments)} segment(s), last seq {result.last_seq}{tail}"
+        )
         print(describe_closed(result.closed))
     return code
 

@@ -15,12 +15,19 @@ from typing import Any
 
 import msgspec
 
+from ledgerserve.scheduler_proc.replay.format import differing_fields, side_by_side
+from ledgerserve.scheduler_proc.replay.verify import (
+    DECISION,
+    INPUT,
+    KIND_BY_TAG,
+    decode_event,
+    require_whole_run,
+    same_in_current_format,
+    tag_of,
+)
 from ledgerserve.shared import codec
 from ledgerserve.shared import events as ev
 from ledgerserve.shared.eventlog import RunScanner
-
-from ledgerserve.scheduler_proc.replay.format import differing_fields, side_by_side
-from ledgerserve.scheduler_proc.replay.verify import DECISION, INPUT, KIND_BY_TAG, decode_event, require_whole_run, same_in_current_format, tag_of
 
 
 @dataclass(frozen=True)
@@ -86,7 +93,9 @@ def _without_wall_clock(data: bytes) -> bytes:
     return data
 
 
-def _first_difference(left: Iterator[tuple[int, bytes]], right: Iterator[tuple[int, bytes]]) -> tuple[Side, Side] | None:
+def _first_difference(
+    left: Iterator[tuple[int, bytes]], right: Iterator[tuple[int, bytes]]
+) -> tuple[Side, Side] | None:
     while True:
         a, b = next(left, None), next(right, None)
         if a is None and b is None:

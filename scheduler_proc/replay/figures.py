@@ -15,8 +15,10 @@ def figure_sections(stats: AdapterStats, names: list[str], num_lora_wait_steps: 
     out: dict[str, Any] = {}
     if "adapters" in names:
         out["adapter_figures"] = {
-            "adapters": [stats.figures[name].to_json(stats.tier(stats.figures[name].version_id))
-                         for name in sorted(stats.figures)],
+            "adapters": [
+                stats.figures[name].to_json(stats.tier(stats.figures[name].version_id))
+                for name in sorted(stats.figures)
+            ],
             "engine": {"num_lora_wait_steps": num_lora_wait_steps, "lora_wait_ms": round(stats.lora_wait_ms, 3)},
         }
     if "requests" in names:
@@ -32,8 +34,10 @@ def render_figures(figures: dict[str, Any]) -> list[str]:
         body = figures["adapter_figures"]
         lines += [_adapter_line(row) for row in body["adapters"]] or ["  (no adapter registered)"]
         engine = body["engine"]
-        lines.append(f"  engine: {engine['num_lora_wait_steps']} steps left a request waiting on its adapter's load; "
-                     f"adapter waits {engine['lora_wait_ms']} ms in all")
+        lines.append(
+            f"  engine: {engine['num_lora_wait_steps']} steps left a request waiting on its adapter's load; "
+            f"adapter waits {engine['lora_wait_ms']} ms in all"
+        )
     if "adapter_waits" in figures:
         lines.append("== adapter waits ==")
         lines += [_wait_line(row) for row in figures["adapter_waits"]] or ["  (no adapter request)"]
@@ -43,12 +47,14 @@ def render_figures(figures: dict[str, Any]) -> list[str]:
 def _adapter_line(row: dict[str, Any]) -> str:
     loads, load_ms = row["loads"], row["load_ms"]
     wait_ms = "untimed" if row["wait_ms"] is None else f"{row['wait_ms']} ms"
-    return (f"  {row['adapter']} (version {row['version_id']}, {row['tier']}{', pinned' if row['pinned'] else ''}): "
-            f"loads from disk {loads['disk']}, from cpu {loads['cpu']}, stagings {row['num_stagings']}; "
-            f"load ms count {load_ms['count']} total {load_ms['total']} mean {load_ms['mean']} max {load_ms['max']}; "
-            f"slot hits {row['slot_hits']} misses {row['slot_misses']}; waits {row['wait_steps']} steps, {wait_ms}; "
-            f"running {row['num_running']} waiting {row['num_waiting']}; tokens prompt {row['num_prompt_tokens']} "
-            f"generated {row['num_generated_tokens']} cached {row['num_cached_tokens']}")
+    return (
+        f"  {row['adapter']} (version {row['version_id']}, {row['tier']}{', pinned' if row['pinned'] else ''}): "
+        f"loads from disk {loads['disk']}, from cpu {loads['cpu']}, stagings {row['num_stagings']}; "
+        f"load ms count {load_ms['count']} total {load_ms['total']} mean {load_ms['mean']} max {load_ms['max']}; "
+        f"slot hits {row['slot_hits']} misses {row['slot_misses']}; waits {row['wait_steps']} steps, {wait_ms}; "
+        f"running {row['num_running']} waiting {row['num_waiting']}; tokens prompt {row['num_prompt_tokens']} "
+        f"generated {row['num_generated_tokens']} cached {row['num_cached_tokens']}"
+    )
 
 
 def _wait_line(row: dict[str, Any]) -> str:

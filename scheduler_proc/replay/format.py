@@ -23,7 +23,9 @@ def differing_fields(logged: Any, recomputed: Any) -> list[str]:
     return [name for name in _names(left, right) if left.get(name, _MISSING) != right.get(name, _MISSING)]
 
 
-def side_by_side(logged: Any, recomputed: Any, left_title: str = "logged", right_title: str = "recomputed") -> list[str]:
+def side_by_side(
+    logged: Any, recomputed: Any, left_title: str = "logged", right_title: str = "recomputed"
+) -> list[str]:
     """One line per field: `*` marks the fields that differ."""
     left, right = event_fields(logged), event_fields(recomputed)
     lines = [f"    {'field':<20} {left_title:<{WIDTH}} {right_title}"]

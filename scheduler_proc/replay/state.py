@@ -69,8 +69,20 @@ def _adapters(snapshot: dict[str, Any]) -> list[Any]:
     (targeted drains)."""
     adapters = snapshot["adapters"]
     current = adapters["registry"]
-    tiers = {key: adapters.get(key) for key in ("deferred_evictions", "pinned", "on_demand_use_clock", "cpu_tier",
-                                                 "cpu_tier_bytes", "cpu_staged_on_every_rank", "loads_in_flight",
-                                                 "drains")}
-    return [{**version, "current": current.get(version["name"]) == version["version_id"]}
-            for version in adapters["versions"]] + [tiers]
+    tiers = {
+        key: adapters.get(key)
+        for key in (
+            "deferred_evictions",
+            "pinned",
+            "on_demand_use_clock",
+            "cpu_tier",
+            "cpu_tier_bytes",
+            "cpu_staged_on_every_rank",
+            "loads_in_flight",
+            "drains",
+        )
+    }
+    return [
+        {**version, "current": current.get(version["name"]) == version["version_id"]}
+        for version in adapters["versions"]
+    ] + [tiers]

@@ -15,14 +15,13 @@ from typing import Any
 
 import msgspec
 
+from ledgerserve.scheduler_proc.core import Core, CoreConfig
+from ledgerserve.scheduler_proc.core.adapter_stats import AdapterStats
+from ledgerserve.scheduler_proc.replay.format import differing_fields, side_by_side
 from ledgerserve.shared import codec
 from ledgerserve.shared import events as ev
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.eventlog import RunScanner
-
-from ledgerserve.scheduler_proc.core import Core, CoreConfig
-from ledgerserve.scheduler_proc.core.adapter_stats import AdapterStats
-from ledgerserve.scheduler_proc.replay.format import differing_fields, side_by_side
 
 INPUT, DECISION, SHELL_ONLY = 0, 1, 2
 _SHELL_ONLY_TYPES = (ev.LogClosed, ev.Shutdown)  # logged by the shell, never by the core
@@ -92,7 +91,8 @@ class HistoryTrimmed(Exception):
             f"{scanner.path}: the run's history is trimmed: its {gone} (seq 1-{scanner.first_seq - 1}) are gone, "
             f"removed by retention (--event-log-max-total-bytes) or by hand. The records left, seq "
             f"{scanner.first_seq}-{last_seq} in {len(scanner.segments)} segment(s), are intact, but replay rebuilds "
-            f"the scheduler from the start of the run: without it nothing can be verified or shown")
+            f"the scheduler from the start of the run: without it nothing can be verified or shown"
+        )
         self.path = scanner.path
         self.first_segment = scanner.first_segment
         self.first_seq = scanner.first_seq
@@ -105,8 +105,8 @@ def require_whole_run(scanner: RunScanner) -> None:
     if not scanner.is_trimmed:
         return
     last_seq = scanner.first_seq - 1
-    for last_seq, _ in scanner:
-        pass
+    for seq, _ in scanner:
+        last_seq = seq
     raise HistoryTrimmed(scanner, last_seq)
 
 
@@ -118,8 +118,9 @@ def core_config(scanner: RunScanner) -> CoreConfig:
     config = CoreConfig.from_engine(EngineConfig.from_json(scanner.config_json))
     version = scanner.header.schema_version
     overlap = config.lora_overlap_loading and version >= 3
-    return dataclasses.replace(config, keep_dropped_namespaces=version < 2, lora_overlap_loading=overlap,
-                               lora_targeted_drain=version >= 4)
+    return dataclasses.replace(
+        config, keep_dropped_namespaces=version < 2, lora_overlap_loading=overlap, lora_targeted_drain=version >= 4
+    )
 
 
 @dataclass
@@ -142,8 +143,13 @@ class ReplayResult:
         return self.divergence is None
 
 
-def replay(path: str, verify: bool = True, until_seq: int | None = None, until_step: int | None = None,
-           with_adapter_stats: bool = False) -> ReplayResult:
+def replay(
+    path: str,
+    verify: bool = True,
+    until_seq: int | None = None,
+    until_step: int | None = None,
+    with_adapter_stats: bool = False,
+) -> ReplayResult:
     """Raises LogCorruption for a damaged log (FileNotFoundError for a missing one) and
     HistoryTrimmed for a run whose start is gone; returns at the first divergence, after
     record `until_seq`, or before the first input once the core has planned step
@@ -161,7 +167,9 @@ def replay(path: str, verify: bool = True, until_seq: int | None = None, until_s
     return result
 
 
-def _run(scanner: RunScanner, result: ReplayResult, verify: bool, until_seq: int | None, until_step: int | None) -> None:
+def _run(
+    scanner: RunScanner, result: ReplayResult, verify: bool, until_seq: int | None, until_step: int | None
+) -> None:
     core = result.core
     kinds = KIND_BY_TAG
     encode = codec.encode

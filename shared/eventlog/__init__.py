@@ -13,7 +13,14 @@ from ledgerserve.shared.eventlog.format import (
     parse_header,
     record_hash,
 )
-from ledgerserve.shared.eventlog.names import list_logs, log_number, newest_log, next_log_name, run_segments, segment_file_name
+from ledgerserve.shared.eventlog.names import (
+    list_logs,
+    log_number,
+    newest_log,
+    next_log_name,
+    run_segments,
+    segment_file_name,
+)
 from ledgerserve.shared.eventlog.reader import EventLogReader, RunScanner
 from ledgerserve.shared.eventlog.retention import LogFile, enforce_retention, plan_removals
 from ledgerserve.shared.eventlog.writer import FSYNC_POLICIES, EventLogWriter

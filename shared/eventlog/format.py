@@ -143,7 +143,9 @@ def parse_header(data: bytes, path: str | None = None) -> LogHeader:
         raise LogCorruption("not an event log: bad magic or short header", None, 0, path)
     version = U32.unpack_from(data, len(MAGIC))[0]
     if version not in READABLE_SCHEMA_VERSIONS:
-        raise LogCorruption(f"event log schema version {version}; this build reads {READABLE_SCHEMA_VERSIONS}", None, 0, path)
+        raise LogCorruption(
+            f"event log schema version {version}; this build reads {READABLE_SCHEMA_VERSIONS}", None, 0, path
+        )
     config_end = _HEAD_FIXED + U32.unpack_from(data, len(MAGIC) + 4)[0]
     end = header_end(data)
     if end is None or len(data) < end or U32.unpack_from(data, end - 4)[0] != zlib.crc32(data[len(MAGIC) : end - 4]):

@@ -69,7 +69,9 @@ def newest_log(directory: str) -> str:
     for key in sorted(runs, reverse=True):
         segments = runs[key]
         if _is_empty_run(segments):
-            warnings.warn(f"{segments[0][1]}: skipped: a run without records, left by a start that failed", stacklevel=2)
+            warnings.warn(
+                f"{segments[0][1]}: skipped: a run without records, left by a start that failed", stacklevel=2
+            )
             continue
         return segments[0][1]
     raise FileNotFoundError(f"no events-*.log file with a run in {directory}")
@@ -104,7 +106,9 @@ def run_segments(path: str) -> list[str]:
         raise FileNotFoundError(f"no such event log: {path}")
     for expected, (segment, full) in enumerate(mine, start=mine[0][0]):
         if segment != expected:
-            raise FileNotFoundError(f"segment {expected} of the run of {path} is missing (found {os.path.basename(full)})")
+            raise FileNotFoundError(
+                f"segment {expected} of the run of {path} is missing (found {os.path.basename(full)})"
+            )
     return [full for _, full in mine]
 
 

@@ -80,7 +80,9 @@ class RunScanner:
                 return
             header = parse_header(data, path)
             if header.config_json != self.header.config_json:
-                raise LogCorruption("segment header carries a different engine config than the run's first segment", seq + 1, 0, path)
+                raise LogCorruption(
+                    "segment header carries a different engine config than the run's first segment", seq + 1, 0, path
+                )
             self._check_continues(header, index, seq, prev_hash, path)
             state = [seq, prev_hash]
             yield from _scan(data, header.size, path, state, is_last=index == last, on_torn=self._on_torn)
@@ -109,9 +111,13 @@ class RunScanner:
                 raise LogCorruption("segments of one run have different schema versions", seq + 1, 0, path)
             return
         if header.info != want:
-            raise LogCorruption(f"broken chain: the segment header says segment {header.info.segment} from seq "
-                                f"{header.info.first_seq}, expected segment {want.segment} from seq {want.first_seq}",
-                                seq + 1, 0, path)
+            raise LogCorruption(
+                f"broken chain: the segment header says segment {header.info.segment} from seq "
+                f"{header.info.first_seq}, expected segment {want.segment} from seq {want.first_seq}",
+                seq + 1,
+                0,
+                path,
+            )
         if want.segment == 1 and (want.first_seq, want.prev_record_hash) != (1, 0):
             raise LogCorruption("broken chain: the run's first segment does not start at seq 1", seq + 1, 0, path)
 
@@ -157,7 +163,9 @@ def _first_record_chain(data: bytes, offset: int) -> tuple[int, int]:
     return seq - 1, prev_hash
 
 
-def _scan(data: bytes, offset: int, path: str, state: list[int], is_last: bool, on_torn: Any) -> Iterator[tuple[int, msgspec.Raw]]:
+def _scan(
+    data: bytes, offset: int, path: str, state: list[int], is_last: bool, on_torn: Any
+) -> Iterator[tuple[int, msgspec.Raw]]:
     """Hot loop: keep it flat. `state` is [seq, prev_hash], updated as records pass."""
     seq, prev_hash = state
     end = len(data)
@@ -184,7 +192,9 @@ def _scan(data: bytes, offset: int, path: str, state: list[int], is_last: bool, 
         if got_seq != seq + 1:
             raise LogCorruption(f"broken chain: record has seq {got_seq}, expected {seq + 1}", seq + 1, offset, path)
         if chained != prev_hash:
-            raise LogCorruption("broken hash chain: prev_record_hash does not match the previous record", got_seq, offset, path)
+            raise LogCorruption(
+                "broken hash chain: prev_record_hash does not match the previous record", got_seq, offset, path
+            )
         seq = got_seq
         prev_hash = xxh(payload)
         state[0], state[1] = seq, prev_hash

@@ -33,8 +33,9 @@ class LogFile:
         return (self.name.number, self.name.run_id)
 
 
-def plan_removals(files: list[LogFile], protected_path: str, max_total_bytes: int, reserve_bytes: int,
-                  live_runs: set[RunKey]) -> list[LogFile]:
+def plan_removals(
+    files: list[LogFile], protected_path: str, max_total_bytes: int, reserve_bytes: int, live_runs: set[RunKey]
+) -> list[LogFile]:
     """The files to remove, in order, so that what is left plus `reserve_bytes` fits in
     `max_total_bytes` (or as close as allowed). `protected_path` is the segment being written."""
     total = sum(f.num_bytes for f in files) + reserve_bytes
@@ -58,7 +59,9 @@ def _removal_order(files: list[LogFile], protected_path: str, live_runs: set[Run
     return groups + [[f] for f in own if f.path != protected_path]
 
 
-def enforce_retention(directory: str, max_total_bytes: int, protected_path: str, reserve_bytes: int) -> tuple[list[str], int]:
+def enforce_retention(
+    directory: str, max_total_bytes: int, protected_path: str, reserve_bytes: int
+) -> tuple[list[str], int]:
     """Remove the oldest log files of `directory` past the bound. Returns the removed paths
     and the bytes of log files left (over the bound only if nothing more may go). Raises
     OSError if the directory cannot be read or a file cannot be removed."""

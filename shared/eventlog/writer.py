@@ -20,7 +20,14 @@ import os
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
-from ledgerserve.shared.eventlog.format import RECORD_HEAD, LogWriteError, SegmentInfo, encode_header, encode_record, record_hash
+from ledgerserve.shared.eventlog.format import (
+    RECORD_HEAD,
+    LogWriteError,
+    SegmentInfo,
+    encode_header,
+    encode_record,
+    record_hash,
+)
 from ledgerserve.shared.eventlog.names import next_log_name, parse_name, segment_file_name
 
 FSYNC_POLICIES = ("never", "step", "always")
@@ -110,7 +117,7 @@ class EventLogWriter:
             if self._broken is not None:
                 self._remove_if_empty()
 
-    def __enter__(self) -> "EventLogWriter":
+    def __enter__(self) -> EventLogWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -134,7 +141,9 @@ class EventLogWriter:
     def _open_segment(self, segment: int) -> BinaryIO:
         path = os.path.join(self.directory, segment_file_name(self._number, self._run_id or None, segment))
         self.segment_paths.append(path)
-        header = encode_header(self._config_json, SegmentInfo(self._number, self._run_id, segment, self._seq + 1, self._prev_hash))
+        header = encode_header(
+            self._config_json, SegmentInfo(self._number, self._run_id, segment, self._seq + 1, self._prev_hash)
+        )
         try:
             f = self._opener(path, "xb")
         except OSError as exc:

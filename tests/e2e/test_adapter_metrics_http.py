@@ -12,7 +12,6 @@ import json
 import time
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
@@ -29,17 +28,40 @@ pytestmark = pytest.mark.slow
 
 ADAPTERS = ("a0", "a1", "a2", "a3")
 NUM_ROUNDS = 2
-PER_ADAPTER = ("ledgerserve_lora_location", "ledgerserve_lora_pinned", "ledgerserve_lora_requests_running",
-               "ledgerserve_lora_requests_waiting", "ledgerserve_lora_prompt_tokens", "ledgerserve_lora_generation_tokens",
-               "ledgerserve_lora_prefix_cache_hit_tokens", "ledgerserve_lora_loads", "ledgerserve_lora_load_seconds")
+PER_ADAPTER = (
+    "ledgerserve_lora_location",
+    "ledgerserve_lora_pinned",
+    "ledgerserve_lora_requests_running",
+    "ledgerserve_lora_requests_waiting",
+    "ledgerserve_lora_prompt_tokens",
+    "ledgerserve_lora_generation_tokens",
+    "ledgerserve_lora_prefix_cache_hit_tokens",
+    "ledgerserve_lora_loads",
+    "ledgerserve_lora_load_seconds",
+)
 
 
 @pytest.fixture(scope="module")
 def server(demo_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("metrics-adapters")
-    modules = [f"{name}={make_tiny_peft_adapter(demo_model_dir, root / name, seed=i + 1)}" for i, name in enumerate(ADAPTERS)]
-    args = ["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "3", "--max-model-len", "1024",
-            "--num-kv-blocks", "256", "--lora-allowed-dir", str(root), "--lora-modules", *modules]
+    modules = [
+        f"{name}={make_tiny_peft_adapter(demo_model_dir, root / name, seed=i + 1)}" for i, name in enumerate(ADAPTERS)
+    ]
+    args = [
+        "--enable-lora",
+        "--max-loras",
+        "2",
+        "--max-cpu-loras",
+        "3",
+        "--max-model-len",
+        "1024",
+        "--num-kv-blocks",
+        "256",
+        "--lora-allowed-dir",
+        str(root),
+        "--lora-modules",
+        *modules,
+    ]
     started = Server(demo_model_dir, str(tmp_path_factory.mktemp("metrics-events")), args).start()
     try:
         yield started
@@ -58,9 +80,16 @@ async def _workload(server: Server) -> dict[str, Counter]:
     totals: dict[str, Counter] = {name: Counter() for name in ADAPTERS}
     async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as client:
         for round_index in range(NUM_ROUNDS):
-            calls = [client.completions.create(model=name, prompt="The river ran " * (1 + i + round_index),
-                                               max_tokens=4 + i, temperature=0.0, extra_body={"ignore_eos": True})
-                     for i, name in enumerate(ADAPTERS)]
+            calls = [
+                client.completions.create(
+                    model=name,
+                    prompt="The river ran " * (1 + i + round_index),
+                    max_tokens=4 + i,
+                    temperature=0.0,
+                    extra_body={"ignore_eos": True},
+                )
+                for i, name in enumerate(ADAPTERS)
+            ]
             for name, out in zip(ADAPTERS, await asyncio.gather(*calls)):
                 totals[name].update(prompt=out.usage.prompt_tokens, generated=out.usage.completion_tokens, requests=1)
     return totals
@@ -107,8 +136,13 @@ def _log_figures(log_dir: str) -> dict[str, Counter]:
 def test_per_adapter_series_equal_the_event_log(server: Server, usage: dict[str, Counter]) -> None:
     families = _wait_quiet(server)
     logged = _log_figures(server.log_dir)
-    loads = Counter({(s.labels["adapter"], s.labels["source_tier"]): s.value
-                     for s in families["ledgerserve_lora_loads"] if s.name.endswith("_total")})
+    loads = Counter(
+        {
+            (s.labels["adapter"], s.labels["source_tier"]): s.value
+            for s in families["ledgerserve_lora_loads"]
+            if s.name.endswith("_total")
+        }
+    )
     load_seconds = _by_adapter(families["ledgerserve_lora_load_seconds"], "_sum")
     num_load_seconds = _by_adapter(families["ledgerserve_lora_load_seconds"], "_count")
     prompt = _by_adapter(families["ledgerserve_lora_prompt_tokens"])
@@ -134,23 +168,28 @@ def test_replay_shows_the_same_figures(server: Server, usage: dict[str, Counter]
     assert replay_main([newest_log(server.log_dir), "--show", "adapters", "--json"]) == 0
     figures = json.loads(capsys.readouterr().out)["figures"]["adapter_figures"]
     shown = {row["adapter"]: row for row in figures["adapters"]}
-    loads = {(s.labels["adapter"], s.labels["source_tier"]): s.value
-             for s in families["ledgerserve_lora_loads"] if s.name.endswith("_total")}
+    loads = {
+        (s.labels["adapter"], s.labels["source_tier"]): s.value
+        for s in families["ledgerserve_lora_loads"]
+        if s.name.endswith("_total")
+    }
     located = {s.labels["adapter"]: s.labels["tier"] for s in families["ledgerserve_lora_location"] if s.value == 1}
     for name in ADAPTERS:
         row = shown[name]
         assert row["loads"] == {tier: loads.get((name, tier), 0) for tier in ("cpu", "disk")}
         assert row["load_ms"]["count"] == _by_adapter(families["ledgerserve_lora_load_seconds"], "_count").get(name, 0)
         assert row["load_ms"]["total"] == pytest.approx(
-            _by_adapter(families["ledgerserve_lora_load_seconds"], "_sum").get(name, 0) * 1000, abs=0.01)
+            _by_adapter(families["ledgerserve_lora_load_seconds"], "_sum").get(name, 0) * 1000, abs=0.01
+        )
         assert row["num_prompt_tokens"] == _by_adapter(families["ledgerserve_lora_prompt_tokens"])[name]
         assert row["num_generated_tokens"] == _by_adapter(families["ledgerserve_lora_generation_tokens"])[name]
         assert row["num_cached_tokens"] == _by_adapter(families["ledgerserve_lora_prefix_cache_hit_tokens"])[name]
         assert row["tier"] == located[name]
         assert row["slot_hits"] + row["slot_misses"] == usage[name]["requests"] and row["slot_misses"] >= 1
     assert families["ledgerserve_lora_wait_steps"][0].value == figures["engine"]["num_lora_wait_steps"]
-    assert families["ledgerserve_lora_wait_seconds"][0].value * 1000 == pytest.approx(figures["engine"]["lora_wait_ms"],
-                                                                                    abs=0.01)
+    assert families["ledgerserve_lora_wait_seconds"][0].value * 1000 == pytest.approx(
+        figures["engine"]["lora_wait_ms"], abs=0.01
+    )
     assert figures["engine"]["lora_wait_ms"] > 0  # the log times the misses' waits
 
 
@@ -168,8 +207,9 @@ def test_lora_requests_info_names_running_adapters(server: Server, usage: dict[s
     _wait_quiet(server)
     assert _requests_info(server) == ("", "", "2")
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    stream = client.completions.create(model="a1", prompt="Hold on", max_tokens=1000, stream=True,
-                                       extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model="a1", prompt="Hold on", max_tokens=1000, stream=True, extra_body={"ignore_eos": True}
+    )
     try:
         next(iter(stream))
         deadline = time.monotonic() + 10

@@ -43,8 +43,10 @@ ADAPTERS = {  # served from start-up; make_peft_adapter kwargs
     "a3": dict(r=8, alpha=32, targets=["k_proj", "o_proj", "lm_head"], seed=14),
     "a4": dict(r=12, alpha=24, targets=["v_proj", "down_proj"], seed=15),
 }
-SPARES = {"x": dict(r=8, alpha=8, targets=["q_proj", "o_proj"], seed=16),
-          "y": dict(r=8, alpha=8, targets=["q_proj", "o_proj"], seed=17)}  # y: x's shapes, other weights
+SPARES = {
+    "x": dict(r=8, alpha=8, targets=["q_proj", "o_proj"], seed=16),
+    "y": dict(r=8, alpha=8, targets=["q_proj", "o_proj"], seed=17),
+}  # y: x's shapes, other weights
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
 
 
@@ -59,9 +61,28 @@ def root(demo_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def servers(demo_model_dir: str, root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
     modules = [f"{name}={root / name}" for name in ADAPTERS]
-    args = ["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "3", "--max-lora-rank", "16",
-            "--lora-allowed-dir", str(root), "--max-model-len", "512", "--num-kv-blocks", "160",
-            "--max-num-batched-tokens", "96", "--max-num-seqs", "32", "--async-scheduling", "--lora-modules", *modules]
+    args = [
+        "--enable-lora",
+        "--max-loras",
+        "2",
+        "--max-cpu-loras",
+        "3",
+        "--max-lora-rank",
+        "16",
+        "--lora-allowed-dir",
+        str(root),
+        "--max-model-len",
+        "512",
+        "--num-kv-blocks",
+        "160",
+        "--max-num-batched-tokens",
+        "96",
+        "--max-num-seqs",
+        "32",
+        "--async-scheduling",
+        "--lora-modules",
+        *modules,
+    ]
     flags = {"on": "--lora-overlap-loading", "off": "--no-lora-overlap-loading"}
     started: dict[str, Server] = {}
     try:
@@ -87,7 +108,11 @@ class References:
     def get(self, adapter_dir: str | Path | None, prompt: str, num_tokens: int = NUM_TOKENS) -> Reference:
         key = (None if adapter_dir is None else str(adapter_dir), prompt, num_tokens)
         if key not in self.cache:
-            model = load_reference(self.base_dir) if adapter_dir is None else load_peft_reference(self.base_dir, adapter_dir)
+            model = (
+                load_reference(self.base_dir)
+                if adapter_dir is None
+                else load_peft_reference(self.base_dir, adapter_dir)
+            )
             self.cache[key] = greedy_reference(model, self.tokenizer(prompt)["input_ids"], num_tokens)
         return self.cache[key]
 
@@ -118,11 +143,13 @@ async def _churn(server: Server, base: str) -> tuple[list[int], list[list[int]],
     """A long a0 stream first; once it decodes, every adapter and the base model at once."""
     jobs = [(m, p) for m in [base, *ADAPTERS] for p in PROMPTS]
     async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as client:
-        stream = await client.completions.create(model="a0", prompt=PROMPTS[0], max_tokens=LONG_TOKENS, stream=True,
-                                                 **GREEDY)
+        stream = await client.completions.create(
+            model="a0", prompt=PROMPTS[0], max_tokens=LONG_TOKENS, stream=True, **GREEDY
+        )
         chunks = [await stream.__anext__()]  # a0 holds a slot and decodes
-        rest = asyncio.gather(*(client.completions.create(model=m, prompt=p, max_tokens=NUM_TOKENS, **GREEDY)
-                                for m, p in jobs))
+        rest = asyncio.gather(
+            *(client.completions.create(model=m, prompt=p, max_tokens=NUM_TOKENS, **GREEDY) for m, p in jobs)
+        )
         chunks += [chunk async for chunk in stream]
         responses = await rest
     long_ids = [t for c in chunks for t in (c.choices[0].model_extra.get("token_ids") or [])]
@@ -175,8 +202,9 @@ BREAKAGES = {"rewritten": _rewrite, "vanished": _vanish, "truncated": _truncate,
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("breakage", sorted(BREAKAGES))
-def test_files_changed_before_a_reload_fail_only_that_adapter(mode: str, breakage: str, servers: dict[str, Server],
-                                                              root: Path, refs: References) -> None:
+def test_files_changed_before_a_reload_fail_only_that_adapter(
+    mode: str, breakage: str, servers: dict[str, Server], root: Path, refs: References
+) -> None:
     server = servers[mode]
     name = f"frail-{breakage}-{mode}"
     path = Path(shutil.copytree(root / "x", root / name))
@@ -211,8 +239,9 @@ def _load_all(server: Server, bodies: list[dict]) -> list[int]:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_100_concurrent_loads_leave_the_registry_exact(mode: str, servers: dict[str, Server], root: Path,
-                                                       refs: References) -> None:
+def test_100_concurrent_loads_leave_the_registry_exact(
+    mode: str, servers: dict[str, Server], root: Path, refs: References
+) -> None:
     server = servers[mode]
     before = sorted(m.id for m in _client(server).models.list().data)
     names = [f"many-{mode}-{i}" for i in range(50)]
@@ -221,7 +250,7 @@ def test_100_concurrent_loads_leave_the_registry_exact(mode: str, servers: dict[
     statuses = _load_all(server, bodies)
     assert len(statuses) == 100
     for i, name in enumerate(names):
-        assert sorted(statuses[2 * i:2 * i + 2]) == [200, 400], (name, statuses[2 * i:2 * i + 2])
+        assert sorted(statuses[2 * i : 2 * i + 2]) == [200, 400], (name, statuses[2 * i : 2 * i + 2])
     assert sorted(m.id for m in _client(server).models.list().data) == sorted(before + names)
     for name in names[:3]:
         assert_greedy_matches({name: _tokens(server, name, PROMPTS[1])}, {name: refs.get(sources[name], PROMPTS[1])})

@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from scripts.bench_serving import main
-from scripts.serving_workload import parse_config, plan_workload, read_model_config
 from scripts.png_plot import PNG_SIGNATURE
+from scripts.serving_workload import parse_config, plan_workload, read_model_config
 from tests.e2e.server import Server
 
 pytestmark = pytest.mark.slow
@@ -27,8 +27,23 @@ def adapter_root(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def server(demo_model_dir, adapter_root, tmp_path_factory):
-    args = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--lora-allowed-dir", adapter_root,
-            "--max-model-len", "256", "--num-kv-blocks", "96", "--max-num-batched-tokens", "96", "--max-num-seqs", "16"]
+    args = [
+        "--enable-lora",
+        "--max-loras",
+        "2",
+        "--max-lora-rank",
+        "8",
+        "--lora-allowed-dir",
+        adapter_root,
+        "--max-model-len",
+        "256",
+        "--num-kv-blocks",
+        "96",
+        "--max-num-batched-tokens",
+        "96",
+        "--max-num-seqs",
+        "16",
+    ]
     srv = Server(demo_model_dir, str(tmp_path_factory.mktemp("bench-events")), args).start()
     yield srv
     srv.stop()
@@ -36,10 +51,38 @@ def server(demo_model_dir, adapter_root, tmp_path_factory):
 
 def test_bench_serving_drives_the_server(server, demo_model_dir, adapter_root, tmp_path):
     out, plot = tmp_path / "report.json", tmp_path / "report.png"
-    argv = ["--base-url", server.base_url, "--model-dir", demo_model_dir, "--adapter-dir", adapter_root,
-            "--num-adapters", "2", "--ranks", "4,8", "--popularity", "zipf", "--base-share", "0.25",
-            "--arrival", "poisson", "--rate", "200", "--num-requests", "12", "--input-len", "16",
-            "--output-len", str(OUTPUT_LEN), "--seed", "3", "--out", str(out), "--plot", str(plot)]
+    argv = [
+        "--base-url",
+        server.base_url,
+        "--model-dir",
+        demo_model_dir,
+        "--adapter-dir",
+        adapter_root,
+        "--num-adapters",
+        "2",
+        "--ranks",
+        "4,8",
+        "--popularity",
+        "zipf",
+        "--base-share",
+        "0.25",
+        "--arrival",
+        "poisson",
+        "--rate",
+        "200",
+        "--num-requests",
+        "12",
+        "--input-len",
+        "16",
+        "--output-len",
+        str(OUTPUT_LEN),
+        "--seed",
+        "3",
+        "--out",
+        str(out),
+        "--plot",
+        str(plot),
+    ]
     lines: list[str] = []
     report = main(argv, echo=lines.append)
     assert report["num_errors"] == 0, report["errors"]

@@ -18,7 +18,8 @@ import httpx
 import pytest
 
 import scripts.load_test
-from scripts.load_test import leaks, main as load_test_main
+from scripts.load_test import leaks
+from scripts.load_test import main as load_test_main
 from tests.adapter_factory import make_peft_adapter
 from tests.e2e.server import Server, assert_all_gone
 
@@ -40,10 +41,27 @@ def adapter_root(demo_model_dir, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def server(demo_model_dir, adapter_root, tmp_path_factory):
-    args = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--lora-allowed-dir", adapter_root,
-            "--max-model-len", "512", "--num-kv-blocks", "128", "--max-num-seqs", "16"]
-    srv = Server(demo_model_dir, str(tmp_path_factory.mktemp("fault-events")), args,
-                 env={"LEDGERSERVE_TEST_FAULT_TOKEN_ID": str(FAULT_TOKEN_ID)}).start()
+    args = [
+        "--enable-lora",
+        "--max-loras",
+        "2",
+        "--max-lora-rank",
+        "8",
+        "--lora-allowed-dir",
+        adapter_root,
+        "--max-model-len",
+        "512",
+        "--num-kv-blocks",
+        "128",
+        "--max-num-seqs",
+        "16",
+    ]
+    srv = Server(
+        demo_model_dir,
+        str(tmp_path_factory.mktemp("fault-events")),
+        args,
+        env={"LEDGERSERVE_TEST_FAULT_TOKEN_ID": str(FAULT_TOKEN_ID)},
+    ).start()
     pids, run_dirs = [p.pid for p in srv.children()], srv.run_dirs()
     yield srv
     assert srv.stop() == 0
@@ -60,12 +78,20 @@ def _complete(server: Server, body: dict) -> httpx.Response:
 
 
 def _greedy(model: str, prompt: list[int]) -> dict:
-    return {"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True,
-            "return_token_ids": True}
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": 12,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
 
 
 def _load(server: Server, name: str, path: str) -> httpx.Response:
-    return httpx.post(server.base_url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path}, timeout=30)
+    return httpx.post(
+        server.base_url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path}, timeout=30
+    )
 
 
 def _unload(server: Server, name: str) -> httpx.Response:
@@ -149,10 +175,12 @@ def _broken_adapters(root: str, tmp_path) -> list[dict]:
     os.truncate(torn / "adapter_model.safetensors", 4)
     empty = tmp_path / "empty"
     empty.mkdir()
-    return [{"lora_name": "bad-missing", "lora_path": os.path.join(root, "absent")},
-            {"lora_name": "bad-outside", "lora_path": str(garbage)},  # outside the allowed dir
-            {"lora_name": "bad-escape", "lora_path": os.path.join(root, "..", "..")},
-            {"lora_name": "owned", "lora_path": os.path.join(root, "spare")}]  # duplicate name
+    return [
+        {"lora_name": "bad-missing", "lora_path": os.path.join(root, "absent")},
+        {"lora_name": "bad-outside", "lora_path": str(garbage)},  # outside the allowed dir
+        {"lora_name": "bad-escape", "lora_path": os.path.join(root, "..", "..")},
+        {"lora_name": "owned", "lora_path": os.path.join(root, "spare")},
+    ]  # duplicate name
 
 
 def _bad_loads(server: Server, bodies: list[dict], num: int, statuses: list[int], stop: threading.Event) -> None:
@@ -166,11 +194,25 @@ def test_load_test_with_bad_loads_has_no_errors(server, adapter_root, tmp_path):
     assert _load(server, "owned", os.path.join(adapter_root, "spare")).status_code == 200
     statuses: list[int] = []
     stop = threading.Event()
-    loader = threading.Thread(target=_bad_loads, args=(server, _broken_adapters(adapter_root, tmp_path), 50, statuses, stop))
+    loader = threading.Thread(
+        target=_bad_loads, args=(server, _broken_adapters(adapter_root, tmp_path), 50, statuses, stop)
+    )
     loader.start()
     adapters = [f"{n}={os.path.join(adapter_root, n)}" for n in ("good-a", "good-b")]
-    report = load_test_main(["--base-url", server.base_url, "--duration-s", "30", "--concurrency", "4",
-                             "--max-tokens", "6", "--adapters", *adapters])
+    report = load_test_main(
+        [
+            "--base-url",
+            server.base_url,
+            "--duration-s",
+            "30",
+            "--concurrency",
+            "4",
+            "--max-tokens",
+            "6",
+            "--adapters",
+            *adapters,
+        ]
+    )
     loader.join(timeout=60)
     assert len(statuses) == 50 and all(400 <= s < 500 for s in statuses), statuses
     assert report["errors"] == 0, report["unexpected"]
@@ -187,11 +229,15 @@ def _documented_load_test() -> list[str]:
 
 def test_load_test_runs_as_its_docstring_says(server, adapter_root):
     argv = _documented_load_test()
-    values = {"--base-url": [server.base_url], "--duration-s": ["3"], "--concurrency": ["2"],
-              "--adapters": [f"{n}={os.path.join(adapter_root, n)}" for n in ("good-a", "good-b")]}
+    values = {
+        "--base-url": [server.base_url],
+        "--duration-s": ["3"],
+        "--concurrency": ["2"],
+        "--adapters": [f"{n}={os.path.join(adapter_root, n)}" for n in ("good-a", "good-b")],
+    }
     flags = [a for a in argv if a.startswith("--")]
     assert argv[0] == "python" and sorted(flags) == sorted(values), argv  # the documented flags, this server's values
-    argv = [sys.executable, *argv[1:argv.index(flags[0])], *(x for f in flags for x in [f, *values[f]])]
+    argv = [sys.executable, *argv[1 : argv.index(flags[0])], *(x for f in flags for x in [f, *values[f]])]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # a shell in the repository root
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

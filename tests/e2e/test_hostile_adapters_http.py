@@ -42,9 +42,23 @@ def dirs(demo_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[
 
 @pytest.fixture(scope="module")
 def server(demo_model_dir: str, dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
-    args = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--lora-allowed-dir", str(dirs["root"]),
-            "--max-model-len", "256", "--num-kv-blocks", "64", "--max-num-seqs", "8",
-            "--lora-modules", f"trusted={dirs['cache'] / 'snapshots' / 'rev'}"]
+    args = [
+        "--enable-lora",
+        "--max-loras",
+        "2",
+        "--max-lora-rank",
+        "8",
+        "--lora-allowed-dir",
+        str(dirs["root"]),
+        "--max-model-len",
+        "256",
+        "--num-kv-blocks",
+        "64",
+        "--max-num-seqs",
+        "8",
+        "--lora-modules",
+        f"trusted={dirs['cache'] / 'snapshots' / 'rev'}",
+    ]
     srv = Server(demo_model_dir, str(tmp_path_factory.mktemp("hostile-events")), args).start()
     yield srv
     assert srv.stop() == 0
@@ -66,8 +80,9 @@ def _ids(client: openai.OpenAI) -> list[str]:
 
 
 def _load(server: Server, name: str, path: Path) -> httpx.Response:
-    return httpx.post(server.base_url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
-                      timeout=30)
+    return httpx.post(
+        server.base_url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}, timeout=30
+    )
 
 
 def _responsive(client: openai.OpenAI) -> None:
@@ -76,8 +91,9 @@ def _responsive(client: openai.OpenAI) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(HOSTILE))
-def test_hostile_adapter_gets_a_400_and_the_server_stays_responsive(name: str, server: Server, client: openai.OpenAI,
-                                                                     dirs: dict[str, Path]) -> None:
+def test_hostile_adapter_gets_a_400_and_the_server_stays_responsive(
+    name: str, server: Server, client: openai.OpenAI, dirs: dict[str, Path]
+) -> None:
     build, fragment = HOSTILE[name]
     path = Path(shutil.copytree(dirs["good"] / "a", dirs["root"] / name))
     build(path, dirs["outside"])
@@ -96,8 +112,9 @@ def test_hostile_adapter_gets_a_400_and_the_server_stays_responsive(name: str, s
 
 
 @pytest.mark.timeout(60)
-def test_a_redos_key_that_matches_nothing_loads_at_once(server: Server, client: openai.OpenAI,
-                                                        dirs: dict[str, Path]) -> None:
+def test_a_redos_key_that_matches_nothing_loads_at_once(
+    server: Server, client: openai.OpenAI, dirs: dict[str, Path]
+) -> None:
     path = Path(shutil.copytree(dirs["good"] / "a", dirs["root"] / "redos-key"))
     edit_config(path, rank_pattern={"(.|.)*Z": 4}, alpha_pattern={"model.(.|.)*Z": 4})
     assert _load(server, "redos-key", path).status_code == 200

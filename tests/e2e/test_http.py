@@ -26,10 +26,22 @@ from tests.reference import assert_greedy_matches, greedy_reference
 
 pytestmark = pytest.mark.slow
 
-SERVER_ARGS = ["--max-model-len", "512", "--num-kv-blocks", "96", "--block-size", "16",
-               "--max-num-batched-tokens", "128", "--max-num-seqs", "32"]
-PROMPTS = [f"Story {i}: the {w} walked along the" for i, w in
-           enumerate(["fox", "old man", "river", "child", "baker", "cat", "storm", "teacher"] * 2)]
+SERVER_ARGS = [
+    "--max-model-len",
+    "512",
+    "--num-kv-blocks",
+    "96",
+    "--block-size",
+    "16",
+    "--max-num-batched-tokens",
+    "128",
+    "--max-num-seqs",
+    "32",
+]
+PROMPTS = [
+    f"Story {i}: the {w} walked along the"
+    for i, w in enumerate(["fox", "old man", "river", "child", "baker", "cat", "storm", "teacher"] * 2)
+]
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +116,11 @@ def test_chat_completion(client, model_name, hf):
 
 def test_streaming_equals_non_streaming(client, model_name):
     full = client.completions.create(model=model_name, prompt=PROMPTS[2], **GREEDY)
-    chunks = list(client.completions.create(model=model_name, prompt=PROMPTS[2], stream=True,
-                                            stream_options={"include_usage": True}, **GREEDY))
+    chunks = list(
+        client.completions.create(
+            model=model_name, prompt=PROMPTS[2], stream=True, stream_options={"include_usage": True}, **GREEDY
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == full.choices[0].text
     assert chunks[-1].usage.completion_tokens == 24 and not chunks[-1].choices
@@ -115,8 +130,11 @@ def test_streaming_equals_non_streaming(client, model_name):
 def test_chat_streaming(client, model_name):
     messages = [{"role": "user", "content": "Hello there"}]
     full = client.chat.completions.create(model=model_name, messages=messages, **GREEDY)
-    chunks = list(client.chat.completions.create(model=model_name, messages=messages, stream=True,
-                                                 stream_options={"include_usage": True}, **GREEDY))
+    chunks = list(
+        client.chat.completions.create(
+            model=model_name, messages=messages, stream=True, stream_options={"include_usage": True}, **GREEDY
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == 24
@@ -166,8 +184,14 @@ def test_error_shapes(server, client, model_name):
 
 
 def test_seeded_sampling_is_reproducible(client, model_name):
-    kwargs = {"model": model_name, "prompt": PROMPTS[5], "max_tokens": 16, "temperature": 1.0, "top_p": 0.9,
-              "extra_body": {"top_k": 50, "min_p": 0.01, "ignore_eos": True}}
+    kwargs = {
+        "model": model_name,
+        "prompt": PROMPTS[5],
+        "max_tokens": 16,
+        "temperature": 1.0,
+        "top_p": 0.9,
+        "extra_body": {"top_k": 50, "min_p": 0.01, "ignore_eos": True},
+    }
     first = client.completions.create(seed=7, **kwargs).choices[0].text
     assert client.completions.create(seed=7, **kwargs).choices[0].text == first
     others = {client.completions.create(seed=s, **kwargs).choices[0].text for s in (8, 9, 10)}
@@ -183,8 +207,9 @@ def test_stop_token_ids_and_logprobs(client, model_name):
     assert all(lp.token_logprobs[i] == pytest.approx(max(lp.top_logprobs[i].values())) for i in range(len(ids)))
     stop_id = ids[5]
     body = {**GREEDY["extra_body"], "stop_token_ids": [stop_id]}
-    stopped = client.completions.create(model=model_name, prompt=PROMPTS[6], temperature=0.0, max_tokens=24,
-                                        extra_body=body)
+    stopped = client.completions.create(
+        model=model_name, prompt=PROMPTS[6], temperature=0.0, max_tokens=24, extra_body=body
+    )
     got = stopped.choices[0].model_extra["token_ids"]
     assert got == ids[: ids.index(stop_id) + 1] and stopped.choices[0].finish_reason == "stop"
 
@@ -252,8 +277,9 @@ def test_refused_requests_leave_the_server_serving(server, client, model_name):
     assert refused.value.param == "response_format"
     still_serves(client, model_name)
     lone_surrogate = json.dumps({"model": model_name, "messages": [{"role": "user", "content": "a\ud800"}]})
-    r = httpx.post(server.base_url + "/v1/chat/completions", content=lone_surrogate,
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        server.base_url + "/v1/chat/completions", content=lone_surrogate, headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
     assert "messages.0.content" in r.json()["error"]["message"]
     still_serves(client, model_name)
@@ -273,8 +299,13 @@ def test_replay_verifies_the_log_under_two_hash_seeds(server, log_dir, schedulin
     outputs = []
     for seed in ("0", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        done = subprocess.run([sys.executable, "-m", "ledgerserve", "replay", "--verify", "--show", "all", log_dir],
-                              env=env, capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-m", "ledgerserve", "replay", "--verify", "--show", "all", log_dir],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 0, done.stdout + done.stderr
         assert "decisions match" in done.stdout
         outputs.append(done.stdout)

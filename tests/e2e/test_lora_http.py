@@ -26,17 +26,30 @@ from tests.reference import assert_greedy_matches, greedy_reference
 pytestmark = pytest.mark.slow
 
 NUM_TOKENS = 24
-PROMPTS = ["The river ran", "A small bakery on the corner", "Once upon a time, the", "Rain fell over the hills and",
-           "She opened the old letter", "In the morning the market"]
+PROMPTS = [
+    "The river ran",
+    "A small bakery on the corner",
+    "Once upon a time, the",
+    "Rain fell over the hills and",
+    "She opened the old letter",
+    "In the morning the market",
+]
 ADAPTERS = {  # name: make_peft_adapter kwargs
     "qv-r4": dict(r=4, alpha=8, targets=["q_proj", "v_proj"], seed=1),
     "mlp-r8": dict(r=8, alpha=16, targets=["gate_proj", "up_proj", "down_proj"], seed=2),
-    "all-r16-rs": dict(r=16, alpha=32, targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                "down_proj"], use_rslora=True, seed=3),
+    "all-r16-rs": dict(
+        r=16,
+        alpha=32,
+        targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        use_rslora=True,
+        seed=3,
+    ),
     "attn-head-r32": dict(r=32, alpha=16, targets=["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"], seed=4),
 }
-SPARE = {"spare-x": dict(r=8, alpha=8, targets=["q_proj", "o_proj"], seed=5),
-         "spare-y": dict(r=12, alpha=24, targets=["up_proj", "down_proj"], seed=6)}
+SPARE = {
+    "spare-x": dict(r=8, alpha=8, targets=["q_proj", "o_proj"], seed=5),
+    "spare-y": dict(r=12, alpha=24, targets=["up_proj", "down_proj"], seed=6),
+}
 GREEDY = {"temperature": 0.0, "max_tokens": NUM_TOKENS, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
 
 
@@ -56,9 +69,25 @@ def log_dir(scheduling, tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def server(demo_model_dir, adapter_root, log_dir, scheduling):
     modules = [f"{name}={os.path.join(adapter_root, name)}" for name in ADAPTERS]
-    args = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "32", "--lora-allowed-dir", adapter_root,
-            "--max-model-len", "512", "--num-kv-blocks", "160", "--max-num-batched-tokens", "96",
-            "--max-num-seqs", "32", "--lora-modules", *modules]
+    args = [
+        "--enable-lora",
+        "--max-loras",
+        "2",
+        "--max-lora-rank",
+        "32",
+        "--lora-allowed-dir",
+        adapter_root,
+        "--max-model-len",
+        "512",
+        "--num-kv-blocks",
+        "160",
+        "--max-num-batched-tokens",
+        "96",
+        "--max-num-seqs",
+        "32",
+        "--lora-modules",
+        *modules,
+    ]
     args += SCHEDULING_ARGS[scheduling]
     srv = Server(demo_model_dir, log_dir, args).start()
     yield srv
@@ -72,8 +101,9 @@ def client(server) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def hf(demo_model_dir):
-    return AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32).eval(), \
-        AutoTokenizer.from_pretrained(demo_model_dir)
+    return AutoModelForCausalLM.from_pretrained(
+        demo_model_dir, dtype=torch.float32
+    ).eval(), AutoTokenizer.from_pretrained(demo_model_dir)
 
 
 def _peft_refs(demo_model_dir, adapter_dir, prompts, tok, num_tokens=NUM_TOKENS):
@@ -117,8 +147,13 @@ def test_mixed_batch_matches_peft_with_two_slots(server, client, hf, demo_model_
 
 def test_lora_path_picks_the_adapter(client):
     by_name = client.completions.create(model="qv-r4", prompt=PROMPTS[0], **GREEDY)
-    by_path = client.completions.create(model=_base_name(client), prompt=PROMPTS[0], temperature=0.0,
-                                        max_tokens=NUM_TOKENS, extra_body={**GREEDY["extra_body"], "lora_path": "qv-r4"})
+    by_path = client.completions.create(
+        model=_base_name(client),
+        prompt=PROMPTS[0],
+        temperature=0.0,
+        max_tokens=NUM_TOKENS,
+        extra_body={**GREEDY["extra_body"], "lora_path": "qv-r4"},
+    )
     assert by_path.choices[0].text == by_name.choices[0].text
 
 
@@ -127,16 +162,23 @@ def _post(server, route, body):
 
 
 def test_load_errors(server, adapter_root, tmp_path):
-    dup = _post(server, "/v1/load_lora_adapter", {"lora_name": "qv-r4", "lora_path": os.path.join(adapter_root, "spare-x")})
+    dup = _post(
+        server, "/v1/load_lora_adapter", {"lora_name": "qv-r4", "lora_path": os.path.join(adapter_root, "spare-x")}
+    )
     assert dup.status_code == 400 and dup.json()["error"]["message"]
-    missing = _post(server, "/v1/load_lora_adapter", {"lora_name": "nope", "lora_path": os.path.join(adapter_root, "absent")})
+    missing = _post(
+        server, "/v1/load_lora_adapter", {"lora_name": "nope", "lora_path": os.path.join(adapter_root, "absent")}
+    )
     assert missing.status_code == 404
     outside = tmp_path / "outside"
     shutil.copytree(os.path.join(adapter_root, "spare-x"), outside)
     escaped = _post(server, "/v1/load_lora_adapter", {"lora_name": "evil", "lora_path": str(outside)})
     assert escaped.status_code == 400
-    traversal = _post(server, "/v1/load_lora_adapter",
-                      {"lora_name": "evil", "lora_path": os.path.join(adapter_root, "..", os.path.basename(tmp_path), "outside")})
+    traversal = _post(
+        server,
+        "/v1/load_lora_adapter",
+        {"lora_name": "evil", "lora_path": os.path.join(adapter_root, "..", os.path.basename(tmp_path), "outside")},
+    )
     assert traversal.status_code == 400
     assert _post(server, "/v1/unload_lora_adapter", {"lora_name": "never-loaded"}).status_code == 404
 
@@ -159,8 +201,14 @@ def test_unload_while_streaming_finishes_then_404(server, client, hf, demo_model
     _, tok = hf
     path = os.path.join(adapter_root, "spare-x")
     assert _post(server, "/v1/load_lora_adapter", {"lora_name": "doomed", "lora_path": path}).status_code == 200
-    stream = client.completions.create(model="doomed", prompt=PROMPTS[2], stream=True, temperature=0.0,
-                                       max_tokens=64, extra_body={"ignore_eos": True, "return_token_ids": True})
+    stream = client.completions.create(
+        model="doomed",
+        prompt=PROMPTS[2],
+        stream=True,
+        temperature=0.0,
+        max_tokens=64,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     chunks = [next(iter(stream))]
     assert _post(server, "/v1/unload_lora_adapter", {"lora_name": "doomed"}).status_code == 200
     chunks += list(stream)
@@ -178,8 +226,24 @@ def test_stress_has_no_unexpected_status(server, adapter_root):
     from scripts.lora_stress import parse_args, run_stress
 
     spares = [f"s{i}={os.path.join(adapter_root, n)}" for i, n in enumerate(SPARE)]
-    summary = run_stress(parse_args(["--base-url", server.base_url, "--concurrency", "8", "--rounds", "5",
-                                     "--requests", "24", "--max-tokens", "8", "--adapters", *spares]))
+    summary = run_stress(
+        parse_args(
+            [
+                "--base-url",
+                server.base_url,
+                "--concurrency",
+                "8",
+                "--rounds",
+                "5",
+                "--requests",
+                "24",
+                "--max-tokens",
+                "8",
+                "--adapters",
+                *spares,
+            ]
+        )
+    )
     print(summary)
     assert summary["num_requests"] >= 100 and not summary["unexpected"], summary
     server.wait_idle(timeout_s=20)
@@ -188,7 +252,12 @@ def test_stress_has_no_unexpected_status(server, adapter_root):
 def test_replay_verifies_the_lora_log(server, log_dir):
     assert server.stop() == 0
     for seed in ("0", "999"):
-        done = subprocess.run([sys.executable, "-m", "ledgerserve", "replay", "--verify", log_dir],
-                              env={**os.environ, "PYTHONHASHSEED": seed}, capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-m", "ledgerserve", "replay", "--verify", log_dir],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 0, done.stdout + done.stderr
     assert glob.glob(os.path.join(log_dir, "*.log"))

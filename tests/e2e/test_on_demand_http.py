@@ -41,7 +41,9 @@ def root(demo_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     make_peft_adapter(demo_model_dir, top / "direct-x", r=8, alpha=16, targets=["q_proj", "v_proj"], seed=20)
     make_peft_adapter(demo_model_dir, top / "pin", r=4, alpha=8, targets=["o_proj", "down_proj"], seed=19)
     for name, seed in NAMED.items():
-        make_peft_adapter(demo_model_dir, top / "by-name" / name, r=4, alpha=8, targets=["q_proj", "up_proj"], seed=seed)
+        make_peft_adapter(
+            demo_model_dir, top / "by-name" / name, r=4, alpha=8, targets=["q_proj", "up_proj"], seed=seed
+        )
     (top / "by-name" / "broken").mkdir()
     (top / "by-name" / "broken" / "adapter_config.json").write_text('{"r": 4, "lora_alpha": NaN}')
     make_peft_adapter(demo_model_dir, top.parent / "outside-evil", r=4, alpha=8, targets=["q_proj"], seed=27)
@@ -51,10 +53,31 @@ def root(demo_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(demo_model_dir: str, root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     pinned = json.dumps({"name": "pin", "path": str(root / "pin"), "pinned": True})
-    args = ["--enable-lora", "--max-loras", "3", "--max-cpu-loras", "4", "--max-lora-rank", "16",
-            "--lora-allowed-dir", str(root), "--lora-resolve-dir", str(root / "by-name"), "--max-on-demand-loras", "2",
-            "--max-model-len", "512", "--num-kv-blocks", "192", "--max-num-batched-tokens", "96", "--max-num-seqs", "32",
-            "--lora-modules", pinned]
+    args = [
+        "--enable-lora",
+        "--max-loras",
+        "3",
+        "--max-cpu-loras",
+        "4",
+        "--max-lora-rank",
+        "16",
+        "--lora-allowed-dir",
+        str(root),
+        "--lora-resolve-dir",
+        str(root / "by-name"),
+        "--max-on-demand-loras",
+        "2",
+        "--max-model-len",
+        "512",
+        "--num-kv-blocks",
+        "192",
+        "--max-num-batched-tokens",
+        "96",
+        "--max-num-seqs",
+        "32",
+        "--lora-modules",
+        pinned,
+    ]
     srv = Server(demo_model_dir, str(tmp_path_factory.mktemp("on-demand-events")), args).start()
     yield srv
     srv.stop()
@@ -103,16 +126,20 @@ def test_the_pinned_startup_adapter(server, client, root, refs):
     while _cards(client)["pin"].get("location") != "gpu" and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _cards(client)["pin"]["location"] == "gpu"
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for family in text_string_to_metric_families(httpx.get(server.base_url + "/metrics").text)
-               for s in family.samples}
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(httpx.get(server.base_url + "/metrics").text)
+        for s in family.samples
+    }
     assert samples[("ledgerserve_lora_pinned", (("adapter", "pin"),))] == 1.0
 
 
 def test_first_requests_by_lora_path_and_by_name_match_peft(client, root, refs):
     direct = os.path.realpath(root / "direct-x")
-    got = {"direct": _tokens(client, _base(client), lora_path=str(root / "by-name" / ".." / "direct-x")),
-           "yname": _tokens(client, "yname")}
+    got = {
+        "direct": _tokens(client, _base(client), lora_path=str(root / "by-name" / ".." / "direct-x")),
+        "yname": _tokens(client, "yname"),
+    }
     assert_greedy_matches(got, {"direct": refs.get(root / "direct-x"), "yname": refs.get(root / "by-name" / "yname")})
     cards = _cards(client)
     assert cards[direct]["root"] == direct and cards["yname"]["root"] == os.path.realpath(root / "by-name" / "yname")
@@ -124,8 +151,12 @@ def test_twenty_concurrent_first_requests_load_once(server, client, root, refs):
 
     async def twenty() -> list[list[int]]:
         async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as aclient:
-            outs = await asyncio.gather(*(aclient.completions.create(model="zname", prompt=PROMPT, max_tokens=NUM_TOKENS,
-                                                                     **GREEDY) for _ in range(20)))
+            outs = await asyncio.gather(
+                *(
+                    aclient.completions.create(model="zname", prompt=PROMPT, max_tokens=NUM_TOKENS, **GREEDY)
+                    for _ in range(20)
+                )
+            )
         return [o.choices[0].model_extra["token_ids"] for o in outs]
 
     results = asyncio.run(twenty())
@@ -181,13 +212,26 @@ def test_log_replays_with_one_load_per_first_use(server, root):
     assert len([e for e in records if isinstance(e, ev.AdapterRegistered) and e.name == "zname"]) == 1
     assert all("outside" not in e.path and e.name != "broken" for e in loads)
     assert [(e.name, e.pinned, e.on_demand) for e in loads if e.pinned] == [("pin", True, False)]
-    assert {e.name for e in records if isinstance(e, ev.AdapterUnloaded) and e.reason == "lru"} >= {"yname", "zname", "b-name"}
+    assert {e.name for e in records if isinstance(e, ev.AdapterUnloaded) and e.reason == "lru"} >= {
+        "yname",
+        "zname",
+        "b-name",
+    }
     for seed in ("0", "999"):
-        done = subprocess.run([sys.executable, "-m", "ledgerserve", "replay", "--verify", server.log_dir],
-                              env={**os.environ, "PYTHONHASHSEED": seed}, capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-m", "ledgerserve", "replay", "--verify", server.log_dir],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 0, done.stdout + done.stderr
-    shown = subprocess.run([sys.executable, "-m", "ledgerserve", "replay", server.log_dir, "--show", "adapters", "--json"],
-                           capture_output=True, text=True, timeout=120)
+    shown = subprocess.run(
+        [sys.executable, "-m", "ledgerserve", "replay", server.log_dir, "--show", "adapters", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     versions = json.loads(shown.stdout)["state"]["adapters"]
     assert any(v.get("pinned") and v["name"] == "pin" for v in versions)
     assert any(v.get("on_demand") and v["name"] == "b-name" for v in versions)

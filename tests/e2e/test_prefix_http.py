@@ -30,17 +30,32 @@ GREEDY = {"temperature": 0.0, "max_tokens": NUM_TOKENS, "extra_body": {"ignore_e
 @pytest.fixture(scope="module")
 def adapters(demo_model_dir, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("prefix-adapters")
-    specs = {"A": dict(r=8, alpha=16, targets=["q_proj", "v_proj", "down_proj"], seed=11),
-             "B": dict(r=4, alpha=8, targets=["k_proj", "o_proj"], seed=12),
-             "A2": dict(r=8, alpha=16, targets=["q_proj", "v_proj", "down_proj"], seed=13)}
+    specs = {
+        "A": dict(r=8, alpha=16, targets=["q_proj", "v_proj", "down_proj"], seed=11),
+        "B": dict(r=4, alpha=8, targets=["k_proj", "o_proj"], seed=12),
+        "A2": dict(r=8, alpha=16, targets=["q_proj", "v_proj", "down_proj"], seed=13),
+    }
     return {name: make_peft_adapter(demo_model_dir, str(root / name), **kw) for name, kw in specs.items()}
 
 
 @pytest.fixture(scope="module")
 def server(demo_model_dir, adapters, tmp_path_factory):
-    args = ["--enable-lora", "--max-loras", "2", "--lora-allowed-dir", os.path.dirname(adapters["A"]),
-            "--lora-modules", f"A={adapters['A']}", f"B={adapters['B']}",
-            "--max-model-len", "512", "--num-kv-blocks", "128", "--block-size", "16"]
+    args = [
+        "--enable-lora",
+        "--max-loras",
+        "2",
+        "--lora-allowed-dir",
+        os.path.dirname(adapters["A"]),
+        "--lora-modules",
+        f"A={adapters['A']}",
+        f"B={adapters['B']}",
+        "--max-model-len",
+        "512",
+        "--num-kv-blocks",
+        "128",
+        "--block-size",
+        "16",
+    ]
     srv = Server(demo_model_dir, str(tmp_path_factory.mktemp("prefix-events")), args).start()
     yield srv
     srv.stop()
@@ -58,9 +73,14 @@ def test_cached_tokens_only_within_one_namespace_version(server, demo_model_dir,
     assert len(tok(PREFIX)["input_ids"]) >= 200
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
     base = os.path.basename(demo_model_dir)
-    plan = [("base", base, None, " one"), ("A", "A", adapters["A"], " two"), ("B", "B", adapters["B"], " three"),
-            ("A again", "A", adapters["A"], " four"), ("reload A", "A", adapters["A2"], " five"),
-            ("base again", base, None, " six")]
+    plan = [
+        ("base", base, None, " one"),
+        ("A", "A", adapters["A"], " two"),
+        ("B", "B", adapters["B"], " three"),
+        ("A again", "A", adapters["A"], " four"),
+        ("reload A", "A", adapters["A2"], " five"),
+        ("base again", base, None, " six"),
+    ]
     cached, results, refs = {}, {}, {}
     for label, model, adapter_dir, suffix in plan:
         if label == "reload A":

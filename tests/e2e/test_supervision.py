@@ -29,7 +29,11 @@ from tests.netutil import free_port
 
 pytestmark = pytest.mark.slow
 
-MODULE_OF = {"scheduler": "ledgerserve.scheduler_proc.main", "worker-0": "ledgerserve.worker_proc.main", "tokenizer": "ledgerserve.tokenizer_proc.main"}
+MODULE_OF = {
+    "scheduler": "ledgerserve.scheduler_proc.main",
+    "worker-0": "ledgerserve.worker_proc.main",
+    "tokenizer": "ledgerserve.tokenizer_proc.main",
+}
 
 
 def _child(server: Server, module: str):
@@ -59,8 +63,12 @@ def _post(base_url: str, model: str, out: list[httpx.Response | None]) -> None:
 
 
 def _replay_ok(log_dir: str) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "ledgerserve", "replay", "--verify", "--json", newest_log(log_dir)],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ledgerserve", "replay", "--verify", "--json", newest_log(log_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(proc.stdout)
     assert report["status"] == "ok"
@@ -80,8 +88,10 @@ def test_kill9_of_any_child_stops_the_group(name, demo_model_dir, tmp_path):
     lines: list[str] = []
     replies: list[httpx.Response | None] = []
     first = threading.Event()
-    threads = [threading.Thread(target=_stream_lines, args=(server.base_url, model, lines, first)),
-               threading.Thread(target=_post, args=(server.base_url, model, replies))]
+    threads = [
+        threading.Thread(target=_stream_lines, args=(server.base_url, model, lines, first)),
+        threading.Thread(target=_post, args=(server.base_url, model, replies)),
+    ]
     for t in threads:
         t.start()
     assert first.wait(30)
@@ -112,7 +122,7 @@ def _check_in_flight_failed(server, threads, lines, replies, name) -> None:
     JSON error; /health is 503 while the tokenizer flushes."""
     threads[0].join(timeout=5)
     assert lines[-1] == "data: [DONE]"
-    error = json.loads(lines[-2][len("data: "):])["error"]
+    error = json.loads(lines[-2][len("data: ") :])["error"]
     assert error["code"] == 503 and name in error["message"]
     assert httpx.get(server.base_url + "/health", timeout=2).status_code == 503
     threads[1].join(timeout=5)
@@ -128,9 +138,11 @@ def test_kill9_of_the_launcher_fails_in_flight_requests_and_takes_its_children(d
     streamed: list[object] = []  # the openai stream's chunks, then what ended it
     plain: list[openai.APIStatusError] = []
     first, first_chunk = threading.Event(), threading.Event()
-    threads = [threading.Thread(target=_stream_lines, args=(server.base_url, model, lines, first)),
-               threading.Thread(target=_openai_stream, args=(client, model, streamed, first_chunk)),
-               threading.Thread(target=_openai_plain, args=(client, model, plain))]
+    threads = [
+        threading.Thread(target=_stream_lines, args=(server.base_url, model, lines, first)),
+        threading.Thread(target=_openai_stream, args=(client, model, streamed, first_chunk)),
+        threading.Thread(target=_openai_plain, args=(client, model, plain)),
+    ]
     for t in threads:
         t.start()
     assert first.wait(30) and first_chunk.wait(30)
@@ -146,7 +158,7 @@ def test_kill9_of_the_launcher_fails_in_flight_requests_and_takes_its_children(d
     assert isinstance(streamed[-1], openai.APIError) and len(streamed) > 1, streamed[-1]
     _assert_dead_launcher_error(streamed[-1].body)
     assert lines[-1] == "data: [DONE]"
-    _assert_dead_launcher_error(json.loads(lines[-2][len("data: "):])["error"])
+    _assert_dead_launcher_error(json.loads(lines[-2][len("data: ") :])["error"])
     assert len(plain) == 1 and plain[0].status_code == 503
     _assert_dead_launcher_error(plain[0].body)
     assert _last_record(str(tmp_path)).dead_process == "launcher"
@@ -154,8 +166,9 @@ def test_kill9_of_the_launcher_fails_in_flight_requests_and_takes_its_children(d
 
 
 def _openai_stream(client: openai.OpenAI, model: str, out: list[object], first: threading.Event) -> None:
-    stream = client.completions.create(model=model, prompt="The river", max_tokens=1000, stream=True,
-                                       extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=model, prompt="The river", max_tokens=1000, stream=True, extra_body={"ignore_eos": True}
+    )
     try:
         for chunk in stream:
             out.append(chunk)
@@ -192,9 +205,23 @@ def test_a_child_failing_at_start_leaves_no_run_directory(demo_model_dir, tmp_pa
     not_a_dir.write_text("")  # the scheduler cannot create its event log here
     runs = tempfile.mkdtemp(prefix="ls-runs-")  # short: ipc socket paths are limited to ~100 bytes
     try:
-        proc = subprocess.run([sys.executable, "-m", "ledgerserve", "serve", demo_model_dir, "--port", str(free_port()),
-                               "--event-log-dir", str(not_a_dir)], env={**os.environ, "TMPDIR": runs},
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "ledgerserve",
+                "serve",
+                demo_model_dir,
+                "--port",
+                str(free_port()),
+                "--event-log-dir",
+                str(not_a_dir),
+            ],
+            env={**os.environ, "TMPDIR": runs},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 1 and "process 'scheduler'" in proc.stderr, proc.stderr
         assert os.listdir(runs) == []
     finally:
@@ -209,8 +236,9 @@ def test_signal_drains_in_flight_request_then_exits_clean(sig, tmp_path):
     run_dirs = server.run_dirs()
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x")
     model = client.models.list().data[0].id
-    stream = client.completions.create(model=model, prompt="The river", max_tokens=1000, stream=True,
-                                       extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=model, prompt="The river", max_tokens=1000, stream=True, extra_body={"ignore_eos": True}
+    )
     first = next(iter(stream))
     server.proc.send_signal(sig)
     _check_draining(server, model)
@@ -229,8 +257,9 @@ def _check_draining(server: Server, model: str) -> None:
     while httpx.get(server.base_url + "/health", timeout=2).status_code != 503:
         assert time.monotonic() < deadline, "/health never turned 503 while draining"
         time.sleep(0.02)
-    r = httpx.post(server.base_url + "/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2},
-                   timeout=5)
+    r = httpx.post(
+        server.base_url + "/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2}, timeout=5
+    )
     assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
 
 
@@ -239,8 +268,10 @@ def test_shutdown_timeout_cuts_what_is_left_and_exits_clean(demo_model_dir, tmp_
     pids, run_dirs = [p.pid for p in server.children()], server.run_dirs()
     model = httpx.get(server.base_url + "/v1/models").json()["data"][0]["id"]
     streams = [([], threading.Event()) for _ in range(4)]  # 4 x 2000 tokens: far more than 1 s of work
-    readers = [threading.Thread(target=_stream_lines, args=(server.base_url, model, lines, first, 2000))
-               for lines, first in streams]
+    readers = [
+        threading.Thread(target=_stream_lines, args=(server.base_url, model, lines, first, 2000))
+        for lines, first in streams
+    ]
     for reader in readers:
         reader.start()
     assert all(first.wait(30) for _, first in streams)

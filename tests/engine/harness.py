@@ -22,7 +22,9 @@ class EngineRun:
         return sum(isinstance(d, kind) for d in self.decisions)
 
 
-def run_engine(config: EngineConfig, arrivals: list[events.RequestArrived], max_steps: int = 10_000) -> tuple[EngineRun, Core]:
+def run_engine(
+    config: EngineConfig, arrivals: list[events.RequestArrived], max_steps: int = 10_000
+) -> tuple[EngineRun, Core]:
     core = Core(CoreConfig.from_engine(config))
     runner = ModelRunner(config, rank=0)
     run = EngineRun()

@@ -28,8 +28,15 @@ def _prompts(vocab_size: int) -> dict[str, list[int]]:
 def test_greedy_parity_with_chunked_prefill_and_preemption(arch, tmp_path):
     model_dir = make_tiny_checkpoint(arch, tmp_path / arch)
     config = EngineConfig(
-        model_dir=str(model_dir), served_model_name=arch, max_model_len=128, dtype="float32", device="cpu",
-        max_num_seqs=8, max_num_batched_tokens=24, block_size=4, num_kv_blocks=48,
+        model_dir=str(model_dir),
+        served_model_name=arch,
+        max_model_len=128,
+        dtype="float32",
+        device="cpu",
+        max_num_seqs=8,
+        max_num_batched_tokens=24,
+        block_size=4,
+        num_kv_blocks=48,
     )
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompts = _prompts(model.config.vocab_size)

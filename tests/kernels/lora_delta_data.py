@@ -10,8 +10,16 @@ from ledgerserve.kernels.lora_ref import LoraDelta
 SLOTS = [0, -1, 3, 1, 1, 2, -1, 0, 3]  # slot 1 does not target slice 0; -1: base tokens
 
 
-def make_delta(output_sizes: list[int], dtype: torch.dtype, device: str, slots: list[int] = SLOTS,
-               max_loras: int = 5, num_slots: int = 4, max_rank: int = 13, seed: int = 0) -> LoraDelta:
+def make_delta(
+    output_sizes: list[int],
+    dtype: torch.dtype,
+    device: str,
+    slots: list[int] = SLOTS,
+    max_loras: int = 5,
+    num_slots: int = 4,
+    max_rank: int = 13,
+    seed: int = 0,
+) -> LoraDelta:
     """h a strided view out of a wider GEMM output, B stored out-major, ranks 1..max_rank, both zero
     past each slot's rank."""
     gen = torch.Generator().manual_seed(seed)
@@ -25,8 +33,13 @@ def make_delta(output_sizes: list[int], dtype: torch.dtype, device: str, slots: 
     past_rank = torch.arange(max_rank) >= ranks[..., None]  # [max_loras, num_slices, max_rank]: zero there, as stored
     b = b.masked_fill(past_rank[..., None], 0.0)
     h.masked_fill_(past_rank[:num_slots].to(device), 0.0)  # in place: h stays a strided view
-    return LoraDelta(h, b.to(dtype).to(device).transpose(2, 3), ranks.to(device), scalings.to(device),
-                     torch.tensor(slots, device=device))
+    return LoraDelta(
+        h,
+        b.to(dtype).to(device).transpose(2, 3),
+        ranks.to(device),
+        scalings.to(device),
+        torch.tensor(slots, device=device),
+    )
 
 
 def naive_delta(delta: LoraDelta, output_sizes: list[int]) -> torch.Tensor:  # [num_tokens, sum(output_sizes)] f64

@@ -40,8 +40,9 @@ def test_matmul_into_a_row_strided_output_writes_only_its_columns(dtype: torch.d
     wide = torch.zeros(m, n + 40, dtype=dtype, device="cuda")
     algo = cublaslt.candidates(cublaslt.GemmShape(m, n, k, n + 40, dtype), 0)[0]
     cublaslt.matmul_into(wide[:, :n], x, w, algo)
-    torch.testing.assert_close(wide[:, :n].float(), torch.nn.functional.linear(x.float(), w.float()),
-                               atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(
+        wide[:, :n].float(), torch.nn.functional.linear(x.float(), w.float()), atol=2e-2, rtol=2e-2
+    )
     assert not wide[:, n:].any()
 
 
@@ -60,8 +61,9 @@ def test_tuned_shape_dispatches_and_matches_linear(dtype: torch.dtype) -> None:
     assert 0 < chosen_us <= torch_us
     assert gemm_tuning.tune(gemms) == {}  # chosen once
     for w in ws:
-        torch.testing.assert_close(ops.linear(x, w).float(), torch.nn.functional.linear(x.float(), w.float()),
-                                   atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(
+            ops.linear(x, w).float(), torch.nn.functional.linear(x.float(), w.float()), atol=2e-2, rtol=2e-2
+        )
     graph = torch.cuda.CUDAGraph()  # the chosen algorithm captures like F.linear
     with torch.cuda.graph(graph):
         y = ops.linear(x, ws[0])

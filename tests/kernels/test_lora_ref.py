@@ -7,8 +7,16 @@ import pytest
 import torch
 
 from ledgerserve.kernels.lora_ref import (
-    GROUP_TILE, group_tiles, lora_expand_grouped, lora_expand_segments, lora_expand_stacked, lora_expand_tokens, lora_shrink_grouped,
-    lora_shrink_segments, lora_shrink_tokens, max_tiles,
+    GROUP_TILE,
+    group_tiles,
+    lora_expand_grouped,
+    lora_expand_segments,
+    lora_expand_stacked,
+    lora_expand_tokens,
+    lora_shrink_grouped,
+    lora_shrink_segments,
+    lora_shrink_tokens,
+    max_tiles,
 )
 
 MAX_LORAS, MAX_RANK, IN = 5, 13, 37

@@ -7,13 +7,19 @@ import torch
 
 from ledgerserve.kernels import ops
 from ledgerserve.kernels.attention_ref import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv
-from ledgerserve.kernels.fused_ref import apply_rope_ref, fused_add_rms_norm_ref, rms_norm_ref, rope_cos_sin_cache, silu_and_mul_ref
-from tests.kernels.lora_delta_data import SLOTS, make_delta, naive_delta
-from tests.kernels.paged_batch import make_paged_batch
+from ledgerserve.kernels.fused_ref import (
+    apply_rope_ref,
+    fused_add_rms_norm_ref,
+    rms_norm_ref,
+    rope_cos_sin_cache,
+    silu_and_mul_ref,
+)
 from ledgerserve.worker_proc.models.config import RopeConfig
 from ledgerserve.worker_proc.models.layers import RMSNorm
 from ledgerserve.worker_proc.models.rope import RotaryEmbedding
 from ledgerserve.worker_proc.models.rope import apply_rope as model_apply_rope
+from tests.kernels.lora_delta_data import SLOTS, make_delta, naive_delta
+from tests.kernels.paged_batch import make_paged_batch
 
 HEADS = [(7, 1, 16), (6, 3, 8), (4, 4, 32)]  # num_heads, num_kv_heads, head_dim
 
@@ -22,11 +28,15 @@ HEADS = [(7, 1, 16), (6, 3, 8), (4, 4, 32)]  # num_heads, num_kv_heads, head_dim
 @pytest.mark.parametrize("block_size", [16, 5])
 def test_decode_ref_matches_dense(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
     seq_lens = [1, 17, 333, 0, 40]  # 0: a padding row, zeros out
-    b = make_paged_batch([1] * len(seq_lens), seq_lens, num_heads, num_kv_heads, head_dim, block_size, torch.float32, "cpu")
+    b = make_paged_batch(
+        [1] * len(seq_lens), seq_lens, num_heads, num_kv_heads, head_dim, block_size, torch.float32, "cpu"
+    )
     scale = head_dim**-0.5
     out = paged_decode_attention_ref(b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, scale)
     torch.testing.assert_close(out, b.expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(ops.paged_decode_attention(b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, scale), out)
+    torch.testing.assert_close(
+        ops.paged_decode_attention(b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, scale), out
+    )
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", HEADS)

@@ -16,8 +16,11 @@ pytest.importorskip("triton")
 from ledgerserve.kernels import ops, pdl  # noqa: E402
 from ledgerserve.kernels.fused_ref import rope_cos_sin_cache  # noqa: E402
 
-pytestmark = [pytest.mark.gpu, requires_triton_device, pytest.mark.skipif(
-    DEVICE != "cuda" or not pdl._capable(torch.device("cuda")), reason="needs sm_90+")]
+pytestmark = [
+    pytest.mark.gpu,
+    requires_triton_device,
+    pytest.mark.skipif(DEVICE != "cuda" or not pdl._capable(torch.device("cuda")), reason="needs sm_90+"),
+]
 H, HEADS, KV_HEADS, HEAD_DIM, D, BLOCK = 512, 8, 2, 64, 768, 16
 
 
@@ -30,13 +33,17 @@ def _chain(inputs: dict) -> list[torch.Tensor]:
         rows.append(h)
     h = torch.cat(rows)  # [T, H]
     normed, residual = ops.fused_add_rms_norm(h, residual, w["norm"], 1e-5, inputs["delta_h"])
-    qkv = torch.cat([ops.linear(normed[i : i + 1], w["qkv"]) for i in range(h.shape[0])])  # [T, (HEADS + 2 KV) * HEAD_DIM]
+    qkv = torch.cat(
+        [ops.linear(normed[i : i + 1], w["qkv"]) for i in range(h.shape[0])]
+    )  # [T, (HEADS + 2 KV) * HEAD_DIM]
     q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
     q, k, v = (t.unflatten(-1, (-1, HEAD_DIM)) for t in (q, k, v))
-    ops.rope_and_write_kv(q, k, v, inputs["positions"], inputs["cos_sin"], inputs["k_cache"], inputs["v_cache"],
-                          inputs["slots"])
-    attn = ops.paged_decode_attention(q, inputs["k_cache"], inputs["v_cache"], inputs["tables"], inputs["seq_lens"],
-                                      HEAD_DIM**-0.5)  # [T, HEADS, HEAD_DIM]
+    ops.rope_and_write_kv(
+        q, k, v, inputs["positions"], inputs["cos_sin"], inputs["k_cache"], inputs["v_cache"], inputs["slots"]
+    )
+    attn = ops.paged_decode_attention(
+        q, inputs["k_cache"], inputs["v_cache"], inputs["tables"], inputs["seq_lens"], HEAD_DIM**-0.5
+    )  # [T, HEADS, HEAD_DIM]
     o = torch.cat([ops.linear(attn[i : i + 1].flatten(1), w["o"]) for i in range(h.shape[0])])  # [T, 2 D]
     act = ops.silu_and_mul(o, inputs["delta_gu"])  # [T, D]
     out = torch.cat([ops.linear(act[i : i + 1], w["down"]) for i in range(h.shape[0])])  # [T, H]
@@ -58,12 +65,24 @@ def _inputs() -> dict:
     cache_shape = (num_tokens * width, BLOCK, KV_HEADS, HEAD_DIM)
     inv_freq = 1.0 / (1e4 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
     return dict(
-        x=randn(num_tokens, H), residual=randn(num_tokens, H),
-        weights=dict(**{"in": randn(H, H, scale=H**-0.5)}, norm=randn(H), qkv=randn((HEADS + 2 * KV_HEADS) * HEAD_DIM, H, scale=H**-0.5),
-                     o=randn(2 * D, HEADS * HEAD_DIM, scale=H**-0.5), down=randn(H, D, scale=D**-0.5)),
-        delta_h=make_delta([H], torch.bfloat16, DEVICE, seed=1), delta_gu=make_delta([D, D], torch.bfloat16, DEVICE, seed=2),
-        positions=positions.to(DEVICE), cos_sin=rope_cos_sin_cache(inv_freq.to(DEVICE), 4096), slots=slots.to(DEVICE),
-        k_cache=randn(*cache_shape), v_cache=randn(*cache_shape), tables=tables.to(DEVICE), seq_lens=seq_lens.to(DEVICE),
+        x=randn(num_tokens, H),
+        residual=randn(num_tokens, H),
+        weights=dict(
+            **{"in": randn(H, H, scale=H**-0.5)},
+            norm=randn(H),
+            qkv=randn((HEADS + 2 * KV_HEADS) * HEAD_DIM, H, scale=H**-0.5),
+            o=randn(2 * D, HEADS * HEAD_DIM, scale=H**-0.5),
+            down=randn(H, D, scale=D**-0.5),
+        ),
+        delta_h=make_delta([H], torch.bfloat16, DEVICE, seed=1),
+        delta_gu=make_delta([D, D], torch.bfloat16, DEVICE, seed=2),
+        positions=positions.to(DEVICE),
+        cos_sin=rope_cos_sin_cache(inv_freq.to(DEVICE), 4096),
+        slots=slots.to(DEVICE),
+        k_cache=randn(*cache_shape),
+        v_cache=randn(*cache_shape),
+        tables=tables.to(DEVICE),
+        seq_lens=seq_lens.to(DEVICE),
     )
 
 

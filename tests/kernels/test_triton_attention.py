@@ -71,7 +71,9 @@ def test_decode_matches_prefill_on_last_token(dtype: torch.dtype) -> None:
     b = make_paged_batch([1, 1, 1], seq_lens, 28, 4, 128, 16, dtype, DEVICE, seed=3)
     scale = 128**-0.5
     decode = paged_decode_attention(b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, scale)
-    prefill = paged_prefill_attention(b.q, b.k_cache, b.v_cache, b.block_tables, b.query_start_loc, b.seq_lens, scale, 1)
+    prefill = paged_prefill_attention(
+        b.q, b.k_cache, b.v_cache, b.block_tables, b.query_start_loc, b.seq_lens, scale, 1
+    )
     torch.testing.assert_close(decode.float(), prefill.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
@@ -89,8 +91,9 @@ def test_decode_partition_sizes(programs_per_sm: int, monkeypatch: pytest.Monkey
 
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
 @pytest.mark.parametrize("direct_pairs_per_sm", [0, 10**6])  # one partition written directly; split + reduce
-def test_decode_short_contexts_one_partition(dtype: torch.dtype, direct_pairs_per_sm: int,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_decode_short_contexts_one_partition(
+    dtype: torch.dtype, direct_pairs_per_sm: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Contexts within one partition: the partition kernel writes the output (zeros for a padding
     row) and no reduce runs, or the split path; both equal the reference."""
     from ledgerserve.kernels import paged_attention

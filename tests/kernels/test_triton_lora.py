@@ -45,19 +45,41 @@ def _check(layout: str, output_sizes: list[int], dtype: torch.dtype, seg_lens: l
     base = torch.randn(len(token_slots), sum(output_sizes), generator=gen)
     want = base.clone()  # float32 reference on the same (rounded) inputs
     args32 = [t.to(dtype).float() for t in (x, a, b)]
-    dev = {k: t.to(DEVICE) for k, t in dict(ranks=ranks, scalings=scalings, token_slots=token_slots,
-                                             seg_starts=torch.tensor(starts), seg_slots=torch.tensor(seg_slots)).items()}
+    dev = {
+        k: t.to(DEVICE)
+        for k, t in dict(
+            ranks=ranks,
+            scalings=scalings,
+            token_slots=token_slots,
+            seg_starts=torch.tensor(starts),
+            seg_slots=torch.tensor(seg_slots),
+        ).items()
+    }
     xd, ad, bd = (t.to(dtype).to(DEVICE) for t in (x, a, b))
     if layout != "tokens":  # out-major, as LoraWeights stores B (the tokens layout keeps a rank-major B)
         bd = bd.transpose(-1, -2).contiguous().transpose(-1, -2)
     got = base.to(dtype).to(DEVICE)
     if layout == "segments":
-        buf32 = lora_ref.lora_shrink_segments(args32[0], args32[1], ranks, torch.tensor(starts), torch.tensor(seg_slots))
-        lora_ref.lora_expand_segments(want, buf32, args32[2], ranks, scalings, output_sizes, torch.tensor(starts),
-                                      torch.tensor(seg_slots))
-        buf = lora.lora_shrink_segments(xd, ad, dev["ranks"], dev["seg_starts"], dev["seg_slots"], max_seg_len=max(seg_lens))
-        lora.lora_expand_segments(got, buf, bd, dev["ranks"], dev["scalings"], output_sizes, dev["seg_starts"],
-                                  dev["seg_slots"], max_seg_len=max(seg_lens))
+        buf32 = lora_ref.lora_shrink_segments(
+            args32[0], args32[1], ranks, torch.tensor(starts), torch.tensor(seg_slots)
+        )
+        lora_ref.lora_expand_segments(
+            want, buf32, args32[2], ranks, scalings, output_sizes, torch.tensor(starts), torch.tensor(seg_slots)
+        )
+        buf = lora.lora_shrink_segments(
+            xd, ad, dev["ranks"], dev["seg_starts"], dev["seg_slots"], max_seg_len=max(seg_lens)
+        )
+        lora.lora_expand_segments(
+            got,
+            buf,
+            bd,
+            dev["ranks"],
+            dev["scalings"],
+            output_sizes,
+            dev["seg_starts"],
+            dev["seg_slots"],
+            max_seg_len=max(seg_lens),
+        )
     elif layout == "grouped":
         slots = token_slots.tolist()
         table = lora_ref.group_tiles(slots, lora_ref.max_tiles(len(slots), MAX_LORAS))

@@ -10,8 +10,8 @@ import pytest
 
 from ledgerserve.cli import build_parser
 from ledgerserve.cli import main as cli_main
-from ledgerserve.shared.config import EngineConfig
 from ledgerserve.launcher import api_key, children, parse_lora_module, resolve_config
+from ledgerserve.shared.config import EngineConfig
 
 
 def _args(*argv: str):
@@ -44,8 +44,9 @@ def test_lora_modules_in_both_forms_enable_lora(model_dir, tmp_path):
 
 def test_pinned_lora_modules(model_dir, tmp_path):
     pinned = json.dumps({"name": "b", "path": "/x/b", "pinned": True})
-    cfg = resolve_config(_args(model_dir, "--device", "cpu", "--max-loras", "2", "--lora-modules", "a=/x/a", pinned),
-                         str(tmp_path))
+    cfg = resolve_config(
+        _args(model_dir, "--device", "cpu", "--max-loras", "2", "--lora-modules", "a=/x/a", pinned), str(tmp_path)
+    )
     assert cfg.lora_modules == (("a", "/x/a"), ("b", "/x/b")) and cfg.pinned_lora_modules == ("b",)
     assert EngineConfig.from_json(cfg.to_json()) == cfg
     both = [json.dumps({"name": n, "path": f"/x/{n}", "pinned": True}) for n in "ab"]
@@ -58,13 +59,28 @@ def test_pinned_lora_modules(model_dir, tmp_path):
 def test_lora_resolve_dir_must_lie_inside_an_allowed_dir(model_dir, tmp_path):
     allowed = tmp_path / "allowed"
     (allowed / "by-name").mkdir(parents=True)
-    cfg = resolve_config(_args(model_dir, "--device", "cpu", "--enable-lora", "--lora-allowed-dir", str(allowed),
-                               "--lora-resolve-dir", str(allowed / "by-name"), "--max-on-demand-loras", "3"), str(tmp_path))
+    cfg = resolve_config(
+        _args(
+            model_dir,
+            "--device",
+            "cpu",
+            "--enable-lora",
+            "--lora-allowed-dir",
+            str(allowed),
+            "--lora-resolve-dir",
+            str(allowed / "by-name"),
+            "--max-on-demand-loras",
+            "3",
+        ),
+        str(tmp_path),
+    )
     assert cfg.lora_resolve_dir == os.path.realpath(allowed / "by-name") and cfg.max_on_demand_loras == 3
     for outside in ([], ["--lora-allowed-dir", str(allowed / "by-name")]):
         with pytest.raises(ValueError, match="lora_resolve_dir .* must lie inside a --lora-allowed-dir"):
-            resolve_config(_args(model_dir, "--device", "cpu", "--enable-lora", *outside,
-                                 "--lora-resolve-dir", str(allowed)), str(tmp_path))
+            resolve_config(
+                _args(model_dir, "--device", "cpu", "--enable-lora", *outside, "--lora-resolve-dir", str(allowed)),
+                str(tmp_path),
+            )
     with pytest.raises(ValueError, match="max_on_demand_loras must be >= 1"):
         resolve_config(_args(model_dir, "--device", "cpu", "--max-on-demand-loras", "0"), str(tmp_path))
 
@@ -109,8 +125,18 @@ def test_event_log_retention_flag(model_dir, tmp_path):
     cfg = resolve_config(_args(model_dir, "--device", "cpu", "--event-log-max-total-bytes", "0"), str(tmp_path))
     assert cfg.event_log_max_total_bytes == 0  # unlimited
     with pytest.raises(ValueError, match="at least twice event_log_max_bytes"):
-        resolve_config(_args(model_dir, "--device", "cpu", "--event-log-max-bytes", "1048576",
-                             "--event-log-max-total-bytes", "1048577"), str(tmp_path))
+        resolve_config(
+            _args(
+                model_dir,
+                "--device",
+                "cpu",
+                "--event-log-max-bytes",
+                "1048576",
+                "--event-log-max-total-bytes",
+                "1048577",
+            ),
+            str(tmp_path),
+        )
 
 
 @pytest.mark.parametrize("flags", [["--max-model-len", "8192"], ["--block-size", "0"], ["--lora-modules", "nopath"]])

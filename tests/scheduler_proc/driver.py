@@ -12,7 +12,8 @@ tokens reach the end of their known tokens. With `max_steps_in_flight=2` (async
 scheduling) a plan may arrive while the one before is in flight; it may schedule one
 token past the known ones for a request that sampled in the step before, and the fake
 worker feeds it the token it sampled there, as a real one does on the device. Every
-sampled token the scheduler later sends back must be the one the worker sampled. It also keeps the adapter slot table (from
+sampled token the scheduler later sends back must be the one the worker sampled. It also keeps
+the adapter slot table (from
 AdapterSlotAssigned / AdapterEvicted) and checks that every request's `lora_slot` holds
 that request's version, and that no slot is loaded or evicted while a running request
 uses it (fake_adapters.py). A user-pinned version, once registered, is never evicted while it
@@ -39,10 +40,9 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+from ledgerserve.scheduler_proc.core import Core, CoreConfig
 from ledgerserve.shared import events as ev
 from ledgerserve.shared.sampling import SamplingParams
-
-from ledgerserve.scheduler_proc.core import Core, CoreConfig
 from tests.scheduler_proc.fake_adapters import AdapterLoads, FakeSlots, LoadPolicy
 from tests.scheduler_proc.prompt_reports import fake_reports
 
@@ -130,8 +130,9 @@ class FakeWorker:
     def _check(self, req_id: str, num_computed: int, num_scheduled: int) -> list[str]:
         end = num_computed + num_scheduled
         num_known = self.num_tokens[req_id]
-        is_placeholder = (end == num_known + 1 == len(self.token_ids[req_id]) and num_scheduled == 1
-                          and req_id in self.last_samplers)
+        is_placeholder = (
+            end == num_known + 1 == len(self.token_ids[req_id]) and num_scheduled == 1 and req_id in self.last_samplers
+        )
         if num_scheduled <= 0 or (end > num_known and not is_placeholder):
             raise AssertionError(f"{req_id!r}: scheduled {num_computed}+{num_scheduled} of {num_known} tokens")
         if len(self.block_ids[req_id]) * self.block_size < end:
@@ -170,9 +171,17 @@ class Driver(AdapterLoads):
         max_on_demand_loras: int = 64,
     ) -> None:
         self.config = CoreConfig(
-            max_num_seqs, max_num_batched_tokens, block_size, max_model_len, tensor_parallel_size,
-            max_loras=max_loras, max_cpu_loras=max_cpu_loras, enable_lora=enable_lora, lora_max_wait_steps=lora_max_wait_steps,
-            max_steps_in_flight=max_steps_in_flight, lora_overlap_loading=lora_overlap_loading,
+            max_num_seqs,
+            max_num_batched_tokens,
+            block_size,
+            max_model_len,
+            tensor_parallel_size,
+            max_loras=max_loras,
+            max_cpu_loras=max_cpu_loras,
+            enable_lora=enable_lora,
+            lora_max_wait_steps=lora_max_wait_steps,
+            max_steps_in_flight=max_steps_in_flight,
+            lora_overlap_loading=lora_overlap_loading,
             lora_targeted_drain=lora_targeted_drain,
             max_on_demand_loras=max_on_demand_loras,
         )
@@ -229,12 +238,22 @@ class Driver(AdapterLoads):
             self.worker.req_versions[req_id] = self.registry[lora]
         return self.send(ev.RequestArrived(req_id, tokens, SamplingParams(**sampling), lora_name=lora))
 
-    def load(self, name: str, path: str | None = None, inplace: bool = False, content_digest: int = 0,
-             on_demand: bool = False, pinned: bool = False) -> ev.AdapterOpReplied:
+    def load(
+        self,
+        name: str,
+        path: str | None = None,
+        inplace: bool = False,
+        content_digest: int = 0,
+        on_demand: bool = False,
+        pinned: bool = False,
+    ) -> ev.AdapterOpReplied:
         self._num_ops += 1
         op_id = f"op-{self._num_ops}"
-        self.send(ev.AdapterLoadRequested(op_id, name, path or f"/adapters/{name}", 8, 1000, inplace, content_digest,
-                                          on_demand, pinned))
+        self.send(
+            ev.AdapterLoadRequested(
+                op_id, name, path or f"/adapters/{name}", 8, 1000, inplace, content_digest, on_demand, pinned
+            )
+        )
         reply = self.replies[op_id]
         if pinned and reply.code == 200:
             self.pinned.append(reply.version_id)
@@ -321,11 +340,12 @@ class Driver(AdapterLoads):
             if self.registry.get(decision.name) == decision.version_id:
                 del self.registry[decision.name]
         elif isinstance(decision, ev.AdapterEvicted) and decision.version_id in self.pinned:
-            raise AssertionError(f"pinned version {decision.version_id} evicted from slot {decision.slot} while registered")
+            raise AssertionError(
+                f"pinned version {decision.version_id} evicted from slot {decision.slot} while registered"
+            )
         elif isinstance(decision, ev.AdapterSlotAssigned) and self.config.lora_overlap_loading:
             self._check_not_read_in_flight(decision.slot)
         self.worker.slots.apply(decision)
-
 
     def _unpin(self, version_id: int) -> None:
         if version_id in self.pinned:

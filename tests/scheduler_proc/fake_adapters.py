@@ -55,7 +55,10 @@ class FakeSlots:
             self._assign(decision.slot, decision.version_id)
         elif isinstance(decision, ev.AdapterEvicted):
             if self.pinned(decision.slot) or self.versions.get(decision.slot) != decision.version_id:
-                raise AssertionError(f"bad eviction of slot {decision.slot}: holds {self.versions.get(decision.slot)}, pinned={self.pinned(decision.slot)}")
+                raise AssertionError(
+                    f"bad eviction of slot {decision.slot}: holds {self.versions.get(decision.slot)}, "
+                    f"pinned={self.pinned(decision.slot)}"
+                )
             del self.versions[decision.slot], self.ready_ranks[decision.slot], self.load_ids[decision.slot]
         elif isinstance(decision, ev.AdapterPrefetched) and self.overlap:
             if decision.version_id in self.cpu:
@@ -64,7 +67,9 @@ class FakeSlots:
             self._start_loads(-1, decision.version_id)
         elif isinstance(decision, ev.AdapterCpuEvicted) and self.overlap:
             if decision.version_id not in self.cpu or decision.version_id in self.versions.values():
-                raise AssertionError(f"version {decision.version_id} left the CPU tier while in a slot, or was not in it")
+                raise AssertionError(
+                    f"version {decision.version_id} left the CPU tier while in a slot, or was not in it"
+                )
             self.cpu.remove(decision.version_id)
 
     def _assign(self, slot: int, version_id: int) -> None:
@@ -108,9 +113,13 @@ class FakeSlots:
                 raise AssertionError(f"base request {req_id!r} in slot {lora_slot}")
             return
         if self.versions.get(lora_slot) != version_id:
-            raise AssertionError(f"{req_id!r} of version {version_id} points to slot {lora_slot} holding {self.versions.get(lora_slot)}")
+            raise AssertionError(
+                f"{req_id!r} of version {version_id} points to slot {lora_slot} holding {self.versions.get(lora_slot)}"
+            )
         if sorted(self.ready_ranks[lora_slot]) != list(range(self.num_ranks)):
-            raise AssertionError(f"{req_id!r} planned on slot {lora_slot}, loaded only on ranks {self.ready_ranks[lora_slot]}")
+            raise AssertionError(
+                f"{req_id!r} planned on slot {lora_slot}, loaded only on ranks {self.ready_ranks[lora_slot]}"
+            )
         if self.req_slot.get(req_id, lora_slot) != lora_slot:
             raise AssertionError(f"{req_id!r} moved from slot {self.req_slot[req_id]} to {lora_slot} while running")
         self.req_slot[req_id] = lora_slot
@@ -153,7 +162,9 @@ class AdapterLoads:
         """Loads some rank started and has not finished, oldest first."""
         return list(self.worker.slots.pending)
 
-    def finish_loads(self, slot: int | None = None, rank: int | None = None, version_id: int | None = None) -> list[Any]:
+    def finish_loads(
+        self, slot: int | None = None, rank: int | None = None, version_id: int | None = None
+    ) -> list[Any]:
         """Deliver the matching pending loads' completions, oldest first."""
         out: list[Any] = []
         for load in self.pending_loads:

@@ -10,7 +10,6 @@ import msgspec
 import xxhash
 
 from ledgerserve.shared import events as ev
-
 from tests.scheduler_proc.driver import Driver
 
 _enc = msgspec.msgpack.Encoder()
@@ -45,7 +44,10 @@ class PrefixChecker:
         counts = d.core.block_accounting()
         if counts.num_free + counts.num_cached + counts.num_private != counts.num_total:
             raise AssertionError(f"block accounting off: {counts}")
-        if counts.num_cached != sum(n for _, n in d.core.namespace_block_counts()) or counts.num_cached != d.core.num_cached_blocks:
+        if (
+            counts.num_cached != sum(n for _, n in d.core.namespace_block_counts())
+            or counts.num_cached != d.core.num_cached_blocks
+        ):
             raise AssertionError(f"namespace counts disagree with {counts}")
 
     def _check_cached(self, decision: ev.PrefixCached, bs: int) -> None:
@@ -68,5 +70,7 @@ class PrefixChecker:
             raise AssertionError(f"{new.req_id!r}: cached {new.num_computed_tokens} of {len(new.token_ids)} tokens")
         for k in range(new.num_computed_tokens // bs):
             if self.cached.get(new.block_ids[k]) != (namespace, hashes[k]):
-                raise AssertionError(f"{new.req_id!r} reuses block {new.block_ids[k]} cached as {self.cached.get(new.block_ids[k])}")
+                raise AssertionError(
+                    f"{new.req_id!r} reuses block {new.block_ids[k]} cached as {self.cached.get(new.block_ids[k])}"
+                )
             self.num_reused_blocks += 1

@@ -20,6 +20,14 @@ def fake_reports(plan: ev.StepPlan, asks: dict[str, tuple[int, int]]) -> list[ev
             continue
         logprobs = [-(p + plan.step / 1000) for p in positions]
         tops = [[p % 5 + j for j in range(k)] for p in positions] if k else []
-        reports.append(ev.PromptLogprobs(req.req_id, positions[0], logprobs, [p % 3 + 1 for p in positions],
-                                         tops, [[-0.5 * (j + 1) for j in range(k)] for _ in positions] if k else []))
+        reports.append(
+            ev.PromptLogprobs(
+                req.req_id,
+                positions[0],
+                logprobs,
+                [p % 3 + 1 for p in positions],
+                tops,
+                [[-0.5 * (j + 1) for j in range(k)] for _ in positions] if k else [],
+            )
+        )
     return reports

@@ -6,7 +6,6 @@ version; a drain is cancelled cleanly when it is no longer needed; and unloads, 
 failures and preemption leave nothing behind."""
 
 from ledgerserve.shared import events as ev
-
 from tests.scheduler_proc.driver import Driver
 from tests.scheduler_proc.test_adapter_movement import _moves, _slot_states
 
@@ -173,6 +172,7 @@ def test_without_a_drainable_slot_the_max_wait_starts_nothing():
 
 # ---------------------------------------------------------------- no thrash, cancellation
 
+
 def _protected_a(a_tokens: int) -> Driver:
     """max_num_seqs 3: a1, b1, c1 run; a2 waits ahead of d1, so a's slot may not drain for d."""
     d = drain_driver(max_loras=3, lora_max_wait_steps=2, max_num_seqs=3)
@@ -201,7 +201,9 @@ def test_a_draining_slot_goes_to_its_version_only():
     assert _drains(decisions) == [ev.AdapterDrainStarted(0, 1, 5, 1)]
     assert _moves(d.decisions)[-2:] == [("evict", 0, 1), ("assign", 0, 5)]
     assert d.core.snapshot()["adapters"]["drains"] == [  # e's slot stays e's until e1 runs there
-        {"slot": 0, "version_id": 5, "for_version_id": 5}, {"slot": 2, "version_id": 3, "for_version_id": 4}]
+        {"slot": 0, "version_id": 5, "for_version_id": 5},
+        {"slot": 2, "version_id": 3, "for_version_id": 4},
+    ]
     d.complete()
     assert "e1" in Driver.scheduled_tokens(d.plans[-1]) and _moves(d.decisions)[-1] == ("assign", 0, 5)
     decisions = d.complete()  # e1 ends: e's slot is idle, and d, with no slot yet, takes it
@@ -238,6 +240,7 @@ def test_a_slot_coming_free_elsewhere_cancels_the_drain():
 
 
 # ---------------------------------------------------------------- unload, load failure, preemption
+
 
 def test_unloading_the_waiting_adapter_keeps_the_drain_for_its_requests():
     """An unloaded version's waiting requests still run on it: the drain goes on, and the

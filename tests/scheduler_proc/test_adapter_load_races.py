@@ -5,7 +5,6 @@ or in-place reload mid-load frees the slot when the load ends, and a preempted r
 resumes on its slot. No slot, pin, CPU entry or block leaks."""
 
 from ledgerserve.shared import events as ev
-
 from tests.scheduler_proc.driver import Driver
 from tests.scheduler_proc.test_adapter_movement import _moves, _slot_states, overlap_driver
 

@@ -3,10 +3,9 @@ every rank, the prefetch pass serves the head of the waiting queue first and nev
 slot that is loading, pinned, read by a step in flight or needed earlier in the queue, and
 the CPU tier is staged at registration and from the queue within max_cpu_loras."""
 
+from ledgerserve.scheduler_proc.core import Core, CoreConfig
 from ledgerserve.shared import events as ev
 from ledgerserve.shared.sampling import SamplingParams
-
-from ledgerserve.scheduler_proc.core import Core, CoreConfig
 from tests.scheduler_proc.driver import Driver
 from tests.scheduler_proc.test_log_writes import make_shell
 
@@ -184,8 +183,12 @@ def test_stale_and_repeated_completions_change_nothing():
     d.load("b")
     d.arrive("a1", 3, lora="a", max_tokens=1)
     before = d.core.state_rows()
-    for stale in (ev.AdapterLoadCompleted(0, 0, 2), ev.AdapterLoadCompleted(0, 5, 1), ev.AdapterLoadCompleted(7, 0, 1),
-                  ev.AdapterLoadCompleted(0, 1, 1)):
+    for stale in (
+        ev.AdapterLoadCompleted(0, 0, 2),
+        ev.AdapterLoadCompleted(0, 5, 1),
+        ev.AdapterLoadCompleted(7, 0, 1),
+        ev.AdapterLoadCompleted(0, 1, 1),
+    ):
         assert d.send(stale) == []  # wrong version, no such slot, no such rank, a free slot
     assert d.core.state_rows() == before
     d.finish_loads(slot=0, rank=0)
@@ -209,13 +212,20 @@ def test_reference_path_assigns_ready_slots_and_ignores_completions():
 
 def test_shell_stats_carry_the_movement_gauges(tmp_path):
     shell = make_shell(tmp_path)
-    shell.core = Core(CoreConfig(4, 16, 4, 32, max_loras=2, max_cpu_loras=2, enable_lora=True, lora_overlap_loading=True))
+    shell.core = Core(
+        CoreConfig(4, 16, 4, 32, max_loras=2, max_cpu_loras=2, enable_lora=True, lora_overlap_loading=True)
+    )
     shell.handle(ev.WorkerReady(0, 16, 1000, [2], "cpu", "float32"))
     shell.handle(ev.AdapterLoadRequested("op-1", "a", "/adapters/a", 8, 1000))
     shell.handle(ev.AdapterLoadRequested("op-2", "b", "/adapters/b", 8, 3000))
     shell.handle(ev.RequestArrived("a1", [5, 6, 7], SamplingParams(max_tokens=2), lora_name="a"))
     shell.handle(ev.RequestArrived("z", [5, 6, 7], SamplingParams(max_tokens=2)))
     stats = [x for x in shell.to_tokenizer.sent if isinstance(x, ev.EngineStats)][-1]
-    assert (stats.num_loading_slots, stats.num_cpu_tier_versions, stats.cpu_tier_bytes, stats.num_lora_wait_steps) == (1, 2, 4000, 1)
+    assert (stats.num_loading_slots, stats.num_cpu_tier_versions, stats.cpu_tier_bytes, stats.num_lora_wait_steps) == (
+        1,
+        2,
+        4000,
+        1,
+    )
     sent = [type(x).__name__ for x in shell.to_workers[0].sent]
     assert sent == ["AdapterPrefetched", "AdapterPrefetched", "AdapterSlotAssigned", "StepPlan"]

@@ -8,7 +8,6 @@ import pytest
 
 from ledgerserve.shared import events as ev
 from ledgerserve.shared.sampling import SamplingParams
-
 from tests.scheduler_proc.driver import Driver
 
 
@@ -89,7 +88,10 @@ def test_on_demand_marks_and_the_use_clock_are_state():
     d.arrive("r1", 3, lora="od1", max_tokens=1)
     d.run()
     snapshot = d.core.snapshot()["adapters"]
-    assert [(v["name"], v["on_demand"], v["last_used"]) for v in snapshot["versions"]] == [("od1", True, 3), ("od2", True, 2)]
+    assert [(v["name"], v["on_demand"], v["last_used"]) for v in snapshot["versions"]] == [
+        ("od1", True, 3),
+        ("od2", True, 2),
+    ]
     assert snapshot["on_demand_use_clock"] == 3
     assert d.core.state_rows()[5][-1] == [[[1, False, True, 3], [2, False, True, 2]], 3]
 
@@ -101,13 +103,16 @@ def test_a_request_never_runs_on_an_adapter_loaded_afresh_under_its_name():
     v1 = d.load("od", on_demand=True).version_id
     assert d.load("other", on_demand=True).code == 200  # od was idle: unregistered
     v3 = d.load("od", path="/elsewhere/od", on_demand=True).version_id  # a fresh registration of the name
-    (rejected,) = d.send(ev.RequestArrived("stale", [1, 2, 3], SamplingParams(max_tokens=1), lora_name="od",
-                                           lora_version_id=v1))
+    (rejected,) = d.send(
+        ev.RequestArrived("stale", [1, 2, 3], SamplingParams(max_tokens=1), lora_name="od", lora_version_id=v1)
+    )
     assert (rejected.code, rejected.param) == (404, "model") and "retry" in rejected.message
     v4 = d.load("od", path="/third/od", inplace=True).version_id  # an in-place reload: the same adapter
     for req_id, named in (("by-v3", v3), ("by-v4", v4)):
         d.worker.req_versions[req_id] = v4
-        d.send(ev.RequestArrived(req_id, [1, 2, 3], SamplingParams(max_tokens=1), lora_name="od", lora_version_id=named))
+        d.send(
+            ev.RequestArrived(req_id, [1, 2, 3], SamplingParams(max_tokens=1), lora_name="od", lora_version_id=named)
+        )
     d.run()
     assert d.finish_reasons == {"by-v3": "length", "by-v4": "length"}
     assert [x.req_id for x in d.of_type(ev.RequestRejected)] == ["stale"]

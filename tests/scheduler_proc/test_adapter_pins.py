@@ -7,7 +7,6 @@ overlapped loading."""
 import pytest
 
 from ledgerserve.shared import events as ev
-
 from tests.scheduler_proc.driver import Driver
 
 MODES = {"reference": False, "overlap": True}

@@ -55,8 +55,14 @@ A_TOKENS = 4  # each `a` request runs 4 steps: its prefill samples the first tok
 def _skewed_overlap(max_wait_steps: int, num_steps: int = 40, targeted_drain: bool = True) -> Driver:
     """As `_skewed` with overlapped loading: every load ends before the next step, and the
     engine idles (no step) while the only runnable request waits on a load."""
-    d = Driver(enable_lora=True, max_loras=1, lora_max_wait_steps=max_wait_steps, max_num_seqs=8, lora_overlap_loading=True,
-               lora_targeted_drain=targeted_drain)
+    d = Driver(
+        enable_lora=True,
+        max_loras=1,
+        lora_max_wait_steps=max_wait_steps,
+        max_num_seqs=8,
+        lora_overlap_loading=True,
+        lora_targeted_drain=targeted_drain,
+    )
     d.load("a")
     d.load("b")
     d.arrive("a0", 3, lora="a", max_tokens=A_TOKENS)

@@ -12,13 +12,12 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ledgerserve.scheduler_proc.core import CoreConfig
+from ledgerserve.scheduler_proc.replay import replay
 from ledgerserve.shared import codec
 from ledgerserve.shared import events as ev
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.eventlog import EventLogWriter
-
-from ledgerserve.scheduler_proc.core import CoreConfig
-from ledgerserve.scheduler_proc.replay import replay
 from tests.scheduler_proc.driver import Driver
 from tests.scheduler_proc.fake_adapters import LoadPolicy
 from tests.scheduler_proc.workload import run_adapter_workload
@@ -28,8 +27,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _driver(num_kv_blocks=8, max_num_seqs=4, max_num_batched_tokens=16, max_loras=2, aging=4, log=None) -> Driver:
     return Driver(
-        num_kv_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=4,
-        max_model_len=32, enable_lora=True, max_loras=max_loras, max_cpu_loras=max_loras + 1, lora_max_wait_steps=aging, log=log,
+        num_kv_blocks,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        block_size=4,
+        max_model_len=32,
+        enable_lora=True,
+        max_loras=max_loras,
+        max_cpu_loras=max_loras + 1,
+        lora_max_wait_steps=aging,
+        log=log,
     )
 
 
@@ -52,7 +59,9 @@ def _check_idle_end(d: Driver, max_loras: int) -> None:
     max_loras=st.integers(1, 3),
     aging=st.integers(1, 8),
 )
-def test_integrity_after_random_adapter_workloads(seed, num_kv_blocks, max_num_seqs, max_num_batched_tokens, max_loras, aging):
+def test_integrity_after_random_adapter_workloads(
+    seed, num_kv_blocks, max_num_seqs, max_num_batched_tokens, max_loras, aging
+):
     d = _driver(num_kv_blocks, max_num_seqs, max_num_batched_tokens, max_loras, aging)
     run_adapter_workload(d, seed)  # the driver checks integrity and the slot table after every event
     _check_idle_end(d, max_loras)
@@ -81,7 +90,9 @@ def _printed_under_hash_seeds(fingerprint: str) -> list[str]:
     outputs = []
     for hash_seed in ("0", "4242"):
         env = dict(os.environ, PYTHONHASHSEED=hash_seed, PYTHONPATH=ROOT)
-        proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
+        proc = subprocess.run(
+            [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True
+        )
         outputs.append(proc.stdout)
     return outputs
 
@@ -94,8 +105,16 @@ def test_adapter_decisions_identical_across_pythonhashseed():
 
 def test_recorded_adapter_run_replays(tmp_path):
     engine = EngineConfig(
-        model_dir="m", served_model_name="m", max_model_len=32, max_num_seqs=4, max_num_batched_tokens=16,
-        block_size=4, enable_lora=True, max_loras=2, max_cpu_loras=3, lora_overlap_loading=False,
+        model_dir="m",
+        served_model_name="m",
+        max_model_len=32,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        block_size=4,
+        enable_lora=True,
+        max_loras=2,
+        max_cpu_loras=3,
+        lora_overlap_loading=False,
     )
     writer = EventLogWriter(str(tmp_path), engine.to_json(), run_id="lora")
     d = _driver(aging=16, log=writer)  # 16: CoreConfig's default, which replay uses
@@ -109,15 +128,38 @@ def test_recorded_adapter_run_replays(tmp_path):
 
 # ---------------------------------------------------------------- overlapped loading
 
-def _overlap_driver(seed: int, num_kv_blocks=8, max_num_seqs=4, max_num_batched_tokens=16, max_loras=2, aging=4,
-                    tp=1, steps_in_flight=1, p_finish=0.4, p_fail=0.02, log=None) -> Driver:
+
+def _overlap_driver(
+    seed: int,
+    num_kv_blocks=8,
+    max_num_seqs=4,
+    max_num_batched_tokens=16,
+    max_loras=2,
+    aging=4,
+    tp=1,
+    steps_in_flight=1,
+    p_finish=0.4,
+    p_fail=0.02,
+    log=None,
+) -> Driver:
     """Loads end at random after steps (and one at a time when no step runs), in any order
     over the ranks; a slot load fails now and then."""
     return Driver(
-        num_kv_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=4,
-        max_model_len=32, enable_lora=True, max_loras=max_loras, max_cpu_loras=max_loras + 1, lora_max_wait_steps=aging,
-        tensor_parallel_size=tp, max_steps_in_flight=steps_in_flight, log=log, lora_overlap_loading=True,
-        load_policy=LoadPolicy(seed, p_finish, p_fail), digests=True,
+        num_kv_blocks,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        block_size=4,
+        max_model_len=32,
+        enable_lora=True,
+        max_loras=max_loras,
+        max_cpu_loras=max_loras + 1,
+        lora_max_wait_steps=aging,
+        tensor_parallel_size=tp,
+        max_steps_in_flight=steps_in_flight,
+        log=log,
+        lora_overlap_loading=True,
+        load_policy=LoadPolicy(seed, p_finish, p_fail),
+        digests=True,
     )
 
 
@@ -134,8 +176,11 @@ def _overlap_driver(seed: int, num_kv_blocks=8, max_num_seqs=4, max_num_batched_
     p_finish=st.sampled_from([0.1, 0.5, 0.9]),
 )
 def test_integrity_after_random_adapter_workloads_with_overlapped_loading(
-        seed, num_kv_blocks, max_num_seqs, max_num_batched_tokens, max_loras, aging, tp, steps_in_flight, p_finish):
-    d = _overlap_driver(seed, num_kv_blocks, max_num_seqs, max_num_batched_tokens, max_loras, aging, tp, steps_in_flight, p_finish)
+    seed, num_kv_blocks, max_num_seqs, max_num_batched_tokens, max_loras, aging, tp, steps_in_flight, p_finish
+):
+    d = _overlap_driver(
+        seed, num_kv_blocks, max_num_seqs, max_num_batched_tokens, max_loras, aging, tp, steps_in_flight, p_finish
+    )
     run_adapter_workload(d, seed)  # integrity, the slot tables and every rank's loads checked after every event
     _check_idle_end(d, max_loras)
     assert d.core.num_loading_slots == 0 and d.pending_loads == []
@@ -145,8 +190,15 @@ def test_overlap_workload_exercises_the_movement_paths():
     d = _overlap_driver(25, tp=2, p_fail=0.05)
     run_adapter_workload(d, 25, num_events=300)
     _check_idle_end(d, 2)
-    for kind in (ev.AdapterPrefetched, ev.AdapterSlotAssigned, ev.AdapterEvicted, ev.AdapterCpuEvicted, ev.RequestPreempted,
-                 ev.AdapterDrainStarted, ev.AdapterDrainCancelled):
+    for kind in (
+        ev.AdapterPrefetched,
+        ev.AdapterSlotAssigned,
+        ev.AdapterEvicted,
+        ev.AdapterCpuEvicted,
+        ev.RequestPreempted,
+        ev.AdapterDrainStarted,
+        ev.AdapterDrainCancelled,
+    ):
         assert d.of_type(kind), kind.__name__
     completions = [x for x in d.inputs if isinstance(x, ev.AdapterLoadCompleted)]
     assert {x.rank for x in completions} == {0, 1} and any(x.slot == -1 for x in completions)
@@ -167,7 +219,9 @@ def test_overlap_decisions_identical_across_pythonhashseed():
     outputs = []
     for hash_seed in ("0", "4242"):
         env = dict(os.environ, PYTHONHASHSEED=hash_seed, PYTHONPATH=ROOT)
-        proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
+        proc = subprocess.run(
+            [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True
+        )
         outputs.append(proc.stdout)
     assert outputs[0] == outputs[1]
     assert outputs[0].split() == [overlap_fingerprint(5), overlap_fingerprint(8)]
@@ -176,8 +230,17 @@ def test_overlap_decisions_identical_across_pythonhashseed():
 @pytest.mark.parametrize("seed", [5, 8])  # seed 8 drains slots
 def test_recorded_overlap_run_replays(tmp_path, seed):
     engine = EngineConfig(
-        model_dir="m", served_model_name="m", max_model_len=32, max_num_seqs=4, max_num_batched_tokens=16,
-        block_size=4, enable_lora=True, max_loras=2, max_cpu_loras=3, tensor_parallel_size=2, async_scheduling=True,
+        model_dir="m",
+        served_model_name="m",
+        max_model_len=32,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        block_size=4,
+        enable_lora=True,
+        max_loras=2,
+        max_cpu_loras=3,
+        tensor_parallel_size=2,
+        async_scheduling=True,
     )
     assert engine.lora_overlap_loading
     writer = EventLogWriter(str(tmp_path), engine.to_json(), run_id="overlap")
@@ -195,18 +258,37 @@ def test_recorded_overlap_run_replays(tmp_path, seed):
 
 # ---------------------------------------------------------------- user pins and on-demand registrations
 
+
 def _marked_driver(seed: int, overlap: bool, max_loras=3, max_on_demand_loras=2, log=None, **kwargs) -> Driver:
     """Loads pinned or on demand at random, with a small on-demand bound: the driver checks that
     no pinned version is evicted while registered, the core's integrity covers the bounds."""
     policy = LoadPolicy(seed, 0.5, 0.02) if overlap else None
-    return Driver(8, max_num_seqs=4, max_num_batched_tokens=16, block_size=4, max_model_len=32, enable_lora=True,
-                  max_loras=max_loras, max_cpu_loras=max_loras + 1, lora_max_wait_steps=4, log=log,
-                  lora_overlap_loading=overlap, load_policy=policy, max_on_demand_loras=max_on_demand_loras, **kwargs)
+    return Driver(
+        8,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        block_size=4,
+        max_model_len=32,
+        enable_lora=True,
+        max_loras=max_loras,
+        max_cpu_loras=max_loras + 1,
+        lora_max_wait_steps=4,
+        log=log,
+        lora_overlap_loading=overlap,
+        load_policy=policy,
+        max_on_demand_loras=max_on_demand_loras,
+        **kwargs,
+    )
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), overlap=st.booleans(), max_loras=st.integers(1, 3),
-       max_on_demand_loras=st.integers(1, 3), steps_in_flight=st.integers(1, 2))
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    overlap=st.booleans(),
+    max_loras=st.integers(1, 3),
+    max_on_demand_loras=st.integers(1, 3),
+    steps_in_flight=st.integers(1, 2),
+)
 def test_integrity_with_pins_and_on_demand_loads(seed, overlap, max_loras, max_on_demand_loras, steps_in_flight):
     d = _marked_driver(seed, overlap, max_loras, max_on_demand_loras, max_steps_in_flight=steps_in_flight)
     run_adapter_workload(d, seed, marks=True)
@@ -241,9 +323,18 @@ def test_marked_decisions_identical_across_pythonhashseed():
 def test_recorded_marked_run_replays(tmp_path):
     for overlap in (False, True):
         engine = EngineConfig(
-            model_dir="m", served_model_name="m", max_model_len=32, max_num_seqs=4, max_num_batched_tokens=16,
-            block_size=4, enable_lora=True, max_loras=3, max_cpu_loras=4, lora_overlap_loading=overlap,
-            max_on_demand_loras=1, lora_max_wait_steps=4,
+            model_dir="m",
+            served_model_name="m",
+            max_model_len=32,
+            max_num_seqs=4,
+            max_num_batched_tokens=16,
+            block_size=4,
+            enable_lora=True,
+            max_loras=3,
+            max_cpu_loras=4,
+            lora_overlap_loading=overlap,
+            max_on_demand_loras=1,
+            lora_max_wait_steps=4,
         )
         writer = EventLogWriter(str(tmp_path / str(overlap)), engine.to_json(), run_id="marked")
         d = _marked_driver(5, overlap, max_on_demand_loras=1, log=writer)
@@ -255,5 +346,6 @@ def test_recorded_marked_run_replays(tmp_path):
         assert result.ok, result.divergence.describe() if result.divergence else ""
         snapshot = result.core.snapshot()["adapters"]
         assert snapshot == d.core.snapshot()["adapters"]
-        assert any(x.reason == "lru" for x in d.of_type(ev.AdapterUnloaded)) and any(x.pinned for x in d.inputs
-                                                                                    if isinstance(x, ev.AdapterLoadRequested))
+        assert any(x.reason == "lru" for x in d.of_type(ev.AdapterUnloaded)) and any(
+            x.pinned for x in d.inputs if isinstance(x, ev.AdapterLoadRequested)
+        )

@@ -3,10 +3,8 @@ tie-breaks, deferred evictions, in-place reloads, failed loads, the CPU tier."""
 
 import pytest
 
-from ledgerserve.shared import events as ev
-
 from ledgerserve.scheduler_proc.core import IllegalSlotTransition, SlotAction, SlotState, SlotTable, transition_slot
-
+from ledgerserve.shared import events as ev
 from tests.scheduler_proc.driver import Driver
 
 
@@ -31,7 +29,10 @@ def test_load_and_unload_replies():
     second = d.load("a", path="/x/a")
     assert (second.code, second.version_id) == (200, 2)
     assert second.adapters == [ev.AdapterInfo("a", 2, "/x/a"), ev.AdapterInfo("b", 1, "/adapters/b")]
-    assert d.of_type(ev.AdapterRegistered) == [ev.AdapterRegistered("b", 1, "/adapters/b"), ev.AdapterRegistered("a", 2, "/x/a")]
+    assert d.of_type(ev.AdapterRegistered) == [
+        ev.AdapterRegistered("b", 1, "/adapters/b"),
+        ev.AdapterRegistered("a", 2, "/x/a"),
+    ]
     again = d.load("a")
     assert again.code == 400 and "already" in again.message and d.core.adapters.resolve("a") == 2
     assert d.unload("zzz").code == 404
@@ -76,7 +77,9 @@ def test_request_short_of_blocks_does_not_take_a_slot():
     d.complete()
     assert "b1" not in Driver.scheduled_tokens(d.plans[-1]) and d.of_type(ev.AdapterSlotAssigned) == []
     d.run()
-    assert d.finish_reasons["b1"] == "length" and d.of_type(ev.AdapterSlotAssigned) == [ev.AdapterSlotAssigned(0, 2, "/adapters/b")]
+    assert d.finish_reasons["b1"] == "length" and d.of_type(ev.AdapterSlotAssigned) == [
+        ev.AdapterSlotAssigned(0, 2, "/adapters/b")
+    ]
 
 
 def test_running_request_pins_its_slot():
@@ -90,7 +93,12 @@ def test_running_request_pins_its_slot():
         assert "b1" not in Driver.scheduled_tokens(d.in_flight)
         decisions = d.complete()
     order = _types(decisions)
-    assert order.index("RequestFinished") < order.index("AdapterEvicted") < order.index("AdapterSlotAssigned") < order.index("StepPlan")
+    assert (
+        order.index("RequestFinished")
+        < order.index("AdapterEvicted")
+        < order.index("AdapterSlotAssigned")
+        < order.index("StepPlan")
+    )
     assert d.of_type(ev.AdapterEvicted) == [ev.AdapterEvicted(0, 1)]
     d.run()
     assert d.core.num_pinned_slots == 0
@@ -133,7 +141,12 @@ def test_unload_while_running_defers_until_finish():
     d.arrive("a1", 4, lora="a", max_tokens=4)
     d.complete()
     reply = d.unload("a")
-    assert _types(d.decisions[-4:]) == ["AdapterUnloaded", "AdapterEvictionDeferred", "NamespaceEvicted", "AdapterOpReplied"]
+    assert _types(d.decisions[-4:]) == [
+        "AdapterUnloaded",
+        "AdapterEvictionDeferred",
+        "NamespaceEvicted",
+        "AdapterOpReplied",
+    ]
     assert d.decisions[-3] == ev.AdapterEvictionDeferred(1, 0, 1) and reply.code == 200
     assert d.decisions[-2] == ev.NamespaceEvicted(1, 0, 1)  # a1's first block is locked
     assert d.core.num_deferred_evictions == 1 and d.of_type(ev.AdapterEvicted) == []
@@ -160,7 +173,13 @@ def test_unload_of_an_idle_or_waiting_adapter():
     d.load("a")
     _use(d, "a1", "a")
     d.unload("a")  # idle: evicted at once, its CPU copy too
-    assert _types(d.decisions[-5:]) == ["AdapterUnloaded", "AdapterEvicted", "AdapterCpuEvicted", "NamespaceEvicted", "AdapterOpReplied"]
+    assert _types(d.decisions[-5:]) == [
+        "AdapterUnloaded",
+        "AdapterEvicted",
+        "AdapterCpuEvicted",
+        "NamespaceEvicted",
+        "AdapterOpReplied",
+    ]
     d = lora_driver(ready=False)
     d.load("b")
     d.arrive("b1", 3, lora="b", max_tokens=2)
@@ -183,7 +202,9 @@ def test_load_inplace_new_arrivals_get_the_new_version():
     assert d.of_type(ev.AdapterEvictionDeferred) == [ev.AdapterEvictionDeferred(1, 0, 1)]
     d.arrive("a2", 4, lora="a", max_tokens=2)
     d.run()
-    assert d.core.requests == {} and d.of_type(ev.AdapterSlotAssigned)[-1] == ev.AdapterSlotAssigned(1, 2, "/adapters/a-v2")
+    assert d.core.requests == {} and d.of_type(ev.AdapterSlotAssigned)[-1] == ev.AdapterSlotAssigned(
+        1, 2, "/adapters/a-v2"
+    )
     assert d.of_type(ev.AdapterEvicted) == [ev.AdapterEvicted(0, 1)] and d.core.num_deferred_evictions == 0
     _use(d, "a3", "a")
     d.load("a", inplace=True)  # nobody holds version 2: its slot goes at once
@@ -201,7 +222,10 @@ def test_load_failed_fails_its_requests_and_unregisters():
     rejected = [x for x in decisions if isinstance(x, ev.RequestRejected)]
     assert [(x.req_id, x.code) for x in rejected] == [("a1", 500), ("a2", 500)]
     assert all("truncated" in x.message for x in rejected)
-    assert [x for x in decisions if isinstance(x, (ev.AdapterEvicted, ev.AdapterUnloaded))] == [ev.AdapterUnloaded("a", 1), ev.AdapterEvicted(0, 1)]
+    assert [x for x in decisions if isinstance(x, (ev.AdapterEvicted, ev.AdapterUnloaded))] == [
+        ev.AdapterUnloaded("a", 1),
+        ev.AdapterEvicted(0, 1),
+    ]
     assert d.finish_reasons == {} and [x.finish_reason for x in d.of_type(ev.RequestFinished)] == ["error", "error"]
     assert d.send(ev.AdapterLoadFailed(1, 0, 1, "again")) == []  # another rank: already gone
     assert d.arrive("a3", 3, lora="a")[0].code == 404

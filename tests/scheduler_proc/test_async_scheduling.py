@@ -6,12 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ledgerserve.scheduler_proc.core import Core, CoreConfig
+from ledgerserve.scheduler_proc.replay import replay
 from ledgerserve.shared import events as ev
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.eventlog import EventLogWriter
-
-from ledgerserve.scheduler_proc.core import Core, CoreConfig
-from ledgerserve.scheduler_proc.replay import replay
 from tests.scheduler_proc.driver import EOS, Driver
 from tests.scheduler_proc.fake_adapters import LoadPolicy
 from tests.scheduler_proc.workload import WORKLOAD_SPACE, run_adapter_workload, run_workload
@@ -73,7 +72,9 @@ def test_penalised_request_waits_for_its_token():
     for plan in d.plans:
         for cached in plan.cached_reqs:
             num_known[cached.req_id] += len(cached.new_token_ids)
-            num_ahead[cached.req_id] += cached.num_computed_tokens + cached.num_scheduled_tokens > num_known[cached.req_id]
+            num_ahead[cached.req_id] += (
+                cached.num_computed_tokens + cached.num_scheduled_tokens > num_known[cached.req_id]
+            )
     assert num_ahead == {"a": 0, "b": 2}  # b runs ahead for its 2nd and 3rd tokens; a never does
     assert d.outputs == {"a": [7, 7, 7], "b": [7, 7, 7]}
 
@@ -136,8 +137,16 @@ def test_random_workloads_match_the_one_step_loop(seed, num_kv_blocks, max_num_s
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1))
 def test_random_adapter_workloads_keep_slots_and_blocks_exact(seed):
-    d = async_driver(12, block_size=4, max_num_seqs=4, max_num_batched_tokens=24, max_model_len=40,
-                     enable_lora=True, max_loras=2, max_cpu_loras=3)
+    d = async_driver(
+        12,
+        block_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=24,
+        max_model_len=40,
+        enable_lora=True,
+        max_loras=2,
+        max_cpu_loras=3,
+    )
     run_adapter_workload(d, seed)  # slot pins and KV namespaces checked on every plan
     d.check_idle()
     assert not d.of_type(ev.EngineFailed)
@@ -148,17 +157,36 @@ def test_random_adapter_workloads_keep_slots_and_blocks_exact(seed):
 def test_random_adapter_workloads_with_overlapped_loading_keep_slots_and_blocks_exact(seed, tp):
     """Loads end at random between the steps in flight: a slot a step in flight reads is never
     reassigned, and a plan uses only slots every rank has loaded (checked by the driver)."""
-    d = async_driver(12, block_size=4, max_num_seqs=4, max_num_batched_tokens=24, max_model_len=40,
-                     enable_lora=True, max_loras=2, max_cpu_loras=3, lora_overlap_loading=True,
-                     load_policy=LoadPolicy(seed, p_finish=0.3), tensor_parallel_size=tp, digests=True)
+    d = async_driver(
+        12,
+        block_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=24,
+        max_model_len=40,
+        enable_lora=True,
+        max_loras=2,
+        max_cpu_loras=3,
+        lora_overlap_loading=True,
+        load_policy=LoadPolicy(seed, p_finish=0.3),
+        tensor_parallel_size=tp,
+        digests=True,
+    )
     run_adapter_workload(d, seed)
     d.check_idle()
     assert not d.of_type(ev.EngineFailed) and d.core.num_loading_slots == 0
 
 
 def test_async_log_replays_and_its_config_travels_in_the_header(tmp_path):
-    engine = EngineConfig(model_dir="m", served_model_name="m", max_model_len=32, max_num_seqs=4,
-                          max_num_batched_tokens=16, block_size=4, async_scheduling=True, lora_overlap_loading=False)
+    engine = EngineConfig(
+        model_dir="m",
+        served_model_name="m",
+        max_model_len=32,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        block_size=4,
+        async_scheduling=True,
+        lora_overlap_loading=False,
+    )
     writer = EventLogWriter(str(tmp_path), engine.to_json(), run_id="async")
     d = async_driver(10, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=32, log=writer)
     assert CoreConfig.from_engine(engine) == d.config
@@ -178,6 +206,7 @@ def test_config_bounds():
 def test_two_ranks_run_ahead_once_the_step_before_agreed():
     """With several ranks, step s + 1 still waits until every rank's digest of step s - 1 agreed:
     planned ahead of step s when the ranks keep up, and the outputs are the one-step loop's."""
+
     def run(d: Driver) -> None:
         d.arrive("a", 5, max_tokens=6)
         d.arrive("b", 9, max_tokens=4)
@@ -191,5 +220,7 @@ def test_two_ranks_run_ahead_once_the_step_before_agreed():
     run(sync)
     run(ahead)
     assert ahead.outputs == sync.outputs == {"a": [7] * 6, "b": [7] * 4}
-    assert list(_in_flight_when_planned(ahead).values()) == [0, 1, 1, 1, 1, 1] and ahead.core.step == sync.core.step == 6
+    assert (
+        list(_in_flight_when_planned(ahead).values()) == [0, 1, 1, 1, 1, 1] and ahead.core.step == sync.core.step == 6
+    )
     ahead.check_idle()

@@ -1,7 +1,6 @@
 """Continuous batching, chunked prefill budgets, step pacing."""
 
 from ledgerserve.shared import events as ev
-
 from tests.scheduler_proc.driver import Driver
 
 

@@ -19,12 +19,12 @@ import os
 
 import pytest
 
-from ledgerserve.scheduler_proc.replay import verify as replay_verify
 from ledgerserve.scheduler_proc.replay import replay
-from ledgerserve.scheduler_proc.replay.verify import core_config
-from ledgerserve.shared.config import EngineConfig
+from ledgerserve.scheduler_proc.replay import verify as replay_verify
 from ledgerserve.scheduler_proc.replay.diff import diff_logs
+from ledgerserve.scheduler_proc.replay.verify import core_config
 from ledgerserve.shared import events as ev
+from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.eventlog import EventLogReader, RunScanner
 from tests.scheduler_proc.logtools import rewrite
 
@@ -34,8 +34,12 @@ LOGS = sorted(glob.glob(os.path.join(LOG_DIR, "events-*.log")))
 
 def test_committed_logs_exist():
     names = [os.path.basename(p) for p in LOGS]
-    assert names == ["events-000001-base.log", "events-000002-lora.log", "events-000003-lora-schema2.log",
-                     "events-000004-lora-overlap-schema3.log"]
+    assert names == [
+        "events-000001-base.log",
+        "events-000002-lora.log",
+        "events-000003-lora-schema2.log",
+        "events-000004-lora-overlap-schema3.log",
+    ]
     assert [RunScanner(p).header.schema_version for p in LOGS] == [1, 1, 2, 3]
 
 

@@ -6,7 +6,6 @@ from ledgerserve.shared import events as ev
 from ledgerserve.shared.env import FAULT_DIGEST_RANK as FAULT_DIGEST_RANK_ENV
 from ledgerserve.shared.env import FAULT_DIGEST_STEP as FAULT_DIGEST_STEP_ENV
 from ledgerserve.worker_proc.main import _maybe_fault
-
 from tests.scheduler_proc.driver import Driver
 
 
@@ -51,6 +50,7 @@ def test_digests_of_one_step_wait_for_every_rank():
 def test_rank_zero_runs_at_most_one_step_ahead_of_the_digest_check():
     """A slow rank's digests hold back the plan two steps after the last agreed one, so a
     disagreement cannot surface after its requests finished; its digest releases the plan."""
+
     def plans(decisions):
         return [x.step for x in decisions if isinstance(x, ev.StepPlan)]
 

@@ -1,7 +1,6 @@
 """Finish reasons: EOS, ignore_eos, min_tokens, stop_token_ids, max_tokens, max_model_len."""
 
 from ledgerserve.shared import events as ev
-
 from tests.scheduler_proc.driver import EOS, Driver
 
 

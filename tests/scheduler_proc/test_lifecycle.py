@@ -2,10 +2,9 @@
 
 import pytest
 
+from ledgerserve.scheduler_proc.core import IllegalTransition, Request, RequestStatus, transition
 from ledgerserve.shared import events as ev
 from ledgerserve.shared.sampling import SamplingParams
-
-from ledgerserve.scheduler_proc.core import IllegalTransition, Request, RequestStatus, transition
 from tests.scheduler_proc.driver import Driver
 
 
@@ -36,7 +35,13 @@ def test_illegal_transitions_raise(start, end):
 
 def test_legal_path():
     req = _req(RequestStatus.WAITING)
-    for status in (RequestStatus.RUNNING, RequestStatus.PREEMPTED, RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.FINISHED_LENGTH):
+    for status in (
+        RequestStatus.RUNNING,
+        RequestStatus.PREEMPTED,
+        RequestStatus.WAITING,
+        RequestStatus.RUNNING,
+        RequestStatus.FINISHED_LENGTH,
+    ):
         transition(req, status)
     assert req.status.is_finished
 

@@ -6,9 +6,8 @@ import random
 
 import pytest
 
-from ledgerserve.shared.eventlog import EventLogReader, LogCorruption
-
 from ledgerserve.scheduler_proc.replay import main, replay
+from ledgerserve.shared.eventlog import EventLogReader, LogCorruption
 from tests.scheduler_proc.logtools import cut, flip_byte, record, record_offsets
 
 

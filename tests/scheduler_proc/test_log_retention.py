@@ -9,6 +9,8 @@ import os
 
 import pytest
 
+import ledgerserve.scheduler_proc.loop as loop
+from ledgerserve.scheduler_proc.replay import main
 from ledgerserve.shared import codec
 from ledgerserve.shared import events as ev
 from ledgerserve.shared.config import EngineConfig
@@ -24,9 +26,6 @@ from ledgerserve.shared.eventlog import (
 )
 from ledgerserve.shared.eventlog.names import parse_name
 from ledgerserve.shared.sampling import SamplingParams
-
-import ledgerserve.scheduler_proc.loop as loop
-from ledgerserve.scheduler_proc.replay import main
 from tests.scheduler_proc.driver import FakeWorker
 from tests.scheduler_proc.logtools import ENGINE, flip_byte, record, record_offsets
 
@@ -53,10 +52,19 @@ def _log_bytes(directory: str) -> int:
 
 def _shell(tmp_path, monkeypatch) -> loop.SchedulerShell:
     monkeypatch.setattr(loop.ipc, "bind", lambda *args: Sink())
-    config = EngineConfig(model_dir="m", served_model_name="m", max_model_len=32, max_num_seqs=4,
-                          max_num_batched_tokens=16, block_size=4, event_log_dir=str(tmp_path / "logs"),
-                          run_dir=str(tmp_path), event_log_fsync="never", event_log_max_bytes=MAX_BYTES,
-                          event_log_max_total_bytes=MAX_TOTAL_BYTES)
+    config = EngineConfig(
+        model_dir="m",
+        served_model_name="m",
+        max_model_len=32,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        block_size=4,
+        event_log_dir=str(tmp_path / "logs"),
+        run_dir=str(tmp_path),
+        event_log_fsync="never",
+        event_log_max_bytes=MAX_BYTES,
+        event_log_max_total_bytes=MAX_TOTAL_BYTES,
+    )
     return loop.SchedulerShell(config)
 
 
@@ -66,7 +74,9 @@ def _serve(shell: loop.SchedulerShell, num_reqs: int) -> None:
     directory = shell.config.event_log_dir
     worker, decode = FakeWorker(4), codec.to_worker_decoder()
     inputs = [ev.WorkerReady(0, 64, 1000, [2], "cpu", "float32")]
-    inputs += [ev.RequestArrived(f"r{i}", [5 + i % 7] * (3 + i % 5), SamplingParams(max_tokens=6)) for i in range(num_reqs)]
+    inputs += [
+        ev.RequestArrived(f"r{i}", [5 + i % 7] * (3 + i % 5), SamplingParams(max_tokens=6)) for i in range(num_reqs)
+    ]
     for event in inputs:
         shell.handle(event)
     while shell.core.in_flight:
@@ -154,9 +164,14 @@ def _file(name: str, num_bytes: int) -> LogFile:
 
 
 def test_removal_order_runs_first_then_own_oldest_segments_never_the_active_one():
-    files = [_file("events-000001-a.log", 100), _file("events-000001-a+000002.log", 100),
-             _file("events-000002-b.log", 50), _file("events-000003-c.log", 100),
-             _file("events-000003-c+000002.log", 100), _file("events-000003-c+000003.log", 10)]
+    files = [
+        _file("events-000001-a.log", 100),
+        _file("events-000001-a+000002.log", 100),
+        _file("events-000002-b.log", 50),
+        _file("events-000003-c.log", 100),
+        _file("events-000003-c+000002.log", 100),
+        _file("events-000003-c+000003.log", 10),
+    ]
     active = "/logs/events-000003-c+000003.log"
     names = lambda removals: [os.path.basename(f.path) for f in removals]  # noqa: E731
     assert plan_removals(files, active, 460 + 100, 100, set()) == []
@@ -183,7 +198,12 @@ def test_a_run_another_writer_holds_is_never_removed(tmp_path):
 
 def test_the_bound_is_validated_against_the_segment_size():
     with pytest.raises(ValueError, match="at least twice event_log_max_bytes"):
-        EngineConfig(model_dir="m", served_model_name="m", max_model_len=8, event_log_max_bytes=8192,
-                     event_log_max_total_bytes=8192)
+        EngineConfig(
+            model_dir="m",
+            served_model_name="m",
+            max_model_len=8,
+            event_log_max_bytes=8192,
+            event_log_max_total_bytes=8192,
+        )
     assert EngineConfig(model_dir="m", served_model_name="m", max_model_len=8, event_log_max_total_bytes=0)
     assert b'"event_log_max_total_bytes":4294967296' in ENGINE.to_json()  # logged in every header

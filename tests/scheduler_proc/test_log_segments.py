@@ -4,9 +4,8 @@ import os
 
 import pytest
 
-from ledgerserve.shared.eventlog import EventLogReader, list_logs, newest_log, parse_header, run_segments
-
 from ledgerserve.scheduler_proc.replay import main, replay
+from ledgerserve.shared.eventlog import EventLogReader, list_logs, newest_log, parse_header, run_segments
 from tests.scheduler_proc.logtools import cut, record, record_offsets
 
 

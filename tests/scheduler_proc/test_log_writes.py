@@ -9,16 +9,15 @@ import os
 import pytest
 import zmq
 
+from ledgerserve.scheduler_proc.core import Core, CoreConfig
+from ledgerserve.scheduler_proc.core.adapter_stats import AdapterStats
+from ledgerserve.scheduler_proc.loop import SchedulerShell
+from ledgerserve.scheduler_proc.replay import main
 from ledgerserve.scheduler_proc.replay import main as replay_main
 from ledgerserve.shared import codec, ipc
 from ledgerserve.shared import events as ev
 from ledgerserve.shared.eventlog import EventLogReader, EventLogWriter, LogWriteError
 from ledgerserve.shared.sampling import SamplingParams
-
-from ledgerserve.scheduler_proc.core.adapter_stats import AdapterStats
-from ledgerserve.scheduler_proc.core import Core, CoreConfig
-from ledgerserve.scheduler_proc.loop import SchedulerShell
-from ledgerserve.scheduler_proc.replay import main
 from tests.scheduler_proc.driver import FakeWorker
 from tests.scheduler_proc.logtools import ENGINE, record
 

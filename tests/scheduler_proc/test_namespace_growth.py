@@ -5,13 +5,11 @@ and its last block is gone; while a request still holds it, it stays covered."""
 import dataclasses
 import os
 
+from ledgerserve.scheduler_proc.core import digest
+from ledgerserve.scheduler_proc.replay.verify import core_config, replay
 from ledgerserve.shared import events as ev
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.eventlog import EventLogWriter, RunScanner
-
-from ledgerserve.scheduler_proc.core import digest
-from ledgerserve.scheduler_proc.replay.verify import core_config, replay
-
 from tests.scheduler_proc.driver import Driver
 
 PROMPT = list(range(300, 310))  # 10 tokens: two full blocks of 4, cached at prefill
@@ -99,9 +97,18 @@ def test_replay_takes_the_namespace_rule_from_the_log_schema(tmp_path):
     digests say so; schema 2 logs by one that forgets them. Both verify."""
     compat = RunScanner(os.path.join(os.path.dirname(__file__), "..", "data", "logs", "events-000002-lora.log"))
     assert compat.header.schema_version == 1 and core_config(compat).keep_dropped_namespaces
-    engine = EngineConfig(model_dir="m", served_model_name="m", max_model_len=256, max_num_seqs=8,
-                          max_num_batched_tokens=64, block_size=4, enable_lora=True, max_loras=2, max_cpu_loras=2,
-                          lora_overlap_loading=False)
+    engine = EngineConfig(
+        model_dir="m",
+        served_model_name="m",
+        max_model_len=256,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        block_size=4,
+        enable_lora=True,
+        max_loras=2,
+        max_cpu_loras=2,
+        lora_overlap_loading=False,
+    )
     with EventLogWriter(str(tmp_path), engine.to_json(), run_id="new") as writer:
         d = Driver(num_kv_blocks=16, enable_lora=True, max_loras=2, max_cpu_loras=2, log=writer)
         for i in range(201):

@@ -1,7 +1,6 @@
 """Preemption by recompute, rejection of requests that can never fit, aborts."""
 
 from ledgerserve.shared import events as ev
-
 from tests.scheduler_proc.driver import Driver
 
 

@@ -9,11 +9,10 @@ import sys
 import pytest
 import xxhash
 
-from ledgerserve.shared import codec
-from ledgerserve.shared import events as ev
-
 from ledgerserve.scheduler_proc.core.block_manager import BlockAccountingError, BlockManager
 from ledgerserve.scheduler_proc.core.request import Request
+from ledgerserve.shared import codec
+from ledgerserve.shared import events as ev
 from ledgerserve.shared.sampling import SamplingParams
 from tests.scheduler_proc.driver import Driver
 from tests.scheduler_proc.prefix_checks import PrefixChecker, expected_hashes
@@ -219,7 +218,11 @@ def prefix_fingerprint(seed: int) -> str:
     for i in range(120):
         x = (seed * 7919 + i * 104729) % 1000003
         if x % 3 == 0:
-            _apply(d, ("arrive", LORAS[x % 3 and (x // 3) % 3], (x // 9) % 3, 1 + (x // 27) % 12, (x // 11) % 4, 1 + x % 5), req_ids)
+            _apply(
+                d,
+                ("arrive", LORAS[x % 3 and (x // 3) % 3], (x // 9) % 3, 1 + (x // 27) % 12, (x // 11) % 4, 1 + x % 5),
+                req_ids,
+            )
         else:
             _apply(d, (kinds[(x // 5) % 6], x // 7, "ab"[(x // 13) % 2]), req_ids)
     d.run()
@@ -232,7 +235,9 @@ def test_prefix_decisions_identical_across_pythonhashseed():
     outputs = []
     for hash_seed in ("0", "777"):
         env = dict(os.environ, PYTHONHASHSEED=hash_seed, PYTHONPATH=ROOT)
-        proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
+        proc = subprocess.run(
+            [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True
+        )
         outputs.append(proc.stdout)
     assert outputs[0] == outputs[1]
     assert outputs[0].split() == [prefix_fingerprint(3), prefix_fingerprint(17)]

@@ -8,7 +8,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ledgerserve.shared import events as ev
-
 from tests.scheduler_proc.driver import EOS, Driver
 from tests.scheduler_proc.prefix_checks import PrefixChecker
 
@@ -19,13 +18,33 @@ PREFIXES = (
 )
 LORAS = (None, "a", "b")
 
-arrive = st.tuples(st.just("arrive"), st.sampled_from(LORAS), st.integers(0, 2), st.integers(1, 12), st.integers(0, 5), st.integers(1, 6))
-other = st.tuples(st.sampled_from(("step", "step", "finish", "abort", "unload", "reload")), st.integers(0, 50), st.sampled_from(("a", "b")))
+arrive = st.tuples(
+    st.just("arrive"),
+    st.sampled_from(LORAS),
+    st.integers(0, 2),
+    st.integers(1, 12),
+    st.integers(0, 5),
+    st.integers(1, 6),
+)
+other = st.tuples(
+    st.sampled_from(("step", "step", "finish", "abort", "unload", "reload")),
+    st.integers(0, 50),
+    st.sampled_from(("a", "b")),
+)
 ops = st.lists(st.one_of(arrive, other), min_size=1, max_size=40)
 
 
 def _driver(num_kv_blocks: int) -> Driver:
-    return Driver(num_kv_blocks, max_num_seqs=4, max_num_batched_tokens=12, block_size=4, max_model_len=40, enable_lora=True, max_loras=2, max_cpu_loras=3)
+    return Driver(
+        num_kv_blocks,
+        max_num_seqs=4,
+        max_num_batched_tokens=12,
+        block_size=4,
+        max_model_len=40,
+        enable_lora=True,
+        max_loras=2,
+        max_cpu_loras=3,
+    )
 
 
 def _apply(d: Driver, op: tuple, req_ids: list[str]) -> None:

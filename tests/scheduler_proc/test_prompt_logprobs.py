@@ -132,12 +132,15 @@ def _unasked(reports: list[ev.PromptLogprobs]) -> list[ev.PromptLogprobs]:
     return reports + [ev.PromptLogprobs("plain", 1, [-1.0], [1])]
 
 
-@pytest.mark.parametrize(("mangle", "failed", "words"), [
-    (_drop, "scored", "no prompt logprobs for positions 1..9"),
-    (_shift, "scored", "expected 9 from position 1"),
-    (_short_top, "scored", "mismatched lengths"),
-    (_unasked, "plain", "none were due"),
-])
+@pytest.mark.parametrize(
+    ("mangle", "failed", "words"),
+    [
+        (_drop, "scored", "no prompt logprobs for positions 1..9"),
+        (_shift, "scored", "expected 9 from position 1"),
+        (_short_top, "scored", "mismatched lengths"),
+        (_unasked, "plain", "none were due"),
+    ],
+)
 def test_bad_report_fails_only_its_request(monkeypatch, mangle, failed: str, words: str) -> None:
     monkeypatch.setattr(driver_module, "fake_reports", lambda plan, asks: mangle(fake_reports(plan, asks)))
     d = Driver()

@@ -10,7 +10,6 @@ from hypothesis import given, settings
 
 from ledgerserve.shared import codec
 from ledgerserve.shared import events as ev
-
 from tests.scheduler_proc.driver import Driver
 from tests.scheduler_proc.workload import WORKLOAD_SPACE, run_workload
 
@@ -20,7 +19,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @settings(max_examples=60, deadline=None)
 @given(**WORKLOAD_SPACE)
 def test_integrity_after_random_workloads(seed, num_kv_blocks, max_num_seqs, max_num_batched_tokens):
-    d = Driver(num_kv_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=4, max_model_len=32)
+    d = Driver(
+        num_kv_blocks,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        block_size=4,
+        max_model_len=32,
+    )
     run_workload(d, seed)  # the driver checks integrity after every event
     d.check_idle()
     assert not d.of_type(ev.EngineFailed)
@@ -45,7 +50,9 @@ def test_decisions_identical_across_pythonhashseed():
     outputs = []
     for hash_seed in ("0", "12345", "random"):
         env = dict(os.environ, PYTHONHASHSEED=hash_seed, PYTHONPATH=ROOT)
-        proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
+        proc = subprocess.run(
+            [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True
+        )
         outputs.append(proc.stdout)
     assert outputs[0] == outputs[1] == outputs[2]
     assert outputs[0].split() == [decisions_fingerprint(3), decisions_fingerprint(11)]
@@ -56,8 +63,14 @@ def test_decisions_identical_across_pythonhashseed():
 def test_overlapped_loading_changes_nothing_without_adapters(seed, num_kv_blocks, max_num_seqs, max_num_batched_tokens):
     """The flag's default is on: a base-model engine must decide (and digest) exactly as before."""
     runs = [
-        Driver(num_kv_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=4,
-               max_model_len=32, lora_overlap_loading=overlap)
+        Driver(
+            num_kv_blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            block_size=4,
+            max_model_len=32,
+            lora_overlap_loading=overlap,
+        )
         for overlap in (False, True)
     ]
     for d in runs:

@@ -5,16 +5,17 @@ import os
 import subprocess
 import sys
 
+from ledgerserve.scheduler_proc.replay import main, replay
 from ledgerserve.shared import events as ev
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.eventlog import EventLogReader, EventLogWriter
-
-from ledgerserve.scheduler_proc.replay import main, replay
 from tests.scheduler_proc.driver import Driver
 from tests.scheduler_proc.workload import run_workload
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ENGINE = EngineConfig(model_dir="m", served_model_name="m", max_model_len=32, max_num_seqs=4, max_num_batched_tokens=16, block_size=4)
+ENGINE = EngineConfig(
+    model_dir="m", served_model_name="m", max_model_len=32, max_num_seqs=4, max_num_batched_tokens=16, block_size=4
+)
 
 
 def _record(directory, seed=3) -> str:
@@ -73,7 +74,7 @@ def test_log_ending_before_decisions_is_a_truncated_tail(tmp_path):
     records = list(EventLogReader(path))
     last_input = max(seq for seq, e in records if isinstance(e, ev.INPUT_TYPES))
     with EventLogWriter(str(tmp_path / "b"), ENGINE.to_json()) as writer:
-        for seq, event in records[:last_input]:
+        for _seq, event in records[:last_input]:
             writer.append(event)
     result = replay(writer.path)
     assert result.ok and result.truncated_tail
@@ -106,6 +107,8 @@ def test_cli_exit_codes_and_show(tmp_path, capsys):
 
 def test_script_entry_point(tmp_path):
     path = _record(tmp_path)
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "replay.py"), path], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "replay.py"), path], capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("OK")

@@ -2,11 +2,10 @@
 
 import json
 
-from ledgerserve.shared import events as ev
-from ledgerserve.shared.eventlog import EventLogReader, EventLogWriter
-
 from ledgerserve.scheduler_proc.replay import main
 from ledgerserve.scheduler_proc.replay.diff import diff_logs
+from ledgerserve.shared import events as ev
+from ledgerserve.shared.eventlog import EventLogReader, EventLogWriter
 from tests.scheduler_proc.driver import Driver
 from tests.scheduler_proc.logtools import ENGINE, rewrite
 
@@ -15,7 +14,9 @@ def _run(directory, max_tokens_of_b=4, clock=0.0):
     writer = EventLogWriter(str(directory), ENGINE.to_json(), run_id="run")
     d = Driver(10, max_num_seqs=4, max_num_batched_tokens=16, block_size=4, max_model_len=32, log=writer)
     for req_id, prompt, max_tokens in [("a", 5, 4), ("b", 6, max_tokens_of_b), ("c", 3, 5)]:
-        d.send(ev.RequestArrived(req_id, list(range(100, 100 + prompt)), ev.SamplingParams(max_tokens=max_tokens), clock))
+        d.send(
+            ev.RequestArrived(req_id, list(range(100, 100 + prompt)), ev.SamplingParams(max_tokens=max_tokens), clock)
+        )
         clock += 0.25
     d.run()
     writer.append(ev.LogClosed("done"))
@@ -35,7 +36,9 @@ def test_one_request_differs(tmp_path, capsys):
     found = diff_logs(a, b)
     this, other = found.decision
     assert this.seq is not None and other.seq is not None
-    assert isinstance(this.event, ev.StepPlan) and isinstance(other.event, ev.StepPlan)  # b's NewReq carries its sampling
+    assert isinstance(this.event, ev.StepPlan) and isinstance(
+        other.event, ev.StepPlan
+    )  # b's NewReq carries its sampling
     assert [r.sampling.max_tokens for r in this.event.new_reqs if r.req_id == "b"] == [4]
     assert [r.sampling.max_tokens for r in other.event.new_reqs if r.req_id == "b"] == [2]
     this_input, other_input = found.input

@@ -8,7 +8,6 @@ import random
 from hypothesis import strategies as st
 
 from ledgerserve.shared import events as ev
-
 from tests.scheduler_proc.driver import EOS, Driver
 
 # run_workload's seed and the pool and batch limits it runs under: small enough to preempt
@@ -29,7 +28,13 @@ def run_workload(d: Driver, seed: int, num_events: int = 60) -> None:
             num_reqs += 1
             req_id = f"req-{rng.choice('abcdefgh')}{num_reqs}"
             d.script(req_id, [rng.choice([5, 6, 9, EOS]) for _ in range(rng.randint(0, 6))])
-            d.arrive(req_id, rng.randint(1, 20), max_tokens=rng.randint(1, 12), min_tokens=rng.randint(0, 2), stop_token_ids=(9,) if rng.random() < 0.3 else ())
+            d.arrive(
+                req_id,
+                rng.randint(1, 20),
+                max_tokens=rng.randint(1, 12),
+                min_tokens=rng.randint(0, 2),
+                stop_token_ids=(9,) if rng.random() < 0.3 else (),
+            )
         elif roll < 0.45 and num_reqs:
             d.abort(f"req-{rng.choice('abcdefgh')}{rng.randint(1, num_reqs)}")
         elif d.in_flight is not None:

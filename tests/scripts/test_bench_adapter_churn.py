@@ -10,13 +10,13 @@ import os
 
 import pytest
 
+from ledgerserve.shared import events as ev
+from ledgerserve.shared.config import EngineConfig
+from ledgerserve.shared.eventlog import EventLogWriter
 from scripts.bench_adapter_churn import main
 from scripts.churn_plan import FULL, PROBE_CASES, QUICK, TableSetup, check_settings, server_groups
 from scripts.churn_report import load_stats
 from scripts.png_plot import PNG_SIGNATURE
-from ledgerserve.shared import events as ev
-from ledgerserve.shared.config import EngineConfig
-from ledgerserve.shared.eventlog import EventLogWriter
 
 
 def test_the_full_plan_is_the_one_asked_for() -> None:
@@ -24,8 +24,14 @@ def test_the_full_plan_is_the_one_asked_for() -> None:
     assert (s.input_len, s.output_len, s.burst_requests, s.burst_in_flight) == (256, 128, 384, 128)
     assert (s.poisson_rate, s.poisson_requests) == (10.0, 200)
     assert [(t.num_adapters, t.max_loras) for t in s.table] == [(1, 8), (8, 8), (16, 8), (64, 8), (64, 64)]
-    assert (s.zipf_adapters, s.zipf_rank, s.zipf_s, s.zipf_max_loras, s.zipf_max_cpu_loras, s.zipf_load) == \
-        (512, 8, 1.1, 32, 128, 0.7)
+    assert (s.zipf_adapters, s.zipf_rank, s.zipf_s, s.zipf_max_loras, s.zipf_max_cpu_loras, s.zipf_load) == (
+        512,
+        8,
+        1.1,
+        32,
+        128,
+        0.7,
+    )
     assert set(s.ranks) == {8, 16}
 
 
@@ -39,8 +45,9 @@ def test_workloads_need_three_server_start_ups(settings) -> None:
     assert sorted((t for g in groups for t in g.setups), key=settings.table.index) == list(settings.table)
     for g in groups:
         assert all(t.max_loras == g.max_loras for t in g.setups)
-        assert g.max_cpu_loras == (settings.zipf_max_cpu_loras if g.runs_zipf else max(settings.min_cpu_loras,
-                                                                                        g.max_loras))
+        assert g.max_cpu_loras == (
+            settings.zipf_max_cpu_loras if g.runs_zipf else max(settings.min_cpu_loras, g.max_loras)
+        )
     assert [g.runs_zipf for g in groups].count(True) == 1
     if FULL is settings:
         assert [(g.max_loras, g.max_cpu_loras) for g in groups] == [(8, 32), (64, 64), (32, 128)]
@@ -72,8 +79,13 @@ def test_load_stats_group_rank_zero_loads_by_target_and_tier(tmp_path) -> None:
         ]:
             log.append(event)
     stats = load_stats(str(tmp_path))
-    assert stats["decisions"] == {"AdapterSlotAssigned": 2, "AdapterPrefetched": 1, "AdapterEvicted": 0,
-                                  "AdapterCpuEvicted": 1, "AdapterLoadFailed": 0}
+    assert stats["decisions"] == {
+        "AdapterSlotAssigned": 2,
+        "AdapterPrefetched": 1,
+        "AdapterEvicted": 0,
+        "AdapterCpuEvicted": 1,
+        "AdapterLoadFailed": 0,
+    }
     assert stats["loads"] == {
         "cpu_tier<-disk": {"count": 1, "median_duration_ms": 4.0, "median_gbps": 2.0},
         "gpu_slot<-cpu": {"count": 1, "median_duration_ms": 1.0, "median_gbps": 8.0},
@@ -97,8 +109,9 @@ def test_quick_run_measures_every_workload(tmp_path) -> None:
     assert probe["num_repetitions"] == QUICK.probe_reps
     assert all(probe["median_ms"][case] > 0 for case in PROBE_CASES)
     rows = mode["table"]
-    assert [(r["num_adapters"], r["max_loras"], r["arrival"]) for r in rows] == \
-        [(t.num_adapters, t.max_loras, a) for t in QUICK.table for a in ("burst", "poisson")]
+    assert [(r["num_adapters"], r["max_loras"], r["arrival"]) for r in rows] == [
+        (t.num_adapters, t.max_loras, a) for t in QUICK.table for a in ("burst", "poisson")
+    ]
     [zipf] = mode["zipf"]
     for row in [*rows, zipf]:
         assert row["num_errors"] == 0 and row["unload_failures"] == [], row["errors"]

@@ -8,8 +8,23 @@ from scripts import bench_adapter_load
 
 def test_bench_reports_every_rank_on_the_cpu(tmp_path, capsys) -> None:
     out = tmp_path / "report.json"
-    report = bench_adapter_load.main(["--device", "cpu", "--small", "--ranks", "4,8", "--copy-mib", "4",
-                                      "--read-mib", "4", "--repeats", "1", "--out", str(out)])
+    report = bench_adapter_load.main(
+        [
+            "--device",
+            "cpu",
+            "--small",
+            "--ranks",
+            "4,8",
+            "--copy-mib",
+            "4",
+            "--read-mib",
+            "4",
+            "--repeats",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     assert json.loads(out.read_text()) == report == json.loads(capsys.readouterr().out)
     assert report["pinned_h2d_GBps"] > 0 and report["file_read_GBps"] > 0
     assert [a["rank"] for a in report["adapters"]] == [4, 8]

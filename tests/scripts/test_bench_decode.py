@@ -27,18 +27,29 @@ def test_load_churn_keeps_spare_slots_loading_from_both_tiers(tmp_path) -> None:
     the CPU tier; stopping evicts what the churn holds."""
     import time
 
-    from scripts.decode_churn import LoadChurn
     from ledgerserve.shared.config import EngineConfig
+    from ledgerserve.worker_proc.runner import ModelRunner
+    from scripts.decode_churn import LoadChurn
     from tests.adapter_factory import make_peft_adapter
     from tests.model_factory import make_tiny_checkpoint
-    from ledgerserve.worker_proc.runner import ModelRunner
 
     base = make_tiny_checkpoint("llama", tmp_path / "base")
-    paths = [make_peft_adapter(base, tmp_path / f"a{i}", r=4, alpha=8, targets=["q_proj", "v_proj"], seed=i)
-             for i in range(2)]
-    config = EngineConfig(model_dir=base, served_model_name="tiny", max_model_len=64, block_size=4,
-                          num_kv_blocks=16, enable_lora=True, max_loras=3, max_lora_rank=8, max_cpu_loras=8,
-                          lora_overlap_loading=True)
+    paths = [
+        make_peft_adapter(base, tmp_path / f"a{i}", r=4, alpha=8, targets=["q_proj", "v_proj"], seed=i)
+        for i in range(2)
+    ]
+    config = EngineConfig(
+        model_dir=base,
+        served_model_name="tiny",
+        max_model_len=64,
+        block_size=4,
+        num_kv_blocks=16,
+        enable_lora=True,
+        max_loras=3,
+        max_lora_rank=8,
+        max_cpu_loras=8,
+        lora_overlap_loading=True,
+    )
     runner = ModelRunner(config)
     try:
         churn = LoadChurn(runner, 1, 2, paths)

@@ -10,7 +10,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_spec = importlib.util.spec_from_file_location("bench_prefix_cache", os.path.join(ROOT, "scripts", "bench_prefix_cache.py"))
+_spec = importlib.util.spec_from_file_location(
+    "bench_prefix_cache", os.path.join(ROOT, "scripts", "bench_prefix_cache.py")
+)
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 
@@ -25,7 +27,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
-        chunks = [{"choices": [{"text": "x"}]}, {"choices": [], "usage": {"prompt_tokens_details": {"cached_tokens": cached}}}]
+        chunks = [
+            {"choices": [{"text": "x"}]},
+            {"choices": [], "usage": {"prompt_tokens_details": {"cached_tokens": cached}}},
+        ]
         for chunk in chunks:
             self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
         self.wfile.write(b"data: [DONE]\n\n")
@@ -40,7 +45,9 @@ def test_bench_reports_first_and_repeated_ttft():
     thread.start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
-        out = bench.main(["--base-url", url, "--model", "m", "--prompt-tokens", "1000", "--repeats", "3", "--seed", "1"])
+        out = bench.main(
+            ["--base-url", url, "--model", "m", "--prompt-tokens", "1000", "--repeats", "3", "--seed", "1"]
+        )
     finally:
         server.shutdown()
     assert out["prompt_tokens"] == 1000 and len(out["ttft_repeat_ms"]) == 3

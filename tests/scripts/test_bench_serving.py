@@ -10,16 +10,33 @@ import zlib
 
 import pytest
 
+from ledgerserve.tokenizer_proc.protocol import CompletionRequest
 from scripts.bench_serving import main
+from scripts.png_plot import PNG_SIGNATURE, encode_png, nice_ticks
 from scripts.serving_report import (
-    RequestResult, StreamTally, fairness, jain_index, latency_stats, percentile, render_plot, result_of, summarize,
+    RequestResult,
+    StreamTally,
+    fairness,
+    jain_index,
+    latency_stats,
+    percentile,
+    render_plot,
+    result_of,
+    summarize,
 )
 from scripts.serving_workload import (
-    AdapterSpec, PlannedRequest, arrival_times_s, choose_targets, parse_config, plan_workload, popularity_shares,
-    popularity_weights, random_prompt, request_body, workload_argv,
+    AdapterSpec,
+    PlannedRequest,
+    arrival_times_s,
+    choose_targets,
+    parse_config,
+    plan_workload,
+    popularity_shares,
+    popularity_weights,
+    random_prompt,
+    request_body,
+    workload_argv,
 )
-from scripts.png_plot import PNG_SIGNATURE, encode_png, nice_ticks
-from ledgerserve.tokenizer_proc.protocol import CompletionRequest
 
 HF_CONFIG = {"vocab_size": 300, "bos_token_id": 0, "eos_token_id": [1, 2], "pad_token_id": None}
 BASE_ARGV = ["--base-url", "http://127.0.0.1:1", "--model-dir", "/nonexistent", "--adapter-dir", "/tmp/a"]
@@ -41,7 +58,9 @@ def test_zipf_top1_share_grows_with_s_and_uniform_is_about_one_over_n():
 def test_zipf_weights_sum_to_one_and_shuffle_who_is_popular():
     weights = popularity_weights(8, "zipf", 1.1, random.Random(3))
     assert sum(weights) == pytest.approx(1.0)
-    tops = {max(range(8), key=popularity_weights(8, "zipf", 1.1, random.Random(seed)).__getitem__) for seed in range(20)}
+    tops = {
+        max(range(8), key=popularity_weights(8, "zipf", 1.1, random.Random(seed)).__getitem__) for seed in range(20)
+    }
     assert len(tops) > 1  # the most popular adapter is not always adapter 0
     assert popularity_weights(0, "zipf", 1.1, random.Random(0)) == []
 
@@ -112,16 +131,24 @@ def test_jain_index_on_known_values():
 
 
 def test_fairness_leaves_out_the_base_model():
-    rows = [{"adapter": None, "mean_tpot_ms": 100.0}, {"adapter": 0, "mean_tpot_ms": 10.0},
-            {"adapter": 1, "mean_tpot_ms": 20.0}, {"adapter": 2, "mean_tpot_ms": None}]
+    rows = [
+        {"adapter": None, "mean_tpot_ms": 100.0},
+        {"adapter": 0, "mean_tpot_ms": 10.0},
+        {"adapter": 1, "mean_tpot_ms": 20.0},
+        {"adapter": 2, "mean_tpot_ms": None},
+    ]
     fair = fairness(rows)
     assert fair["num_adapters"] == 2 and fair["jain_index"] == 0.9 and fair["max_min_ratio"] == 2.0
 
 
 def _lines(token_times: list[float]) -> list[tuple[str, float]]:
     lines = [(f'data: {{"choices":[{{"text":"","token_ids":[{i}]}}]}}', t) for i, t in enumerate(token_times)]
-    usage = '{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":%d}}' % len(token_times)
-    return lines + [(f"data: {usage}", token_times[-1]), ("", token_times[-1]), ("data: [DONE]", token_times[-1] + 0.01)]
+    usage = '{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":' + str(len(token_times)) + "}}"
+    return lines + [
+        (f"data: {usage}", token_times[-1]),
+        ("", token_times[-1]),
+        ("data: [DONE]", token_times[-1] + 0.01),
+    ]
 
 
 def test_stream_tally_measures_ttft_tpot_and_tokens():
@@ -180,9 +207,9 @@ def _png_chunks(png: bytes) -> dict[bytes, bytes]:
     assert png.startswith(PNG_SIGNATURE)
     chunks, pos = {}, len(PNG_SIGNATURE)
     while pos < len(png):
-        (length,), kind = struct.unpack(">I", png[pos:pos + 4]), png[pos + 4:pos + 8]
-        data = png[pos + 8:pos + 8 + length]
-        assert struct.unpack(">I", png[pos + 8 + length:pos + 12 + length])[0] == zlib.crc32(kind + data)
+        (length,), kind = struct.unpack(">I", png[pos : pos + 4]), png[pos + 4 : pos + 8]
+        data = png[pos + 8 : pos + 8 + length]
+        assert struct.unpack(">I", png[pos + 8 + length : pos + 12 + length])[0] == zlib.crc32(kind + data)
         chunks[kind] = chunks.get(kind, b"") + data
         pos += 12 + length
     return chunks
@@ -196,7 +223,7 @@ def test_plot_is_a_png_that_decodes_to_its_size():
     assert (depth, color_type) == (8, 2) and width > 0 and height > 0
     raw = zlib.decompress(chunks[b"IDAT"])
     assert len(raw) == height * (1 + 3 * width) and b"IEND" in chunks
-    assert len(set(raw[1:1 + 3 * width])) >= 1 and len(set(raw)) > 3  # something was drawn
+    assert len(set(raw[1 : 1 + 3 * width])) >= 1 and len(set(raw)) > 3  # something was drawn
 
 
 def test_encode_png_round_trips_pixels():
@@ -210,22 +237,35 @@ def test_encode_png_round_trips_pixels():
 
 def test_workload_file_then_flags_override_it(tmp_path):
     path = tmp_path / "w.json"
-    path.write_text(json.dumps({"num_adapters": 6, "ranks": [4, 8], "popularity": "zipf", "zipf-s": 1.5,
-                                "num_requests": 40, "burst_size": None}))
+    path.write_text(
+        json.dumps(
+            {
+                "num_adapters": 6,
+                "ranks": [4, 8],
+                "popularity": "zipf",
+                "zipf-s": 1.5,
+                "num_requests": 40,
+                "burst_size": None,
+            }
+        )
+    )
     args = parse_config([*BASE_ARGV, "--workload", str(path), "--num-requests", "9"])
     assert (args.num_adapters, args.ranks, args.popularity, args.zipf_s) == (6, [4, 8], "zipf", 1.5)
     assert args.num_requests == 9 and args.burst_size is None  # the flag wins; null keeps the default
     assert parse_config(BASE_ARGV).num_adapters == 4  # the defaults without a file
 
 
-@pytest.mark.parametrize("content, match", [
-    ('{"num_adaptrs": 3}', "unknown field"),
-    ('{"workload": "x.json"}', "unknown field"),
-    ('[1, 2]', "JSON object"),
-    ('{"num_requests": ', "cannot read"),
-    ('{"ranks": {"a": 1}}', "unusable"),
-    ('{"num_requests": "many"}', "invalid int"),
-])
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        ('{"num_adaptrs": 3}', "unknown field"),
+        ('{"workload": "x.json"}', "unknown field"),
+        ("[1, 2]", "JSON object"),
+        ('{"num_requests": ', "cannot read"),
+        ('{"ranks": {"a": 1}}', "unusable"),
+        ('{"num_requests": "many"}', "invalid int"),
+    ],
+)
 def test_bad_workload_files_are_refused(tmp_path, content, match):
     path = tmp_path / "w.json"
     path.write_text(content)
@@ -237,21 +277,24 @@ def test_workload_argv_turns_lists_into_comma_lists():
     assert workload_argv({"ranks": [8, 16], "seed": 3}, ["ranks", "seed"]) == ["--ranks", "8,16", "--seed", "3"]
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["--num-requests", "0"], "num-requests"),
-    (["--base-share", "1.5"], "base-share"),
-    (["--popularity", "pareto"], "popularity"),
-    (["--arrival", "poisson", "--rate", "0"], "rate"),
-    (["--rate", "inf"], "rate"),
-    (["--num-adapters", "0"], "base-share 1"),
-    (["--ranks", "8,x"], "ranks"),
-    (["--ranks", "0"], "ranks"),
-    (["--target-modules", "lm_head"], "target-modules"),
-    (["--burst-size", "0"], "burst-size"),
-    (["--zipf-s", "0"], "zipf-s"),
-    (["--output-len", "0"], "output-len"),
-    (["--unknown-flag", "1"], "unrecognized"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--num-requests", "0"], "num-requests"),
+        (["--base-share", "1.5"], "base-share"),
+        (["--popularity", "pareto"], "popularity"),
+        (["--arrival", "poisson", "--rate", "0"], "rate"),
+        (["--rate", "inf"], "rate"),
+        (["--num-adapters", "0"], "base-share 1"),
+        (["--ranks", "8,x"], "ranks"),
+        (["--ranks", "0"], "ranks"),
+        (["--target-modules", "lm_head"], "target-modules"),
+        (["--burst-size", "0"], "burst-size"),
+        (["--zipf-s", "0"], "zipf-s"),
+        (["--output-len", "0"], "output-len"),
+        (["--unknown-flag", "1"], "unrecognized"),
+    ],
+)
 def test_bad_arguments_raise_a_clear_value_error(argv, match):
     with pytest.raises(ValueError, match=match):
         parse_config([*BASE_ARGV, *argv])

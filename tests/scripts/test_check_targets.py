@@ -12,18 +12,28 @@ from scripts.check_targets import judge
 
 
 def _row(batch: int, adapters: int, step_ms: float, floor_ms: float, tok_s: float) -> dict:
-    return {"batch": batch, "adapters": adapters, "step_ms": step_ms, "floor_ms": floor_ms,
-            "gpu_ms": step_ms + 0.01, "tok_s": tok_s}
+    return {
+        "batch": batch,
+        "adapters": adapters,
+        "step_ms": step_ms,
+        "floor_ms": floor_ms,
+        "gpu_ms": step_ms + 0.01,
+        "tok_s": tok_s,
+    }
 
 
 def _targets(step_32_adapters_ms: float = 6.0, tok_s_4_adapters: float = 4700.0) -> dict:
-    return {"device": "test GPU", "copy_bw_GBps": 3000.0, "results": [
-        _row(1, 0, 5.5, 5.0, 182.0),
-        _row(32, 0, 6.4, 5.2, 5000.0),
-        _row(1, 1, 9.9, 5.0, 100.0),  # batch 1 with an adapter is reported but judged by no target
-        _row(32, 4, 6.8, 5.3, tok_s_4_adapters),
-        _row(32, 32, step_32_adapters_ms, 6.0, 4200.0),
-    ]}
+    return {
+        "device": "test GPU",
+        "copy_bw_GBps": 3000.0,
+        "results": [
+            _row(1, 0, 5.5, 5.0, 182.0),
+            _row(32, 0, 6.4, 5.2, 5000.0),
+            _row(1, 1, 9.9, 5.0, 100.0),  # batch 1 with an adapter is reported but judged by no target
+            _row(32, 4, 6.8, 5.3, tok_s_4_adapters),
+            _row(32, 32, step_32_adapters_ms, 6.0, 4200.0),
+        ],
+    }
 
 
 E2E, PEFT = {"device": "test GPU", "tok_s": 3800.0}, {"device": "test GPU", "tok_s": 22.0}
@@ -67,8 +77,11 @@ def test_the_command_exits_1_when_a_target_is_missed(tmp_path) -> None:
         paths.append(tmp_path / f"{name}.json")
         paths[-1].write_text(json.dumps(report))
     out = tmp_path / "verdict.json"
-    done = subprocess.run([sys.executable, "-m", "scripts.check_targets", *map(str, paths), "--out", str(out)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "scripts.check_targets", *map(str, paths), "--out", str(out)],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 1, done.stderr
     assert "MISSED batch 32, 32 adapters step <= 1.25x floor" in done.stdout
     assert [v["met"] for v in json.loads(out.read_text())["verdicts"]] == [True, False, True, True, True]
@@ -79,8 +92,9 @@ def test_the_command_says_why_it_cannot_judge(tmp_path) -> None:
     for name, report in [("t", _targets()), ("e", E2E), ("p", PEFT | {"device": "another GPU"})]:
         paths.append(tmp_path / f"{name}.json")
         paths[-1].write_text(json.dumps(report))
-    done = subprocess.run([sys.executable, "-m", "scripts.check_targets", *map(str, paths)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "scripts.check_targets", *map(str, paths)], capture_output=True, text=True
+    )
     assert done.returncode == 1
     assert done.stderr.strip().startswith("check_targets: the reports come from different devices")
     assert "Traceback" not in done.stderr

@@ -14,8 +14,16 @@ import pytest
 from scripts.simulate_adapter_policy import SimSettings, Workload, main, percentile, simulate
 
 SMALL = dataclasses.replace(
-    SimSettings(), max_loras=4, max_num_seqs=32, prompt_tokens=16, output_tokens=16, lora_max_wait_steps=4,
-    num_requests=48, rate_rps=40.0, burst_requests=64, burst_concurrency=32,
+    SimSettings(),
+    max_loras=4,
+    max_num_seqs=32,
+    prompt_tokens=16,
+    output_tokens=16,
+    lora_max_wait_steps=4,
+    num_requests=48,
+    rate_rps=40.0,
+    burst_requests=64,
+    burst_concurrency=32,
 )
 
 
@@ -44,5 +52,8 @@ def test_main_writes_the_rows(tmp_path) -> None:
     out = tmp_path / "sim.json"
     assert main(["--adapters", "4", "--workloads", "burst", "--burst-requests", "16", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["workload"], r["num_adapters"], r["policy"]) for r in rows] == [("burst", 4, "bar"), ("burst", 4, "drain")]
+    assert [(r["workload"], r["num_adapters"], r["policy"]) for r in rows] == [
+        ("burst", 4, "bar"),
+        ("burst", 4, "drain"),
+    ]
     assert all(r["num_slot_loads"] == 4 and r["tokens_per_step"] > 0 for r in rows)

@@ -40,7 +40,7 @@ def edit_config(adapter: Path, **changes: Any) -> None:
 def read_weights(adapter: Path) -> tuple[dict[str, Any], bytes]:
     data = (adapter / WEIGHTS_FILE).read_bytes()
     (header_len,) = struct.unpack("<Q", data[:8])
-    return json.loads(data[8:8 + header_len]), data[8 + header_len:]
+    return json.loads(data[8 : 8 + header_len]), data[8 + header_len :]
 
 
 def write_weights(adapter: Path, header: dict[str, Any] | bytes, body: bytes) -> None:
@@ -51,10 +51,12 @@ def write_weights(adapter: Path, header: dict[str, Any] | bytes, body: bytes) ->
 def edit_header(mutate: Callable[[dict[str, Any]], Any]) -> Build:
     """A builder that rewrites the header (keeping the data section); `mutate` edits the
     header in place and may return raw header bytes instead."""
+
     def build(adapter: Path, _: Path) -> None:
         header, body = read_weights(adapter)
         raw = mutate(header)
         write_weights(adapter, raw if isinstance(raw, bytes) else header, body)
+
     return build
 
 
@@ -72,20 +74,24 @@ def raw_config(text: bytes) -> Build:
 
 def poison_weights(value: float, dtype: torch.dtype) -> Build:
     """One value of the first A tensor set to `value`, every tensor stored as `dtype`."""
+
     def build(adapter: Path, _: Path) -> None:
         tensors = {k: v.to(dtype) for k, v in load_file(str(adapter / WEIGHTS_FILE)).items()}
         key = sorted(k for k in tensors if "lora_A" in k)[0]
         tensors[key].view(-1)[-1] = value
         save_file(tensors, str(adapter / WEIGHTS_FILE), metadata={"format": "pt"})
+
     return build
 
 
 def link_outside(name: str) -> Build:
     """`name` replaced by a link to a good copy of it outside the allowed root."""
+
     def build(adapter: Path, outside: Path) -> None:
         target = outside / f"{adapter.name}-{name}"
         os.replace(adapter / name, target)
         (adapter / name).symlink_to(target)
+
     return build
 
 
@@ -93,6 +99,7 @@ def fifo(name: str) -> Build:
     def build(adapter: Path, _: Path) -> None:
         (adapter / name).unlink()
         os.mkfifo(adapter / name)
+
     return build
 
 
@@ -128,7 +135,10 @@ HOSTILE: dict[str, tuple[Build, str]] = {
     "string-rank": (config(r="4"), "r must be an integer"),
     "float-rank-pattern": (config(rank_pattern={"q_proj": 4.0}), "rank_pattern['q_proj'] must be an integer"),
     "infinite-alpha": (config(lora_alpha=Raw("1e999")), "lora_alpha must be a finite number"),
-    "infinite-alpha-pattern": (config(alpha_pattern={"v_proj": Raw("1e999")}), "alpha_pattern['v_proj'] must be a finite"),
+    "infinite-alpha-pattern": (
+        config(alpha_pattern={"v_proj": Raw("1e999")}),
+        "alpha_pattern['v_proj'] must be a finite",
+    ),
     "nan-alpha-literal": (config(lora_alpha=Raw("NaN")), "holds NaN"),
     "zero-alpha": (config(lora_alpha=0), "lora_alpha must be a finite number > 0"),
     "list-alpha-pattern": (config(alpha_pattern=["v_proj"]), "alpha_pattern must be an object"),
@@ -140,8 +150,10 @@ HOSTILE: dict[str, tuple[Build, str]] = {
     "layers-to-transform": (config(layers_to_transform=[0]), "layers_to_transform"),
     "deep-header": (edit_header(lambda h: b"[" * 30_000 + b"]" * 30_000), "nests deeper than 32"),
     "huge-header": (edit_header(lambda h: json.dumps({f"k{i}": i for i in range(300_000)}).encode()), "-byte header"),
-    "header-members": (edit_header(lambda h: h.__setitem__("__metadata__", {f"m{i}": "" for i in range(5000)})),
-                       "object members"),
+    "header-members": (
+        edit_header(lambda h: h.__setitem__("__metadata__", {f"m{i}": "" for i in range(5000)})),
+        "object members",
+    ),
     "too-many-tensors": (edit_header(_zero_size_tensors), "tensors; an adapter of this base model has at most"),
     "int-dtype": (edit_header(_set_entry("dtype", "I32")), "unsupported dtype 'I32'"),
     "negative-shape": (edit_header(_set_entry("shape", [-4, 16])), "malformed shape"),

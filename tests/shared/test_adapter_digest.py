@@ -20,7 +20,6 @@ from tests.peft_util import make_tiny_peft_adapter
 MAX_RANK = 16
 
 
-
 @pytest.fixture(scope="module")
 def good(base_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("good") / "a"
@@ -41,8 +40,9 @@ def _digest(path: Path, base: BaseShapes, check_weights: bool = True) -> int:
     return read_manifest(str(path), base, MAX_RANK, check_weights=check_weights).content_digest
 
 
-def test_digest_is_xxh64_of_the_config_then_the_weights(good: Path, base: BaseShapes,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_digest_is_xxh64_of_the_config_then_the_weights(
+    good: Path, base: BaseShapes, monkeypatch: pytest.MonkeyPatch
+) -> None:
     expected = _files_xxh64(good)
     assert _digest(good, base) == expected != 0
     monkeypatch.setattr(safetensors_header, "SCAN_CHUNK_BYTES", 24)  # chunking does not change the bytes fed

@@ -19,15 +19,30 @@ from tests.peft_util import make_tiny_peft_adapter
 from tests.shared.hostile_adapters import read_weights, write_config, write_weights
 
 MAX_RANK = 16
-SETTINGS = settings(max_examples=250, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=250, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
     max_leaves=12,
 )
-MODULE_KEYS = st.sampled_from(["q_proj", "v_proj", "k_proj", "lm_head", "layers.1.self_attn.q_proj", ".*_proj",
-                               "model.layers.0.self_attn.v_proj", "(.|.)*Z", "(q|v)_proj", "[", "(?=x)", ""])
+MODULE_KEYS = st.sampled_from(
+    [
+        "q_proj",
+        "v_proj",
+        "k_proj",
+        "lm_head",
+        "layers.1.self_attn.q_proj",
+        ".*_proj",
+        "model.layers.0.self_attn.v_proj",
+        "(.|.)*Z",
+        "(q|v)_proj",
+        "[",
+        "(?=x)",
+        "",
+    ]
+)
 PLAUSIBLE = {
     "r": st.integers(-2, MAX_RANK + 2),
     "lora_alpha": st.integers(-1, 64) | st.floats(allow_nan=True, allow_infinity=True),
@@ -41,11 +56,12 @@ PLAUSIBLE = {
     "use_dora": st.sampled_from([False, False, False, True]),
     "modules_to_save": st.none() | st.lists(st.text(max_size=5), max_size=2),
     "layers_to_transform": st.none() | st.lists(st.integers(0, 3), max_size=2),
-    **{field: st.sampled_from([None, False, [], {}]) | JSON
-       for field in ("exclude_modules", "lora_bias", "trainable_token_indices", "layer_replication")},
+    **{
+        field: st.sampled_from([None, False, [], {}]) | JSON
+        for field in ("exclude_modules", "lora_bias", "trainable_token_indices", "layer_replication")
+    },
 }
 FIELDS = sorted(PLAUSIBLE)
-
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +90,8 @@ def _read_or_refuse(path: Path, base: BaseShapes) -> None:
 def _field_values() -> st.SearchStrategy[dict[str, Any]]:
     value_for = {field: st.one_of(PLAUSIBLE[field], PLAUSIBLE[field], PLAUSIBLE[field], JSON) for field in FIELDS}
     return st.lists(st.sampled_from(FIELDS), max_size=5, unique=True).flatmap(
-        lambda fields: st.fixed_dictionaries({f: value_for[f] for f in fields}))
+        lambda fields: st.fixed_dictionaries({f: value_for[f] for f in fields})
+    )
 
 
 @SETTINGS
@@ -85,19 +102,28 @@ def test_random_config_fields(changes: dict[str, Any], good: Path, scratch: Path
     _read_or_refuse(scratch, base)
 
 
-ENTRY = st.fixed_dictionaries({}, optional={
-    "dtype": st.sampled_from(["F32", "BF16", "F16", "F64", "I8", "f32"]) | JSON,
-    "shape": st.lists(st.integers(-2, 80), max_size=3) | JSON,
-    "data_offsets": st.lists(st.integers(-4, 20_000), min_size=2, max_size=2) | JSON,
-    "extra": JSON,
-}) | JSON
+ENTRY = (
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "dtype": st.sampled_from(["F32", "BF16", "F16", "F64", "I8", "f32"]) | JSON,
+            "shape": st.lists(st.integers(-2, 80), max_size=3) | JSON,
+            "data_offsets": st.lists(st.integers(-4, 20_000), min_size=2, max_size=2) | JSON,
+            "extra": JSON,
+        },
+    )
+    | JSON
+)
 
 
 @SETTINGS
-@given(edits=st.lists(st.tuples(st.integers(0, 20) | st.text(max_size=8), ENTRY), min_size=1, max_size=4),
-       metadata=st.none() | JSON)
-def test_random_header_entries(edits: list[tuple[int | str, Any]], metadata: Any, good: Path, scratch: Path,
-                               base: BaseShapes) -> None:
+@given(
+    edits=st.lists(st.tuples(st.integers(0, 20) | st.text(max_size=8), ENTRY), min_size=1, max_size=4),
+    metadata=st.none() | JSON,
+)
+def test_random_header_entries(
+    edits: list[tuple[int | str, Any]], metadata: Any, good: Path, scratch: Path, base: BaseShapes
+) -> None:
     (scratch / CONFIG_FILE).write_bytes((good / CONFIG_FILE).read_bytes())
     header, body = read_weights(good)
     keys = sorted(k for k in header if k != "__metadata__")
@@ -114,8 +140,9 @@ def test_random_header_entries(edits: list[tuple[int | str, Any]], metadata: Any
 
 @SETTINGS
 @given(config=st.binary(max_size=64), header=st.binary(max_size=64), header_len=st.integers(0, 2**64 - 1) | st.none())
-def test_random_bytes(config: bytes, header: bytes, header_len: int | None, good: Path, scratch: Path,
-                      base: BaseShapes) -> None:
+def test_random_bytes(
+    config: bytes, header: bytes, header_len: int | None, good: Path, scratch: Path, base: BaseShapes
+) -> None:
     (scratch / CONFIG_FILE).write_bytes(config)
     _read_or_refuse(scratch, base)
     (scratch / CONFIG_FILE).write_bytes((good / CONFIG_FILE).read_bytes())

@@ -20,7 +20,6 @@ from tests.shared.hostile_adapters import HOSTILE, edit_config, poison_weights, 
 MAX_RANK = 16
 
 
-
 @pytest.fixture(scope="module")
 def good(base_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("good") / "a"
@@ -63,14 +62,25 @@ def test_hostile_adapter_is_refused(name: str, copy: Path, root: Path, base: Bas
 
 @pytest.mark.timeout(30)
 def test_redos_keys_finish_and_match_as_peft(base_dir: str, root: Path, base: BaseShapes) -> None:
-    path = Path(make_tiny_peft_adapter(base_dir, root / "p", target_modules=["q_proj", "v_proj"],
-                                       rank_pattern={"q_proj": 2}, alpha_pattern={"v_proj": 32}))
+    path = Path(
+        make_tiny_peft_adapter(
+            base_dir,
+            root / "p",
+            target_modules=["q_proj", "v_proj"],
+            rank_pattern={"q_proj": 2},
+            alpha_pattern={"v_proj": 32},
+        )
+    )
     plain = _read(path, base)
-    edit_config(path, rank_pattern={"(.|.)*Z": 9, "(.|.)*q_proj": 2},  # the same meaning, the ReDoS shape
-                alpha_pattern={"(.|.)*Z+" + "a" * 40: 9.0, "(.|.)*v_proj": 32})
+    edit_config(
+        path,
+        rank_pattern={"(.|.)*Z": 9, "(.|.)*q_proj": 2},  # the same meaning, the ReDoS shape
+        alpha_pattern={"(.|.)*Z+" + "a" * 40: 9.0, "(.|.)*v_proj": 32},
+    )
     assert _read(path, base).modules == plain.modules
-    assert {m.name: m.rank for m in plain.modules} == {n: 2 if n.endswith("q_proj") else 4 for n in
-                                                      (m.name for m in plain.modules)}
+    assert {m.name: m.rank for m in plain.modules} == {
+        n: 2 if n.endswith("q_proj") else 4 for n in (m.name for m in plain.modules)
+    }
 
 
 def test_links_inside_the_roots_are_followed(copy: Path, root: Path, base: BaseShapes) -> None:
@@ -105,8 +115,9 @@ def test_non_finite_weights_pass_without_the_weight_check(copy: Path, base: Base
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
-def test_finite_check_agrees_with_torch(dtype: torch.dtype, copy: Path, base: BaseShapes,
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_finite_check_agrees_with_torch(
+    dtype: torch.dtype, copy: Path, base: BaseShapes, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(safetensors_header, "SCAN_CHUNK_BYTES", 24)  # many chunks per tensor
     tensors = {k: v.to(dtype) for k, v in load_file(str(copy / WEIGHTS_FILE)).items()}
     gen = torch.Generator().manual_seed(0)
@@ -127,8 +138,22 @@ def test_finite_check_agrees_with_torch(dtype: torch.dtype, copy: Path, base: Ba
 
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
-EDGES = [65504.0, 65519.99, 65520.0, -65520.0, 1e5, float.fromhex("0x1.fep127"), float.fromhex("0x1.feffffp127"),
-         float.fromhex("0x1.ffp127"), -3.39e38, FLOAT32_MAX, float.fromhex("0x1.fffffff0p127"), 1e39, 1e-40, 0.0]
+EDGES = [
+    65504.0,
+    65519.99,
+    65520.0,
+    -65520.0,
+    1e5,
+    float.fromhex("0x1.fep127"),
+    float.fromhex("0x1.feffffp127"),
+    float.fromhex("0x1.ffp127"),
+    -3.39e38,
+    FLOAT32_MAX,
+    float.fromhex("0x1.fffffff0p127"),
+    1e39,
+    1e-40,
+    0.0,
+]
 
 
 @pytest.mark.parametrize("model_dtype", ["float32", "bfloat16", "float16"])
@@ -167,8 +192,9 @@ def test_trailing_bytes_and_gaps_are_refused(copy: Path, base: BaseShapes) -> No
     _refused(copy, base, "leave a gap")
 
 
-def test_unforeseen_failures_become_a_400_with_their_cause(copy: Path, base: BaseShapes,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unforeseen_failures_become_a_400_with_their_cause(
+    copy: Path, base: BaseShapes, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def broken(*args: object) -> None:
         raise KeyError("a check this reader lacks")
 
@@ -182,8 +208,9 @@ def test_a_nul_byte_in_the_path_is_a_refusal(base: BaseShapes) -> None:
     _refused(Path("/tmp/a\0b"), base, "NUL")
 
 
-def test_a_directory_swapped_for_a_link_while_opening_is_refused(copy: Path, root: Path, base: BaseShapes,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_directory_swapped_for_a_link_while_opening_is_refused(
+    copy: Path, root: Path, base: BaseShapes, monkeypatch: pytest.MonkeyPatch
+) -> None:
     outside = Path(shutil.copytree(copy, root.parent / "outside" / "copy"))
     real_open = os.open
 

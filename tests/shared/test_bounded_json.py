@@ -53,11 +53,19 @@ def test_limits_agree_with_the_decoded_value(value: Any, num_wraps: int, in_obje
             loads(data, _members(value) - 1)
 
 
-@pytest.mark.parametrize(("data", "fragment"), [
-    (b'{"a": 1, "a": 2}', "repeats the key 'a'"), (b"[NaN]", "holds NaN"), (b"[-Infinity]", "holds -Infinity"),
-    (b'["\\"]', "unterminated string"), (b"[1,]", "not valid JSON"), (b'"\xc3"', "not UTF-8"),
-    (b"[" + b"9" * 5000 + b"]", "not valid JSON"), (b"[" * 33 + b"]" * 33, "nests deeper than 32"),
-])
+@pytest.mark.parametrize(
+    ("data", "fragment"),
+    [
+        (b'{"a": 1, "a": 2}', "repeats the key 'a'"),
+        (b"[NaN]", "holds NaN"),
+        (b"[-Infinity]", "holds -Infinity"),
+        (b'["\\"]', "unterminated string"),
+        (b"[1,]", "not valid JSON"),
+        (b'"\xc3"', "not UTF-8"),
+        (b"[" + b"9" * 5000 + b"]", "not valid JSON"),
+        (b"[" * 33 + b"]" * 33, "nests deeper than 32"),
+    ],
+)
 def test_malformed_json_is_a_json_error(data: bytes, fragment: str) -> None:
     with pytest.raises(JsonError, match=fragment.replace("[", "\\[")):
         loads(data, 100)

@@ -16,7 +16,11 @@ from ledgerserve.shared.module_pattern import MatchBudget, PatternError, compile
 SETTINGS = settings(max_examples=400, deadline=None, derandomize=True, database=None)
 BASE = BaseShapes(num_layers=12, hidden_size=64, intermediate_size=128, q_size=64, kv_size=32, vocab_size=256)
 MODULE_NAMES = [name for name, _, _ in BASE.module_names()] + [
-    "base_model.model.model.layers.3.mlp.up_proj", "model.embed_tokens", "model.norm", "lm_head.weight"]
+    "base_model.model.model.layers.3.mlp.up_proj",
+    "model.embed_tokens",
+    "model.norm",
+    "lm_head.weight",
+]
 
 
 def _budget() -> MatchBudget:
@@ -31,15 +35,43 @@ def _agrees(pattern: str, name: str) -> None:
 
 
 # Patterns of the supported language, built from its pieces.
-_ATOMS = ["a", "b", "_", "1", ".", "\\.", "\\d", "\\D", "\\w", "\\W", "\\s", "\\S", "\\-", "\\|", "[ab]", "[^a]",
-          "[a-c]", "[.\\d]", "[^.\n]", "[]a]", "[^]b]", "[a-]", "[\\w.]", "[^\\W_]", "}", "]", "x"]
+_ATOMS = [
+    "a",
+    "b",
+    "_",
+    "1",
+    ".",
+    "\\.",
+    "\\d",
+    "\\D",
+    "\\w",
+    "\\W",
+    "\\s",
+    "\\S",
+    "\\-",
+    "\\|",
+    "[ab]",
+    "[^a]",
+    "[a-c]",
+    "[.\\d]",
+    "[^.\n]",
+    "[]a]",
+    "[^]b]",
+    "[a-]",
+    "[\\w.]",
+    "[^\\W_]",
+    "}",
+    "]",
+    "x",
+]
 _QUANTIFIERS = ["", "", "", "*", "+", "?", "*?", "+?", "??", "{2}", "{0,2}", "{1,}", "{,2}", "{2}?", "{0}"]
 
 
 def _patterns() -> st.SearchStrategy[str]:
     def extend(inner: st.SearchStrategy[str]) -> st.SearchStrategy[str]:
         group = st.tuples(st.sampled_from(["(", "(?:"]), st.lists(inner, min_size=1, max_size=3)).map(
-            lambda t: t[0] + "|".join(t[1]) + ")")
+            lambda t: t[0] + "|".join(t[1]) + ")"
+        )
         item = st.tuples(st.one_of(st.sampled_from(_ATOMS), group), st.sampled_from(_QUANTIFIERS)).map("".join)
         anchored = st.sampled_from(["^", "$"])
         return st.lists(st.one_of(item, item, item, anchored), min_size=0, max_size=4).map("".join)
@@ -69,11 +101,23 @@ def test_any_text_is_refused_or_means_what_re_means(pattern: str, name: str) -> 
 
 
 REALISTIC = [
-    r"model.layers.*.self_attn.(q_proj|v_proj)", r".*\.(q|k|v|o)_proj", r".*(self_attn|mlp)\.(up|down|gate)_proj",
-    r"model\.layers\.\d+\.self_attn\.[qkvo]_proj", r"^(?:model\.layers\.(?:[0-9]|1[01])\.mlp\.down_proj)$",
-    r".*\.layers\.[0-5]\..*proj", r"lm_head", r"q_proj", r"layers.1.mlp.up_proj", r"model.layers.1[0-9].*",
-    r".*_proj", r"(?:.*\.)?v_proj", r"[^.]+\.layers\.\d{1,2}\.mlp\..*", r"model.layers.(0|3|7).self_attn.k_proj",
-    r".*decoder.*(SelfAttention|EncDecAttention).*(q|v)$", r"\w+\.\w+\.\d+\.\w+\.\w+", "mlp\\.down_proj",
+    r"model.layers.*.self_attn.(q_proj|v_proj)",
+    r".*\.(q|k|v|o)_proj",
+    r".*(self_attn|mlp)\.(up|down|gate)_proj",
+    r"model\.layers\.\d+\.self_attn\.[qkvo]_proj",
+    r"^(?:model\.layers\.(?:[0-9]|1[01])\.mlp\.down_proj)$",
+    r".*\.layers\.[0-5]\..*proj",
+    r"lm_head",
+    r"q_proj",
+    r"layers.1.mlp.up_proj",
+    r"model.layers.1[0-9].*",
+    r".*_proj",
+    r"(?:.*\.)?v_proj",
+    r"[^.]+\.layers\.\d{1,2}\.mlp\..*",
+    r"model.layers.(0|3|7).self_attn.k_proj",
+    r".*decoder.*(SelfAttention|EncDecAttention).*(q|v)$",
+    r"\w+\.\w+\.\d+\.\w+\.\w+",
+    "mlp\\.down_proj",
 ]
 
 
@@ -103,16 +147,40 @@ def test_redos_patterns_finish_with_the_right_answer(pattern: str, name: str, ex
     assert compile_key(pattern, _budget()).matches(name) is expected  # `(.*\.)?` adds no match: no dots
 
 
-@pytest.mark.parametrize(("pattern", "fragment"), [
-    (r"(a)\1", "backreferences"), (r"(?=a)", "lookarounds"), (r"(?<!a)b", "lookarounds"), (r"(?i)a", "flags"),
-    (r"(?P<x>a)", "named"), (r"a*+", "possessive"), (r"a**", "multiple repeat"), (r"a{2}{3}", "multiple repeat"),
-    (r"\bq_proj", "\\b"), (r"q_proj\Z", "\\Z"), (r"\x41", "character escapes"), (r"[[a]]", "nested set"),
-    (r"[a&&b]", "reserved"), (r"[a||b]", "reserved"), ("a{", "brace"), ("a{1,x}", "brace"), ("(a", "unterminated group"),
-    ("a)", "unbalanced"), ("[a", "unterminated character set"), ("[z-a]", "bad character range"),
-    (r"[\d-z]", "bad character range"), ("*a", "nothing to repeat"), ("^*", "nothing to repeat"),
-    ("a{2,1}", "min repeat greater"), ("a{65}", "bound above 64"), ("(" * 33 + ")" * 33, "nested deeper"),
-    ("((a{60}){60}){60}", "more than 4096 states"), ("a" * 1025, "longer than 1024"), ("a\\", "trailing backslash"),
-])
+@pytest.mark.parametrize(
+    ("pattern", "fragment"),
+    [
+        (r"(a)\1", "backreferences"),
+        (r"(?=a)", "lookarounds"),
+        (r"(?<!a)b", "lookarounds"),
+        (r"(?i)a", "flags"),
+        (r"(?P<x>a)", "named"),
+        (r"a*+", "possessive"),
+        (r"a**", "multiple repeat"),
+        (r"a{2}{3}", "multiple repeat"),
+        (r"\bq_proj", "\\b"),
+        (r"q_proj\Z", "\\Z"),
+        (r"\x41", "character escapes"),
+        (r"[[a]]", "nested set"),
+        (r"[a&&b]", "reserved"),
+        (r"[a||b]", "reserved"),
+        ("a{", "brace"),
+        ("a{1,x}", "brace"),
+        ("(a", "unterminated group"),
+        ("a)", "unbalanced"),
+        ("[a", "unterminated character set"),
+        ("[z-a]", "bad character range"),
+        (r"[\d-z]", "bad character range"),
+        ("*a", "nothing to repeat"),
+        ("^*", "nothing to repeat"),
+        ("a{2,1}", "min repeat greater"),
+        ("a{65}", "bound above 64"),
+        ("(" * 33 + ")" * 33, "nested deeper"),
+        ("((a{60}){60}){60}", "more than 4096 states"),
+        ("a" * 1025, "longer than 1024"),
+        ("a\\", "trailing backslash"),
+    ],
+)
 def test_unsupported_constructs_are_refused(pattern: str, fragment: str) -> None:
     with pytest.raises(PatternError, match=re.escape(fragment)):
         compile_target(pattern, _budget())

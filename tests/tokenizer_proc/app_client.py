@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any
 
 import httpx
 
 from ledgerserve.shared.config import EngineConfig
-from tests.tokenizer_proc.fake_engine import FakeEngine
 from ledgerserve.tokenizer_proc.app import build_app
+from tests.tokenizer_proc.fake_engine import FakeEngine
 
 MODEL = "demo"
 GOOD_COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
@@ -18,7 +19,9 @@ CLIENT_TIMEOUT_S = 1.0
 
 
 @asynccontextmanager
-async def app_client(engine: FakeEngine, tokenizer: Any, model_dir: str, **config: Any) -> AsyncIterator[httpx.AsyncClient]:
+async def app_client(
+    engine: FakeEngine, tokenizer: Any, model_dir: str, **config: Any
+) -> AsyncIterator[httpx.AsyncClient]:
     settings = {"served_model_name": MODEL, "max_model_len": 64, **config}
     app = build_app(engine, tokenizer, EngineConfig(model_dir=model_dir, **settings))
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)  # a 500 is an answer, not a raise

@@ -17,7 +17,6 @@ from tests.peft_util import build_peft_model, make_tiny_peft_adapter, peft_ranks
 MAX_RANK = 16
 
 
-
 @pytest.fixture(scope="module")
 def good(base_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_tiny_peft_adapter(base_dir, tmp_path_factory.mktemp("good") / "a", target_modules=["q_proj", "v_proj"])
@@ -65,7 +64,9 @@ def test_no_weights_refused(copy: Path, base: BaseShapes) -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "fragment"), [({"use_dora": True}, "DoRA"), ({"bias": "lora_only"}, "bias")])
-def test_real_peft_variants_refused(base_dir: str, base: BaseShapes, tmp_path: Path, kwargs: dict, fragment: str) -> None:
+def test_real_peft_variants_refused(
+    base_dir: str, base: BaseShapes, tmp_path: Path, kwargs: dict, fragment: str
+) -> None:
     _refused(make_tiny_peft_adapter(base_dir, tmp_path / "a", **kwargs), base, fragment)
 
 
@@ -161,14 +162,24 @@ def test_full_paths_suffixes_and_lm_head_accepted(base_dir: str, base: BaseShape
     targets = ["model.layers.0.self_attn.q_proj", "mlp.down_proj", "lm_head"]
     manifest = read_manifest(make_tiny_peft_adapter(base_dir, tmp_path / "a", target_modules=targets), base, MAX_RANK)
     names = {m.name for m in manifest.modules}
-    assert names == {"model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj",
-                     "model.layers.1.mlp.down_proj", "lm_head"}
+    assert names == {
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.0.mlp.down_proj",
+        "model.layers.1.mlp.down_proj",
+        "lm_head",
+    }
 
 
 @pytest.mark.parametrize("use_rslora", [False, True])
 def test_ranks_and_scalings_equal_peft(base_dir: str, base: BaseShapes, tmp_path: Path, use_rslora: bool) -> None:
-    kwargs = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], use_rslora=use_rslora,
-                  rank_pattern={"q_proj": 8, "model.layers.1.mlp.up_proj": 2}, alpha_pattern={"v_proj": 32})
+    kwargs = dict(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj", "up_proj"],
+        use_rslora=use_rslora,
+        rank_pattern={"q_proj": 8, "model.layers.1.mlp.up_proj": 2},
+        alpha_pattern={"v_proj": 32},
+    )
     model = build_peft_model(base_dir, **kwargs)
     model.save_pretrained(str(tmp_path / "a"), safe_serialization=True)
     manifest = read_manifest(str(tmp_path / "a"), base, MAX_RANK)

@@ -5,8 +5,8 @@ series, /v1/models gives each adapter's location, and an unload removes every se
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import AsyncIterator
 
 import httpx
 import pytest
@@ -14,9 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.events import AdapterLoadObserved, AdapterRow, EngineStats
+from ledgerserve.tokenizer_proc.app import build_app
 from tests.peft_util import make_tiny_peft_adapter
 from tests.tokenizer_proc.fake_engine import FakeEngine
-from ledgerserve.tokenizer_proc.app import build_app
 
 pytestmark = pytest.mark.anyio
 MODEL = "demo"
@@ -36,8 +36,14 @@ def engine() -> FakeEngine:
 
 @pytest.fixture
 async def client(engine, tokenizer, demo_model_dir: str, adapter_dir: Path) -> AsyncIterator[httpx.AsyncClient]:
-    config = EngineConfig(model_dir=demo_model_dir, served_model_name=MODEL, max_model_len=64, enable_lora=True,
-                          max_loras=3, lora_allowed_dirs=(str(adapter_dir),))
+    config = EngineConfig(
+        model_dir=demo_model_dir,
+        served_model_name=MODEL,
+        max_model_len=64,
+        enable_lora=True,
+        max_loras=3,
+        lora_allowed_dirs=(str(adapter_dir),),
+    )
     app = build_app(engine, tokenizer, config)
     await engine.start()
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
@@ -59,8 +65,19 @@ def _value(samples: list, name: str, **labels: str) -> float | None:
 
 
 def _stats(step: int, *rows: AdapterRow) -> EngineStats:
-    return EngineStats(step, 1, 2, 10, 20, adapter_rows=list(rows), num_used_slots=2, num_loading_slots=1,
-                       cpu_tier_bytes=4096, num_lora_wait_steps=3, lora_wait_ms=250.0)
+    return EngineStats(
+        step,
+        1,
+        2,
+        10,
+        20,
+        adapter_rows=list(rows),
+        num_used_slots=2,
+        num_loading_slots=1,
+        cpu_tier_bytes=4096,
+        num_lora_wait_steps=3,
+        lora_wait_ms=250.0,
+    )
 
 
 async def test_rows_loads_and_requests_info(client, engine) -> None:
@@ -69,10 +86,17 @@ async def test_rows_loads_and_requests_info(client, engine) -> None:
     engine._dispatch(AdapterLoadObserved("a", 1, "cpu", 3.0))
     engine._dispatch(AdapterLoadObserved("zz", 9, "disk", 1.0))  # not registered: no series
     samples = await _samples(client)
-    assert [_value(samples, "ledgerserve_lora_location", adapter="a", tier=t) for t in ("gpu", "cpu", "disk")] == [1, 0, 0]
+    assert [_value(samples, "ledgerserve_lora_location", adapter="a", tier=t) for t in ("gpu", "cpu", "disk")] == [
+        1,
+        0,
+        0,
+    ]
     assert _value(samples, "ledgerserve_lora_location", adapter="b", tier="cpu") == 1
     assert _value(samples, "ledgerserve_lora_location", adapter="c", tier="disk") is None  # no row yet
-    assert (_value(samples, "ledgerserve_lora_pinned", adapter="a"), _value(samples, "ledgerserve_lora_pinned", adapter="b")) == (0, 1)
+    assert (
+        _value(samples, "ledgerserve_lora_pinned", adapter="a"),
+        _value(samples, "ledgerserve_lora_pinned", adapter="b"),
+    ) == (0, 1)
     assert _value(samples, "ledgerserve_lora_requests_waiting", adapter="b") == 2
     assert _value(samples, "ledgerserve_lora_prompt_tokens_total", adapter="a") == 5
     assert _value(samples, "ledgerserve_lora_generation_tokens_total", adapter="a") == 7
@@ -81,7 +105,10 @@ async def test_rows_loads_and_requests_info(client, engine) -> None:
     assert _value(samples, "ledgerserve_lora_load_seconds_sum", adapter="a") == pytest.approx(0.015)
     assert _value(samples, "ledgerserve_lora_load_seconds_count", adapter="a") == 2
     assert not [s for s in samples if s.labels.get("adapter") == "zz"]
-    assert (_value(samples, "ledgerserve_lora_slots_used"), _value(samples, "ledgerserve_lora_loads_in_flight")) == (2, 1)
+    assert (_value(samples, "ledgerserve_lora_slots_used"), _value(samples, "ledgerserve_lora_loads_in_flight")) == (
+        2,
+        1,
+    )
     assert _value(samples, "ledgerserve_lora_cpu_tier_bytes") == 4096
     assert _value(samples, "ledgerserve_lora_wait_steps_total") == 3
     assert _value(samples, "ledgerserve_lora_wait_seconds_total") == 0.25

@@ -5,17 +5,17 @@ looked at, and registers nothing."""
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import AsyncIterator
 
 import httpx
 import pytest
 
 from ledgerserve.shared.config import EngineConfig
-from tests.peft_util import make_tiny_peft_adapter
-from tests.tokenizer_proc.fake_engine import FakeEngine
 from ledgerserve.tokenizer_proc.adapters import MAX_NAME_CHARS
 from ledgerserve.tokenizer_proc.app import build_app
+from tests.peft_util import make_tiny_peft_adapter
+from tests.tokenizer_proc.fake_engine import FakeEngine
 
 pytestmark = pytest.mark.anyio
 
@@ -28,10 +28,17 @@ def lora_root(demo_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 @pytest.fixture
-async def client(tokenizer, demo_model_dir: str, lora_root: Path) -> AsyncIterator[tuple[httpx.AsyncClient, FakeEngine]]:
+async def client(
+    tokenizer, demo_model_dir: str, lora_root: Path
+) -> AsyncIterator[tuple[httpx.AsyncClient, FakeEngine]]:
     engine = FakeEngine()
-    config = EngineConfig(model_dir=demo_model_dir, served_model_name="demo", max_model_len=64, enable_lora=True,
-                          lora_allowed_dirs=(str(lora_root),))
+    config = EngineConfig(
+        model_dir=demo_model_dir,
+        served_model_name="demo",
+        max_model_len=64,
+        enable_lora=True,
+        lora_allowed_dirs=(str(lora_root),),
+    )
     app = build_app(engine, tokenizer, config)
     await engine.start()
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
@@ -42,12 +49,25 @@ def _body(name: str, path: Path) -> bytes:
     return json.dumps({"lora_name": name, "lora_path": str(path)}).encode()  # ensure_ascii: "\ud800" stays escaped
 
 
-@pytest.mark.parametrize("name", ["x" * (MAX_NAME_CHARS + 1), "new\nline", "tab\there", "bell\x07", "del\x7f",
-                                  "c1\x85", "sep\u2028", "para\u2029", "lone\ud800"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "x" * (MAX_NAME_CHARS + 1),
+        "new\nline",
+        "tab\there",
+        "bell\x07",
+        "del\x7f",
+        "c1\x85",
+        "sep\u2028",
+        "para\u2029",
+        "lone\ud800",
+    ],
+)
 async def test_bad_names_are_refused(client, lora_root: Path, name: str) -> None:
     c, engine = client
-    r = await c.post("/v1/load_lora_adapter", content=_body(name, lora_root / "sql"),
-                     headers={"content-type": "application/json"})
+    r = await c.post(
+        "/v1/load_lora_adapter", content=_body(name, lora_root / "sql"), headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == "lora_name" and error["code"] == 400
@@ -57,8 +77,9 @@ async def test_bad_names_are_refused(client, lora_root: Path, name: str) -> None
 @pytest.mark.parametrize("name", ["x" * MAX_NAME_CHARS, "sql-v2.1_ß", "日本語", "emoji-\U0001f600"])
 async def test_good_names_load(client, lora_root: Path, name: str) -> None:
     c, engine = client
-    r = await c.post("/v1/load_lora_adapter", content=_body(name, lora_root / "sql"),
-                     headers={"content-type": "application/json"})
+    r = await c.post(
+        "/v1/load_lora_adapter", content=_body(name, lora_root / "sql"), headers={"content-type": "application/json"}
+    )
     assert r.status_code == 200, r.text
     assert list(engine.registry) == [name]
     assert name in [m["id"] for m in (await c.get("/v1/models")).json()["data"]]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import AsyncIterator
 
 import httpx
 import openai
@@ -14,10 +14,10 @@ import pytest
 
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.events import AdapterLoadRequested
+from ledgerserve.tokenizer_proc.app import build_app
 from tests.peft_util import make_tiny_peft_adapter
 from tests.tokenizer_proc.app_client import assert_error, assert_still_serves
 from tests.tokenizer_proc.fake_engine import FakeEngine
-from ledgerserve.tokenizer_proc.app import build_app
 
 pytestmark = pytest.mark.anyio
 MODEL = "demo"
@@ -77,8 +77,10 @@ async def test_lora_path_loads_on_first_request_under_its_real_path(client, engi
 
 
 async def test_resolvable_name_loads_from_the_resolve_dir(client, engine, root: Path) -> None:
-    r = await client.post("/v1/chat/completions", json={"model": "alpha", "messages": [{"role": "user", "content": "hi"}],
-                                                        "max_tokens": 2})
+    r = await client.post(
+        "/v1/chat/completions",
+        json={"model": "alpha", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    )
     assert r.status_code == 200 and r.json()["model"] == "alpha"
     (load,) = _loads(engine)
     assert (load.name, load.path, load.on_demand) == ("alpha", os.path.realpath(root / "names" / "alpha"), True)
@@ -93,18 +95,21 @@ async def test_concurrent_first_requests_load_once(engine, tokenizer, demo_model
     assert len(_loads(engine)) == 1 and [a.lora_name for a in engine.arrivals] == ["alpha"] * 20
 
 
-@pytest.mark.parametrize(("body", "status", "param", "fragment"), [
-    (_completion(lora_path="/etc"), 400, "lora_path", "not inside"),
-    (_completion(lora_path="{root}/names/escape"), 400, "lora_path", "not inside"),  # a link out of the root
-    (_completion(lora_path="{root}/" + "d" * 300), 400, "lora_path", "longer than 256"),
-    (_completion(lora_path="{root}/line\u2028break"), 400, "lora_path", "line separators"),
-    (_completion("broken"), 400, "model", "not valid JSON"),
-    (_completion("escape"), 400, "model", "outside every --lora-allowed-dir"),
-    (_completion("missing"), 404, "model", "does not exist"),
-    (_completion("names/alpha"), 404, "model", "does not exist"),  # not a single path component
-    (_completion("..%2Falpha"), 404, "model", "does not exist"),
-    (_completion(lora_path="relative-name"), 404, "lora_path", "not loaded"),
-])
+@pytest.mark.parametrize(
+    ("body", "status", "param", "fragment"),
+    [
+        (_completion(lora_path="/etc"), 400, "lora_path", "not inside"),
+        (_completion(lora_path="{root}/names/escape"), 400, "lora_path", "not inside"),  # a link out of the root
+        (_completion(lora_path="{root}/" + "d" * 300), 400, "lora_path", "longer than 256"),
+        (_completion(lora_path="{root}/line\u2028break"), 400, "lora_path", "line separators"),
+        (_completion("broken"), 400, "model", "not valid JSON"),
+        (_completion("escape"), 400, "model", "outside every --lora-allowed-dir"),
+        (_completion("missing"), 404, "model", "does not exist"),
+        (_completion("names/alpha"), 404, "model", "does not exist"),  # not a single path component
+        (_completion("..%2Falpha"), 404, "model", "does not exist"),
+        (_completion(lora_path="relative-name"), 404, "lora_path", "not loaded"),
+    ],
+)
 async def test_refused_first_requests_load_nothing(client, engine, root: Path, body, status, param, fragment) -> None:
     if "lora_path" in body:
         body = {**body, "lora_path": body["lora_path"].format(root=root)}
@@ -123,37 +128,51 @@ async def test_the_cores_refusal_reaches_the_client(client, engine) -> None:
 async def test_without_allowed_dirs_nothing_loads_on_demand(engine, tokenizer, demo_model_dir: str, root: Path) -> None:
     app = build_app(engine, tokenizer, _config(demo_model_dir, lora_resolve_dir=""))
     transport = httpx.ASGITransport(app=app)
-    async with openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", max_retries=0,
-                                  http_client=httpx.AsyncClient(transport=transport, base_url="http://test")) as oai:
+    async with openai.AsyncOpenAI(
+        base_url="http://test/v1",
+        api_key="unused",
+        max_retries=0,
+        http_client=httpx.AsyncClient(transport=transport, base_url="http://test"),
+    ) as oai:
         with pytest.raises(openai.NotFoundError, match="The LoRA adapter .* is not loaded"):
-            await oai.completions.create(model=MODEL, prompt="hi", max_tokens=2,
-                                         extra_body={"lora_path": str(root / "direct")})
+            await oai.completions.create(
+                model=MODEL, prompt="hi", max_tokens=2, extra_body={"lora_path": str(root / "direct")}
+            )
         with pytest.raises(openai.NotFoundError, match="The model `alpha` does not exist"):
             await oai.completions.create(model="alpha", prompt="hi", max_tokens=2)
     assert _loads(engine) == []
 
 
 async def test_pinned_load_reaches_the_core_and_the_model_card(client, engine, root: Path) -> None:
-    r = await client.post("/v1/load_lora_adapter", json={"lora_name": "p", "lora_path": str(root / "direct"), "pinned": True})
+    r = await client.post(
+        "/v1/load_lora_adapter", json={"lora_name": "p", "lora_path": str(root / "direct"), "pinned": True}
+    )
     assert r.status_code == 200, r.text
     assert _loads(engine)[-1].pinned and not _loads(engine)[-1].on_demand
     cards = {c["id"]: c for c in (await client.get("/v1/models")).json()["data"]}
     assert cards["p"]["pinned"] is True and "pinned" not in cards[MODEL]
 
 
-@pytest.mark.parametrize(("route", "body", "param"), [
-    ("/v1/load_lora_adapter", {"lora_name": "p", "lora_path": "/x", "pinned": "yes"}, "pinned"),
-    ("/v1/load_lora_adapter", {"lora_name": "p", "lora_path": "/x", "pin": True}, "pin"),
-    ("/v1/unload_lora_adapter", {"lora_name": "p", "force": True}, "force"),
-])
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        ("/v1/load_lora_adapter", {"lora_name": "p", "lora_path": "/x", "pinned": "yes"}, "pinned"),
+        ("/v1/load_lora_adapter", {"lora_name": "p", "lora_path": "/x", "pin": True}, "pin"),
+        ("/v1/unload_lora_adapter", {"lora_name": "p", "force": True}, "force"),
+    ],
+)
 async def test_adapter_api_refuses_unknown_fields_and_loose_types(client, engine, route, body, param) -> None:
     message = assert_error(await client.post(route, json=body), 400, param)
     assert param in message and engine.received == []
 
 
 async def test_pinned_startup_adapters(engine, tokenizer, demo_model_dir: str, root: Path) -> None:
-    config = _config(demo_model_dir, max_loras=2, lora_modules=(("a", str(root / "direct")), ("b", str(root / "names" / "alpha"))),
-                     pinned_lora_modules=("b",))
+    config = _config(
+        demo_model_dir,
+        max_loras=2,
+        lora_modules=(("a", str(root / "direct")), ("b", str(root / "names" / "alpha"))),
+        pinned_lora_modules=("b",),
+    )
     app = build_app(engine, tokenizer, config)
     async with app.router.lifespan_context(app):
         assert [(e.name, e.pinned) for e in _loads(engine)] == [("a", False), ("b", True)]

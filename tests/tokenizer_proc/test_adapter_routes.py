@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import AsyncIterator
 
 import httpx
 import pytest
@@ -14,11 +14,11 @@ import torch
 import xxhash
 
 from ledgerserve.shared.config import EngineConfig
+from ledgerserve.tokenizer_proc.adapter_routes import StartupAdapterError
+from ledgerserve.tokenizer_proc.app import build_app
 from tests.peft_util import make_tiny_peft_adapter
 from tests.shared.hostile_adapters import poison_weights
 from tests.tokenizer_proc.fake_engine import FakeEngine
-from ledgerserve.tokenizer_proc.adapter_routes import StartupAdapterError
-from ledgerserve.tokenizer_proc.app import build_app
 
 pytestmark = pytest.mark.anyio
 MODEL = "demo"
@@ -112,9 +112,15 @@ async def test_lora_path_routing(client, engine, lora_root: Path) -> None:
         assert (await client.post("/v1/completions", json=body)).status_code == 200
     chat = {"model": "sql", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     assert (await client.post("/v1/chat/completions", json=chat)).status_code == 200
-    assert (await client.post("/v1/completions", json={"model": MODEL, "prompt": [5], "max_tokens": 1})).status_code == 200
+    assert (
+        await client.post("/v1/completions", json={"model": MODEL, "prompt": [5], "max_tokens": 1})
+    ).status_code == 200
     assert [a.lora_name for a in engine.arrivals] == ["chat", "chat", "chat", "sql", None]
-    _error(await client.post("/v1/completions", json={"model": MODEL, "prompt": [5], "lora_path": "zzz"}), 404, "not loaded")
+    _error(
+        await client.post("/v1/completions", json={"model": MODEL, "prompt": [5], "lora_path": "zzz"}),
+        404,
+        "not loaded",
+    )
     body = {"model": "sql", "prompt": [5], "lora_path": "chat"}
     _error(await client.post("/v1/completions", json=body), 400, "different adapters")
 
@@ -133,12 +139,15 @@ async def test_core_404_after_unload_surfaces(client, engine, lora_root: Path) -
     assert r.text.endswith("data: [DONE]\n\n") and events[-1]["error"]["code"] == 404
 
 
-@pytest.mark.parametrize(("path", "fragment"), [
-    ("/etc", "not inside"),
-    ("{root}/../outside", "not inside"),
-    ("{root}/escape", "not inside"),  # a symlink inside the root pointing out of it
-    ("", "non-empty"),
-])
+@pytest.mark.parametrize(
+    ("path", "fragment"),
+    [
+        ("/etc", "not inside"),
+        ("{root}/../outside", "not inside"),
+        ("{root}/escape", "not inside"),  # a symlink inside the root pointing out of it
+        ("", "non-empty"),
+    ],
+)
 async def test_allowed_dir_refusals(client, lora_root: Path, tmp_path: Path, path: str, fragment: str) -> None:
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -155,8 +164,9 @@ async def test_validation_refusals(client, lora_root: Path) -> None:
     _error(await client.post("/v1/load_lora_adapter", json={"lora_name": "x"}), 400, "lora_path")
 
 
-async def test_weights_past_the_model_dtype_are_refused_with_a_400(engine, tokenizer, demo_model_dir,
-                                                                  lora_root: Path) -> None:
+async def test_weights_past_the_model_dtype_are_refused_with_a_400(
+    engine, tokenizer, demo_model_dir, lora_root: Path
+) -> None:
     """A float32 weight of 1e5 is finite in the file but infinite in float16: a float16 server
     refuses it at registration (the workers then need not check values again); a float32 one loads it."""
     big = lora_root / "big-f32"
@@ -164,8 +174,9 @@ async def test_weights_past_the_model_dtype_are_refused_with_a_400(engine, token
         shutil.copytree(lora_root / "sql", big)
         poison_weights(1e5, torch.float32)(big, big)
     roots = (str(lora_root),)
-    async for c in _client(engine, tokenizer, _config(demo_model_dir, enable_lora=True, lora_allowed_dirs=roots,
-                                                      dtype="float16")):
+    async for c in _client(
+        engine, tokenizer, _config(demo_model_dir, enable_lora=True, lora_allowed_dirs=roots, dtype="float16")
+    ):
         error = _error(await _load(c, "big", big), 400, "become infinite in the model's dtype (float16)")
         assert error["param"] == "lora_path" and "big" not in engine.registry and not engine.received
         assert [m["id"] for m in (await c.get("/v1/models")).json()["data"]] == [MODEL]
@@ -190,7 +201,11 @@ async def test_lora_disabled(engine, tokenizer, demo_model_dir, lora_root: Path)
     async for c in _client(engine, tokenizer, _config(demo_model_dir)):
         _error(await _load(c, "sql", lora_root / "sql"), 400, "--enable-lora")
         _error(await c.post("/v1/unload_lora_adapter", json={"lora_name": "sql"}), 400, "--enable-lora")
-        _error(await c.post("/v1/completions", json={"model": MODEL, "prompt": [5], "lora_path": "sql"}), 400, "--enable-lora")
+        _error(
+            await c.post("/v1/completions", json={"model": MODEL, "prompt": [5], "lora_path": "sql"}),
+            400,
+            "--enable-lora",
+        )
 
 
 async def test_startup_adapters_load_before_serving(engine, tokenizer, demo_model_dir, lora_root: Path) -> None:

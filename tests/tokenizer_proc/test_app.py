@@ -1,14 +1,14 @@
 from __future__ import annotations
 
 import json
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 
 from ledgerserve.shared.config import EngineConfig
-from tests.tokenizer_proc.fake_engine import FakeEngine
 from ledgerserve.tokenizer_proc.app import build_app
+from tests.tokenizer_proc.fake_engine import FakeEngine
 
 pytestmark = pytest.mark.anyio
 MODEL = "demo"
@@ -58,9 +58,21 @@ async def test_completion_token_prompt_and_return_token_ids(client, engine) -> N
 
 async def test_sampling_params_reach_engine(client, engine) -> None:
     payload = {
-        "model": MODEL, "prompt": ["x y"], "max_tokens": 3, "temperature": 0, "top_p": 0.5, "top_k": -1,
-        "min_p": 0.1, "seed": 7, "presence_penalty": 0.5, "frequency_penalty": -0.5,
-        "repetition_penalty": 1.2, "stop_token_ids": [2], "ignore_eos": True, "min_tokens": 1, "logprobs": 2,
+        "model": MODEL,
+        "prompt": ["x y"],
+        "max_tokens": 3,
+        "temperature": 0,
+        "top_p": 0.5,
+        "top_k": -1,
+        "min_p": 0.1,
+        "seed": 7,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "repetition_penalty": 1.2,
+        "stop_token_ids": [2],
+        "ignore_eos": True,
+        "min_tokens": 1,
+        "logprobs": 2,
     }
     assert (await client.post("/v1/completions", json=payload)).status_code == 200
     s = engine.arrivals[0].sampling
@@ -82,8 +94,14 @@ async def test_completion_logprobs(client) -> None:
 
 
 async def test_chat_completion(client, engine, tokenizer) -> None:
-    payload = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 3,
-               "return_token_ids": True, "logprobs": True, "top_logprobs": 2}
+    payload = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_completion_tokens": 3,
+        "return_token_ids": True,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
     body = (await client.post("/v1/chat/completions", json=payload)).json()
     assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
     prompt = tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
@@ -96,8 +114,13 @@ async def test_chat_completion(client, engine, tokenizer) -> None:
 
 
 async def test_chat_stream_with_usage(client, tokenizer) -> None:
-    payload = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
-               "stream": True, "stream_options": {"include_usage": True}}
+    payload = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     r = await client.post("/v1/chat/completions", json=payload)
     assert r.headers["content-type"].startswith("text/event-stream")
     events = _events(r.text)

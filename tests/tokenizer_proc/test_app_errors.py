@@ -1,14 +1,14 @@
 from __future__ import annotations
 
 import json
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 
 from ledgerserve.shared.config import EngineConfig
-from tests.tokenizer_proc.fake_engine import FakeEngine
 from ledgerserve.tokenizer_proc.app import build_app
+from tests.tokenizer_proc.fake_engine import FakeEngine
 
 pytestmark = pytest.mark.anyio
 MODEL = "demo"
@@ -92,7 +92,9 @@ async def test_chat_invalid_params_are_400(client, extra: dict, param: str) -> N
 async def test_unknown_model_is_404(client) -> None:
     r = await client.post("/v1/completions", json={"model": "nope", "prompt": "hi"})
     assert _assert_error(r, 404, "model")["type"] == "NotFoundError"
-    r = await client.post("/v1/chat/completions", json={"model": "nope", "messages": [{"role": "user", "content": "x"}]})
+    r = await client.post(
+        "/v1/chat/completions", json={"model": "nope", "messages": [{"role": "user", "content": "x"}]}
+    )
     _assert_error(r, 404, "model")
 
 
@@ -106,7 +108,7 @@ async def test_rejected_request(client, engine) -> None:
     assert _assert_error(r, 400, "prompt")["message"] == "too long for the KV pool"
     r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": True})
     lines = [x for x in r.text.split("\n\n") if x]
-    assert json.loads(lines[0][len("data: "):])["error"]["code"] == 400 and lines[-1] == "data: [DONE]"
+    assert json.loads(lines[0][len("data: ") :])["error"]["code"] == 400 and lines[-1] == "data: [DONE]"
 
 
 async def test_engine_failure_turns_health_red(client, engine) -> None:

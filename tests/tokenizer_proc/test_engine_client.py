@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import pytest
 import zmq

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 
 from ledgerserve.shared.config import EngineConfig
-from tests.tokenizer_proc.fake_engine import FakeEngine
+from ledgerserve.shared.sampling import SamplingParams
 from ledgerserve.tokenizer_proc.app import build_app
 from ledgerserve.tokenizer_proc.fanout import choice_params
-from ledgerserve.shared.sampling import SamplingParams
+from tests.tokenizer_proc.fake_engine import FakeEngine
 
 pytestmark = pytest.mark.anyio
 MODEL = "demo"
@@ -22,21 +22,24 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture
 async def client(engine: FakeEngine, tokenizer, demo_model_dir: str) -> AsyncIterator[httpx.AsyncClient]:
-    config = EngineConfig(model_dir=demo_model_dir, served_model_name=MODEL, max_model_len=64,
-                          max_num_seqs=2, max_waiting_requests=2)
+    config = EngineConfig(
+        model_dir=demo_model_dir, served_model_name=MODEL, max_model_len=64, max_num_seqs=2, max_waiting_requests=2
+    )
     app = build_app(engine, tokenizer, config)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
         yield c
 
 
 def _events(text: str) -> list[dict]:
-    chunks = [c[len("data: "):] for c in text.split("\n\n") if c]
+    chunks = [c[len("data: ") :] for c in text.split("\n\n") if c]
     assert chunks[-1] == "[DONE]"
     return [json.loads(c) for c in chunks[:-1]]
 
 
 async def test_completion_n_choices(client, engine) -> None:
-    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": [5, 6], "max_tokens": 3, "n": 3, "seed": 7})
+    r = await client.post(
+        "/v1/completions", json={"model": MODEL, "prompt": [5, 6], "max_tokens": 3, "n": 3, "seed": 7}
+    )
     body = r.json()
     assert r.status_code == 200 and [c["index"] for c in body["choices"]] == [0, 1, 2]
     assert body["usage"]["prompt_tokens"] == 2 and body["usage"]["completion_tokens"] == 9
@@ -61,8 +64,14 @@ async def test_single_choice_keeps_plain_id(client, engine) -> None:
 
 
 async def test_streaming_n_choices(client) -> None:
-    payload = {"model": MODEL, "prompt": [5, 6], "max_tokens": 3, "n": 2, "stream": True,
-               "stream_options": {"include_usage": True}}
+    payload = {
+        "model": MODEL,
+        "prompt": [5, 6],
+        "max_tokens": 3,
+        "n": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     events = _events((await client.post("/v1/completions", json=payload)).text)
     by_index: dict[int, list[dict]] = {0: [], 1: []}
     for event in events[:-1]:

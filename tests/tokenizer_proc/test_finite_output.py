@@ -10,12 +10,17 @@ from typing import Any
 
 import pytest
 
-from tests.tokenizer_proc.app_client import MODEL, assert_error, assert_still_serves
 from ledgerserve.tokenizer_proc.responses import LOGPROB_FLOOR, NonFiniteOutput, to_json
+from tests.tokenizer_proc.app_client import MODEL, assert_error, assert_still_serves
 
 pytestmark = pytest.mark.anyio
-CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
-        "logprobs": True, "top_logprobs": 2}
+CHAT = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 3,
+    "logprobs": True,
+    "top_logprobs": 2,
+}
 COMPLETION = {"model": MODEL, "prompt": [40, 41], "max_tokens": 3, "logprobs": 2}
 
 
@@ -27,7 +32,7 @@ def strict_json(text: str) -> Any:
 
 
 def stream_events(body: str) -> list[Any]:
-    chunks = [line[len("data: "):] for line in body.split("\n\n") if line.startswith("data: ")]
+    chunks = [line[len("data: ") :] for line in body.split("\n\n") if line.startswith("data: ")]
     assert chunks[-1] == "[DONE]", body[-200:]
     return [strict_json(chunk) for chunk in chunks[:-1]]
 

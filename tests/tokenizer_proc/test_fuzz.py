@@ -19,7 +19,8 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import schemathesis
@@ -29,8 +30,8 @@ from schemathesis import GenerationMode
 from starlette.testclient import TestClient
 
 from ledgerserve.shared.config import EngineConfig
-from tests.tokenizer_proc.fake_engine import FakeEngine
 from ledgerserve.tokenizer_proc.app import build_app
+from tests.tokenizer_proc.fake_engine import FakeEngine
 
 EXAMPLES = 75
 MAX_STREAM_EVENTS = 10_000  # schemathesis stops reading a stream after 20 events by default
@@ -40,8 +41,13 @@ POST_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/load_lora_adapter
 @pytest.fixture(scope="module")
 def post_operations(tokenizer, demo_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> list:
     allowed = tmp_path_factory.mktemp("adapters")
-    config = EngineConfig(model_dir=demo_model_dir, served_model_name="demo", max_model_len=64,
-                          enable_lora=True, lora_allowed_dirs=(str(allowed),))
+    config = EngineConfig(
+        model_dir=demo_model_dir,
+        served_model_name="demo",
+        max_model_len=64,
+        enable_lora=True,
+        lora_allowed_dirs=(str(allowed),),
+    )
     engine = FakeEngine()
     engine.encode_events = True  # catch values that only fail when encoded for the engine
     schema = schemathesis.openapi.from_asgi("/openapi.json", build_app(engine, tokenizer, config))
@@ -51,8 +57,9 @@ def post_operations(tokenizer, demo_model_dir: str, tmp_path_factory: pytest.Tem
 
 
 def _fuzz(operation, mode: GenerationMode, cases: Counter, statuses: Counter) -> None:
-    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=EXAMPLES, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+    )
     @given(case=operation.as_strategy(generation_mode=mode))
     def run(case: schemathesis.Case) -> None:
         cases[case.path] += 1
@@ -85,7 +92,7 @@ def assert_answer(status: int, content_type: str, text: str, request: str) -> No
         error = _strict_json(text)["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["code"] == status, text[:500]
     elif content_type.startswith("text/event-stream"):
-        events = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
+        events = [line[len("data: ") :] for line in text.split("\n\n") if line.startswith("data: ")]
         assert events and events[-1] == "[DONE]", text[-500:]
         for event in events[:-1]:
             body = _strict_json(event)
@@ -103,9 +110,31 @@ def _strict_json(text: str) -> Any:
     return json.loads(text, parse_constant=refuse)
 
 
-EDGE_CHARS = ["\ud800", "\udbff", "\udc00", "\udfff", "\x00", "\u2028", "\u2029", "\x85", "\u0301", "\u0344",
-              "\u200f", "\u202e", "\u061c", "\U0001f600", "\U0001f469\u200d\U0001f4bb", "\U00010348", "\ufeff",
-              "\ufffd", "\n", "\r", "\\", '"', "<|im_end|>"]
+EDGE_CHARS = [
+    "\ud800",
+    "\udbff",
+    "\udc00",
+    "\udfff",
+    "\x00",
+    "\u2028",
+    "\u2029",
+    "\x85",
+    "\u0301",
+    "\u0344",
+    "\u200f",
+    "\u202e",
+    "\u061c",
+    "\U0001f600",
+    "\U0001f469\u200d\U0001f4bb",
+    "\U00010348",
+    "\ufeff",
+    "\ufffd",
+    "\n",
+    "\r",
+    "\\",
+    '"',
+    "<|im_end|>",
+]
 LONG_CHARS = [2_000, 70_000]  # the second is tokenized off the event loop
 EDGE_EXAMPLES = 10  # per field: 18 fields x 10 = 180 cases
 COMPLETION = {"model": "demo", "prompt": "hi", "max_tokens": 2}
@@ -121,8 +150,10 @@ TEXT_FIELDS: dict[str, tuple[str, Callable[[str], dict]]] = {
     "logit_bias key": ("/v1/completions", lambda t: {**COMPLETION, "logit_bias": {t: 1}}),
     "field name": ("/v1/completions", lambda t: {**COMPLETION, t: 1}),
     "content": ("/v1/chat/completions", lambda t: {**CHAT, "messages": [{"role": "user", "content": t}]}),
-    "content part": ("/v1/chat/completions",
-                     lambda t: {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": t}]}]}),
+    "content part": (
+        "/v1/chat/completions",
+        lambda t: {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": t}]}]},
+    ),
     "name": ("/v1/chat/completions", lambda t: {**CHAT, "messages": [{"role": "user", "content": "x", "name": t}]}),
     "chat model": ("/v1/chat/completions", lambda t: {**CHAT, "model": t}),
     "chat stop": ("/v1/chat/completions", lambda t: {**CHAT, "stop": t}),
@@ -135,15 +166,21 @@ TEXT_FIELDS: dict[str, tuple[str, Callable[[str], dict]]] = {
 
 def edge_text() -> st.SearchStrategy[str]:
     short = st.lists(st.one_of(st.sampled_from(EDGE_CHARS), st.text(max_size=6)), max_size=8).map("".join)
-    long = st.builds(lambda piece, size: (piece * size)[:size], st.sampled_from(EDGE_CHARS + ["ab "]),
-                     st.sampled_from(LONG_CHARS))
+    long = st.builds(
+        lambda piece, size: (piece * size)[:size], st.sampled_from(EDGE_CHARS + ["ab "]), st.sampled_from(LONG_CHARS)
+    )
     return st.one_of(short, short, long)
 
 
 @pytest.fixture(scope="module")
 def edge_client(tokenizer, demo_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> TestClient:
-    config = EngineConfig(model_dir=demo_model_dir, served_model_name="demo", max_model_len=64,
-                          enable_lora=True, lora_allowed_dirs=(str(tmp_path_factory.mktemp("adapters")),))
+    config = EngineConfig(
+        model_dir=demo_model_dir,
+        served_model_name="demo",
+        max_model_len=64,
+        enable_lora=True,
+        lora_allowed_dirs=(str(tmp_path_factory.mktemp("adapters")),),
+    )
     engine = FakeEngine()
     engine.encode_events = True
     return TestClient(build_app(engine, tokenizer, config), raise_server_exceptions=False)
@@ -153,8 +190,13 @@ def edge_client(tokenizer, demo_model_dir: str, tmp_path_factory: pytest.TempPat
 def test_unicode_edge_cases_in_every_text_field(edge_client: TestClient, field: str) -> None:
     route, body_with = TEXT_FIELDS[field]
 
-    @settings(max_examples=EDGE_EXAMPLES, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=EDGE_EXAMPLES,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(text=edge_text(), stream=st.booleans())
     def run(text: str, stream: bool) -> None:
         body = body_with(text)
@@ -188,8 +230,14 @@ def adapter_client(tokenizer, demo_model_dir: str, tmp_path_factory: pytest.Temp
 
     root = tmp_path_factory.mktemp("fuzz-adapters")
     path = make_peft_adapter(demo_model_dir, root / "a", r=4, alpha=8, targets=["q_proj", "v_proj"])
-    config = EngineConfig(model_dir=demo_model_dir, served_model_name="demo", max_model_len=64,
-                          enable_lora=True, max_lora_rank=16, lora_allowed_dirs=(str(root),))
+    config = EngineConfig(
+        model_dir=demo_model_dir,
+        served_model_name="demo",
+        max_model_len=64,
+        enable_lora=True,
+        max_lora_rank=16,
+        lora_allowed_dirs=(str(root),),
+    )
     engine = FakeEngine()
     return TestClient(build_app(engine, tokenizer, config), raise_server_exceptions=False), engine, path
 
@@ -205,8 +253,13 @@ def test_adapter_configs_over_http(adapter_client) -> None:
     good = json.loads(open(config_path).read())
     statuses: Counter[int] = Counter()
 
-    @settings(max_examples=ADAPTER_EXAMPLES, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=ADAPTER_EXAMPLES,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(changes=st.fixed_dictionaries({}, optional={field: PLAUSIBLE[field] for field in FIELDS}))
     def run(changes: dict[str, Any]) -> None:
         with open(config_path, "w") as f:

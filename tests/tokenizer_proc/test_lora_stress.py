@@ -3,17 +3,17 @@ under a real uvicorn on 127.0.0.1."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
-from scripts.lora_stress import Outcome, check_loopback, main, parse_args, run_stress, summarize
 from ledgerserve.shared.config import EngineConfig
+from ledgerserve.tokenizer_proc.app import build_app
+from scripts.lora_stress import Outcome, check_loopback, main, parse_args, run_stress, summarize
+from tests.netutil import free_port, serve_in_thread
 from tests.peft_util import make_tiny_peft_adapter
 from tests.tokenizer_proc.fake_engine import FakeEngine
-from ledgerserve.tokenizer_proc.app import build_app
-from tests.netutil import free_port, serve_in_thread
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +28,14 @@ def lora_root(demo_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> 
 def server(tokenizer, demo_model_dir: str, lora_root: Path) -> Iterator[tuple[str, FakeEngine]]:
     engine = FakeEngine(delay_s=0.005, op_delay_s=0.02)
     port = free_port()
-    config = EngineConfig(model_dir=demo_model_dir, served_model_name="demo", max_model_len=128, port=port,
-                          enable_lora=True, lora_allowed_dirs=(str(lora_root),))
+    config = EngineConfig(
+        model_dir=demo_model_dir,
+        served_model_name="demo",
+        max_model_len=128,
+        port=port,
+        enable_lora=True,
+        lora_allowed_dirs=(str(lora_root),),
+    )
     with serve_in_thread(build_app(engine, tokenizer, config), port) as url:
         yield url, engine
 
@@ -40,7 +46,9 @@ def _args(url: str, lora_root: Path, *extra: str):
 
 def test_stress_against_fake_engine(server, lora_root: Path) -> None:
     server, _ = server
-    args = _args(server, lora_root, "--concurrency", "6", "--rounds", "3", "--requests", "24", "--max-tokens", "4", "--seed", "3")
+    args = _args(
+        server, lora_root, "--concurrency", "6", "--rounds", "3", "--requests", "24", "--max-tokens", "4", "--seed", "3"
+    )
     summary = run_stress(args)
     assert summary["unexpected"] == [], summary
     counts = summary["counts"]
@@ -55,8 +63,12 @@ def test_stress_against_fake_engine(server, lora_root: Path) -> None:
 def test_stress_catches_an_unload_that_does_nothing(server, lora_root: Path, monkeypatch) -> None:
     url, engine = server
     real = engine._apply_op
-    monkeypatch.setattr(engine, "_apply_op", lambda op: (200, "", 0) if type(op).__name__ == "AdapterUnloadRequested" else real(op))
-    summary = run_stress(_args(url, lora_root, "--rounds", "2", "--requests", "24", "--concurrency", "4", "--max-tokens", "2"))
+    monkeypatch.setattr(
+        engine, "_apply_op", lambda op: (200, "", 0) if type(op).__name__ == "AdapterUnloadRequested" else real(op)
+    )
+    summary = run_stress(
+        _args(url, lora_root, "--rounds", "2", "--requests", "24", "--concurrency", "4", "--max-tokens", "2")
+    )
     kinds = {u["kind"] for u in summary["unexpected"]}
     assert "load" in kinds or "load_group" in kinds, summary  # the second round's loads hit a "duplicate"
     engine.registry.clear()
@@ -93,7 +105,9 @@ def test_status_rules() -> None:
     assert _unexpected(admin + [_o("adapter", 404, 1.5, 1.8)]) == []  # during the load
     assert _unexpected(admin + [_o("base", 404, 3.0, 4.0, adapter=None)]) == [("base", 404)]
     assert _unexpected(admin + [_o("adapter", 500, 3.0, 4.0), _o("base", 0, 3.0, 4.0, adapter=None)]) == [
-        ("adapter", 500), ("base", 0)]
+        ("adapter", 500),
+        ("base", 0),
+    ]
 
 
 def test_load_race_rules() -> None:

@@ -19,12 +19,12 @@ import zmq
 
 from ledgerserve.shared import codec, ipc
 from ledgerserve.shared.config import EngineConfig
-from tests.netutil import free_port
-from tests.tokenizer_proc.fake_engine import FakeEngine
 from ledgerserve.shared.events import RequestArrived, TokensEmitted
 from ledgerserve.shared.sampling import SamplingParams
 from ledgerserve.tokenizer_proc.engine_client import EngineDeadError
 from ledgerserve.tokenizer_proc.main import Server
+from tests.netutil import free_port
+from tests.tokenizer_proc.fake_engine import FakeEngine
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,19 +42,29 @@ def test_process_handshake_serves_and_drains_on_sigterm(demo_model_dir: str) -> 
     sched_in = ipc.bind(ctx, zmq.PULL, run_dir, ipc.SCHED_IN)
     to_tok = ipc.bind(ctx, zmq.PUSH, run_dir, ipc.TO_TOKENIZER)
     port = free_port()
-    config = EngineConfig(model_dir=demo_model_dir, served_model_name="demo", max_model_len=128,
-                          port=port, run_dir=run_dir, shutdown_timeout_s=5)
+    config = EngineConfig(
+        model_dir=demo_model_dir,
+        served_model_name="demo",
+        max_model_len=128,
+        port=port,
+        run_dir=run_dir,
+        shutdown_timeout_s=5,
+    )
     config_path = Path(run_dir) / "config.json"
     config_path.write_bytes(config.to_json())
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "ledgerserve.tokenizer_proc.main", "--config", str(config_path)], env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ledgerserve.tokenizer_proc.main", "--config", str(config_path)], env=env
+    )
     try:
         ready = msgspec.msgpack.decode(_recv(control, 60))
         assert ready == {"process": "tokenizer", "pid": proc.pid}
         result: dict = {}
         payload = {"model": "demo", "prompt": [4, 5], "max_tokens": 2}
         worker = threading.Thread(
-            target=lambda: result.update(r=httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=payload, timeout=30))
+            target=lambda: result.update(
+                r=httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=payload, timeout=30)
+            )
         )
         worker.start()
         arrived = codec.to_scheduler_decoder().decode(_recv(sched_in, 30))

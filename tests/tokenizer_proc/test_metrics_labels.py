@@ -6,17 +6,17 @@ the core's do)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import AsyncIterator
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ledgerserve.shared.config import EngineConfig
+from ledgerserve.tokenizer_proc.app import build_app
 from tests.peft_util import make_tiny_peft_adapter
 from tests.tokenizer_proc.fake_engine import FakeEngine
-from ledgerserve.tokenizer_proc.app import build_app
 
 pytestmark = pytest.mark.anyio
 MODEL = "demo"
@@ -37,8 +37,13 @@ def engine() -> FakeEngine:
 
 @pytest.fixture
 async def client(engine, tokenizer, demo_model_dir: str, adapter_dir: Path) -> AsyncIterator[httpx.AsyncClient]:
-    config = EngineConfig(model_dir=demo_model_dir, served_model_name=MODEL, max_model_len=64,
-                          enable_lora=True, lora_allowed_dirs=(str(adapter_dir),))
+    config = EngineConfig(
+        model_dir=demo_model_dir,
+        served_model_name=MODEL,
+        max_model_len=64,
+        enable_lora=True,
+        lora_allowed_dirs=(str(adapter_dir),),
+    )
     app = build_app(engine, tokenizer, config)
     await engine.start()
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:

@@ -5,14 +5,15 @@ on the chat response, in the first chunk of a stream; choice 0 alone computes th
 from __future__ import annotations
 
 import json
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import pytest
 
 from ledgerserve.shared.config import EngineConfig
-from tests.tokenizer_proc.fake_engine import FakeEngine
 from ledgerserve.tokenizer_proc.app import build_app
+from tests.tokenizer_proc.fake_engine import FakeEngine
 
 pytestmark = pytest.mark.anyio
 MODEL = "demo"
@@ -35,13 +36,17 @@ def expected(tokenizer, prompt: list[int], k: int) -> list[dict[str, Any] | None
         entry = {str(prompt[p]): {"logprob": -p / 10, "rank": p + 1, "decoded_token": tokenizer.decode([prompt[p]])}}
         for j in range(k):
             token_id = (prompt[p] + (p % 2 == 0) + j) % 256
-            entry[str(token_id)] = {"logprob": -(j + 1) / 100, "rank": j + 1, "decoded_token": tokenizer.decode([token_id])}
+            entry[str(token_id)] = {
+                "logprob": -(j + 1) / 100,
+                "rank": j + 1,
+                "decoded_token": tokenizer.decode([token_id]),
+            }
         out.append(entry)
     return out
 
 
 def _events(text: str) -> list[dict]:
-    chunks = [c[len("data: "):] for c in text.split("\n\n") if c]
+    chunks = [c[len("data: ") :] for c in text.split("\n\n") if c]
     assert chunks[-1] == "[DONE]"
     return [json.loads(c) for c in chunks[:-1]]
 
@@ -92,7 +97,9 @@ async def test_chat_stream_puts_them_in_the_first_chunk(client, engine, tokenize
 
 
 async def test_one_token_prompt_has_only_position_0(client) -> None:
-    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": [5], "max_tokens": 1, "prompt_logprobs": 4})
+    r = await client.post(
+        "/v1/completions", json={"model": MODEL, "prompt": [5], "max_tokens": 1, "prompt_logprobs": 4}
+    )
     assert r.json()["choices"][0]["prompt_logprobs"] == [None]
 
 

@@ -5,19 +5,20 @@ reaches the engine. Each refusal is followed by a good request within a 1 s clie
 
 from __future__ import annotations
 
-
 import openai
 import pytest
 
-from tests.tokenizer_proc.app_client import MODEL, assert_error, assert_still_serves
 from ledgerserve.tokenizer_proc.protocol import MAX_LOGIT_BIAS
+from tests.tokenizer_proc.app_client import MODEL, assert_error, assert_still_serves
 
 pytestmark = pytest.mark.anyio
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 MESSAGES = [{"role": "user", "content": "hi"}]
-BASE = {CHAT: {"model": MODEL, "messages": MESSAGES, "max_tokens": 2},
-        COMPLETIONS: {"model": MODEL, "prompt": "hi", "max_tokens": 2}}
+BASE = {
+    CHAT: {"model": MODEL, "messages": MESSAGES, "max_tokens": 2},
+    COMPLETIONS: {"model": MODEL, "prompt": "hi", "max_tokens": 2},
+}
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 
 
@@ -67,22 +68,48 @@ async def test_unknown_field_is_refused_naming_it(client, route: str) -> None:
     r = await client.post(route, json={**BASE[route], "x" * 5000: 1})  # a huge name is cut short
     assert len(assert_error(r, 400, "x" * 64 + "...")) < 200
     body = {**BASE[route], "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-    assert "stream_options.continuous_usage_stats" in assert_error(await client.post(route, json=body), 400,
-                                                                   "stream_options")
+    assert "stream_options.continuous_usage_stats" in assert_error(
+        await client.post(route, json=body), 400, "stream_options"
+    )
     await assert_still_serves(client)
 
 
 @pytest.mark.parametrize(
     ("route", "fields"),
     [
-        (CHAT, {"tools": None, "tool_choice": "none", "functions": None, "function_call": "none",
-                "response_format": {"type": "text"}, "continue_final_message": False, "store": False,
-                "service_tier": "auto", "modalities": ["text"], "parallel_tool_calls": True,
-                "prompt_logprobs": None, "guided_json": None, "structured_outputs": None}),
-        (COMPLETIONS, {"echo": False, "suffix": "", "use_beam_search": False, "length_penalty": 1.0,
-                       "include_stop_str_in_output": False, "spaces_between_special_tokens": True}),
-        (COMPLETIONS, {"user": "u-1", "safety_identifier": "s", "prompt_cache_key": "k",
-                       "metadata": {"team": "search"}}),
+        (
+            CHAT,
+            {
+                "tools": None,
+                "tool_choice": "none",
+                "functions": None,
+                "function_call": "none",
+                "response_format": {"type": "text"},
+                "continue_final_message": False,
+                "store": False,
+                "service_tier": "auto",
+                "modalities": ["text"],
+                "parallel_tool_calls": True,
+                "prompt_logprobs": None,
+                "guided_json": None,
+                "structured_outputs": None,
+            },
+        ),
+        (
+            COMPLETIONS,
+            {
+                "echo": False,
+                "suffix": "",
+                "use_beam_search": False,
+                "length_penalty": 1.0,
+                "include_stop_str_in_output": False,
+                "spaces_between_special_tokens": True,
+            },
+        ),
+        (
+            COMPLETIONS,
+            {"user": "u-1", "safety_identifier": "s", "prompt_cache_key": "k", "metadata": {"team": "search"}},
+        ),
     ],
 )
 async def test_values_that_ask_for_nothing_are_accepted(client, engine, route: str, fields: dict) -> None:
@@ -94,23 +121,46 @@ async def test_values_that_ask_for_nothing_are_accepted(client, engine, route: s
 async def test_a_false_is_not_a_zero(client) -> None:
     """`priority: false` is not the accepted 0, nor `length_penalty: true` the accepted 1."""
     assert_error(await client.post(COMPLETIONS, json={**BASE[COMPLETIONS], "priority": False}), 400, "priority")
-    assert_error(await client.post(COMPLETIONS, json={**BASE[COMPLETIONS], "length_penalty": True}), 400,
-                 "length_penalty")
+    assert_error(
+        await client.post(COMPLETIONS, json={**BASE[COMPLETIONS], "length_penalty": True}), 400, "length_penalty"
+    )
     await assert_still_serves(client)
 
 
 @pytest.mark.parametrize(
     ("route", "extra", "param", "message"),
     [
-        (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-         "messages", "messages.0.content.0: image content parts are not supported yet"),
-        (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
-                                                          {"type": "input_audio", "input_audio": {}}]}]},
-         "messages", "messages.0.content.1: audio content parts are not supported yet"),
-        (CHAT, {"messages": [{"role": "user", "content": 5}]},
-         "messages", "messages.0.content: Input should be a valid string; or Input should be a valid list"),
-        (CHAT, {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
-         "messages", "messages.0.content.0.text: Field required"),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages",
+            "messages.0.content.0: image content parts are not supported yet",
+        ),
+        (
+            CHAT,
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": "a"}, {"type": "input_audio", "input_audio": {}}],
+                    }
+                ]
+            },
+            "messages",
+            "messages.0.content.1: audio content parts are not supported yet",
+        ),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": 5}]},
+            "messages",
+            "messages.0.content: Input should be a valid string; or Input should be a valid list",
+        ),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            "messages",
+            "messages.0.content.0.text: Field required",
+        ),
         (COMPLETIONS, {"prompt": [-1]}, "prompt", "prompt.0: Input should be greater than or equal to 0"),
         (COMPLETIONS, {"stop": 5}, "stop", "stop: Input should be a valid string; or Input should be a valid list"),
         (COMPLETIONS, {"logit_bias": {"5": 101}}, "logit_bias", "logit_bias.5: Input should be less than or equal"),
@@ -132,8 +182,19 @@ async def test_logit_bias_reaches_the_engine(client, engine) -> None:
 
 @pytest.mark.parametrize(
     "bias",
-    [{"abc": 1}, {"1.5": 1}, {" 5": 1}, {"5": 1, "05": 2}, {"-1": 1}, {"99999": 1}, {"9" * 40: 1},
-     {str(i): 1 for i in range(MAX_LOGIT_BIAS + 1)}, {"5": -100.5}, {"5": "x"}, []],
+    [
+        {"abc": 1},
+        {"1.5": 1},
+        {" 5": 1},
+        {"5": 1, "05": 2},
+        {"-1": 1},
+        {"99999": 1},
+        {"9" * 40: 1},
+        {str(i): 1 for i in range(MAX_LOGIT_BIAS + 1)},
+        {"5": -100.5},
+        {"5": "x"},
+        [],
+    ],
 )
 async def test_bad_logit_bias_is_refused(client, bias) -> None:
     assert_error(await client.post(COMPLETIONS, json={**BASE[COMPLETIONS], "logit_bias": bias}), 400, "logit_bias")

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import re
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import AsyncIterator
 
 import httpx
 import pytest
 
 from ledgerserve.shared.config import EngineConfig
-from tests.tokenizer_proc.fake_engine import FakeEngine
+from ledgerserve.shared.env import API_KEY as API_KEY_ENV
 from ledgerserve.tokenizer_proc.app import build_app
 from ledgerserve.tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError
-from ledgerserve.shared.env import API_KEY as API_KEY_ENV
 from ledgerserve.tokenizer_proc.security import StartupRefused, key_matches
+from tests.tokenizer_proc.fake_engine import FakeEngine
 
 MODEL = "demo"
 KEY = "s3cret-key"
@@ -118,8 +118,10 @@ async def test_request_supplied_template_refused(small: httpx.AsyncClient) -> No
     assert _assert_error(await small.post("/v1/chat/completions", json=body), 400)["param"] == "chat_template"
 
 
-UNSAFE = re.compile(r"\bimport pickle\b|\bfrom pickle\b|pickle\.loads?\(|torch\.load\(|\bcPickle\b|"
-                    r"weights_only\s*=\s*False|(load|open)\w*\(.*\.bin\b")
+UNSAFE = re.compile(
+    r"\bimport pickle\b|\bfrom pickle\b|pickle\.loads?\(|torch\.load\(|\bcPickle\b|"
+    r"weights_only\s*=\s*False|(load|open)\w*\(.*\.bin\b"
+)
 
 
 def test_no_pickle_loading_anywhere() -> None:

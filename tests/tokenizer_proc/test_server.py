@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 
 from ledgerserve.shared.config import EngineConfig
-from tests.tokenizer_proc.fake_engine import FakeEngine
 from ledgerserve.tokenizer_proc.app import build_app
 from tests.netutil import free_port, serve_in_thread
+from tests.tokenizer_proc.fake_engine import FakeEngine
 
 MODEL = "demo"
 
@@ -51,7 +51,10 @@ def test_openai_client_streams_with_usage(server) -> None:
     url, _ = server
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
     stream = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6, stream=True,
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        stream=True,
         stream_options={"include_usage": True},
     )
     chunks = list(stream)

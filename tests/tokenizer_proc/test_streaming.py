@@ -13,5 +13,5 @@ def test_an_event_is_one_line_whatever_the_text_holds() -> None:
     event = sse({"choices": [{"delta": {"content": text}}]})
     lines = event.splitlines()
     assert lines == [lines[0], ""] and lines[0].startswith("data: {") and event.endswith("\n\n")
-    assert json.loads(lines[0][len("data: "):]) == {"choices": [{"delta": {"content": text}}]}
+    assert json.loads(lines[0][len("data: ") :]) == {"choices": [{"delta": {"content": text}}]}
     assert "é 漢" in lines[0]  # other text stays as it is (ensure_ascii off)

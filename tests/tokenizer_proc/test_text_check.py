@@ -6,11 +6,14 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import pytest
 
+from ledgerserve.tokenizer_proc.inputs import INLINE_TOKENIZE_CHARS
+from ledgerserve.tokenizer_proc.text_check import first_bad_text
 from tests.tokenizer_proc.app_client import (
     CLIENT_TIMEOUT_S,
     GOOD_COMPLETION,
@@ -20,8 +23,6 @@ from tests.tokenizer_proc.app_client import (
     assert_still_serves,
 )
 from tests.tokenizer_proc.fake_engine import FakeEngine
-from ledgerserve.tokenizer_proc.inputs import INLINE_TOKENIZE_CHARS
-from ledgerserve.tokenizer_proc.text_check import first_bad_text
 
 pytestmark = pytest.mark.anyio
 HIGH, LOW = "\ud800", "\udfff"
@@ -31,8 +32,7 @@ CHAT = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
 
 @pytest.fixture
 async def client(engine, tokenizer, demo_model_dir: str, tmp_path) -> AsyncIterator[httpx.AsyncClient]:
-    async with app_client(engine, tokenizer, demo_model_dir, enable_lora=True,
-                          lora_allowed_dirs=(str(tmp_path),)) as c:
+    async with app_client(engine, tokenizer, demo_model_dir, enable_lora=True, lora_allowed_dirs=(str(tmp_path),)) as c:
         yield c
 
 
@@ -55,16 +55,42 @@ async def _post_escaped(client: httpx.AsyncClient, route: str, body: Any) -> htt
         ("/v1/completions", {**GOOD_COMPLETION, "metadata": {"k": HIGH}}, "metadata", "`metadata.k`"),
         ("/v1/completions", {**GOOD_COMPLETION, "logit_bias": {HIGH: 1}}, "logit_bias", "a key of `logit_bias`"),
         ("/v1/completions", {**GOOD_COMPLETION, HIGH: 1}, None, "a field name"),
-        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": HIGH}]},
-         "messages", "`messages.0.content`"),
-        ("/v1/chat/completions", {**CHAT, "messages": [MESSAGES[0], {"role": "user", "content": [
-            {"type": "text", "text": "fine"}, {"type": "text", "text": LOW}]}]}, "messages", "`messages.1.content.1.text`"),
-        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x", "name": HIGH}]},
-         "messages", "`messages.0.name`"),
-        ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"enable_thinking": HIGH}},
-         "chat_template_kwargs", "`chat_template_kwargs.enable_thinking`"),
-        ("/v1/chat/completions", {**CHAT, "tools": [{"function": {"description": LOW}}]},
-         "tools", "`tools.0.function.description`"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "messages": [{"role": "user", "content": HIGH}]},
+            "messages",
+            "`messages.0.content`",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                **CHAT,
+                "messages": [
+                    MESSAGES[0],
+                    {"role": "user", "content": [{"type": "text", "text": "fine"}, {"type": "text", "text": LOW}]},
+                ],
+            },
+            "messages",
+            "`messages.1.content.1.text`",
+        ),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "messages": [{"role": "user", "content": "x", "name": HIGH}]},
+            "messages",
+            "`messages.0.name`",
+        ),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "chat_template_kwargs": {"enable_thinking": HIGH}},
+            "chat_template_kwargs",
+            "`chat_template_kwargs.enable_thinking`",
+        ),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "tools": [{"function": {"description": LOW}}]},
+            "tools",
+            "`tools.0.function.description`",
+        ),
         ("/v1/load_lora_adapter", {"lora_name": HIGH, "lora_path": "x"}, "lora_name", "`lora_name`"),
         ("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/tmp/" + LOW}, "lora_path", "`lora_path`"),
         ("/v1/unload_lora_adapter", {"lora_name": HIGH}, "lora_name", "`lora_name`"),
@@ -133,8 +159,11 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(tokenizer, demo_mod
     timeout); the long one then ends with its own answer (here: too long for the model)."""
     gated = GatedTokenizer(tokenizer)
     text = "The river ran past the mill. " * (INLINE_TOKENIZE_CHARS // 16)
-    long_body = ({**GOOD_COMPLETION, "prompt": text} if route == "/v1/completions"
-                 else {**CHAT, "messages": [{"role": "user", "content": text}]})
+    long_body = (
+        {**GOOD_COMPLETION, "prompt": text}
+        if route == "/v1/completions"
+        else {**CHAT, "messages": [{"role": "user", "content": text}]}
+    )
     async with app_client(FakeEngine(), gated, demo_model_dir) as client:
         long_request = asyncio.ensure_future(client.post(route, json=long_body))
         while not gated.long_started.is_set():

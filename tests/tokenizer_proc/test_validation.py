@@ -4,14 +4,14 @@ server path, and a good request right after it still succeeds."""
 from __future__ import annotations
 
 import math
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 
 from ledgerserve.shared.config import EngineConfig
-from tests.tokenizer_proc.fake_engine import FakeEngine
 from ledgerserve.tokenizer_proc.app import build_app
+from tests.tokenizer_proc.fake_engine import FakeEngine
 
 pytestmark = pytest.mark.anyio
 MODEL = "demo"
@@ -21,8 +21,13 @@ GOOD_COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 
 @pytest.fixture
 async def client(tokenizer, demo_model_dir: str, tmp_path) -> AsyncIterator[httpx.AsyncClient]:
-    config = EngineConfig(model_dir=demo_model_dir, served_model_name=MODEL, max_model_len=64,
-                          enable_lora=True, lora_allowed_dirs=(str(tmp_path),))
+    config = EngineConfig(
+        model_dir=demo_model_dir,
+        served_model_name=MODEL,
+        max_model_len=64,
+        enable_lora=True,
+        lora_allowed_dirs=(str(tmp_path),),
+    )
     app = build_app(FakeEngine(), tokenizer, config)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
         c.model_dir = demo_model_dir  # type: ignore[attr-defined]
@@ -59,8 +64,9 @@ async def test_bad_bodies(client, body: bytes, param: str | None) -> None:
 
 
 async def test_body_without_json_content_type(client) -> None:
-    r = await client.post("/v1/completions", content=b'{"model": "demo", "prompt": "hi"}',
-                          headers={"content-type": "text/plain"})
+    r = await client.post(
+        "/v1/completions", content=b'{"model": "demo", "prompt": "hi"}', headers={"content-type": "text/plain"}
+    )
     await _refused(client, r, 400, None)
 
 
@@ -131,7 +137,9 @@ async def test_bad_chat_params(client, extra: dict, param: str) -> None:
 
 
 async def test_unknown_model_and_adapter_are_404(client) -> None:
-    await _refused(client, await client.post("/v1/completions", json={**GOOD_COMPLETION, "model": "nope"}), 404, "model")
+    await _refused(
+        client, await client.post("/v1/completions", json={**GOOD_COMPLETION, "model": "nope"}), 404, "model"
+    )
     r = await client.post("/v1/completions", json={**GOOD_COMPLETION, "lora_path": "nowhere-adapter"})
     await _refused(client, r, 404, "lora_path")
     r = await client.post("/v1/completions", json={**GOOD_COMPLETION, "lora_path": "/nowhere/adapter"})
@@ -164,10 +172,25 @@ async def test_adapter_outside_allowed_dirs_names_only_the_client_path(client, d
 
 
 async def test_good_request_with_every_field(client) -> None:
-    body = {**GOOD_COMPLETION, "temperature": 0.5, "top_p": 0.9, "top_k": -1, "min_p": 0.1, "seed": -5,
-            "presence_penalty": 1.0, "frequency_penalty": -1.0, "repetition_penalty": 1.2, "stop": ["zz"],
-            "stop_token_ids": [3], "min_tokens": 1, "logprobs": 20, "n": 2, "best_of": 2,
-            "logit_bias": {"3": -1.5}, "user": "u"}
+    body = {
+        **GOOD_COMPLETION,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": -1,
+        "min_p": 0.1,
+        "seed": -5,
+        "presence_penalty": 1.0,
+        "frequency_penalty": -1.0,
+        "repetition_penalty": 1.2,
+        "stop": ["zz"],
+        "stop_token_ids": [3],
+        "min_tokens": 1,
+        "logprobs": 20,
+        "n": 2,
+        "best_of": 2,
+        "logit_bias": {"3": -1.5},
+        "user": "u",
+    }
     r = await client.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     assert not math.isnan(r.json()["choices"][0]["logprobs"]["token_logprobs"][0])

@@ -49,8 +49,15 @@ class FakeScheduler:
         self._finished: list[str] = []
         self._preempted: list[str] = []
 
-    def add(self, req_id: str, prompt: list[int], sampling: SamplingParams, chunk: int = 4,
-            prefix_blocks: list[int] | None = None, lora_slot: int = -1) -> None:
+    def add(
+        self,
+        req_id: str,
+        prompt: list[int],
+        sampling: SamplingParams,
+        chunk: int = 4,
+        prefix_blocks: list[int] | None = None,
+        lora_slot: int = -1,
+    ) -> None:
         """prefix_blocks: blocks already holding this prompt's first full blocks (prefix cache)."""
         req = FakeReq(req_id, list(prompt), sampling, chunk, lora_slot)
         if prefix_blocks:
@@ -76,13 +83,30 @@ class FakeScheduler:
                 continue
             self._allocate(req, req.num_computed + req.num_scheduled)
             if not req.sent:
-                new_reqs.append(NewReq(req.req_id, req.tokens, len(req.prompt), req.sampling, list(req.block_ids),
-                                       req.num_computed, req.num_scheduled, req.lora_slot))
+                new_reqs.append(
+                    NewReq(
+                        req.req_id,
+                        req.tokens,
+                        len(req.prompt),
+                        req.sampling,
+                        list(req.block_ids),
+                        req.num_computed,
+                        req.num_scheduled,
+                        req.lora_slot,
+                    )
+                )
                 req.sent = True
             else:
-                cached_reqs.append(CachedReq(req.req_id, req.tokens[req.num_tokens_sent:],
-                                             req.block_ids[req.num_blocks_sent:], req.num_computed, req.num_scheduled,
-                                             req.lora_slot))
+                cached_reqs.append(
+                    CachedReq(
+                        req.req_id,
+                        req.tokens[req.num_tokens_sent :],
+                        req.block_ids[req.num_blocks_sent :],
+                        req.num_computed,
+                        req.num_scheduled,
+                        req.lora_slot,
+                    )
+                )
             req.num_tokens_sent, req.num_blocks_sent = len(req.tokens), len(req.block_ids)
             req.num_computed += req.num_scheduled
             req.num_pending += req.num_computed == len(req.tokens) + req.num_pending  # it samples

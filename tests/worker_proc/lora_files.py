@@ -15,16 +15,27 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ledgerserve.shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, BaseShapes, read_manifest
-from ledgerserve.worker_proc.lora.manager import LoraManager
 from ledgerserve.worker_proc.lora.file_image import module_path
+from ledgerserve.worker_proc.lora.manager import LoraManager
 from ledgerserve.worker_proc.lora.weights import LoraWeights
 
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
-def write_adapter(path: str, base: BaseShapes, *, r: int, targets: list[str], seed: int,
-                  dtype: torch.dtype = torch.float32, alpha: float = 16.0, rank_pattern: dict | None = None,
-                  alpha_pattern: dict | None = None, use_rslora: bool = False, saved_embeddings: bool = False) -> str:
+def write_adapter(
+    path: str,
+    base: BaseShapes,
+    *,
+    r: int,
+    targets: list[str],
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+    alpha: float = 16.0,
+    rank_pattern: dict | None = None,
+    alpha_pattern: dict | None = None,
+    use_rslora: bool = False,
+    saved_embeddings: bool = False,
+) -> str:
     """An adapter of `base` at `path`; a module's rank follows `rank_pattern` (PEFT key suffixes).
     `saved_embeddings`: the file also holds copies of the embedding and lm_head, as PEFT saves
     them for an adapter on lm_head (the worker reads them for the digest only)."""
@@ -43,9 +54,18 @@ def write_adapter(path: str, base: BaseShapes, *, r: int, targets: list[str], se
             tensors[key] = torch.randn(base.vocab_size, base.hidden_size, generator=gen).to(dtype)
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, WEIGHTS_FILE))
-    config = {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": targets, "bias": "none",
-              "lora_dropout": 0.0, "use_rslora": use_rslora, "rank_pattern": rank_pattern or {},
-              "alpha_pattern": alpha_pattern or {}, "task_type": "CAUSAL_LM"}
+    config = {
+        "peft_type": "LORA",
+        "r": r,
+        "lora_alpha": alpha,
+        "target_modules": targets,
+        "bias": "none",
+        "lora_dropout": 0.0,
+        "use_rslora": use_rslora,
+        "rank_pattern": rank_pattern or {},
+        "alpha_pattern": alpha_pattern or {},
+        "task_type": "CAUSAL_LM",
+    }
     with open(os.path.join(path, CONFIG_FILE), "w", encoding="utf-8") as f:
         json.dump(config, f)
     return path
@@ -57,8 +77,11 @@ def write_raw(path: str, tensors: list[tuple[str, torch.Tensor]]) -> None:
     entries, offset = {}, 0
     for key, t in tensors:
         num_bytes = t.numel() * t.element_size()
-        entries[key] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + num_bytes]}
+        entries[key] = {
+            "dtype": SAFETENSORS_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + num_bytes],
+        }
         offset += num_bytes
     header = json.dumps(entries).encode()
     header += b" " * (-len(header) % 8)
@@ -68,8 +91,14 @@ def write_raw(path: str, tensors: list[tuple[str, torch.Tensor]]) -> None:
             f.write(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
 
 
-def reference_load(lora: LoraManager | dict[str, LoraWeights], slot: int, path: str, base: BaseShapes,
-                   max_lora_rank: int, dtype: torch.dtype) -> None:
+def reference_load(
+    lora: LoraManager | dict[str, LoraWeights],
+    slot: int,
+    path: str,
+    base: BaseShapes,
+    max_lora_rank: int,
+    dtype: torch.dtype,
+) -> None:
     """Load `path` into `slot` as the worker did before the CPU tier: each tensor read by
     safetensors, converted to `dtype`, and copied slice by slice (LoraWeights.load_slot) into
     the buffers of `lora` (a LoraManager's, or any)."""

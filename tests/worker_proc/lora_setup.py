@@ -26,8 +26,14 @@ ADAPTERS: dict[str, dict] = {
     "head": dict(r=8, alpha=16, targets=["q_proj", "v_proj", "lm_head"], seed=1),
     "attn": dict(r=4, alpha=8, targets=["q_proj", "k_proj", "v_proj", "o_proj"], use_rslora=True, seed=2),
     "mlp": dict(r=16, alpha=8, targets=["gate_proj", "up_proj", "down_proj"], seed=3),
-    "all": dict(r=32, alpha=48, targets=ALL_SEVEN, rank_pattern={"k_proj": 8, "layers.1.mlp.up_proj": 12},
-                alpha_pattern={"down_proj": 16, "v_proj": 5}, seed=4),
+    "all": dict(
+        r=32,
+        alpha=48,
+        targets=ALL_SEVEN,
+        rank_pattern={"k_proj": 8, "layers.1.mlp.up_proj": 12},
+        alpha_pattern={"down_proj": 16, "v_proj": 5},
+        seed=4,
+    ),
 }
 PROMPT_LENS = {"base": 13, "head": 9, "attn": 22, "mlp": 6, "all": 17}
 
@@ -52,9 +58,18 @@ def build_setup(root: str) -> LoraSetup:
 
 
 def lora_config(base_dir: str, **kw) -> EngineConfig:
-    base = dict(model_dir=base_dir, served_model_name="tiny", max_model_len=128, block_size=BLOCK_SIZE,
-                num_kv_blocks=NUM_BLOCKS, seed=0, enable_lora=True, max_loras=6, max_lora_rank=MAX_LORA_RANK,
-                max_cpu_loras=8)
+    base = dict(
+        model_dir=base_dir,
+        served_model_name="tiny",
+        max_model_len=128,
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=NUM_BLOCKS,
+        seed=0,
+        enable_lora=True,
+        max_loras=6,
+        max_lora_rank=MAX_LORA_RANK,
+        max_cpu_loras=8,
+    )
     return EngineConfig(**{**base, **kw})
 
 

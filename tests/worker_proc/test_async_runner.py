@@ -9,6 +9,7 @@ import torch
 
 from ledgerserve.shared.events import CachedReq, NewReq, StepPlan
 from ledgerserve.shared.sampling import SamplingParams
+from ledgerserve.worker_proc.runner import ModelRunner
 from tests.reference import assert_greedy_matches
 from tests.worker_proc.fake_scheduler import FakeReq, FakeScheduler, run_one_step_ahead, run_to_completion
 from tests.worker_proc.lora_setup import BLOCK_SIZE as LORA_BLOCK_SIZE
@@ -17,20 +18,33 @@ from tests.worker_proc.lora_setup import NUM_BLOCKS as LORA_NUM_BLOCKS
 from tests.worker_proc.lora_setup import LoraSetup, load_all, lora_config
 from tests.worker_proc.test_lora_runner import CHUNKS
 from tests.worker_proc.test_runner import BLOCK_SIZE, NUM_BLOCKS, tiny_config
-from ledgerserve.worker_proc.runner import ModelRunner
 
 ODD_IDS = tuple(range(3, 256, 2))  # stop ids that min_tokens must mask: half the vocabulary
 GREEDY = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=2)
 # name -> (prompt length, chunk, sampling): every kind of request the ahead path must reproduce
 REQS = {
     "greedy": (13, 5, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)),
-    "seeded": (1, 1, SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True,
-                                    logprobs=1)),
-    "min-tokens": (22, 7, SamplingParams(max_tokens=10, temperature=0.0, min_tokens=6, stop_token_ids=ODD_IDS,
-                                         logprobs=0)),
+    "seeded": (1, 1, SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True, logprobs=1)),
+    "min-tokens": (
+        22,
+        7,
+        SamplingParams(max_tokens=10, temperature=0.0, min_tokens=6, stop_token_ids=ODD_IDS, logprobs=0),
+    ),
     "one-token": (6, 3, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)),
-    "seeded-min-tokens": (9, 2, SamplingParams(max_tokens=9, temperature=0.8, top_k=40, seed=7, min_tokens=4,
-                                               stop_token_ids=ODD_IDS, ignore_eos=True, logprobs=3)),
+    "seeded-min-tokens": (
+        9,
+        2,
+        SamplingParams(
+            max_tokens=9,
+            temperature=0.8,
+            top_k=40,
+            seed=7,
+            min_tokens=4,
+            stop_token_ids=ODD_IDS,
+            ignore_eos=True,
+            logprobs=3,
+        ),
+    ),
 }
 
 
@@ -53,8 +67,9 @@ def _run(path: str, names: list[str], ahead: bool, plan_past_max_tokens: bool = 
 
 
 @pytest.mark.parametrize("plan_past_max_tokens", [False, True], ids=["stop-at-max", "past-max"])
-def test_one_request_ahead_gives_exactly_the_sync_tokens_and_logprobs(tiny_checkpoint: str,
-                                                                      plan_past_max_tokens: bool) -> None:
+def test_one_request_ahead_gives_exactly_the_sync_tokens_and_logprobs(
+    tiny_checkpoint: str, plan_past_max_tokens: bool
+) -> None:
     for name, (_, _, params) in REQS.items():
         sync, ahead = _run(tiny_checkpoint, [name], False), _run(tiny_checkpoint, [name], True, plan_past_max_tokens)
         assert ahead[name].outputs == sync[name].outputs, name
@@ -102,8 +117,7 @@ def test_mixed_adapters_ahead_match_peft_and_sync(lora_setup: LoraSetup) -> None
 
 def _prefill(runner: ModelRunner, req_ids: list[str], sampling: SamplingParams = GREEDY) -> dict[str, int]:
     """Step 0: each request's 4-token prompt, sampling its first output; req_id -> that output."""
-    plan = StepPlan(0, [NewReq(r, [3, 4, 5, 6], 4, sampling, [2 * i, 2 * i + 1], 0, 4)
-                        for i, r in enumerate(req_ids)])
+    plan = StepPlan(0, [NewReq(r, [3, 4, 5, 6], 4, sampling, [2 * i, 2 * i + 1], 0, 4) for i, r in enumerate(req_ids)])
     done, _ = runner.execute(plan)
     assert done.failed == []
     return {s.req_id: s.token_id for s in done.sampled}
@@ -129,15 +143,19 @@ def test_placeholder_takes_the_previous_steps_token_on_the_device(tiny_checkpoin
 def test_placeholders_the_rule_does_not_allow_fail_their_request_alone(tiny_checkpoint: str) -> None:
     runner = ModelRunner(tiny_config(tiny_checkpoint))
     first = _prefill(runner, ["ok", "two-tokens", "gap"])
-    plan = StepPlan(1, [NewReq("mid-prefill", list(range(3, 13)), 10, GREEDY, [20, 21, 22], 0, 4)],
-                    [_decode("ok", [], 4), _decode("two-tokens", [], 4, 2)])  # "gap" sits this step out
+    plan = StepPlan(
+        1,
+        [NewReq("mid-prefill", list(range(3, 13)), 10, GREEDY, [20, 21, 22], 0, 4)],
+        [_decode("ok", [], 4), _decode("two-tokens", [], 4, 2)],
+    )  # "gap" sits this step out
     done, _ = runner.execute(plan)
     assert [s.req_id for s in done.sampled] == ["ok"]
     assert [f.req_id for f in done.failed] == ["two-tokens"]
     assert "scheduled up to token 6 but only 4 tokens are known" in done.failed[0].message
     # "gap" sampled in step 0, not in step 1; "mid-prefill" computed tokens 0..3 and sampled nothing
-    plan = StepPlan(2, cached_reqs=[_decode("ok", [first["ok"]], 5), _decode("gap", [], 4),
-                                    _decode("mid-prefill", [], 10)])
+    plan = StepPlan(
+        2, cached_reqs=[_decode("ok", [first["ok"]], 5), _decode("gap", [], 4), _decode("mid-prefill", [], 10)]
+    )
     done, _ = runner.execute(plan)
     assert [s.req_id for s in done.sampled] == ["ok"]
     assert {f.req_id: f.message for f in done.failed} == {
@@ -176,8 +194,9 @@ def test_a_step_with_nothing_scheduled_ends_every_placeholder(tiny_checkpoint: s
 
 def test_launch_reports_failures_and_the_digest_before_the_read_back(tiny_checkpoint: str) -> None:
     runner = ModelRunner(tiny_config(tiny_checkpoint))
-    plan = StepPlan(0, [NewReq("good", [3, 4, 5], 3, GREEDY, [7], 0, 3),
-                        NewReq("bad", [3, 4, 5], 3, GREEDY, [NUM_BLOCKS], 0, 3)])
+    plan = StepPlan(
+        0, [NewReq("good", [3, 4, 5], 3, GREEDY, [7], 0, 3), NewReq("bad", [3, 4, 5], 3, GREEDY, [NUM_BLOCKS], 0, 3)]
+    )
     in_flight = runner.launch(plan)
     assert [f.req_id for f in in_flight.failed] == ["bad"] and in_flight.digest.digest == runner.digest()
     assert in_flight.sampling_req_ids == ["good"]
@@ -192,9 +211,11 @@ def test_launch_reports_failures_and_the_digest_before_the_read_back(tiny_checkp
 def test_cuda_ahead_matches_sync(lora_setup: LoraSetup, enforce_eager: bool) -> None:
     """bf16 on CUDA, decode by graph replay (or eager): the placeholders are written into the
     graph's static input row (or the eager batch) on the device; tokens match the sync path's."""
+
     def run(ahead: bool) -> tuple[dict[str, list[int]], int]:
-        runner = ModelRunner(lora_config(lora_setup.base_dir, device="cuda", dtype="bfloat16",
-                                         enforce_eager=enforce_eager))
+        runner = ModelRunner(
+            lora_config(lora_setup.base_dir, device="cuda", dtype="bfloat16", enforce_eager=enforce_eager)
+        )
         slots = load_all(runner, lora_setup)
         sched = FakeScheduler(LORA_BLOCK_SIZE, LORA_NUM_BLOCKS)
         for name, prompt in lora_setup.prompts.items():
@@ -215,8 +236,9 @@ def test_cuda_ahead_matches_sync(lora_setup: LoraSetup, enforce_eager: bool) -> 
 def test_cuda_launch_with_placeholders_never_waits_on_the_device(lora_setup: LoraSetup, enforce_eager: bool) -> None:
     runner = ModelRunner(lora_config(lora_setup.base_dir, device="cuda", dtype="bfloat16", enforce_eager=enforce_eager))
     params = [REQS[name][2] for name in ("greedy", "seeded", "min-tokens", "seeded-min-tokens")]
-    runner.launch(StepPlan(0, [NewReq(f"r{i}", [3 + i, 4, 5, 6], 4, p, [2 * i, 2 * i + 1], 0, 4)
-                               for i, p in enumerate(params)]))
+    runner.launch(
+        StepPlan(0, [NewReq(f"r{i}", [3 + i, 4, 5, 6], 4, p, [2 * i, 2 * i + 1], 0, 4) for i, p in enumerate(params)])
+    )
     decode = StepPlan(1, cached_reqs=[_decode(f"r{i}", [], 4) for i in range(len(params))])
     torch.cuda.set_sync_debug_mode("error")  # a synchronizing CUDA call raises
     try:

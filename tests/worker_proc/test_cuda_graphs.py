@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from ledgerserve.shared.events import AdapterSlotAssigned
-from tests.worker_proc.fake_scheduler import FakeScheduler, run_to_completion
-from tests.worker_proc.lora_setup import BLOCK_SIZE, GREEDY, NUM_BLOCKS, LoraSetup, lora_config
 from ledgerserve.worker_proc.batch import ReqState, build_batch
 from ledgerserve.worker_proc.runner import ModelRunner
+from tests.worker_proc.fake_scheduler import FakeScheduler, run_to_completion
+from tests.worker_proc.lora_setup import BLOCK_SIZE, GREEDY, NUM_BLOCKS, LoraSetup, lora_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -33,8 +33,9 @@ def _decode_reqs(setup: LoraSetup, slots: list[int]) -> list[ReqState]:
     return reqs
 
 
-@pytest.mark.parametrize("slots", [[-1, -1, -1, -1], [0, -1, 1, 2], [2, 2, 0, 0], [5, -1, 0, 2]],
-                         ids=["base", "mixed", "pairs", "high-slot"])
+@pytest.mark.parametrize(
+    "slots", [[-1, -1, -1, -1], [0, -1, 1, 2], [2, 2, 0, 0], [5, -1, 0, 2]], ids=["base", "mixed", "pairs", "high-slot"]
+)
 def test_graph_replay_matches_eager(lora_setup: LoraSetup, slots: list[int]) -> None:
     runner = _runner(lora_setup)
     assert runner.graphs is not None

@@ -9,10 +9,10 @@ import torch
 
 from ledgerserve.shared.events import AdapterSlotAssigned
 from ledgerserve.shared.sampling import SamplingParams
-from tests.worker_proc.lora_setup import BLOCK_SIZE, LoraSetup, lora_config
 from ledgerserve.worker_proc.batch import ReqState, build_batch
 from ledgerserve.worker_proc.kv_cache import KVCache
 from ledgerserve.worker_proc.runner import ModelRunner
+from tests.worker_proc.lora_setup import BLOCK_SIZE, LoraSetup, lora_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

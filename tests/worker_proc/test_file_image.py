@@ -12,16 +12,17 @@ import os
 
 import pytest
 import torch
-
 from safetensors.torch import load_file, save_file
 
 from ledgerserve.shared.adapter_format import WEIGHTS_FILE, BaseShapes, max_tensors, read_manifest
 from ledgerserve.shared.events import (
-    AdapterCpuEvicted, AdapterEvicted, AdapterLoadCompleted, AdapterLoadFailed, AdapterSlotAssigned,
+    AdapterCpuEvicted,
+    AdapterEvicted,
+    AdapterLoadCompleted,
+    AdapterLoadFailed,
+    AdapterSlotAssigned,
 )
 from ledgerserve.shared.safetensors_header import read_header
-from tests.worker_proc.lora_files import reference_load, write_adapter, write_raw
-from tests.worker_proc.lora_setup import ALL_SEVEN, LoraSetup, lora_config
 from ledgerserve.worker_proc.lora import slot_copy
 from ledgerserve.worker_proc.lora.file_image import FILE_DTYPES, SlotLayout
 from ledgerserve.worker_proc.lora.pinned_pool import PinnedPool, PoolFull
@@ -29,15 +30,22 @@ from ledgerserve.worker_proc.lora.reader import ReadSpec, read_image
 from ledgerserve.worker_proc.lora.slot_copy import SlotCopier, flat_tables, staging_bytes
 from ledgerserve.worker_proc.lora.weights import LoraWeights
 from ledgerserve.worker_proc.runner import ModelRunner
+from tests.worker_proc.lora_files import reference_load, write_adapter, write_raw
+from tests.worker_proc.lora_setup import ALL_SEVEN, LoraSetup, lora_config
 
 MAX_RANK = 64
 CASES = {  # name -> write_adapter keyword arguments
     "r4-all-head-f32": dict(r=4, targets=ALL_SEVEN + ["lm_head"]),
     "r16-all-head-bf16": dict(r=16, targets=ALL_SEVEN + ["lm_head"], dtype=torch.bfloat16),
     "r64-all-head-f32": dict(r=64, targets=ALL_SEVEN + ["lm_head"], alpha=8.0),
-    "r32-patterns-bf16": dict(r=32, targets=ALL_SEVEN, dtype=torch.bfloat16, use_rslora=True,
-                              rank_pattern={"k_proj": 4, "layers.1.mlp.up_proj": 12},
-                              alpha_pattern={"down_proj": 3.0, "v_proj": 5.0}),
+    "r32-patterns-bf16": dict(
+        r=32,
+        targets=ALL_SEVEN,
+        dtype=torch.bfloat16,
+        use_rslora=True,
+        rank_pattern={"k_proj": 4, "layers.1.mlp.up_proj": 12},
+        alpha_pattern={"down_proj": 3.0, "v_proj": 5.0},
+    ),
     "r8-attn-f16": dict(r=8, targets=["q_proj", "v_proj", "o_proj"], dtype=torch.float16),
 }
 
@@ -77,18 +85,22 @@ def test_file_image_matches_the_reference_path(lora_setup: LoraSetup, tmp_path, 
 
 
 STREAMED = {  # name -> write_adapter keyword arguments: what the cases above lack
-    "r64-all-head-f32-saved": dict(r=64, targets=ALL_SEVEN + ["lm_head"], dtype=torch.float32,
-                                   saved_embeddings=True),
-    "r12-attn-head-f64": dict(r=12, targets=["q_proj", "k_proj", "o_proj", "lm_head"], dtype=torch.float64,
-                              alpha=3.0),
-    "r16-mlp-head-bf16-saved": dict(r=16, targets=["gate_proj", "down_proj", "lm_head"], dtype=torch.bfloat16,
-                                    saved_embeddings=True, rank_pattern={"lm_head": 5}),
+    "r64-all-head-f32-saved": dict(r=64, targets=ALL_SEVEN + ["lm_head"], dtype=torch.float32, saved_embeddings=True),
+    "r12-attn-head-f64": dict(r=12, targets=["q_proj", "k_proj", "o_proj", "lm_head"], dtype=torch.float64, alpha=3.0),
+    "r16-mlp-head-bf16-saved": dict(
+        r=16,
+        targets=["gate_proj", "down_proj", "lm_head"],
+        dtype=torch.bfloat16,
+        saved_embeddings=True,
+        rank_pattern={"lm_head": 5},
+    ),
 }
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_saved_embeddings_f64_files_and_a_staging_buffer_smaller_than_the_image(
-        lora_setup: LoraSetup, tmp_path, monkeypatch: pytest.MonkeyPatch, dtype: str) -> None:
+    lora_setup: LoraSetup, tmp_path, monkeypatch: pytest.MonkeyPatch, dtype: str
+) -> None:
     """The staging buffer at its floor (one F64 tensor): each image streams through it in many
     chunks of whole tensors; the saved embeddings are read, hashed and left out of the image."""
     base = _base(lora_setup)
@@ -189,10 +201,17 @@ ODD = BaseShapes(num_layers=1, hidden_size=24, intermediate_size=37, q_size=24, 
 def _buffers(base: BaseShapes, max_rank: int) -> dict[str, LoraWeights]:
     """Two slots of every projection's buffers, as the worker stacks them (bfloat16, on the CPU)."""
     h, i = base.hidden_size, base.intermediate_size
-    fused = {"self_attn.qkv_proj": (h, [base.q_size, base.kv_size, base.kv_size]),
-             "self_attn.o_proj": (base.q_size, [h]), "mlp.gate_up_proj": (h, [i, i]), "mlp.down_proj": (i, [h])}
-    weights = {f"model.layers.{layer}.{name}": LoraWeights(2, max_rank, n_in, outs, torch.bfloat16, torch.device("cpu"))
-               for layer in range(base.num_layers) for name, (n_in, outs) in fused.items()}
+    fused = {
+        "self_attn.qkv_proj": (h, [base.q_size, base.kv_size, base.kv_size]),
+        "self_attn.o_proj": (base.q_size, [h]),
+        "mlp.gate_up_proj": (h, [i, i]),
+        "mlp.down_proj": (i, [h]),
+    }
+    weights = {
+        f"model.layers.{layer}.{name}": LoraWeights(2, max_rank, n_in, outs, torch.bfloat16, torch.device("cpu"))
+        for layer in range(base.num_layers)
+        for name, (n_in, outs) in fused.items()
+    }
     weights["lm_head"] = LoraWeights(2, max_rank, h, [base.vocab_size], torch.bfloat16, torch.device("cpu"))
     return weights
 
@@ -204,8 +223,10 @@ def test_tensors_unaligned_in_the_file_land_exactly(tmp_path) -> None:
     path = write_adapter(str(tmp_path / "odd"), ODD, r=3, targets=ALL_SEVEN + ["lm_head"], seed=3)
     weights_file = os.path.join(path, WEIGHTS_FILE)
     dtypes = [torch.float16, torch.float32, torch.bfloat16, torch.float64]
-    tensors = [(key, t.to(dtypes[i % 4], copy=True))  # copies: the file is rewritten under load_file's map
-               for i, (key, t) in enumerate(sorted(load_file(weights_file).items()))]
+    tensors = [
+        (key, t.to(dtypes[i % 4], copy=True))  # copies: the file is rewritten under load_file's map
+        for i, (key, t) in enumerate(sorted(load_file(weights_file).items()))
+    ]
     write_raw(weights_file, tensors)
     fd = os.open(weights_file, os.O_RDONLY)
     try:

@@ -8,8 +8,13 @@ from ledgerserve.worker_proc.kv_cache import CPU_KV_BUDGET_BYTES, KVCache, bytes
 from ledgerserve.worker_proc.models.config import parse_model_config
 
 RAW = {
-    "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
 }
 CPU = torch.device("cpu")
 
@@ -30,7 +35,9 @@ def test_cpu_default_covers_max_num_seqs() -> None:
 
 
 def test_cpu_default_capped_by_budget() -> None:
-    cfg = parse_model_config({**RAW, "num_hidden_layers": 64, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 4})
+    cfg = parse_model_config(
+        {**RAW, "num_hidden_layers": 64, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 4}
+    )
     config = _config(max_model_len=4096, max_num_seqs=512)
     expected = CPU_KV_BUDGET_BYTES // bytes_per_block(cfg, 16, torch.float32)
     assert num_kv_blocks(config, cfg, torch.float32, CPU) == expected

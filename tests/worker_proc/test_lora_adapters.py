@@ -10,12 +10,18 @@ import pytest
 
 from ledgerserve.shared.adapter_format import WEIGHTS_FILE
 from ledgerserve.shared.events import (
-    AdapterCpuEvicted, AdapterEvicted, AdapterLoadCompleted, AdapterLoadFailed, AdapterSlotAssigned, NewReq, StepPlan,
+    AdapterCpuEvicted,
+    AdapterEvicted,
+    AdapterLoadCompleted,
+    AdapterLoadFailed,
+    AdapterSlotAssigned,
+    NewReq,
+    StepPlan,
 )
+from ledgerserve.worker_proc.runner import ModelRunner
 from tests.reference import assert_greedy_matches
 from tests.worker_proc.fake_scheduler import FakeScheduler, run_to_completion
 from tests.worker_proc.lora_setup import BLOCK_SIZE, GREEDY, NUM_BLOCKS, LoraSetup, lora_config
-from ledgerserve.worker_proc.runner import ModelRunner
 
 
 def _assigned(slot: int, version_id: int, path: str) -> AdapterSlotAssigned:

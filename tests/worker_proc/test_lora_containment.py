@@ -14,10 +14,10 @@ from safetensors.torch import load_file
 
 from ledgerserve.shared.adapter_format import WEIGHTS_FILE
 from ledgerserve.shared.events import AdapterLoadCompleted, AdapterLoadFailed, AdapterSlotAssigned
+from ledgerserve.worker_proc.runner import ModelRunner
 from tests.model_factory import make_tiny_checkpoint
 from tests.peft_util import make_tiny_peft_adapter
 from tests.worker_proc.lora_setup import lora_config
-from ledgerserve.worker_proc.runner import ModelRunner
 
 
 @pytest.fixture(scope="module")

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from ledgerserve.shared.events import AdapterEvicted, AdapterLoadCompleted, AdapterSlotAssigned
-from tests.reference import assert_greedy_matches
-from tests.worker_proc.fake_scheduler import FakeScheduler, run_to_completion
-from tests.worker_proc.lora_setup import ADAPTERS, BLOCK_SIZE, GREEDY, NUM_BLOCKS, LoraSetup, load_all, lora_config
 from ledgerserve.worker_proc.lora.weights import LoraWeights
 from ledgerserve.worker_proc.runner import ModelRunner
 from ledgerserve.worker_proc.warm_up import warm_up_batches
+from tests.reference import assert_greedy_matches
+from tests.worker_proc.fake_scheduler import FakeScheduler, run_to_completion
+from tests.worker_proc.lora_setup import ADAPTERS, BLOCK_SIZE, GREEDY, NUM_BLOCKS, LoraSetup, load_all, lora_config
 
 CHUNKS = {"base": 5, "head": 3, "attn": 7, "mlp": 4, "all": 6}
 
@@ -42,14 +42,23 @@ def test_warm_up_leaves_nothing_behind(lora_setup: LoraSetup) -> None:
     get, reads an empty adapter slot and samples: every later output still matches PEFT."""
     batches = warm_up_batches(BLOCK_SIZE, NUM_BLOCKS, 128, 256, lora_slot=0)
     assert [[(r.num_computed_tokens, r.num_scheduled_tokens, r.lora_slot) for r in b] for b in batches] == [
-        [(0, 9, -1), (0, 8, 0)], [(0, 8, -1), (0, 4, 0)], [(4, 7, -1), (4, 1, 0)], [(4, 8, -1), (4, 4, 0)], [(4, 1, 0)]]
+        [(0, 9, -1), (0, 8, 0)],
+        [(0, 8, -1), (0, 4, 0)],
+        [(4, 7, -1), (4, 1, 0)],
+        [(4, 8, -1), (4, 4, 0)],
+        [(4, 1, 0)],
+    ]
     small_pool = warm_up_batches(BLOCK_SIZE, 2, 128, 256, lora_slot=-1)  # only the lone decode row fits
-    assert [[(r.num_computed_tokens, r.num_scheduled_tokens, r.lora_slot) for r in b] for b in small_pool] == [[(4, 1, -1)]]
+    assert [[(r.num_computed_tokens, r.num_scheduled_tokens, r.lora_slot) for r in b] for b in small_pool] == [
+        [(4, 1, -1)]
+    ]
     runner = ModelRunner(lora_config(lora_setup.base_dir))
     calls = []
     real_apply = LoraWeights.apply
     with pytest.MonkeyPatch.context() as mp:  # the LoRA kernels really run (an empty slot would skip them)
-        mp.setattr(LoraWeights, "apply", lambda self, *a: (calls.append(self.batch_rank(a[2].slots)), real_apply(self, *a)))
+        mp.setattr(
+            LoraWeights, "apply", lambda self, *a: (calls.append(self.batch_rank(a[2].slots)), real_apply(self, *a))
+        )
         runner.warm_up()
     assert calls and min(calls) == 32
     assert not runner.reqs and runner.prev_sampled.token_ids is None and not runner.lora.slots
@@ -77,8 +86,9 @@ def test_evict_and_reload_slot_with_another_adapter(lora_setup: LoraSetup) -> No
     sched.add("attn", lora_setup.prompts["attn"], GREEDY, chunk=8, lora_slot=slot)
     sched.add("mlp", lora_setup.prompts["mlp"], GREEDY, chunk=8, lora_slot=slots["mlp"])
     done = run_to_completion(runner, sched)
-    assert_greedy_matches({name: req.outputs for name, req in done.items()},
-                          {name: lora_setup.refs[name] for name in ("attn", "mlp")})
+    assert_greedy_matches(
+        {name: req.outputs for name, req in done.items()}, {name: lora_setup.refs[name] for name in ("attn", "mlp")}
+    )
 
 
 def _base_output(runner: ModelRunner, prompt: list[int]) -> list[int]:

@@ -22,8 +22,9 @@ def test_mapping_runs_and_kernel_choice() -> None:
 
 
 def _weights() -> LoraWeights:
-    return LoraWeights(max_loras=3, max_rank=8, in_features=6, output_sizes=[5, 3], dtype=torch.float64,
-                       device=torch.device("cpu"))
+    return LoraWeights(
+        max_loras=3, max_rank=8, in_features=6, output_sizes=[5, 3], dtype=torch.float64, device=torch.device("cpu")
+    )
 
 
 def test_load_slot_zeroes_the_rest_and_apply_matches_dense() -> None:
@@ -78,7 +79,10 @@ def test_stacked_linear_matches_unstacked() -> None:
     """A stacked under the base weight: one GEMM + the stacked expand = base GEMM + shrink + expand."""
     gen = torch.Generator().manual_seed(2)
     lin = SlotLinear(6, [5, 3], bias=True).double()
-    weight, bias = torch.randn(8, 6, generator=gen, dtype=torch.float64), torch.randn(8, generator=gen, dtype=torch.float64)
+    weight, bias = (
+        torch.randn(8, 6, generator=gen, dtype=torch.float64),
+        torch.randn(8, generator=gen, dtype=torch.float64),
+    )
     lin.weight.data.copy_(weight)
     lin.bias.data.copy_(bias)
     w = lin.attach_lora(max_loras=3, max_rank=8, stack=True)
@@ -87,8 +91,12 @@ def test_stacked_linear_matches_unstacked() -> None:
     for slot in range(3):
         a = torch.randn(slot + 2, 6, generator=gen, dtype=torch.float64)
         b = torch.randn(3, slot + 2, generator=gen, dtype=torch.float64)
-        w.load_slot(slot, [None, (a, b, 0.5 + slot)] if slot else [(torch.ones(1, 6, dtype=torch.float64),
-                           torch.ones(5, 1, dtype=torch.float64), 2.0), (a, b, 0.5)])
+        w.load_slot(
+            slot,
+            [None, (a, b, 0.5 + slot)]
+            if slot
+            else [(torch.ones(1, 6, dtype=torch.float64), torch.ones(5, 1, dtype=torch.float64), 2.0), (a, b, 0.5)],
+        )
     assert lin.stacked[0][8:].count_nonzero() == w.a.count_nonzero() > 0  # A lives in the stacked tensor
     slots = [2, -1, 0, 2, 1, 0, -1, 2]
     x = torch.randn(len(slots), 6, generator=gen, dtype=torch.float64)

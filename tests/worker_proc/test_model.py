@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from ledgerserve.kernels.attention_ref import PagedAttentionMetadata
-from tests.model_factory import load_reference
 from ledgerserve.worker_proc.models import build_model, load_eos_token_ids, load_model_config
 from ledgerserve.worker_proc.models.config import parse_model_config
+from tests.model_factory import load_reference
 
 BLOCK_SIZE = 4
 

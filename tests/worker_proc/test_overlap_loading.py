@@ -17,15 +17,21 @@ import torch
 from ledgerserve.shared.adapter_digest import content_digest
 from ledgerserve.shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE
 from ledgerserve.shared.events import (
-    AdapterCpuEvicted, AdapterEvicted, AdapterLoadCompleted, AdapterLoadFailed, AdapterPrefetched, AdapterSlotAssigned,
-    NewReq, StepPlan,
+    AdapterCpuEvicted,
+    AdapterEvicted,
+    AdapterLoadCompleted,
+    AdapterLoadFailed,
+    AdapterPrefetched,
+    AdapterSlotAssigned,
+    NewReq,
+    StepPlan,
 )
+from ledgerserve.worker_proc.lora import loader
+from ledgerserve.worker_proc.runner import ModelRunner
 from tests.reference import assert_greedy_matches
 from tests.worker_proc.fake_scheduler import FakeScheduler, run_to_completion
 from tests.worker_proc.load_gate import ReadGate, poll_until, settle
 from tests.worker_proc.lora_setup import BLOCK_SIZE, GREEDY, NUM_BLOCKS, LoraSetup, lora_config
-from ledgerserve.worker_proc.lora import loader
-from ledgerserve.worker_proc.runner import ModelRunner
 
 
 @pytest.fixture
@@ -73,11 +79,11 @@ def test_loads_run_on_loader_threads_and_end_out_of_command_order(lora_setup: Lo
     _generate(runner, lora_setup, {"attn": 0, "mlp": 1})
 
 
-def test_steps_run_beside_a_load_and_a_step_on_the_loading_slot_waits(lora_setup: LoraSetup,
-                                                                      gate: ReadGate) -> None:
+def test_steps_run_beside_a_load_and_a_step_on_the_loading_slot_waits(lora_setup: LoraSetup, gate: ReadGate) -> None:
     runner = _runner(lora_setup)
-    assert isinstance(runner.load_adapter(AdapterSlotAssigned(1, 2, lora_setup.adapter_dirs["mlp"])),
-                      AdapterLoadCompleted)
+    assert isinstance(
+        runner.load_adapter(AdapterSlotAssigned(1, 2, lora_setup.adapter_dirs["mlp"])), AdapterLoadCompleted
+    )
     held = gate.hold(lora_setup.adapter_dirs["all"])
     _assign(runner, 0, 1, lora_setup.adapter_dirs["all"])
     _generate(runner, lora_setup, {"mlp": 1, "base": -1})  # whole generations, the read still held
@@ -140,7 +146,10 @@ def test_a_version_changed_on_disk_fails_alone(lora_setup: LoraSetup, tmp_path) 
     replies = settle(runner)
     failed = [r for r in replies if isinstance(r, AdapterLoadFailed)]
     assert sorted(r.slot for r in failed) == [-1, 0]
-    assert all(r.message.startswith("adapter attn-copy changed on disk since it was registered (content digest") for r in failed)
+    assert all(
+        r.message.startswith("adapter attn-copy changed on disk since it was registered (content digest")
+        for r in failed
+    )
     assert [(r.slot, r.version_id) for r in replies if isinstance(r, AdapterLoadCompleted)] == [(1, 2)]
     assert runner.lora.slot_table() == [[1, 2]] and 3 not in runner.lora.loader.cpu.entries
     _assign(runner, 0, 4, str(path), _digest(path))
@@ -163,8 +172,12 @@ def test_a_broken_file_fails_only_its_load(lora_setup: LoraSetup, tmp_path, dama
     replies = settle(runner)
     failed = _for(replies, 0)[0]
     assert isinstance(failed, AdapterLoadFailed) and failed.message.startswith(f"adapter mlp-{damage}: ")
-    assert {"vanished": "No adapter directory", "truncated": "truncated", "fifo": "not a regular file",
-            "nan": "NaN or infinite"}[damage] in failed.message
+    assert {
+        "vanished": "No adapter directory",
+        "truncated": "truncated",
+        "fifo": "not a regular file",
+        "nan": "NaN or infinite",
+    }[damage] in failed.message
     assert isinstance(_for(replies, 1)[0], AdapterLoadCompleted)
     assert runner.lora.slot_table() == [[1, 2]] and runner.lora.pool.num_used_pages > 0
     runner.drop_cpu_copy(AdapterCpuEvicted(2))
@@ -224,15 +237,18 @@ def test_a_prefetched_version_loads_from_the_cpu_tier(lora_setup: LoraSetup) -> 
     _generate(runner, lora_setup, {"head": 4, "base": -1})
 
 
-def test_a_step_on_a_slot_whose_load_failed_fails_that_request_naming_the_adapter(lora_setup: LoraSetup,
-                                                                                    tmp_path) -> None:
+def test_a_step_on_a_slot_whose_load_failed_fails_that_request_naming_the_adapter(
+    lora_setup: LoraSetup, tmp_path
+) -> None:
     runner = _runner(lora_setup)
     path = str(tmp_path / "gone-adapter")
     _assign(runner, 0, 1, path)
     prompt = lora_setup.prompts["base"]
     blocks = list(range(-(-len(prompt) // BLOCK_SIZE)))
-    reqs = [NewReq("on-slot", prompt, len(prompt), GREEDY, blocks, 0, len(prompt), 0),
-            NewReq("base", prompt, len(prompt), GREEDY, [b + len(blocks) for b in blocks], 0, len(prompt))]
+    reqs = [
+        NewReq("on-slot", prompt, len(prompt), GREEDY, blocks, 0, len(prompt), 0),
+        NewReq("base", prompt, len(prompt), GREEDY, [b + len(blocks) for b in blocks], 0, len(prompt)),
+    ]
     done, _ = runner.execute(StepPlan(0, reqs))
     assert [(f.req_id, f.message.split(":")[0]) for f in done.failed] == [("on-slot", "adapter gone-adapter")]
     assert [t.req_id for t in done.sampled] == ["base"]

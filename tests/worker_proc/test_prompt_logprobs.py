@@ -13,15 +13,16 @@ import torch
 
 from ledgerserve.shared.events import PromptLogprobs
 from ledgerserve.shared.sampling import SamplingParams
+from ledgerserve.worker_proc import prompt_logprobs
+from ledgerserve.worker_proc.runner import ModelRunner
 from tests.adapter_factory import load_peft_reference
 from tests.model_factory import load_reference
 from tests.prompt_logprobs_ref import Entry, check_entries, prompt_logprobs_reference
 from tests.worker_proc.fake_scheduler import FakeScheduler, run_one_step_ahead, run_to_completion
-from tests.worker_proc.lora_setup import BLOCK_SIZE as LORA_BLOCK_SIZE, NUM_BLOCKS as LORA_NUM_BLOCKS
+from tests.worker_proc.lora_setup import BLOCK_SIZE as LORA_BLOCK_SIZE
+from tests.worker_proc.lora_setup import NUM_BLOCKS as LORA_NUM_BLOCKS
 from tests.worker_proc.lora_setup import LoraSetup, load_all, lora_config
 from tests.worker_proc.test_runner import BLOCK_SIZE, NUM_BLOCKS, tiny_config
-from ledgerserve.worker_proc import prompt_logprobs
-from ledgerserve.worker_proc.runner import ModelRunner
 
 GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
 
@@ -42,10 +43,15 @@ def entries(reports: list[PromptLogprobs], num_prompt_tokens: int) -> list[Entry
     return out
 
 
-@pytest.mark.parametrize("device", [
-    "cpu",
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
-])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+        ),
+    ],
+)
 @pytest.mark.parametrize("run", [run_to_completion, run_one_step_ahead], ids=["in-step", "one-step-ahead"])
 def test_mixed_batch_with_chunked_prefill_matches_transformers(tiny_checkpoint: str, device: str, run) -> None:
     """On CUDA (float32: the reference kernels) the rows go up through pinned memory and come back
@@ -53,8 +59,10 @@ def test_mixed_batch_with_chunked_prefill_matches_transformers(tiny_checkpoint: 
     runner = ModelRunner(tiny_config(tiny_checkpoint, device=device))
     ref_model = load_reference(tiny_checkpoint)
     gen = torch.Generator().manual_seed(3)
-    prompts = {name: torch.randint(3, 256, (n,), generator=gen).tolist()
-               for name, n in {"chunked": 13, "plain": 11, "whole": 9, "top0": 7, "one": 1}.items()}
+    prompts = {
+        name: torch.randint(3, 256, (n,), generator=gen).tolist()
+        for name, n in {"chunked": 13, "plain": 11, "whole": 9, "top0": 7, "one": 1}.items()
+    }
     sched = FakeScheduler(BLOCK_SIZE, NUM_BLOCKS)
     sched.add("chunked", prompts["chunked"], with_prompt_logprobs(5), chunk=5)  # steps of 5, 5, 3 tokens
     sched.add("plain", prompts["plain"], GREEDY, chunk=4)
@@ -83,9 +91,11 @@ def test_lora_prompt_logprobs_match_peft(lora_setup: LoraSetup) -> None:
     sched.add("all", lora_setup.prompts["all"], with_prompt_logprobs(3), chunk=6, lora_slot=slots["all"])
     sched.add("base", lora_setup.prompts["base"], with_prompt_logprobs(3), chunk=5)
     done = run_to_completion(runner, sched)
-    models = {"head": load_peft_reference(lora_setup.base_dir, lora_setup.adapter_dirs["head"]),
-              "all": load_peft_reference(lora_setup.base_dir, lora_setup.adapter_dirs["all"]),
-              "base": load_reference(lora_setup.base_dir)}
+    models = {
+        "head": load_peft_reference(lora_setup.base_dir, lora_setup.adapter_dirs["head"]),
+        "all": load_peft_reference(lora_setup.base_dir, lora_setup.adapter_dirs["all"]),
+        "base": load_reference(lora_setup.base_dir),
+    }
     for name, k in {"head": 4, "all": 3, "base": 3}.items():
         prompt = lora_setup.prompts[name]
         ref = prompt_logprobs_reference(models[name], prompt)
@@ -99,8 +109,12 @@ def test_minus_infinity_is_clamped_and_nan_fails_only_its_request() -> None:
     logits[2, 5] = float("nan")
     model = SimpleNamespace(compute_logits=lambda hidden, lora=None: logits[hidden[:, 0].long()])
     hidden = torch.arange(3, dtype=torch.float32)[:, None]  # row i of the batch gives logits[i]
-    rows = prompt_logprobs.PromptRows([0, 1, 2], [4, 3, 1], [-1, -1, -1], [
-        prompt_logprobs.PromptSpan("a", 1, 2, 9), prompt_logprobs.PromptSpan("b", 5, 1, 2)])
+    rows = prompt_logprobs.PromptRows(
+        [0, 1, 2],
+        [4, 3, 1],
+        [-1, -1, -1],
+        [prompt_logprobs.PromptSpan("a", 1, 2, 9), prompt_logprobs.PromptSpan("b", 5, 1, 2)],
+    )
     reports, failed = prompt_logprobs.finish(prompt_logprobs.launch(model, hidden, rows, vocab_size=10))
     ref = torch.log_softmax(logits[:2], dim=-1)
     (a,) = reports

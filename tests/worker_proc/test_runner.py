@@ -8,9 +8,9 @@ import torch
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.events import CachedReq, NewReq, StepPlan
 from ledgerserve.shared.sampling import SamplingParams
+from ledgerserve.worker_proc.runner import ModelRunner
 from tests.model_factory import load_reference
 from tests.worker_proc.fake_scheduler import FakeScheduler, run_to_completion
-from ledgerserve.worker_proc.runner import ModelRunner
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
@@ -18,8 +18,14 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprob
 
 
 def tiny_config(path: str, **kw) -> EngineConfig:
-    base = dict(model_dir=path, served_model_name="tiny", max_model_len=128, block_size=BLOCK_SIZE,
-                num_kv_blocks=NUM_BLOCKS, seed=0)
+    base = dict(
+        model_dir=path,
+        served_model_name="tiny",
+        max_model_len=128,
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=NUM_BLOCKS,
+        seed=0,
+    )
     return EngineConfig(**{**base, **kw})
 
 

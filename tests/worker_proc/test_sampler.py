@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import torch
-
 import pytest
+import torch
 
 from ledgerserve.shared.sampling import SamplingParams
 from ledgerserve.worker_proc.sampler import Sampler, SamplingReq, apply_penalties, filtered_probs
@@ -44,7 +43,10 @@ def test_min_tokens_masks_eos_and_stop_ids() -> None:
     logits = torch.zeros(2, VOCAB)
     logits[:, 2] = 10.0  # eos
     logits[:, 4] = 9.0  # stop id
-    reqs = [_req(output=[7], temperature=0.0, min_tokens=2, stop_token_ids=(4,)), _req(output=[7, 8], temperature=0.0, min_tokens=2)]
+    reqs = [
+        _req(output=[7], temperature=0.0, min_tokens=2, stop_token_ids=(4,)),
+        _req(output=[7, 8], temperature=0.0, min_tokens=2),
+    ]
     out = Sampler([2], 0, CPU).sample(logits, reqs)
     assert out[0].token_id not in (2, 4)
     assert out[1].token_id == 2
@@ -128,10 +130,15 @@ def test_logit_bias_equals_sampling_from_biased_logits() -> None:
     logits + bias computed apart; logprobs stay the raw ones; the input logits are not touched."""
     logits = _logits(6, seed=11)
     before = logits.clone()
-    biases = [((3, 5.0), (7, -2.5)), (), ((0, 100.0),), ((int(logits[3].argmax()), -100.0),),
-              ((1, 1.5), (9, 4.0)), ()]
-    kinds = [dict(temperature=0.0, logprobs=2), dict(temperature=0.0), dict(seed=5), dict(temperature=0.0),
-             dict(seed=9, temperature=0.8, top_k=5, top_p=0.9, min_p=0.01), dict(seed=2)]
+    biases = [((3, 5.0), (7, -2.5)), (), ((0, 100.0),), ((int(logits[3].argmax()), -100.0),), ((1, 1.5), (9, 4.0)), ()]
+    kinds = [
+        dict(temperature=0.0, logprobs=2),
+        dict(temperature=0.0),
+        dict(seed=5),
+        dict(temperature=0.0),
+        dict(seed=9, temperature=0.8, top_k=5, top_p=0.9, min_p=0.01),
+        dict(seed=2),
+    ]
     got = Sampler([], 0, CPU).sample(logits, [_req(logit_bias=b, **k) for b, k in zip(biases, kinds)])
     biased = logits + torch.stack([_dense_bias(b) for b in biases])
     want = Sampler([], 0, CPU).sample(biased, [_req(**k) for k in kinds])
@@ -186,9 +193,12 @@ def test_reading_a_step_back_does_not_wait_for_the_work_queued_after_it() -> Non
 def test_logit_bias_on_cuda_matches_the_cpu() -> None:
     """The bias scatter runs on the device from pinned host lists: the same greedy tokens as on the CPU."""
     logits = _logits(4, seed=3)
-    reqs = [_req(temperature=0.0, logit_bias=((2, 50.0),)), _req(temperature=0.0),
-            _req(temperature=0.0, logit_bias=((int(logits[2].argmax()), -100.0), (5, 1.0))),
-            _req(output=[1], temperature=0.0, repetition_penalty=1.5, logit_bias=((1, 3.0), (8, -0.5)))]
+    reqs = [
+        _req(temperature=0.0, logit_bias=((2, 50.0),)),
+        _req(temperature=0.0),
+        _req(temperature=0.0, logit_bias=((int(logits[2].argmax()), -100.0), (5, 1.0))),
+        _req(output=[1], temperature=0.0, repetition_penalty=1.5, logit_bias=((1, 3.0), (8, -0.5))),
+    ]
     on_cuda = Sampler([], 0, torch.device("cuda")).sample(logits.cuda(), reqs)
     on_cpu = Sampler([], 0, CPU).sample(logits, reqs)
     assert [r.token_id for r in on_cuda] == [r.token_id for r in on_cpu]

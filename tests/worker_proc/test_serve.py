@@ -10,12 +10,12 @@ import logging
 import torch
 
 from ledgerserve.shared import codec, events
-from tests.worker_proc.fake_scheduler import FakeScheduler, run_to_completion
-from tests.worker_proc.test_async_runner import REQS, results
-from tests.worker_proc.test_runner import tiny_config
 from ledgerserve.worker_proc.main import serve
 from ledgerserve.worker_proc.runner import InFlightStep, ModelRunner
 from ledgerserve.worker_proc.sampler import HostCopy, PendingSample
+from tests.worker_proc.fake_scheduler import FakeScheduler, run_to_completion
+from tests.worker_proc.test_async_runner import REQS, results
+from tests.worker_proc.test_runner import tiny_config
 
 LOG = logging.getLogger("test-serve")
 
@@ -92,8 +92,9 @@ class LateInbox(ScriptedInbox):
 class TraceRunner:
     """A runner that records what serve asks of it; step N samples token N for request 'r'."""
 
-    def __init__(self, trace: list[str], rank: int = 0, fail_complete_at: int | None = None,
-                 num_busy_queries: int = 0) -> None:
+    def __init__(
+        self, trace: list[str], rank: int = 0, fail_complete_at: int | None = None, num_busy_queries: int = 0
+    ) -> None:
         self.trace, self.rank, self.fail_complete_at = trace, rank, fail_complete_at
         self.num_busy_queries = num_busy_queries  # each step reads as running this many times
 
@@ -130,8 +131,9 @@ def _describe(ev: events.Event) -> str:
     return f"{type(ev).__name__} {step}".strip()
 
 
-def _serve(script: list[tuple[int, events.Event | bytes]], rank: int = 0,
-           fail_complete_at: int | None = None) -> tuple[int, list[str], Outbox]:
+def _serve(
+    script: list[tuple[int, events.Event | bytes]], rank: int = 0, fail_complete_at: int | None = None
+) -> tuple[int, list[str], Outbox]:
     trace: list[str] = []
     outbox = Outbox(trace)
     runner = TraceRunner(trace, rank, fail_complete_at)
@@ -151,8 +153,15 @@ def test_a_scheduler_in_step_gets_each_step_read_back_at_once() -> None:
     script = [(0, _plan(0)), (2, _plan(1)), (4, events.Shutdown("done"))]
     code, trace, _ = _serve(script)
     assert code == 0
-    assert trace == ["recv StepPlan 0", "launch 0", *_replies(0), "recv StepPlan 1", "launch 1", *_replies(1),
-                     "recv Shutdown"]
+    assert trace == [
+        "recv StepPlan 0",
+        "launch 0",
+        *_replies(0),
+        "recv StepPlan 1",
+        "launch 1",
+        *_replies(1),
+        "recv Shutdown",
+    ]
 
 
 def test_a_plan_waiting_is_launched_before_the_step_in_flight_is_read_back() -> None:
@@ -161,10 +170,17 @@ def test_a_plan_waiting_is_launched_before_the_step_in_flight_is_read_back() -> 
     code, trace, outbox = _serve(script)
     assert code == 0
     assert trace == [
-        "recv StepPlan 0", "launch 0",
-        "recv StepPlan 1", "launch 1", *_replies(0),
-        "recv StepPlan 2", "launch 2", *_replies(1),
-        "recv StepPlan 3", "launch 3", *_replies(2),
+        "recv StepPlan 0",
+        "launch 0",
+        "recv StepPlan 1",
+        "launch 1",
+        *_replies(0),
+        "recv StepPlan 2",
+        "launch 2",
+        *_replies(1),
+        "recv StepPlan 3",
+        "launch 3",
+        *_replies(2),
         *_replies(3),  # nothing waiting: read back rather than block
         "recv Shutdown",
     ]
@@ -181,22 +197,45 @@ def test_a_plan_that_arrives_while_the_device_runs_is_launched_behind_the_step()
     runner = TraceRunner(trace, num_busy_queries=5)
     assert serve(runner, 0, LateInbox(outbox, script, num_polls=2), outbox, LOG) == 0  # type: ignore[arg-type]
     assert trace == [
-        "recv StepPlan 0", "launch 0",
-        "recv StepPlan 1", "launch 1", *_replies(0),
-        "recv StepPlan 2", "launch 2", *_replies(1),
+        "recv StepPlan 0",
+        "launch 0",
+        "recv StepPlan 1",
+        "launch 1",
+        *_replies(0),
+        "recv StepPlan 2",
+        "launch 2",
+        *_replies(1),
         *_replies(2),  # step 2 ended with nothing waiting
         "recv Shutdown",
     ]
 
 
 def test_other_commands_wait_for_the_step_in_flight() -> None:
-    script = [(0, _plan(0)), (0, events.AdapterSlotAssigned(3, 7, "/a")), (0, b"garbage"),
-              (0, events.AdapterEvicted(3, 7)), (0, _plan(1)), (0, events.Shutdown())]
+    script = [
+        (0, _plan(0)),
+        (0, events.AdapterSlotAssigned(3, 7, "/a")),
+        (0, b"garbage"),
+        (0, events.AdapterEvicted(3, 7)),
+        (0, _plan(1)),
+        (0, events.Shutdown()),
+    ]
     code, trace, _ = _serve(script)
     assert code == 0
-    assert trace == ["recv StepPlan 0", "launch 0", "recv AdapterSlotAssigned 3", *_replies(0), "load 3",
-                     "send AdapterLoadCompleted 3", "recv garbage", "recv AdapterEvicted 3", "evict 3",
-                     "recv StepPlan 1", "launch 1", "recv Shutdown", *_replies(1)]
+    assert trace == [
+        "recv StepPlan 0",
+        "launch 0",
+        "recv AdapterSlotAssigned 3",
+        *_replies(0),
+        "load 3",
+        "send AdapterLoadCompleted 3",
+        "recv garbage",
+        "recv AdapterEvicted 3",
+        "evict 3",
+        "recv StepPlan 1",
+        "launch 1",
+        "recv Shutdown",
+        *_replies(1),
+    ]
 
 
 def test_other_ranks_send_only_digests() -> None:

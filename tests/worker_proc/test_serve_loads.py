@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from ledgerserve.shared import codec, events
+from ledgerserve.worker_proc.lora import loader
+from ledgerserve.worker_proc.main import LoadReplies, serve, wait_for_command
+from ledgerserve.worker_proc.runner import InFlightStep, ModelRunner
+from ledgerserve.worker_proc.sampler import HostCopy, PendingSample
 from tests.reference import assert_greedy_matches
 from tests.worker_proc.fake_scheduler import FakeScheduler
 from tests.worker_proc.load_gate import ReadGate
 from tests.worker_proc.lora_setup import BLOCK_SIZE, GREEDY, NUM_BLOCKS, LoraSetup, lora_config
 from tests.worker_proc.test_serve import AheadScheduler, BusyDevice
-from ledgerserve.worker_proc.lora import loader
-from ledgerserve.worker_proc.main import LoadReplies, serve, wait_for_command
-from ledgerserve.worker_proc.runner import InFlightStep, ModelRunner
-from ledgerserve.worker_proc.sampler import HostCopy, PendingSample
 
 LOG = logging.getLogger("test-serve-loads")
 
@@ -28,10 +28,16 @@ class LoadingScheduler(AheadScheduler):
     """One step ahead; once step `assign_after` completed it sends `command`, and once step
     `release_after` completed it releases the held read. Records what the worker sends."""
 
-    def __init__(self, sched: FakeScheduler, command: events.Event, assign_after: int, release_after: int,
-                 release) -> None:
+    def __init__(
+        self, sched: FakeScheduler, command: events.Event, assign_after: int, release_after: int, release
+    ) -> None:
         super().__init__(sched)
-        self.command, self.assign_after, self.release_after, self.release = command, assign_after, release_after, release
+        self.command, self.assign_after, self.release_after, self.release = (
+            command,
+            assign_after,
+            release_after,
+            release,
+        )
         self.command_due = False
         self.sent: list[events.Event] = []
         self.num_sent_at_command = -1  # how many replies the worker had sent when the command went out
@@ -59,7 +65,8 @@ class LoadingScheduler(AheadScheduler):
 
 
 def test_a_load_neither_drains_nor_delays_the_steps_and_is_reported_between_them(
-        lora_setup: LoraSetup, monkeypatch: pytest.MonkeyPatch) -> None:
+    lora_setup: LoraSetup, monkeypatch: pytest.MonkeyPatch
+) -> None:
     gate = ReadGate()
     monkeypatch.setattr(loader, "read_image", gate)
     path = lora_setup.adapter_dirs["all"]
@@ -72,8 +79,13 @@ def test_a_load_neither_drains_nor_delays_the_steps_and_is_reported_between_them
     sched = FakeScheduler(BLOCK_SIZE, NUM_BLOCKS)
     for name, chunk in (("base", 4), ("base-twin", 3)):  # base-model requests: no step uses the loading slot
         sched.add(name, lora_setup.prompts["base"], GREEDY, chunk=chunk)
-    ahead = LoadingScheduler(sched, events.AdapterSlotAssigned(0, 1, path), assign_after=1, release_after=5,
-                             release=lambda: gate.release(path))
+    ahead = LoadingScheduler(
+        sched,
+        events.AdapterSlotAssigned(0, 1, path),
+        assign_after=1,
+        release_after=5,
+        release=lambda: gate.release(path),
+    )
     assert serve(runner, 0, ahead, ahead, LOG, overlap_loading=True) == 0  # type: ignore[arg-type]
     kinds = [type(ev).__name__ for ev in ahead.sent]
     steps = [ev.step for ev in ahead.sent if isinstance(ev, events.StepCompleted)]
@@ -84,8 +96,9 @@ def test_a_load_neither_drains_nor_delays_the_steps_and_is_reported_between_them
     i = calls.index("adapter_command")  # a step was in flight, and was not drained for the command
     assert calls[:i].count("launch") == calls[:i].count("complete") + 1 and calls[i + 1] == "launch"
     assert runner.lora.slot_table() == [[0, 1]]
-    assert_greedy_matches({n: r.outputs for n, r in sched.done.items()},
-                          {n: lora_setup.refs["base"] for n in ("base", "base-twin")})
+    assert_greedy_matches(
+        {n: r.outputs for n, r in sched.done.items()}, {n: lora_setup.refs["base"] for n in ("base", "base-twin")}
+    )
 
 
 class Silent:
@@ -124,8 +137,9 @@ def test_loader_threads_progress_while_the_loop_spins_on_a_step(lora_setup: Lora
     outbox = Collect()
     runner.adapter_command(events.AdapterSlotAssigned(0, 2, path), time.monotonic())
     host = HostCopy((), BusyUntil(outbox, 50_000_000))  # type: ignore[arg-type]
-    step = InFlightStep(0, [], PendingSample(torch.zeros(1, dtype=torch.long), host, []), [],
-                        events.RankDigest(0, 0, 0))
+    step = InFlightStep(
+        0, [], PendingSample(torch.zeros(1, dtype=torch.long), host, []), [], events.RankDigest(0, 0, 0)
+    )
     assert not wait_for_command(Silent(), step, LoadReplies(runner, outbox))  # type: ignore[arg-type]
     assert [(type(r).__name__, r.slot) for r in outbox.sent] == [("AdapterLoadCompleted", 0)]
     print(f"load alone {alone_ms:.1f} ms; beside a spinning step {outbox.sent[0].duration_ms:.1f} ms")

@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from ledgerserve.shared.events import AdapterEvicted, AdapterLoadCompleted, AdapterSlotAssigned
-from tests.worker_proc.fake_scheduler import FakeScheduler, run_to_completion
-from tests.worker_proc.load_gate import settle
-from tests.worker_proc.lora_setup import BLOCK_SIZE, GREEDY, NUM_BLOCKS, LoraSetup, lora_config
-from tests.reference import assert_greedy_matches
-from tests.worker_proc.test_cuda_graphs import _decode_reqs
 from ledgerserve.worker_proc.batch import build_batch
 from ledgerserve.worker_proc.lora.slot_copy import SlotCopier
 from ledgerserve.worker_proc.runner import ModelRunner
+from tests.reference import assert_greedy_matches
+from tests.worker_proc.fake_scheduler import FakeScheduler, run_to_completion
+from tests.worker_proc.load_gate import settle
+from tests.worker_proc.lora_setup import BLOCK_SIZE, GREEDY, NUM_BLOCKS, LoraSetup, lora_config
+from tests.worker_proc.test_cuda_graphs import _decode_reqs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 SLEEP_CYCLES = 2_000_000_000  # about a second of the copy stream doing nothing
@@ -37,8 +37,9 @@ def _generate(runner: ModelRunner, setup: LoraSetup, slots: dict[str, int]) -> N
 
 def test_a_slot_is_never_read_while_its_copy_runs(lora_setup: LoraSetup, monkeypatch: pytest.MonkeyPatch) -> None:
     runner = ModelRunner(lora_config(lora_setup.base_dir, device="cuda", lora_overlap_loading=True))
-    assert isinstance(runner.load_adapter(AdapterSlotAssigned(1, 2, lora_setup.adapter_dirs["mlp"])),
-                      AdapterLoadCompleted)
+    assert isinstance(
+        runner.load_adapter(AdapterSlotAssigned(1, 2, lora_setup.adapter_dirs["mlp"])), AdapterLoadCompleted
+    )
     real = SlotCopier._copy
     monkeypatch.setattr(SlotCopier, "_copy", lambda self, *a: (torch.cuda._sleep(SLEEP_CYCLES), real(self, *a)))
     runner.adapter_command(AdapterSlotAssigned(0, 1, lora_setup.adapter_dirs["all"]), time.monotonic())
@@ -60,8 +61,9 @@ def test_the_staging_path_gives_the_cpu_path_bytes(lora_setup: LoraSetup, monkey
     cpu = ModelRunner(lora_config(lora_setup.base_dir, dtype="bfloat16"))
     calls = []
     real = SlotCopier._copy
-    monkeypatch.setattr(SlotCopier, "_copy", lambda self, image, *a: (calls.append(len(image.extents)),
-                                                                         real(self, image, *a))[1])
+    monkeypatch.setattr(
+        SlotCopier, "_copy", lambda self, image, *a: (calls.append(len(image.extents)), real(self, image, *a))[1]
+    )
     for slot, name in enumerate(["all", "head", "attn"]):
         for runner in (gpu, cpu):
             runner.load_adapter(AdapterSlotAssigned(slot, slot, lora_setup.adapter_dirs[name]))

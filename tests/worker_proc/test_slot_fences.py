@@ -4,10 +4,10 @@ And the runner notes, after launching each step, exactly the slots that step's r
 
 from __future__ import annotations
 
-from tests.worker_proc.fake_scheduler import FakeScheduler
-from tests.worker_proc.lora_setup import BLOCK_SIZE, GREEDY, NUM_BLOCKS, LoraSetup, load_all, lora_config
 from ledgerserve.worker_proc.lora.fences import SlotFences
 from ledgerserve.worker_proc.runner import ModelRunner
+from tests.worker_proc.fake_scheduler import FakeScheduler
+from tests.worker_proc.lora_setup import BLOCK_SIZE, GREEDY, NUM_BLOCKS, LoraSetup, load_all, lora_config
 
 
 class FakeEvent:

@@ -152,7 +152,8 @@ class SlotLayout:
         """The largest image of a file in at most F32: every slice targeted at `max_rank`, each
         tensor a run of its own (the alignment of each run)."""
         return _align(12 * len(self.slices)) + sum(
-            max_rank * (s.in_features + s.out_features) * MAX_FILE_ITEMSIZE + 4 * ALIGN_BYTES for s in self.slices)
+            max_rank * (s.in_features + s.out_features) * MAX_FILE_ITEMSIZE + 4 * ALIGN_BYTES for s in self.slices
+        )
 
     def max_tensor_bytes(self, max_rank: int) -> int:
         """The largest single tensor an adapter may hold (in F64, the widest dtype a file may use)."""

@@ -57,8 +57,16 @@ class SlotLoad:
 
 
 class AdapterLoader:
-    def __init__(self, spec: ReadSpec, pool: PinnedPool, copier: SlotCopier, fences: SlotFences, rank: int,
-                 overlap: bool, on_ready: Callable[[int, int, ImageLayout, CopyEvent], None]) -> None:
+    def __init__(
+        self,
+        spec: ReadSpec,
+        pool: PinnedPool,
+        copier: SlotCopier,
+        fences: SlotFences,
+        rank: int,
+        overlap: bool,
+        on_ready: Callable[[int, int, ImageLayout, CopyEvent], None],
+    ) -> None:
         """on_ready(slot, version_id, layout, event): a slot's copy is queued; steps may use it
         behind `event`. A copy into a slot waits for its last reader in `fences`."""
         self.spec, self.pool, self.copier, self.fences = spec, pool, copier, fences
@@ -89,8 +97,9 @@ class AdapterLoader:
         """Stage `version_id` into the CPU tier; reported (by poll) as a load into slot -1."""
         entry = self.cpu.entries.get(version_id)
         if entry is not None and entry.image is not None:
-            self.replies.append(AdapterLoadCompleted(self.rank, -1, version_id, "cpu", _ms_since(arrival_s), 0,
-                                                     time.time()))
+            self.replies.append(
+                AdapterLoadCompleted(self.rank, -1, version_id, "cpu", _ms_since(arrival_s), 0, time.time())
+            )
             return
         if entry is None:
             entry = CpuEntry(version_id, None, path)
@@ -120,13 +129,27 @@ class AdapterLoader:
             if load.done is None and not load.error:
                 self._advance(load, block=False)
             if load.error:
-                replies.append(AdapterLoadFailed(self.rank, slot, load.version_id, self._message(load.path, load.error)))
+                replies.append(
+                    AdapterLoadFailed(self.rank, slot, load.version_id, self._message(load.path, load.error))
+                )
             elif load.done is not None and launch_error(load.done):
-                replies.append(AdapterLoadFailed(self.rank, slot, load.version_id,
-                                                 self._message(load.path, launch_error(load.done))))
+                replies.append(
+                    AdapterLoadFailed(
+                        self.rank, slot, load.version_id, self._message(load.path, launch_error(load.done))
+                    )
+                )
             elif load.done is not None and load.done.query():
-                replies.append(AdapterLoadCompleted(self.rank, slot, load.version_id, load.source_tier,
-                                                    _ms_since(load.arrival_s), load.num_bytes, time.time()))
+                replies.append(
+                    AdapterLoadCompleted(
+                        self.rank,
+                        slot,
+                        load.version_id,
+                        load.source_tier,
+                        _ms_since(load.arrival_s),
+                        load.num_bytes,
+                        time.time(),
+                    )
+                )
             else:
                 continue
             del self.loads[slot]
@@ -192,9 +215,17 @@ class AdapterLoader:
         if image is None:
             self.replies.append(AdapterLoadFailed(self.rank, -1, entry.version_id, self._message(entry.path, error)))
         else:
-            self.replies.append(AdapterLoadCompleted(self.rank, -1, entry.version_id, "disk",
-                                                     _ms_since(entry.report_arrival_s), image.num_file_bytes,
-                                                     time.time()))
+            self.replies.append(
+                AdapterLoadCompleted(
+                    self.rank,
+                    -1,
+                    entry.version_id,
+                    "disk",
+                    _ms_since(entry.report_arrival_s),
+                    image.num_file_bytes,
+                    time.time(),
+                )
+            )
 
     def _read(self, version_id: int, path: str, content_digest: int) -> LoadResult:
         return LoadResult(read_image(self.spec, self.pool, version_id, path, content_digest), None)

@@ -28,8 +28,15 @@ from ledgerserve.worker_proc.models.layers import SlotLinear
 
 
 class LoraManager:
-    def __init__(self, model: nn.Module, config: EngineConfig, base: BaseShapes,
-                 dtype: torch.dtype, device: torch.device, rank: int = 0) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: EngineConfig,
+        base: BaseShapes,
+        dtype: torch.dtype,
+        device: torch.device,
+        rank: int = 0,
+    ) -> None:
         self.max_loras = config.max_loras
         self.device = device
         self.weights: dict[str, LoraWeights] = {}  # module path -> its slot buffers
@@ -41,16 +48,18 @@ class LoraManager:
         ranks, scalings = flat_tables(self.weights)
         self.layout = SlotLayout(self.weights)
         max_image_bytes = self.layout.max_image_bytes(config.max_lora_rank)
-        self.copier = SlotCopier(self.weights, self.layout, ranks, scalings,
-                                 staging_bytes(self.layout, config.max_lora_rank), device)
+        self.copier = SlotCopier(
+            self.weights, self.layout, ranks, scalings, staging_bytes(self.layout, config.max_lora_rank), device
+        )
         page_bytes = page_bytes_for(max_image_bytes)
         max_pages = -(-max_image_bytes // page_bytes)  # one image; the tier holds max_cpu_loras, plus slack for
         num_images = config.max_cpu_loras + config.max_loras  # evicted ones whose copies are still fenced
         self.pool = PinnedPool(num_images * max_pages * page_bytes, page_bytes, pin=device.type == "cuda")
         spec = ReadSpec(base, config.max_lora_rank, config.lora_allowed_dirs, self.layout, dtype)
         self.fences = SlotFences()
-        self.loader = AdapterLoader(spec, self.pool, self.copier, self.fences, rank, config.lora_overlap_loading,
-                                    self._on_ready)
+        self.loader = AdapterLoader(
+            spec, self.pool, self.copier, self.fences, rank, config.lora_overlap_loading, self._on_ready
+        )
         self.slots: dict[int, int] = {}  # slot -> version_id whose copy is queued: steps may use it
         self.events: dict[int, Event] = {}  # slot -> its copy's end, until seen complete
         self.assigned: dict[int, tuple[int, int]] = {}  # slot -> (version_id, content_digest), in command order
@@ -151,8 +160,10 @@ class LoraManager:
             raise ValueError(f"slot {slot} holds an adapter")
         for weights in self.weights.values():
             rank, num_in = weights.max_rank, weights.a.shape[3]
-            zeros = [(weights.a.new_zeros(rank, num_in), weights.b.new_zeros(size, rank), 0.0)
-                     for size in weights.output_sizes]
+            zeros = [
+                (weights.a.new_zeros(rank, num_in), weights.b.new_zeros(size, rank), 0.0)
+                for size in weights.output_sizes
+            ]
             weights.load_slot(slot, zeros)
         try:
             yield

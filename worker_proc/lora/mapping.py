@@ -26,14 +26,14 @@ class LoraMapping:
     num_slots: int = 0  # grouped: every used slot is below this; the stacked GEMM reads A of these (0: all)
 
     @staticmethod
-    def from_slots(token_slots: torch.Tensor) -> "LoraMapping | None":
+    def from_slots(token_slots: torch.Tensor) -> LoraMapping | None:
         """From a tensor of slots (reads it back to the host: a sync on CUDA)."""
         return LoraMapping.from_host(token_slots.tolist(), token_slots)
 
     @staticmethod
     def from_host(
         slots: list[int], token_slots: torch.Tensor, device_segments: tuple[torch.Tensor, torch.Tensor] | None = None
-    ) -> "LoraMapping | None":
+    ) -> LoraMapping | None:
         """`slots` is the host copy of `token_slots` [num_tokens]; no device sync.
         `device_segments`: device copies of runs(slots), for the Triton segment kernels.
         None when no token uses an adapter (the forward pass skips LoRA entirely)."""

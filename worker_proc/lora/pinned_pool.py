@@ -67,8 +67,10 @@ class PinnedPool:
                 if run is None:
                     for extent in taken:
                         self._mark(extent, True)
-                    raise PoolFull(f"the CPU tier is full ({len(self.blocks)} blocks of "
-                                   f"{self.pages_per_block * self.page_bytes} bytes)")
+                    raise PoolFull(
+                        f"the CPU tier is full ({len(self.blocks)} blocks of "
+                        f"{self.pages_per_block * self.page_bytes} bytes)"
+                    )
                 extent = Extent(run.block, run.first_page, min(run.num_pages, num_pages))
                 self._mark(extent, False)
                 taken.append(extent)

@@ -65,8 +65,10 @@ def read_image(spec: ReadSpec, pool: PinnedPool, version_id: int, path: str, con
     try:
         manifest = read_manifest(path, spec.base, spec.max_lora_rank, spec.allowed_dirs, read_weights=read)
         if content_digest and manifest.content_digest != content_digest:
-            raise ChangedOnDisk(f"changed on disk since it was registered (content digest "
-                                f"{manifest.content_digest:#018x}, registered {content_digest:#018x})")
+            raise ChangedOnDisk(
+                f"changed on disk since it was registered (content digest "
+                f"{manifest.content_digest:#018x}, registered {content_digest:#018x})"
+            )
         if not content_digest:
             _check_values(read.image, read.layout, spec.dtype)
     except BaseException:
@@ -85,8 +87,9 @@ class _ImageRead:
         self.image: ImageBytes
         self.num_file_bytes = 0  # the config's and the weights file's
 
-    def __call__(self, fd: int, num_bytes: int, header: Header, modules: list[LoraModule],
-                 digest: ContentDigest) -> None:
+    def __call__(
+        self, fd: int, num_bytes: int, header: Header, modules: list[LoraModule], digest: ContentDigest
+    ) -> None:
         try:
             self.layout = self.spec.slot_layout.plan(modules, header)
             self.extents = self.pool.alloc(self.layout.num_bytes)
@@ -104,8 +107,9 @@ class _ImageRead:
             self.pool.free(extents)
 
 
-def _read_data(fd: int, data_offset: int, num_data: int, layout: ImageLayout, image: ImageBytes,
-               digest: ContentDigest) -> None:
+def _read_data(
+    fd: int, data_offset: int, num_data: int, layout: ImageLayout, image: ImageBytes, digest: ContentDigest
+) -> None:
     """Read the data region front to back: each run into its pages, the bytes between runs into
     scratch; every chunk is hashed on a helper thread while the next one is read."""
     hasher = _Hasher(digest)
@@ -124,7 +128,7 @@ def _read_data(fd: int, data_offset: int, num_data: int, layout: ImageLayout, im
         hasher.finish()
 
 
-def _skip(fd: int, data_offset: int, start: int, stop: int, hasher: "_Hasher") -> int:
+def _skip(fd: int, data_offset: int, start: int, stop: int, hasher: _Hasher) -> int:
     """Read and hash data bytes [start, stop), which the image does not keep; returns `stop`."""
     while start < stop:
         buffer = hasher.scratch(min(stop - start, READ_CHUNK_BYTES))

@@ -91,8 +91,12 @@ class Chunk:
 
     start: int
     stop: int
-    same: tuple[list[torch.Tensor], list[torch.Tensor]] = field(default_factory=lambda: ([], []))  # dtype and layout match
-    cast: tuple[list[torch.Tensor], list[torch.Tensor]] = field(default_factory=lambda: ([], []))  # cast and/or transpose
+    same: tuple[list[torch.Tensor], list[torch.Tensor]] = field(
+        default_factory=lambda: ([], [])
+    )  # dtype and layout match
+    cast: tuple[list[torch.Tensor], list[torch.Tensor]] = field(
+        default_factory=lambda: ([], [])
+    )  # cast and/or transpose
     # (dst, its bytes in staging, file dtype, shape): tensors whose file offset is not a multiple of their item size
     unaligned: list[tuple[torch.Tensor, torch.Tensor, torch.dtype, tuple[int, int]]] = field(default_factory=list)
 
@@ -108,12 +112,21 @@ class Scatter:
 
 def staging_bytes(layout: SlotLayout, max_rank: int) -> int:
     """The staging buffer's size: the largest F32 image, bounded, but never below one F64 tensor."""
-    return max(min(layout.max_image_bytes(max_rank), MAX_STAGING_BYTES), layout.max_tensor_bytes(max_rank) + ALIGN_BYTES)
+    return max(
+        min(layout.max_image_bytes(max_rank), MAX_STAGING_BYTES), layout.max_tensor_bytes(max_rank) + ALIGN_BYTES
+    )
 
 
 class SlotCopier:
-    def __init__(self, weights: dict[str, LoraWeights], layout: SlotLayout, ranks: torch.Tensor,
-                 scalings: torch.Tensor, num_staging_bytes: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        weights: dict[str, LoraWeights],
+        layout: SlotLayout,
+        ranks: torch.Tensor,
+        scalings: torch.Tensor,
+        num_staging_bytes: int,
+        device: torch.device,
+    ) -> None:
         """`ranks` [n] int64 / `scalings` [n] float32: the flat tables every module's views share."""
         self.layout, self.ranks, self.scalings, self.device = layout, ranks, scalings, device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -259,6 +272,8 @@ def _slot_index(weights: dict[str, LoraWeights], layout: SlotLayout, max_loras: 
     for name, w in weights.items():
         offsets[name] = offset
         offset += w.ranks.numel()
-    index = [[offsets[s.module] + slot * len(weights[s.module].output_sizes) + s.index for s in layout.slices]
-             for slot in range(max_loras)]
+    index = [
+        [offsets[s.module] + slot * len(weights[s.module].output_sizes) + s.index for s in layout.slices]
+        for slot in range(max_loras)
+    ]
     return torch.tensor(index, dtype=torch.int64)

@@ -15,8 +15,14 @@ class LoraWeights:
     Padding past a slot's rank is zero; a slice the slot's adapter does not target has rank 0."""
 
     def __init__(
-        self, max_loras: int, max_rank: int, in_features: int, output_sizes: list[int],
-        dtype: torch.dtype, device: torch.device, a: torch.Tensor | None = None,
+        self,
+        max_loras: int,
+        max_rank: int,
+        in_features: int,
+        output_sizes: list[int],
+        dtype: torch.dtype,
+        device: torch.device,
+        a: torch.Tensor | None = None,
     ) -> None:
         """`a`: zeroed storage for A that the caller owns (a view stacked under the base weight), or None."""
         num_slices = len(output_sizes)
@@ -26,7 +32,9 @@ class LoraWeights:
             raise ValueError(f"A storage of shape {tuple(a.shape)} is not a contiguous {a_shape}")
         self.a = torch.zeros(a_shape, dtype=dtype, device=device) if a is None else a
         # [max_loras, num_slices, max_out_slice, max_rank], stored out-major so the expand reads whole output rows
-        self.b = torch.zeros(max_loras, num_slices, max_rank, max(output_sizes), dtype=dtype, device=device).transpose(2, 3)
+        self.b = torch.zeros(max_loras, num_slices, max_rank, max(output_sizes), dtype=dtype, device=device).transpose(
+            2, 3
+        )
         self.ranks = torch.zeros(max_loras, num_slices, dtype=torch.long, device=device)
         self.scalings = torch.zeros(max_loras, num_slices, dtype=torch.float32, device=device)
         # host copies of ranks / scalings, kept in step with the device ones: no sync per step
@@ -46,9 +54,21 @@ class LoraWeights:
             self._apply_triton(x, y, mapping)
             return
         if mapping.use_segments:
-            buf = ops.lora_shrink_segments(x, self.a, self.ranks, mapping.seg_starts, mapping.seg_slots, self.rank_table)
-            ops.lora_expand_segments(y, buf, self.b, self.ranks, self.scalings, self.output_sizes,
-                                     mapping.seg_starts, mapping.seg_slots, self.rank_table, self.scale_table)
+            buf = ops.lora_shrink_segments(
+                x, self.a, self.ranks, mapping.seg_starts, mapping.seg_slots, self.rank_table
+            )
+            ops.lora_expand_segments(
+                y,
+                buf,
+                self.b,
+                self.ranks,
+                self.scalings,
+                self.output_sizes,
+                mapping.seg_starts,
+                mapping.seg_slots,
+                self.rank_table,
+                self.scale_table,
+            )
             return
         rank = self.batch_rank(mapping.slots)
         if rank == 0:
@@ -63,8 +83,17 @@ class LoraWeights:
         if mapping.use_segments and mapping.device_segments is not None:
             starts, seg_slots = mapping.device_segments
             buf = ops.lora_shrink_segments(x, self.a, self.ranks, starts, seg_slots, max_seg_len=mapping.max_seg_len)
-            ops.lora_expand_segments(y, buf, self.b, self.ranks, self.scalings, self.output_sizes, starts, seg_slots,
-                                     max_seg_len=mapping.max_seg_len)
+            ops.lora_expand_segments(
+                y,
+                buf,
+                self.b,
+                self.ranks,
+                self.scalings,
+                self.output_sizes,
+                starts,
+                seg_slots,
+                max_seg_len=mapping.max_seg_len,
+            )
             return
         buf = ops.lora_shrink_tokens(x, self.a, self.ranks, mapping.token_slots)
         ops.lora_expand_tokens(y, buf, self.b, self.ranks, self.scalings, self.output_sizes, mapping.token_slots)
@@ -72,15 +101,17 @@ class LoraWeights:
     def expand_stacked(self, y: torch.Tensor, h: torch.Tensor, grouped: tuple[torch.Tensor, ...]) -> None:
         """Decode, shrink already done for every slot: h [num_tokens, max_loras, num_slices, max_rank]."""
         order, tile_starts, tile_slots = grouped
-        ops.lora_expand_stacked(y, h, self.b, self.ranks, self.scalings, self.output_sizes, order, tile_starts,
-                                tile_slots)
+        ops.lora_expand_stacked(
+            y, h, self.b, self.ranks, self.scalings, self.output_sizes, order, tile_starts, tile_slots
+        )
 
     def _apply_grouped(self, x: torch.Tensor, y: torch.Tensor, grouped: tuple[torch.Tensor, ...]) -> None:
         """Decode: tokens grouped by slot, each tile of one adapter reads its A / B once."""
         order, tile_starts, tile_slots = grouped
         buf = ops.lora_shrink_grouped(x, self.a, self.ranks, order, tile_starts, tile_slots)
-        ops.lora_expand_grouped(y, buf, self.b, self.ranks, self.scalings, self.output_sizes, order, tile_starts,
-                                tile_slots)
+        ops.lora_expand_grouped(
+            y, buf, self.b, self.ranks, self.scalings, self.output_sizes, order, tile_starts, tile_slots
+        )
 
     def batch_rank(self, slots: tuple[int, ...]) -> int:
         """The largest real rank over `slots` and this layer's slices (host-side)."""
@@ -94,8 +125,10 @@ class LoraWeights:
         rank = a.shape[0]
         want_a, want_b = (rank, self.a.shape[3]), (self.output_sizes[s], rank)
         if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
-            raise ValueError(f"LoRA tensors of shapes A {tuple(a.shape)}, B {tuple(b.shape)} do not fit "
-                             f"slice {s} (A {want_a}, B {want_b})")
+            raise ValueError(
+                f"LoRA tensors of shapes A {tuple(a.shape)}, B {tuple(b.shape)} do not fit "
+                f"slice {s} (A {want_a}, B {want_b})"
+            )
         if not 0 < rank <= self.max_rank:
             raise ValueError(f"LoRA rank {rank} is outside [1, {self.max_rank}]")
 

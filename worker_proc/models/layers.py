@@ -88,8 +88,9 @@ class SlotLinear(nn.Module):
                 self.bias.data = bias[: weight.shape[0]]
             self.stacked = (stacked, bias)
             a = stacked[weight.shape[0] :].view(max_loras, len(self.output_sizes), max_rank, self.in_features)
-        self.lora = LoraWeights(max_loras, max_rank, self.in_features, self.output_sizes, weight.dtype,
-                                weight.device, a)
+        self.lora = LoraWeights(
+            max_loras, max_rank, self.in_features, self.output_sizes, weight.dtype, weight.device, a
+        )
         return self.lora
 
     def load_shard(self, name: str, shard: int, tensor: torch.Tensor) -> None:

@@ -40,7 +40,9 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
 
     def _project_qkv(
-        self, x: torch.Tensor, lora: LoraMapping | None  # x: [num_tokens, hidden]
+        self,
+        x: torch.Tensor,
+        lora: LoraMapping | None,  # x: [num_tokens, hidden]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]."""
         num_tokens = x.shape[0]
@@ -64,7 +66,9 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
-        out = paged_attention_ref(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [num_tokens, num_heads, head_dim]
+        out = paged_attention_ref(
+            q, k, v, kv_cache[0], kv_cache[1], meta, self.scale
+        )  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, -1), lora)
 
     def forward_fast(
@@ -86,8 +90,16 @@ class Attention(nn.Module):
         if meta.is_decode:
             out = ops.paged_decode_attention(q, k_cache, v_cache, meta.block_table_t, meta.seq_lens_t, self.scale)
         else:
-            out = ops.paged_prefill_attention(q, k_cache, v_cache, meta.block_table_t, meta.query_start_loc_t,
-                                              meta.seq_lens_t, self.scale, meta.max_query_len)
+            out = ops.paged_prefill_attention(
+                q,
+                k_cache,
+                v_cache,
+                meta.block_table_t,
+                meta.query_start_loc_t,
+                meta.seq_lens_t,
+                self.scale,
+                meta.max_query_len,
+            )
         return self.o_proj.forward_deferred(out.reshape(num_tokens, -1), lora)  # out: [num_tokens, num_heads, head_dim]
 
 
@@ -182,14 +194,20 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(h)
 
     def _forward_fast(
-        self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCacheLayer],
-        meta: DeviceAttentionMetadata, lora: LoraMapping | None,
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCacheLayer],
+        meta: DeviceAttentionMetadata,
+        lora: LoraMapping | None,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         cos_sin_cache = self.model.rope_cache(h.device)
         residual: torch.Tensor | None = None
         h_lora: LoraDelta | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            h, h_lora, residual = layer.forward_fast(h, h_lora, residual, positions, cos_sin_cache, kv_cache, meta, lora)
+            h, h_lora, residual = layer.forward_fast(
+                h, h_lora, residual, positions, cos_sin_cache, kv_cache, meta, lora
+            )
         norm = self.model.norm
         assert residual is not None
         return ops.fused_add_rms_norm(h, residual, norm.weight, norm.eps, h_lora)[0]

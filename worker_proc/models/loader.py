@@ -108,7 +108,7 @@ def expected_weight_keys(model: LlamaForCausalLM) -> set[WeightKey]:
     for module_name, module in model.named_modules():
         if module_name == "lm_head" and model.cfg.tie_word_embeddings:
             continue
-        for attr, param in module.named_parameters(recurse=False):
+        for attr, _param in module.named_parameters(recurse=False):
             num_shards = len(module.output_sizes) if isinstance(module, SlotLinear) else 1
             keys.update((module_name, attr, shard) for shard in range(num_shards))
     return keys
