@@ -65,11 +65,13 @@ def test_installed_wheel_sits_beside_hugging_face_kernels(tmp_path: Path):
         (source / path).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / path, source / path)
     pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
+    clean_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the checkout's folders stay off the path
     subprocess.run(
         [*pip, "wheel", str(source), "--no-deps", "--no-build-isolation", "-w", str(wheel_dir)],
         check=True,
         capture_output=True,
         cwd=tmp_path,
+        env=clean_env,
     )
     (wheel,) = wheel_dir.glob("ledgerserve-*.whl")
     subprocess.run(
@@ -77,11 +79,12 @@ def test_installed_wheel_sits_beside_hugging_face_kernels(tmp_path: Path):
         check=True,
         capture_output=True,
         cwd=tmp_path,
+        env=clean_env,
     )
     assert sorted(p.name for p in target.iterdir() if not p.name.endswith(".dist-info") and p.name != "bin") == [
         "ledgerserve"
     ]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(target)}
+    env = clean_env | {"PYTHONPATH": str(target)}
     done = subprocess.run(
         [sys.executable, "-c", CHECK_BOTH, str(target)],
         cwd=tmp_path,
