@@ -61,8 +61,8 @@ from typing import Any
 import httpx
 
 from ledgerserve.shared.adapter_format import BaseShapes
+from scripts import request_loop
 from scripts.bench_fixtures import write_adapter
-from scripts.lora_stress import _base_model, _post
 from scripts.serving_report import RequestResult, StreamTally, render_plot, result_of, summarize
 from scripts.serving_workload import (
     AdapterSpec,
@@ -101,7 +101,9 @@ async def check_names_free(client: httpx.AsyncClient, specs: Sequence[AdapterSpe
 async def load_adapters(client: httpx.AsyncClient, specs: Sequence[AdapterSpec], loaded: list[str]) -> None:
     """Load each adapter, appending its name to `loaded` once the server has it."""
     for spec in specs:
-        status, detail = await _post(client, "/v1/load_lora_adapter", {"lora_name": spec.name, "lora_path": spec.path})
+        status, detail = await request_loop.post(
+            client, "/v1/load_lora_adapter", {"lora_name": spec.name, "lora_path": spec.path}
+        )
         if status != 200:
             raise RuntimeError(f"loading adapter {spec.name} from {spec.path} failed: HTTP {status}: {detail[:500]}")
         loaded.append(spec.name)
@@ -112,7 +114,7 @@ async def unload_adapters(client: httpx.AsyncClient, names: Sequence[str]) -> li
     failures = []
     for name in names:
         try:
-            status, detail = await _post(client, "/v1/unload_lora_adapter", {"lora_name": name})
+            status, detail = await request_loop.post(client, "/v1/unload_lora_adapter", {"lora_name": name})
         except httpx.HTTPError as e:
             status, detail = 0, f"{type(e).__name__}: {e}"
         if status != 200:
@@ -170,7 +172,7 @@ async def _bench(
     (whatever happened)."""
     limits = httpx.Limits(max_connections=(args.max_concurrency or args.num_requests) + 4)
     async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout_s, limits=limits) as client:
-        base_model = await _base_model(client)
+        base_model = await request_loop.base_model(client)
         await check_names_free(client, specs)
         write_adapters(specs, hf_config, args.target_modules)  # blocks the loop: nothing is in flight yet
         loaded: list[str] = []

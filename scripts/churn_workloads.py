@@ -14,11 +14,10 @@ from typing import Any
 
 import httpx
 
-from scripts import churn_report
+from scripts import churn_report, request_loop
 from scripts.bench_serving import load_adapters, run_plan, unload_adapters
 from scripts.churn_plan import ARRIVALS, ChurnSettings, ServerGroup, TableSetup
 from scripts.churn_probe import Prompts, run_probe
-from scripts.lora_stress import _base_model
 from scripts.server_process import Server
 from scripts.serving_report import summarize
 from scripts.serving_workload import AdapterSpec, adapter_specs, parse_config, plan_workload, special_token_ids
@@ -48,7 +47,7 @@ async def serve_group(bench: Bench, group: ServerGroup, server: Server, mode: di
     s = bench.settings
     limits = httpx.Limits(max_connections=max(s.burst_requests, s.zipf_requests, s.poisson_requests) + 8)
     async with httpx.AsyncClient(base_url=server.base_url, timeout=600.0, limits=limits) as client:
-        base_model = await _base_model(client)
+        base_model = await request_loop.base_model(client)
         if group.runs_probe:
             prompts = Prompts(bench.seed, bench.prompt_config["vocab_size"], special_token_ids(bench.prompt_config))
             fresh = adapter_specs(s.probe_reps, [s.probe_rank], bench.dir("probe"), "probe-fresh-")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from scripts.bench_fixtures import SEVEN
-from scripts.lora_stress import check_loopback
+from scripts.request_loop import check_loopback
 
 POPULARITIES = ("uniform", "zipf")
 ARRIVALS = ("poisson", "burst")
