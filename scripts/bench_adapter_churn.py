@@ -26,7 +26,8 @@ idle holding nothing. Also measured: pinned host-to-device and page-cache file-r
 bandwidth, and from each server's event log the adapter loads by target and source tier.
 
 The JSON report (--out) is rewritten after every workload, so an interrupted run keeps what
-it measured; the PNG (--plot) has a TTFT CDF per arrival pattern and output tok/s bars.
+it measured; the PNG (--plot, drawn with matplotlib: `pip install 'ledgerserve[plot]'`) has a
+TTFT CDF per arrival pattern and output tok/s bars.
 `--groups 1,2 --capacity-rps R` runs only some server groups (R: the capacity measured by an
 earlier run's group 0), to split a run that is too long for one sitting.
 """
@@ -51,7 +52,8 @@ from ledgerserve.shared.adapter_format import BaseShapes
 from scripts import churn_report, io_bandwidth
 from scripts.bench_fixtures import link_adapter, write_adapter, write_served_model_dir
 from scripts.churn_plan import FULL, QUICK, ServerGroup, check_settings, server_groups
-from scripts.churn_workloads import Bench, serve_group, write_file
+from scripts.churn_workloads import Bench, serve_group
+from scripts.plot import write_png
 from scripts.server_process import Server
 from scripts.serving_workload import read_model_config
 
@@ -244,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     rows = [row for mode in bench.report["modes"].values() for row in (*mode["table"], *mode.get("zipf", []))]
     bench.report["elapsed_s"] = round(time.perf_counter() - started, 1)
     bench.save()
-    write_file(args.plot, churn_report.render_png(rows))
+    write_png(args.plot, churn_report.plot_panels(rows))
     print(churn_report.table_text(rows))
     return bench.report
 

@@ -44,7 +44,8 @@ A workload file (--workload FILE) is a JSON object whose keys are the long flag 
 "zipf"}. Flags given on the command line override the file; the file overrides defaults.
 
 `main(argv) -> dict` is the importable entry: it returns the report (and writes --out and
---plot). Run as a module, it prints the popularity line, then the report as JSON.
+--plot; the plot needs matplotlib, `pip install 'ledgerserve[plot]'`, and without it the
+report is written all the same). Run as a module, it prints the popularity line, then the report as JSON.
 """
 
 from __future__ import annotations
@@ -63,7 +64,9 @@ import httpx
 from ledgerserve.shared.adapter_format import BaseShapes
 from scripts import request_loop
 from scripts.bench_fixtures import write_adapter
-from scripts.serving_report import RequestResult, StreamTally, render_plot, result_of, summarize
+from scripts.plot import write_png
+from scripts.report_files import write_json
+from scripts.serving_report import RequestResult, StreamTally, plot_panels, result_of, summarize
 from scripts.serving_workload import (
     AdapterSpec,
     PlannedRequest,
@@ -186,12 +189,6 @@ async def _bench(
     return results, base_model, unload_failures
 
 
-def _write(path: str, data: bytes) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "wb") as f:
-        f.write(data)
-
-
 def main(argv: Sequence[str] | None = None, echo: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run the benchmark; return the report. Raises ValueError on bad arguments and
     RuntimeError when the server refuses an adapter. `echo` gets the popularity line."""
@@ -204,11 +201,10 @@ def main(argv: Sequence[str] | None = None, echo: Callable[[str], None] | None =
     results, base_model, unload_failures = asyncio.run(_bench(args, hf_config, specs, plan))
     report = summarize(vars(args), plan, weights, results, specs, base_model)
     report["unload_failures"] = unload_failures
-    if args.plot:
-        _write(args.plot, render_plot(results, report["per_adapter"]))
+    if args.plot and write_png(args.plot, plot_panels(results, report["per_adapter"])):
         report["plot"] = args.plot
     if args.out:
-        _write(args.out, json.dumps(report, indent=2).encode())
+        write_json(args.out, report)
     return report
 
 

@@ -5,7 +5,6 @@ checking that the engine went idle holding nothing."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import sys
 from collections.abc import Sequence
@@ -18,6 +17,7 @@ from scripts import churn_report, request_loop
 from scripts.bench_serving import load_adapters, run_plan, unload_adapters
 from scripts.churn_plan import ARRIVALS, ChurnSettings, ServerGroup, TableSetup
 from scripts.churn_probe import Prompts, run_probe
+from scripts.report_files import write_json
 from scripts.server_process import Server
 from scripts.serving_report import summarize
 from scripts.serving_workload import AdapterSpec, adapter_specs, parse_config, plan_workload, special_token_ids
@@ -40,7 +40,7 @@ class Bench:
         return os.path.join(self.work_dir, "adapters", name)
 
     def save(self) -> None:
-        write_file(self.out, json.dumps(self.report, indent=1).encode())
+        write_json(self.out, self.report, indent=1)
 
 
 async def serve_group(bench: Bench, group: ServerGroup, server: Server, mode: dict[str, Any], overlap: str) -> None:
@@ -212,9 +212,3 @@ def _check_idle(server: Server, mode: dict[str, Any], after: str) -> None:
         server.wait_idle(timeout_s=60)
     except TimeoutError as e:
         mode.setdefault("leaks", []).append({"after": after, "found": str(e)[:500]})
-
-
-def write_file(path: str, data: bytes) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "wb") as f:
-        f.write(data)
