@@ -63,46 +63,21 @@ OVERLAP_FLAGS = {"on": "--lora-overlap-loading", "off": "--no-lora-overlap-loadi
 # ---- preparing: model dir, adapters, bandwidth ---------------------------------------
 
 
+QUICK_FLAGS = "--device cpu --max-model-len 256 --num-kv-blocks 256 --max-num-seqs 16 --max-num-batched-tokens 256"
+FULL_FLAGS = "--load-format dummy --dtype bfloat16 --device cuda --max-model-len 1024"
+
+
 def prepare(args: argparse.Namespace, work_dir: str) -> Bench:
     settings = QUICK if args.quick else FULL
     check_settings(settings)
-    groups = server_groups(settings)
-    chosen = range(len(groups)) if args.groups is None else args.groups
-    if not set(chosen) <= set(range(len(groups))):
-        raise ValueError(f"--groups must be among 0..{len(groups) - 1}")
-    if any(groups[i].runs_zipf for i in chosen) and 0 not in chosen and args.capacity_rps is None:
-        raise ValueError("the Zipf run needs the single-adapter capacity: run group 0 too, or pass --capacity-rps")
+    check_groups(args, server_groups(settings))
     demo_dir = ensure_demo_model()
     if args.quick:
-        model_dir = demo_dir
-        model_args = [
-            model_dir,
-            "--device",
-            "cpu",
-            "--max-model-len",
-            "256",
-            "--num-kv-blocks",
-            "256",
-            "--max-num-seqs",
-            "16",
-            "--max-num-batched-tokens",
-            "256",
-        ]
+        model_dir, flags = demo_dir, QUICK_FLAGS
+    elif not torch.cuda.is_available():
+        raise ValueError("the full run needs a CUDA GPU (use --quick on a CPU)")
     else:
-        if not torch.cuda.is_available():
-            raise ValueError("the full run needs a CUDA GPU (use --quick on a CPU)")
-        model_dir = write_served_model_dir(work_dir, demo_dir)
-        model_args = [
-            model_dir,
-            "--load-format",
-            "dummy",
-            "--dtype",
-            "bfloat16",
-            "--device",
-            "cuda",
-            "--max-model-len",
-            "1024",
-        ]
+        model_dir, flags = write_served_model_dir(work_dir, demo_dir), FULL_FLAGS
     report = {
         "benchmark": "adapter_churn",
         "quick": args.quick,
@@ -111,12 +86,13 @@ def prepare(args: argparse.Namespace, work_dir: str) -> Bench:
         "device": _device(),
         "modes": {},
     }
+    model_args = [model_dir, *flags.split(), "--async-scheduling"]
     bench = Bench(
         settings,
         args.seed,
         work_dir,
         model_dir,
-        model_args + ["--async-scheduling"],
+        model_args,
         read_model_config(demo_dir),
         report,
         args.out,
@@ -129,6 +105,14 @@ def prepare(args: argparse.Namespace, work_dir: str) -> Bench:
         "page_cache_read_gbps": _round(io_bandwidth.page_cache_read_gbps(work_dir, settings.read_bandwidth_bytes)),
     }
     return bench
+
+
+def check_groups(args: argparse.Namespace, groups: Sequence[ServerGroup]) -> None:
+    chosen = range(len(groups)) if args.groups is None else args.groups
+    if not set(chosen) <= set(range(len(groups))):
+        raise ValueError(f"--groups must be among 0..{len(groups) - 1}")
+    if any(groups[i].runs_zipf for i in chosen) and 0 not in chosen and args.capacity_rps is None:
+        raise ValueError("the Zipf run needs the single-adapter capacity: run group 0 too, or pass --capacity-rps")
 
 
 def write_adapters(bench: Bench, base: BaseShapes) -> None:

@@ -1,4 +1,5 @@
-"""A benchmark's report files: written with their parent directories made."""
+"""A benchmark's files: JSON inputs read with a clear error, reports written with their parent
+directories made."""
 
 from __future__ import annotations
 
@@ -15,3 +16,12 @@ def write_file(path: str, data: bytes) -> None:
 
 def write_json(path: str, report: Any, indent: int = 2) -> None:
     write_file(path, json.dumps(report, indent=indent).encode())
+
+
+def read_json(path: str, what: str) -> Any:
+    """The JSON in `path`; ValueError naming `what` when it cannot be read or parsed."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {what} {path!r}: {e}") from None
