@@ -42,7 +42,8 @@ from scripts.request_loop import (
     Outcome,
     Run,
     admin_cycle,
-    check_loopback,
+    check_loop_args,
+    loop_parser,
     parse_adapters,
     percentile,
     run_loop,
@@ -124,25 +125,16 @@ def report(outcomes: list[Outcome], metrics: dict[str, float], found: list[str],
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p = loop_parser(__doc__.split("\n")[0])
     p.add_argument("--duration-s", type=float, default=30.0)
-    p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument(
-        "--adapters", nargs="*", default=[], metavar="NAME=PATH", help="paths inside the server's allowed dir"
-    )
     p.add_argument("--abort-fraction", type=float, default=0.15, help="share of requests closed after the first chunk")
-    p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--hold-scale", type=float, default=1.0, help="scales how long each adapter stays loaded per cycle")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout-s", type=float, default=60.0, help="per-request timeout")
     p.add_argument("--idle-timeout-s", type=float, default=30.0, help="how long to wait for the engine to go idle")
     return p.parse_args(argv)
 
 
 def validate(args: argparse.Namespace) -> None:
-    check_loopback(args.base_url)
-    parse_adapters(args.adapters)
+    check_loop_args(args)
     if not 0 < args.duration_s <= 3600:
         raise ValueError("--duration-s must be in (0, 3600]")
     if not 1 <= args.concurrency <= 256:

@@ -38,7 +38,8 @@ from scripts.request_loop import (
     Outcome,
     Run,
     admin_cycle,
-    check_loopback,
+    check_loop_args,
+    loop_parser,
     parse_adapters,
     percentile,
     run_loop,
@@ -146,25 +147,16 @@ def _group_violations(outcomes: list[Outcome]) -> list[dict[str, Any]]:
 
 
 def run_stress(args: argparse.Namespace) -> dict[str, Any]:
-    check_loopback(args.base_url)
-    parse_adapters(args.adapters)
+    check_loop_args(args)
     if args.concurrency < 1 or args.rounds < 1 or args.requests < 0:
         raise ValueError("--concurrency and --rounds must be >= 1, --requests >= 0")
     return summarize(asyncio.run(run_loop(args, _rounds)))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--concurrency", type=int, default=4)
+    p = loop_parser(__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--requests", type=int, default=24, help="completions per round")
-    p.add_argument(
-        "--adapters", nargs="*", default=[], metavar="NAME=PATH", help="paths inside the server's allowed dir"
-    )
-    p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout-s", type=float, default=60.0)
     return p.parse_args(argv)
 
 

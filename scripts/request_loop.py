@@ -66,6 +66,26 @@ def parse_adapters(specs: list[str]) -> dict[str, str]:
     return adapters
 
 
+def loop_parser(description: str) -> argparse.ArgumentParser:
+    """The flags both scripts take: the server, the clients, the adapters and the requests."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument(
+        "--adapters", nargs="*", default=[], metavar="NAME=PATH", help="paths inside the server's allowed dir"
+    )
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout-s", type=float, default=60.0, help="per-request timeout")
+    return p
+
+
+def check_loop_args(args: argparse.Namespace) -> None:
+    """ValueError unless the server is on loopback and every adapter is NAME=PATH."""
+    check_loopback(args.base_url)
+    parse_adapters(args.adapters)
+
+
 def percentile(values: list[float], pct: float) -> float | None:
     """The order statistic at `pct` of sorted `values`, rounded; None if empty."""
     if not values:
