@@ -77,22 +77,12 @@ async def table_workload(
     index: int,
 ) -> dict[str, Any]:
     s = bench.settings
-    flags = [
-        "--adapter-dir",
-        bench.dir("pool"),
-        "--num-adapters",
-        str(setup.num_adapters),
-        "--ranks",
-        ",".join(map(str, s.ranks)),
-        "--popularity",
-        "uniform",
-        "--arrival",
-        arrival,
-    ]
+    flags: dict[str, Any] = {"adapter_dir": bench.dir("pool"), "num_adapters": setup.num_adapters}
+    flags |= {"ranks": ",".join(map(str, s.ranks)), "popularity": "uniform", "arrival": arrival}
     if arrival == "burst":
-        flags += ["--num-requests", str(s.burst_requests), "--max-concurrency", str(s.burst_in_flight)]
+        flags |= {"num_requests": s.burst_requests, "max_concurrency": s.burst_in_flight}
     else:
-        flags += ["--rate", str(s.poisson_rate), "--num-requests", str(s.poisson_requests)]
+        flags |= {"rate": s.poisson_rate, "num_requests": s.poisson_requests}
     extra = {
         "label": setup.label,
         "arrival": arrival,
@@ -114,24 +104,9 @@ async def zipf_workload(
         raise ValueError("the Zipf run needs the single-adapter capacity: run group 0 too, or pass --capacity-rps")
     mode["capacity_requests_per_s"] = capacity
     rate = round(s.zipf_load * capacity, 3)
-    flags = [
-        "--adapter-dir",
-        bench.dir("zipf"),
-        "--num-adapters",
-        str(s.zipf_adapters),
-        "--ranks",
-        str(s.zipf_rank),
-        "--popularity",
-        "zipf",
-        "--zipf-s",
-        str(s.zipf_s),
-        "--arrival",
-        "poisson",
-        "--rate",
-        str(rate),
-        "--num-requests",
-        str(s.zipf_requests),
-    ]
+    flags = {"adapter_dir": bench.dir("zipf"), "num_adapters": s.zipf_adapters, "ranks": s.zipf_rank}
+    flags |= {"popularity": "zipf", "zipf_s": s.zipf_s, "arrival": "poisson", "rate": rate}
+    flags["num_requests"] = s.zipf_requests
     extra = {
         "label": f"zipf {s.zipf_adapters}a/{s.zipf_max_loras}s",
         "arrival": "zipf poisson",
@@ -148,31 +123,15 @@ async def workload(
     client: httpx.AsyncClient,
     base_model: str,
     name: str,
-    flags: list[str],
+    flags: dict[str, Any],
     index: int,
     extra: dict[str, Any],
 ) -> dict[str, Any]:
     """Plan with bench_serving's flags, register the adapters, run, unload; one table row."""
     s = bench.settings
-    args = parse_config(
-        [
-            "--base-url",
-            str(client.base_url),
-            "--model-dir",
-            bench.model_dir,
-            "--adapter-prefix",
-            f"w{index}-",
-            "--input-len",
-            str(s.input_len),
-            "--output-len",
-            str(s.output_len),
-            "--seed",
-            str(bench.seed * 10_000 + index),
-            "--timeout-s",
-            "600",
-            *flags,
-        ]
-    )
+    fields = {"base_url": client.base_url, "model_dir": bench.model_dir, "adapter_prefix": f"w{index}-"}
+    fields |= {"input_len": s.input_len, "output_len": s.output_len, "seed": bench.seed * 10_000 + index}
+    args = parse_config(_argv({**fields, "timeout_s": 600, **flags}))
     plan, weights = plan_workload(args, bench.prompt_config)
     specs = adapter_specs(args.num_adapters, args.ranks, args.adapter_dir, args.adapter_prefix)
     loaded: list[str] = []
@@ -204,6 +163,11 @@ async def register(
             await load_adapters(client, [spec], loaded)
 
     await asyncio.gather(*(one(spec) for spec in specs))
+
+
+def _argv(fields: dict[str, Any]) -> list[str]:
+    """bench_serving's command line for these fields (named as its flags' destinations)."""
+    return [part for key, value in fields.items() for part in ("--" + key.replace("_", "-"), str(value))]
 
 
 def _check_idle(server: Server, mode: dict[str, Any], after: str) -> None:
