@@ -26,7 +26,8 @@ idle holding nothing. Also measured: pinned host-to-device and page-cache file-r
 bandwidth, and from each server's event log the adapter loads by target and source tier.
 
 The JSON report (--out) is rewritten after every workload, so an interrupted run keeps what
-it measured; the PNG (--plot) has a TTFT CDF per arrival pattern and output tok/s bars.
+it measured; the PNG (--plot, drawn with matplotlib: `pip install 'ledgerserve[plot]'`) has a
+TTFT CDF per arrival pattern and output tok/s bars.
 `--groups 1,2 --capacity-rps R` runs only some server groups (R: the capacity measured by an
 earlier run's group 0), to split a run that is too long for one sitting.
 """
@@ -51,7 +52,8 @@ from ledgerserve.shared.adapter_format import BaseShapes
 from scripts import churn_report, io_bandwidth
 from scripts.bench_fixtures import link_adapter, write_adapter, write_served_model_dir
 from scripts.churn_plan import FULL, QUICK, ServerGroup, check_settings, server_groups
-from scripts.churn_workloads import Bench, serve_group, write_file
+from scripts.churn_workloads import Bench, serve_group
+from scripts.plot import write_png
 from scripts.server_process import Server
 from scripts.serving_workload import read_model_config
 
@@ -61,46 +63,21 @@ OVERLAP_FLAGS = {"on": "--lora-overlap-loading", "off": "--no-lora-overlap-loadi
 # ---- preparing: model dir, adapters, bandwidth ---------------------------------------
 
 
+QUICK_FLAGS = "--device cpu --max-model-len 256 --num-kv-blocks 256 --max-num-seqs 16 --max-num-batched-tokens 256"
+FULL_FLAGS = "--load-format dummy --dtype bfloat16 --device cuda --max-model-len 1024"
+
+
 def prepare(args: argparse.Namespace, work_dir: str) -> Bench:
     settings = QUICK if args.quick else FULL
     check_settings(settings)
-    groups = server_groups(settings)
-    chosen = range(len(groups)) if args.groups is None else args.groups
-    if not set(chosen) <= set(range(len(groups))):
-        raise ValueError(f"--groups must be among 0..{len(groups) - 1}")
-    if any(groups[i].runs_zipf for i in chosen) and 0 not in chosen and args.capacity_rps is None:
-        raise ValueError("the Zipf run needs the single-adapter capacity: run group 0 too, or pass --capacity-rps")
+    check_groups(args, server_groups(settings))
     demo_dir = ensure_demo_model()
     if args.quick:
-        model_dir = demo_dir
-        model_args = [
-            model_dir,
-            "--device",
-            "cpu",
-            "--max-model-len",
-            "256",
-            "--num-kv-blocks",
-            "256",
-            "--max-num-seqs",
-            "16",
-            "--max-num-batched-tokens",
-            "256",
-        ]
+        model_dir, flags = demo_dir, QUICK_FLAGS
+    elif not torch.cuda.is_available():
+        raise ValueError("the full run needs a CUDA GPU (use --quick on a CPU)")
     else:
-        if not torch.cuda.is_available():
-            raise ValueError("the full run needs a CUDA GPU (use --quick on a CPU)")
-        model_dir = write_served_model_dir(work_dir, demo_dir)
-        model_args = [
-            model_dir,
-            "--load-format",
-            "dummy",
-            "--dtype",
-            "bfloat16",
-            "--device",
-            "cuda",
-            "--max-model-len",
-            "1024",
-        ]
+        model_dir, flags = write_served_model_dir(work_dir, demo_dir), FULL_FLAGS
     report = {
         "benchmark": "adapter_churn",
         "quick": args.quick,
@@ -109,12 +86,13 @@ def prepare(args: argparse.Namespace, work_dir: str) -> Bench:
         "device": _device(),
         "modes": {},
     }
+    model_args = [model_dir, *flags.split(), "--async-scheduling"]
     bench = Bench(
         settings,
         args.seed,
         work_dir,
         model_dir,
-        model_args + ["--async-scheduling"],
+        model_args,
         read_model_config(demo_dir),
         report,
         args.out,
@@ -127,6 +105,14 @@ def prepare(args: argparse.Namespace, work_dir: str) -> Bench:
         "page_cache_read_gbps": _round(io_bandwidth.page_cache_read_gbps(work_dir, settings.read_bandwidth_bytes)),
     }
     return bench
+
+
+def check_groups(args: argparse.Namespace, groups: Sequence[ServerGroup]) -> None:
+    chosen = range(len(groups)) if args.groups is None else args.groups
+    if not set(chosen) <= set(range(len(groups))):
+        raise ValueError(f"--groups must be among 0..{len(groups) - 1}")
+    if any(groups[i].runs_zipf for i in chosen) and 0 not in chosen and args.capacity_rps is None:
+        raise ValueError("the Zipf run needs the single-adapter capacity: run group 0 too, or pass --capacity-rps")
 
 
 def write_adapters(bench: Bench, base: BaseShapes) -> None:
@@ -244,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     rows = [row for mode in bench.report["modes"].values() for row in (*mode["table"], *mode.get("zipf", []))]
     bench.report["elapsed_s"] = round(time.perf_counter() - started, 1)
     bench.save()
-    write_file(args.plot, churn_report.render_png(rows))
+    write_png(args.plot, churn_report.plot_panels(rows))
     print(churn_report.table_text(rows))
     return bench.report
 

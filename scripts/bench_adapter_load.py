@@ -29,6 +29,7 @@ from ledgerserve.worker_proc.lora.reader import ReadSpec, read_image
 from ledgerserve.worker_proc.lora.slot_copy import SlotCopier, flat_tables, staging_bytes
 from ledgerserve.worker_proc.lora.weights import LoraWeights
 from scripts.bench_fixtures import LLAMA3_8B, adapter_digest, write_adapter
+from scripts.report_files import read_json, write_json
 
 SMALL = {
     "hidden_size": 256,
@@ -64,8 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
             report["adapters"].append(_adapter(report, spec, pool, copier, path, rank, args.repeats))
     print(json.dumps(report, indent=2))
     if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
+        write_json(args.out, report)
     return report
 
 
@@ -84,8 +84,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _base(args: argparse.Namespace) -> BaseShapes:
     if args.model_dir:
-        with open(os.path.join(args.model_dir, "config.json"), encoding="utf-8") as f:
-            return BaseShapes.from_hf_config(json.load(f))
+        return BaseShapes.from_hf_config(read_json(os.path.join(args.model_dir, "config.json"), "the model's config"))
     return BaseShapes.from_hf_config({**LLAMA3_8B, **(SMALL if args.small else {})})
 
 

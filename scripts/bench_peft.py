@@ -23,6 +23,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from scripts.bench_fixtures import LLAMA3_8B, SEVEN
+from scripts.report_files import read_json, write_json
 
 TINY = dict(
     hidden_size=64,
@@ -80,7 +81,7 @@ def generate(model, ids: torch.Tensor, names: list[str], gen_len: int, mixed: bo
         return total
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--adapters", type=int, default=32)
     ap.add_argument("--rank", type=int, default=16)
@@ -90,11 +91,11 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny model (a smoke run, e.g. on CPU)")
     ap.add_argument("--ours", default="", help="bench_decode.py --e2e JSON, for the ratio")
     ap.add_argument("--out", default="")
-    args = ap.parse_args()
-    torch.manual_seed(0)
-    t0 = time.perf_counter()
-    model = build(args.adapters, args.rank, args.device, args.tiny)
-    build_s = time.perf_counter() - t0
+    return ap.parse_args()
+
+
+def timed_generate(args: argparse.Namespace, model) -> tuple[bool, int, float]:
+    """(mixed batches?, output tokens, wall seconds) of one warmed-up timed generation."""
     vocab = model.config.vocab_size
     ids = torch.randint(1000 % vocab, vocab, (args.adapters, args.prompt_len), device=args.device)
     names = [f"a{i}" for i in range(args.adapters)]  # batch = one request per adapter
@@ -106,7 +107,16 @@ def main() -> None:
     t0 = time.perf_counter()
     tokens = generate(model, ids, names, args.gen_len, mixed)
     sync()
-    wall = time.perf_counter() - t0
+    return mixed, tokens, time.perf_counter() - t0
+
+
+def main() -> None:
+    args = parse_args()
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    model = build(args.adapters, args.rank, args.device, args.tiny)
+    build_s = time.perf_counter() - t0
+    mixed, tokens, wall = timed_generate(args, model)
     report = dict(
         device=torch.cuda.get_device_name() if args.device == "cuda" else args.device,
         torch=torch.__version__,
@@ -124,15 +134,12 @@ def main() -> None:
         tok_s=round(tokens / wall, 1),
     )
     if args.ours:
-        with open(args.ours, encoding="utf-8") as f:
-            ours = json.load(f)
+        ours = read_json(args.ours, "the bench_decode report")
         report["ours_tok_s"] = ours["tok_s"]
         report["ratio"] = round(ours["tok_s"] / report["tok_s"], 1)
-    text = json.dumps(report, indent=1)
     if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text)
-    print(text)
+        write_json(args.out, report, indent=1)
+    print(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

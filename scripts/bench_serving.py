@@ -44,7 +44,8 @@ A workload file (--workload FILE) is a JSON object whose keys are the long flag 
 "zipf"}. Flags given on the command line override the file; the file overrides defaults.
 
 `main(argv) -> dict` is the importable entry: it returns the report (and writes --out and
---plot). Run as a module, it prints the popularity line, then the report as JSON.
+--plot; the plot needs matplotlib, `pip install 'ledgerserve[plot]'`, and without it the
+report is written all the same). Run as a module, it prints the popularity line, then the report as JSON.
 """
 
 from __future__ import annotations
@@ -61,9 +62,11 @@ from typing import Any
 import httpx
 
 from ledgerserve.shared.adapter_format import BaseShapes
+from scripts import request_loop
 from scripts.bench_fixtures import write_adapter
-from scripts.lora_stress import _base_model, _post
-from scripts.serving_report import RequestResult, StreamTally, render_plot, result_of, summarize
+from scripts.plot import write_png
+from scripts.report_files import write_json
+from scripts.serving_report import RequestResult, StreamTally, plot_panels, result_of, summarize
 from scripts.serving_workload import (
     AdapterSpec,
     PlannedRequest,
@@ -101,7 +104,9 @@ async def check_names_free(client: httpx.AsyncClient, specs: Sequence[AdapterSpe
 async def load_adapters(client: httpx.AsyncClient, specs: Sequence[AdapterSpec], loaded: list[str]) -> None:
     """Load each adapter, appending its name to `loaded` once the server has it."""
     for spec in specs:
-        status, detail = await _post(client, "/v1/load_lora_adapter", {"lora_name": spec.name, "lora_path": spec.path})
+        status, detail = await request_loop.post(
+            client, "/v1/load_lora_adapter", {"lora_name": spec.name, "lora_path": spec.path}
+        )
         if status != 200:
             raise RuntimeError(f"loading adapter {spec.name} from {spec.path} failed: HTTP {status}: {detail[:500]}")
         loaded.append(spec.name)
@@ -112,7 +117,7 @@ async def unload_adapters(client: httpx.AsyncClient, names: Sequence[str]) -> li
     failures = []
     for name in names:
         try:
-            status, detail = await _post(client, "/v1/unload_lora_adapter", {"lora_name": name})
+            status, detail = await request_loop.post(client, "/v1/unload_lora_adapter", {"lora_name": name})
         except httpx.HTTPError as e:
             status, detail = 0, f"{type(e).__name__}: {e}"
         if status != 200:
@@ -170,7 +175,7 @@ async def _bench(
     (whatever happened)."""
     limits = httpx.Limits(max_connections=(args.max_concurrency or args.num_requests) + 4)
     async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout_s, limits=limits) as client:
-        base_model = await _base_model(client)
+        base_model = await request_loop.base_model(client)
         await check_names_free(client, specs)
         write_adapters(specs, hf_config, args.target_modules)  # blocks the loop: nothing is in flight yet
         loaded: list[str] = []
@@ -182,12 +187,6 @@ async def _bench(
         finally:
             unload_failures = await unload_adapters(client, loaded)
     return results, base_model, unload_failures
-
-
-def _write(path: str, data: bytes) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "wb") as f:
-        f.write(data)
 
 
 def main(argv: Sequence[str] | None = None, echo: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -202,11 +201,10 @@ def main(argv: Sequence[str] | None = None, echo: Callable[[str], None] | None =
     results, base_model, unload_failures = asyncio.run(_bench(args, hf_config, specs, plan))
     report = summarize(vars(args), plan, weights, results, specs, base_model)
     report["unload_failures"] = unload_failures
-    if args.plot:
-        _write(args.plot, render_plot(results, report["per_adapter"]))
+    if args.plot and write_png(args.plot, plot_panels(results, report["per_adapter"])):
         report["plot"] = args.plot
     if args.out:
-        _write(args.out, json.dumps(report, indent=2).encode())
+        write_json(args.out, report)
     return report
 
 

@@ -10,8 +10,9 @@ judged is the bench's `step_ms` (wall time a step in the loop); the GPU time alo
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import asdict, dataclass
+
+from scripts.report_files import read_json, write_json
 
 FLOOR_MAX = 1.25  # step time / its bandwidth floor
 ADAPTERS_32_MIN = 0.80  # 32-adapter throughput / base throughput, batch 32
@@ -77,11 +78,6 @@ def judge(targets: dict, e2e: dict, peft: dict) -> list[Verdict]:
     ]
 
 
-def _load(path: str) -> dict:
-    with open(path) as f:
-        return json.load(f)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("targets")
@@ -89,25 +85,17 @@ def main() -> None:
     ap.add_argument("peft")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
-    targets = _load(args.targets)
     try:
-        verdicts = judge(targets, _load(args.e2e), _load(args.peft))
+        targets = read_json(args.targets, "the targets report")
+        verdicts = judge(targets, read_json(args.e2e, "the e2e report"), read_json(args.peft, "the PEFT report"))
     except ValueError as e:
         raise SystemExit(f"check_targets: {e}") from None
     print(f"{targets['device']}, copy bandwidth {targets['copy_bw_GBps']} GB/s")
     for v in verdicts:
         print(f"{'met   ' if v.met else 'MISSED'} {v.target}: {v.value} (limit {v.limit}); {v.detail}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(
-                {
-                    "device": targets["device"],
-                    "copy_bw_GBps": targets["copy_bw_GBps"],
-                    "verdicts": [asdict(v) for v in verdicts],
-                },
-                f,
-                indent=1,
-            )
+        summary = {"device": targets["device"], "copy_bw_GBps": targets["copy_bw_GBps"]}
+        write_json(args.out, {**summary, "verdicts": [asdict(v) for v in verdicts]}, indent=1)
     raise SystemExit(0 if all(v.met for v in verdicts) else 1)
 
 

@@ -1,9 +1,8 @@
 """bench_adapter_churn's results: one row per workload, the adapter loads its servers logged,
-the printed table and the PNG (TTFT CDFs and output throughput per workload)."""
+the printed table and the plot's panels (TTFT CDFs and output throughput per workload)."""
 
 from __future__ import annotations
 
-import io
 import statistics
 from collections.abc import Sequence
 from typing import Any
@@ -11,7 +10,7 @@ from typing import Any
 from ledgerserve.shared import codec
 from ledgerserve.shared import events as ev
 from ledgerserve.shared.eventlog import RunScanner, newest_log
-from scripts.png_plot import BarPanel, CdfPanel, plot_png
+from scripts.plot import BarPanel, CdfPanel, Panel
 from scripts.serving_report import RequestResult
 
 
@@ -90,49 +89,15 @@ def _num(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
-def plot_panels(rows: Sequence[dict[str, Any]]) -> list[CdfPanel | BarPanel]:
+def plot_panels(rows: Sequence[dict[str, Any]]) -> list[Panel]:
     """A TTFT CDF per arrival pattern (one line per workload of it) and output tok/s bars."""
     by_arrival: dict[str, dict[str, list[float]]] = {}
     for row in rows:
         by_arrival.setdefault(row["arrival"], {})[f"{row['mode']} {row['label']}"] = row["ttft_values_ms"]
-    panels: list[CdfPanel | BarPanel] = [
-        CdfPanel(f"TTFT ms CDF, {arrival}", series) for arrival, series in by_arrival.items()
+    panels: list[Panel] = [
+        CdfPanel(f"TTFT CDF, {arrival}", series, xlabel="TTFT (ms)", log_x=True)
+        for arrival, series in by_arrival.items()
     ]
-    bars = [(str(i), row["output_tokens_per_s"] or 0.0) for i, row in enumerate(rows)]
-    panels.append(BarPanel("output tok/s by workload (see the report)", bars))
+    bars = [(f"{row['mode']} {row['workload']}", row["output_tokens_per_s"] or 0.0) for row in rows]
+    panels.append(BarPanel("output tok/s by workload", bars, value_label="output tokens/s", horizontal=True))
     return panels
-
-
-def render_png(rows: Sequence[dict[str, Any]]) -> bytes:
-    """matplotlib when installed, else scripts/png_plot.py."""
-    panels = plot_panels(rows)
-    try:
-        import matplotlib
-    except ImportError:
-        return plot_png(panels, panel_width=520)
-    matplotlib.use("Agg")
-    return _matplotlib_png(panels, [row["workload"] for row in rows])
-
-
-def _matplotlib_png(panels: Sequence[CdfPanel | BarPanel], names: Sequence[str]) -> bytes:
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 5), squeeze=False)
-    for ax, panel in zip(axes[0], panels):
-        ax.set_title(panel.title)
-        if isinstance(panel, CdfPanel):
-            for label, values in panel.series.items():
-                ordered = sorted(values) or [0.0]
-                ax.step(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], where="post", label=label)
-            ax.set_xlabel("TTFT (ms)")
-            ax.set_xscale("log")
-            ax.legend(fontsize=7)
-        else:
-            ax.barh([names[int(label)] for label, _ in panel.bars], [value for _, value in panel.bars])
-            ax.set_xlabel("output tokens/s")
-            ax.tick_params(axis="y", labelsize=7)
-    fig.tight_layout()
-    out = io.BytesIO()
-    fig.savefig(out, format="png", dpi=100)
-    plt.close(fig)
-    return out.getvalue()

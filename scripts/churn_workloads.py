@@ -5,7 +5,6 @@ checking that the engine went idle holding nothing."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import sys
 from collections.abc import Sequence
@@ -14,11 +13,11 @@ from typing import Any
 
 import httpx
 
-from scripts import churn_report
+from scripts import churn_report, request_loop
 from scripts.bench_serving import load_adapters, run_plan, unload_adapters
 from scripts.churn_plan import ARRIVALS, ChurnSettings, ServerGroup, TableSetup
 from scripts.churn_probe import Prompts, run_probe
-from scripts.lora_stress import _base_model
+from scripts.report_files import write_json
 from scripts.server_process import Server
 from scripts.serving_report import summarize
 from scripts.serving_workload import AdapterSpec, adapter_specs, parse_config, plan_workload, special_token_ids
@@ -41,14 +40,14 @@ class Bench:
         return os.path.join(self.work_dir, "adapters", name)
 
     def save(self) -> None:
-        write_file(self.out, json.dumps(self.report, indent=1).encode())
+        write_json(self.out, self.report, indent=1)
 
 
 async def serve_group(bench: Bench, group: ServerGroup, server: Server, mode: dict[str, Any], overlap: str) -> None:
     s = bench.settings
     limits = httpx.Limits(max_connections=max(s.burst_requests, s.zipf_requests, s.poisson_requests) + 8)
     async with httpx.AsyncClient(base_url=server.base_url, timeout=600.0, limits=limits) as client:
-        base_model = await _base_model(client)
+        base_model = await request_loop.base_model(client)
         if group.runs_probe:
             prompts = Prompts(bench.seed, bench.prompt_config["vocab_size"], special_token_ids(bench.prompt_config))
             fresh = adapter_specs(s.probe_reps, [s.probe_rank], bench.dir("probe"), "probe-fresh-")
@@ -78,22 +77,12 @@ async def table_workload(
     index: int,
 ) -> dict[str, Any]:
     s = bench.settings
-    flags = [
-        "--adapter-dir",
-        bench.dir("pool"),
-        "--num-adapters",
-        str(setup.num_adapters),
-        "--ranks",
-        ",".join(map(str, s.ranks)),
-        "--popularity",
-        "uniform",
-        "--arrival",
-        arrival,
-    ]
+    flags: dict[str, Any] = {"adapter_dir": bench.dir("pool"), "num_adapters": setup.num_adapters}
+    flags |= {"ranks": ",".join(map(str, s.ranks)), "popularity": "uniform", "arrival": arrival}
     if arrival == "burst":
-        flags += ["--num-requests", str(s.burst_requests), "--max-concurrency", str(s.burst_in_flight)]
+        flags |= {"num_requests": s.burst_requests, "max_concurrency": s.burst_in_flight}
     else:
-        flags += ["--rate", str(s.poisson_rate), "--num-requests", str(s.poisson_requests)]
+        flags |= {"rate": s.poisson_rate, "num_requests": s.poisson_requests}
     extra = {
         "label": setup.label,
         "arrival": arrival,
@@ -115,24 +104,9 @@ async def zipf_workload(
         raise ValueError("the Zipf run needs the single-adapter capacity: run group 0 too, or pass --capacity-rps")
     mode["capacity_requests_per_s"] = capacity
     rate = round(s.zipf_load * capacity, 3)
-    flags = [
-        "--adapter-dir",
-        bench.dir("zipf"),
-        "--num-adapters",
-        str(s.zipf_adapters),
-        "--ranks",
-        str(s.zipf_rank),
-        "--popularity",
-        "zipf",
-        "--zipf-s",
-        str(s.zipf_s),
-        "--arrival",
-        "poisson",
-        "--rate",
-        str(rate),
-        "--num-requests",
-        str(s.zipf_requests),
-    ]
+    flags = {"adapter_dir": bench.dir("zipf"), "num_adapters": s.zipf_adapters, "ranks": s.zipf_rank}
+    flags |= {"popularity": "zipf", "zipf_s": s.zipf_s, "arrival": "poisson", "rate": rate}
+    flags["num_requests"] = s.zipf_requests
     extra = {
         "label": f"zipf {s.zipf_adapters}a/{s.zipf_max_loras}s",
         "arrival": "zipf poisson",
@@ -149,31 +123,15 @@ async def workload(
     client: httpx.AsyncClient,
     base_model: str,
     name: str,
-    flags: list[str],
+    flags: dict[str, Any],
     index: int,
     extra: dict[str, Any],
 ) -> dict[str, Any]:
     """Plan with bench_serving's flags, register the adapters, run, unload; one table row."""
     s = bench.settings
-    args = parse_config(
-        [
-            "--base-url",
-            str(client.base_url),
-            "--model-dir",
-            bench.model_dir,
-            "--adapter-prefix",
-            f"w{index}-",
-            "--input-len",
-            str(s.input_len),
-            "--output-len",
-            str(s.output_len),
-            "--seed",
-            str(bench.seed * 10_000 + index),
-            "--timeout-s",
-            "600",
-            *flags,
-        ]
-    )
+    fields = {"base_url": client.base_url, "model_dir": bench.model_dir, "adapter_prefix": f"w{index}-"}
+    fields |= {"input_len": s.input_len, "output_len": s.output_len, "seed": bench.seed * 10_000 + index}
+    args = parse_config(_argv({**fields, "timeout_s": 600, **flags}))
     plan, weights = plan_workload(args, bench.prompt_config)
     specs = adapter_specs(args.num_adapters, args.ranks, args.adapter_dir, args.adapter_prefix)
     loaded: list[str] = []
@@ -207,15 +165,14 @@ async def register(
     await asyncio.gather(*(one(spec) for spec in specs))
 
 
+def _argv(fields: dict[str, Any]) -> list[str]:
+    """bench_serving's command line for these fields (named as its flags' destinations)."""
+    return [part for key, value in fields.items() for part in ("--" + key.replace("_", "-"), str(value))]
+
+
 def _check_idle(server: Server, mode: dict[str, Any], after: str) -> None:
     """The engine must go idle holding no request, block, pin or deferral; a leak is recorded."""
     try:
         server.wait_idle(timeout_s=60)
     except TimeoutError as e:
         mode.setdefault("leaks", []).append({"after": after, "found": str(e)[:500]})
-
-
-def write_file(path: str, data: bytes) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "wb") as f:
-        f.write(data)

@@ -25,7 +25,7 @@ import httpx
 import psutil
 
 from scripts import load_test
-from scripts.lora_stress import _base_model, check_loopback
+from scripts.request_loop import base_model, check_loopback
 
 
 def rss_mib(launcher_pid: int) -> dict[str, float]:
@@ -56,7 +56,7 @@ async def flood(base_url: str, concurrency: int, duration_s: float) -> dict[str,
     counts: dict[str, int] = {}
     limits = httpx.Limits(max_connections=concurrency)
     async with httpx.AsyncClient(base_url=base_url, timeout=120, limits=limits) as client:
-        model = await _base_model(client)
+        model = await base_model(client)
         deadline = time.monotonic() + duration_s
         await asyncio.gather(*[_client(client, model, deadline, counts) for _ in range(concurrency)])
     return counts

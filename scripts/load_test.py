@@ -3,9 +3,10 @@
     python -m scripts.load_test --base-url http://127.0.0.1:8000 --duration-s 30 \\
         --concurrency 6 --adapters a=/loras/a b=/loras/b
 
-Run it from the repository root (it imports `scripts.lora_stress`). With `--adapters`, the
-server needs `--enable-lora` and a `--lora-allowed-dir` that holds those directories: the
-test loads and unloads them over the API.
+Run it from the repository root (it imports `scripts.request_loop`, the request loop it
+shares with scripts/lora_stress.py). With `--adapters`, the server needs `--enable-lora` and
+a `--lora-allowed-dir` that holds those directories: the test loads and unloads them over
+the API.
 
 For `--duration-s` seconds, `--concurrency` clients send completions (plain and chat,
 streaming and not) to the base model, to an adapter by `model`, or by `lora_path`; a
@@ -29,111 +30,44 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import sys
 import time
 from typing import Any
 
 import httpx
 
-from scripts.lora_stress import (
+from scripts.lora_stress import summarize
+from scripts.request_loop import (
+    REQUEST_KINDS,
     Outcome,
     Run,
-    _base_model,
-    _percentile,
-    _post,
-    _stream,
-    _timed,
-    check_loopback,
+    admin_cycle,
+    check_loop_args,
+    loop_parser,
     parse_adapters,
-    summarize,
+    percentile,
+    run_loop,
+    send_one,
 )
 
-REQUEST_KINDS = ("base", "adapter", "lora_path")
 
+async def _until_deadline(run: Run, client: httpx.AsyncClient) -> None:
+    """Clients send back to back and each adapter cycles through its admin ops until the deadline."""
+    args, adapters = run.args, parse_adapters(run.args.adapters)
+    deadline = time.monotonic() + args.duration_s
 
-async def _aborted_stream(client: httpx.AsyncClient, path: str, body: dict) -> tuple[int, str]:
-    """Open a stream and close it after its first data line (a client abort)."""
-    async with client.stream("POST", path, json=body) as r:
-        if r.status_code != 200:
-            return r.status_code, (await r.aread()).decode(errors="replace")
-        async for line in r.aiter_lines():
-            if line.startswith("data: {") and '"error"' in line:
-                return int(json.loads(line[len("data: ") :])["error"].get("code") or 500), line
-            if line.startswith("data: "):
-                return 200, "aborted"
-    return -1, "stream ended without data"
+    async def requests() -> None:
+        while time.monotonic() < deadline:
+            await send_one(run, client, adapters, "load", args.abort_fraction)
 
+    async def admin(name: str, path: str) -> None:
+        while time.monotonic() < deadline:
+            await admin_cycle(run, client, name, path, run.rng.uniform(0.3, 1.5) * args.hold_scale)
+            await asyncio.sleep(run.rng.uniform(0.0, 0.2))
 
-def _request_body(run: Run, adapters: dict[str, str]) -> tuple[str, str | None, str, dict[str, Any]]:
-    kind = run.rng.choice(REQUEST_KINDS) if adapters else "base"
-    name = run.rng.choice(sorted(adapters)) if kind != "base" else None
-    body: dict[str, Any] = {"model": name if kind == "adapter" else run.model, "max_tokens": run.args.max_tokens}
-    if kind == "lora_path" and name is not None:
-        body["lora_path"] = run.rng.choice((name, adapters[name]))
-    if run.rng.random() < 0.5:
-        path, body["prompt"] = "/v1/completions", f"load test prompt {run.rng.randrange(1000)}"
-    else:
-        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": "load"}]
-    return kind, name, path, body
-
-
-async def _client(run: Run, client: httpx.AsyncClient, deadline: float) -> None:
-    adapters = parse_adapters(run.args.adapters)
-    while time.monotonic() < deadline:
-        kind, name, path, body = _request_body(run, adapters)
-        roll = run.rng.random()
-        body["stream"] = roll < 0.5
-        if roll < run.args.abort_fraction:
-            send = lambda: _aborted_stream(client, path, body)  # noqa: E731
-        elif body["stream"]:
-            send = lambda: _stream(client, path, body)  # noqa: E731
-        else:
-            send = lambda: _post(client, path, body)  # noqa: E731
-        await _timed(run, kind, name, send, by_path=kind == "lora_path" and body["lora_path"] != name)
-
-
-async def _admin_loop(run: Run, client: httpx.AsyncClient, name: str, path: str, deadline: float) -> None:
-    """Cycle: 1-2 racing loads, an in-place reload, hold it loaded a while, unload."""
-    body = {"lora_name": name, "lora_path": path}
-    while time.monotonic() < deadline:
-        group, run.next_group = run.next_group, run.next_group + 1
-        size = run.rng.choice((1, 2))
-        await asyncio.gather(
-            *(
-                _timed(
-                    run,
-                    "load",
-                    name,
-                    lambda: _post(client, "/v1/load_lora_adapter", body),
-                    group=group,
-                    group_size=size,
-                )
-                for _ in range(size)
-            )
-        )
-        await _timed(
-            run, "reload", name, lambda: _post(client, "/v1/load_lora_adapter", {**body, "load_inplace": True})
-        )
-        await asyncio.sleep(run.rng.uniform(0.3, 1.5) * run.args.hold_scale)
-        await _timed(run, "unload", name, lambda: _post(client, "/v1/unload_lora_adapter", {"lora_name": name}))
-        await asyncio.sleep(run.rng.uniform(0.0, 0.2))
-
-
-async def _run(args: argparse.Namespace) -> list[Outcome]:
-    adapters = parse_adapters(args.adapters)
-    async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout_s) as client:
-        run = Run(args, await _base_model(client), random.Random(args.seed))
-        for name in adapters:
-            await _timed(
-                run, "setup_unload", name, lambda n=name: _post(client, "/v1/unload_lora_adapter", {"lora_name": n})
-            )
-        deadline = time.monotonic() + args.duration_s
-        await asyncio.gather(
-            *(_admin_loop(run, client, name, path, deadline) for name, path in adapters.items()),
-            *(_client(run, client, deadline) for _ in range(args.concurrency)),
-        )
-    return run.outcomes
+    await asyncio.gather(
+        *(admin(name, path) for name, path in adapters.items()), *(requests() for _ in range(args.concurrency))
+    )
 
 
 def read_metrics(base_url: str) -> dict[str, float]:
@@ -183,7 +117,7 @@ def report(outcomes: list[Outcome], metrics: dict[str, float], found: list[str],
         "counts": summary["counts"],
         "errors": len(summary["unexpected"]),
         "unexpected": summary["unexpected"][:20],
-        "latency_ms": {"p50": _percentile(served, 50), "p99": _percentile(served, 99)},  # 200s, not aborted
+        "latency_ms": {"p50": percentile(served, 50), "p99": percentile(served, 99)},  # 200s, not aborted
         "leaks": found,
         "idle_metrics": {k: v for k, v in metrics.items() if k.startswith(("ledgerserve_kv", "ledgerserve_lora"))},
         "ok": not summary["unexpected"] and not found,
@@ -191,25 +125,16 @@ def report(outcomes: list[Outcome], metrics: dict[str, float], found: list[str],
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p = loop_parser(__doc__.split("\n")[0])
     p.add_argument("--duration-s", type=float, default=30.0)
-    p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument(
-        "--adapters", nargs="*", default=[], metavar="NAME=PATH", help="paths inside the server's allowed dir"
-    )
     p.add_argument("--abort-fraction", type=float, default=0.15, help="share of requests closed after the first chunk")
-    p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--hold-scale", type=float, default=1.0, help="scales how long each adapter stays loaded per cycle")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout-s", type=float, default=60.0, help="per-request timeout")
     p.add_argument("--idle-timeout-s", type=float, default=30.0, help="how long to wait for the engine to go idle")
     return p.parse_args(argv)
 
 
 def validate(args: argparse.Namespace) -> None:
-    check_loopback(args.base_url)
-    parse_adapters(args.adapters)
+    check_loop_args(args)
     if not 0 < args.duration_s <= 3600:
         raise ValueError("--duration-s must be in (0, 3600]")
     if not 1 <= args.concurrency <= 256:
@@ -225,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     validate(args)
     started = time.monotonic()
-    outcomes = asyncio.run(_run(args))
+    outcomes = asyncio.run(run_loop(args, _until_deadline))
     metrics, found = wait_idle(args.base_url, args.idle_timeout_s)
     return report(outcomes, metrics, found, round(time.monotonic() - started, 1))
 

@@ -27,155 +27,48 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import json
-import random
 import sys
-import time
-from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlparse
 
 import httpx
+
+from scripts.request_loop import (
+    REQUEST_KINDS,
+    Outcome,
+    Run,
+    admin_cycle,
+    check_loop_args,
+    loop_parser,
+    parse_adapters,
+    percentile,
+    run_loop,
+    send_one,
+)
 
 ADMIN_KINDS = {"setup_unload": {200, 404}, "reload": {200}, "unload": {200}}
 
 
-@dataclass
-class Outcome:
-    kind: str  # base | adapter | lora_path | load | reload | unload | setup_unload
-    adapter: str | None
-    status: int  # HTTP status, the code of a stream's error event; 0: transport error, -1: cut stream
-    start_s: float
-    end_s: float
-    group: int = 0  # loads sent together share a group id
-    group_size: int = 1
-    detail: str = ""
-    by_path: bool = False  # a lora_path request naming the adapter's directory, not its name
+async def _round(run: Run, client: httpx.AsyncClient) -> None:
+    """Every adapter's admin cycle, while `--concurrency` workers share `--requests` completions."""
+    args, adapters = run.args, parse_adapters(run.args.adapters)
 
+    async def worker(num_requests: int) -> None:
+        for _ in range(num_requests):
+            await send_one(run, client, adapters, "stress")
 
-@dataclass
-class Run:
-    args: argparse.Namespace
-    model: str
-    rng: random.Random
-    outcomes: list[Outcome] = field(default_factory=list)
-    next_group: int = 1
-
-
-def check_loopback(base_url: str) -> None:
-    host = urlparse(base_url).hostname or ""
-    if host == "localhost":
-        return
-    try:
-        if ipaddress.ip_address(host).is_loopback:
-            return
-    except ValueError:
-        pass
-    raise ValueError(f"refusing to stress a non-loopback server: {base_url!r}")
-
-
-def parse_adapters(specs: list[str]) -> dict[str, str]:
-    adapters = {}
-    for spec in specs:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"--adapters: {spec!r} is not NAME=PATH")
-        adapters[name] = path
-    return adapters
-
-
-async def _timed(run: Run, kind: str, adapter: str | None, send: Any, **extra: Any) -> Outcome:
-    start = time.monotonic()
-    try:
-        status, detail = await send()
-    except httpx.HTTPError as e:
-        status, detail = 0, f"{type(e).__name__}: {e}"
-    outcome = Outcome(kind, adapter, status, start, time.monotonic(), detail=detail[:200], **extra)
-    run.outcomes.append(outcome)
-    return outcome
-
-
-async def _post(client: httpx.AsyncClient, path: str, body: dict) -> tuple[int, str]:
-    r = await client.post(path, json=body)
-    return r.status_code, "" if r.status_code == 200 else r.text
-
-
-async def _stream(client: httpx.AsyncClient, path: str, body: dict) -> tuple[int, str]:
-    async with client.stream("POST", path, json=body) as r:
-        if r.status_code != 200:
-            return r.status_code, (await r.aread()).decode(errors="replace")
-        async for line in r.aiter_lines():
-            if line == "data: [DONE]":
-                return 200, ""
-            if line.startswith("data: {"):
-                event = json.loads(line[len("data: ") :])
-                if "error" in event:
-                    return int(event["error"].get("code") or 500), line
-    return -1, "stream ended without [DONE]"
-
-
-async def _admin(run: Run, client: httpx.AsyncClient, name: str, path: str) -> None:
-    group, run.next_group = run.next_group, run.next_group + 1
-    size = run.rng.choice((1, 2))
-    body = {"lora_name": name, "lora_path": path}
+    shares = [
+        args.requests // args.concurrency + (i < args.requests % args.concurrency) for i in range(args.concurrency)
+    ]
     await asyncio.gather(
-        *(
-            _timed(
-                run, "load", name, lambda: _post(client, "/v1/load_lora_adapter", body), group=group, group_size=size
-            )
-            for _ in range(size)
-        )
+        *(admin_cycle(run, client, name, path, run.rng.uniform(0.0, 0.2)) for name, path in adapters.items()),
+        *(worker(n) for n in shares),
     )
-    reload = {**body, "load_inplace": True}
-    await _timed(run, "reload", name, lambda: _post(client, "/v1/load_lora_adapter", reload))
-    await asyncio.sleep(run.rng.uniform(0.0, 0.2))
-    await _timed(run, "unload", name, lambda: _post(client, "/v1/unload_lora_adapter", {"lora_name": name}))
 
 
-async def _worker(run: Run, client: httpx.AsyncClient, num_requests: int) -> None:
-    adapters = parse_adapters(run.args.adapters)
-    for _ in range(num_requests):
-        kind = run.rng.choice(("base", "adapter", "lora_path")) if adapters else "base"
-        name = run.rng.choice(sorted(adapters)) if kind != "base" else None
-        body: dict[str, Any] = {"model": name if kind == "adapter" else run.model, "max_tokens": run.args.max_tokens}
-        if kind == "lora_path" and name is not None:
-            body["lora_path"] = run.rng.choice((name, adapters[name]))
-        by_path = kind == "lora_path" and body["lora_path"] != name
-        if run.rng.random() < 0.5:
-            path, body["prompt"] = "/v1/completions", "stress test prompt"
-        else:
-            path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": "stress"}]
-        stream = run.rng.random() < 0.5
-        body["stream"] = stream
-        send = (lambda: _stream(client, path, body)) if stream else (lambda: _post(client, path, body))
-        await _timed(run, kind, name, send, by_path=by_path)
-
-
-async def _base_model(client: httpx.AsyncClient) -> str:
-    r = await client.get("/v1/models")
-    r.raise_for_status()
-    return next(card["id"] for card in r.json()["data"] if card.get("parent") is None)
-
-
-async def _run(args: argparse.Namespace) -> list[Outcome]:
-    adapters = parse_adapters(args.adapters)
-    async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout_s) as client:
-        run = Run(args, await _base_model(client), random.Random(args.seed))
-        for name in adapters:
-            await _timed(
-                run, "setup_unload", name, lambda n=name: _post(client, "/v1/unload_lora_adapter", {"lora_name": n})
-            )
-        for _ in range(args.rounds):
-            shares = [
-                args.requests // args.concurrency + (i < args.requests % args.concurrency)
-                for i in range(args.concurrency)
-            ]
-            await asyncio.gather(
-                *(_admin(run, client, name, path) for name, path in adapters.items()),
-                *(_worker(run, client, n) for n in shares),
-            )
-    return run.outcomes
+async def _rounds(run: Run, client: httpx.AsyncClient) -> None:
+    for _ in range(run.args.rounds):
+        await _round(run, client)
 
 
 def _transitions(outcomes: list[Outcome], adapter: str) -> list[tuple[float, str]]:
@@ -224,12 +117,12 @@ def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
         if o.status not in expected_statuses(o, marks):
             unexpected.append({"kind": o.kind, "adapter": o.adapter, "status": o.status, "detail": o.detail})
     unexpected += _group_violations(outcomes)
-    latencies = sorted((o.end_s - o.start_s) * 1000 for o in outcomes if o.kind in ("base", "adapter", "lora_path"))
+    latencies = sorted((o.end_s - o.start_s) * 1000 for o in outcomes if o.kind in REQUEST_KINDS)
     return {
         "num_requests": len(outcomes),
         "counts": counts,
         "unexpected": unexpected,
-        "latency_ms": {"p50": _percentile(latencies, 50), "p99": _percentile(latencies, 99)},
+        "latency_ms": {"p50": percentile(latencies, 50), "p99": percentile(latencies, 99)},
     }
 
 
@@ -253,32 +146,17 @@ def _group_violations(outcomes: list[Outcome]) -> list[dict[str, Any]]:
     return bad
 
 
-def _percentile(values: list[float], pct: float) -> float | None:
-    if not values:
-        return None
-    return round(values[min(len(values) - 1, int(len(values) * pct / 100))], 2)
-
-
 def run_stress(args: argparse.Namespace) -> dict[str, Any]:
-    check_loopback(args.base_url)
-    parse_adapters(args.adapters)
+    check_loop_args(args)
     if args.concurrency < 1 or args.rounds < 1 or args.requests < 0:
         raise ValueError("--concurrency and --rounds must be >= 1, --requests >= 0")
-    return summarize(asyncio.run(_run(args)))
+    return summarize(asyncio.run(run_loop(args, _rounds)))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--concurrency", type=int, default=4)
+    p = loop_parser(__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--requests", type=int, default=24, help="completions per round")
-    p.add_argument(
-        "--adapters", nargs="*", default=[], metavar="NAME=PATH", help="paths inside the server's allowed dir"
-    )
-    p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout-s", type=float, default=60.0)
     return p.parse_args(argv)
 
 

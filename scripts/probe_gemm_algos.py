@@ -15,6 +15,7 @@ import torch
 
 from ledgerserve.kernels import cublaslt
 from ledgerserve.kernels.gemm_tuning import time_shape
+from scripts.report_files import write_json
 
 # name: (n, k, slices) of Llama-3-8B's decode projections; stacked LoRA adds slots * slices * rank rows of A
 PROJ = {"qkv": (6144, 4096, 3), "o": (4096, 4096, 1), "gate_up": (28672, 4096, 2), "down": (4096, 14336, 1)}
@@ -51,8 +52,7 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+        write_json(args.out, {"device": torch.cuda.get_device_name(), "rows": rows}, indent=1)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
-import json
 import os
 import tempfile
 import time
@@ -31,6 +30,7 @@ from ledgerserve.worker_proc.sampler import Sampler
 from ledgerserve.worker_proc.step_inputs import PinnedStaging
 from scripts.bench_decode import BLOCK, Bench
 from scripts.bench_fixtures import LLAMA3_8B, write_adapter, write_model_dir
+from scripts.report_files import write_json
 
 HOST_PARTS = [
     (ModelRunner, "_apply_plan"),
@@ -100,7 +100,7 @@ def profile_point(bench: Bench, batch: int, num_adapters: int, steps: int, host:
     )
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--points", default="1:0,32:0,32:4,32:32", help="batch:adapters,...")
     ap.add_argument("--max-loras", type=int, default=32)
@@ -110,13 +110,11 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--pdl", action="store_true", help="keep PDL on (kernel times then include waits)")
     ap.add_argument("--out", default="")
-    args = ap.parse_args()
-    if not args.pdl:
-        os.environ["LEDGERSERVE_PDL"] = "0"
-    points = [tuple(int(v) for v in p.split(":")) for p in args.points.split(",")]
-    root = tempfile.mkdtemp(prefix="profile_decode_")
-    base = BaseShapes.from_hf_config(LLAMA3_8B)
-    max_batch = max(b for b, _ in points)
+    return ap.parse_args()
+
+
+def build_runner(args: argparse.Namespace, root: str, max_batch: int, num_adapters: int) -> ModelRunner:
+    """A runner of the dummy Llama-3-8B with `num_adapters` random adapters in its slots."""
     blocks_per_req = -(-(128 + 8 * args.steps + 2) // BLOCK)  # as Bench sizes them
     config = EngineConfig(
         model_dir=write_model_dir(root),
@@ -135,8 +133,19 @@ def main() -> None:
         enforce_eager=args.eager,
     )
     runner = ModelRunner(config)
-    for i in range(max(a for _, a in points)):
+    base = BaseShapes.from_hf_config(LLAMA3_8B)
+    for i in range(num_adapters):
         runner.load_adapter(AdapterSlotAssigned(i, i, write_adapter(root, i, base, args.rank, "cuda")))
+    return runner
+
+
+def main() -> None:
+    args = parse_args()
+    if not args.pdl:
+        os.environ["LEDGERSERVE_PDL"] = "0"
+    points = [tuple(int(v) for v in p.split(":")) for p in args.points.split(",")]
+    root = tempfile.mkdtemp(prefix="profile_decode_")
+    runner = build_runner(args, root, max(b for b, _ in points), max(a for _, a in points))
     host: dict[str, float] = collections.defaultdict(float)
     time_host_parts(host)
     bench = Bench(runner, 128, 0, 8 * args.steps)
@@ -151,8 +160,7 @@ def main() -> None:
         for k in row["kernels"][: args.top]:
             print(f"{k['us']:9.1f} us {k['calls']:6.1f}x  {k['kernel']}")
     if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), points=report), f, indent=1)
+        write_json(args.out, dict(device=torch.cuda.get_device_name(), points=report), indent=1)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from scripts.load_test import leaks, read_metrics
+from scripts.load_test import read_metrics, wait_idle
 
 START_TIMEOUT_S = 180.0
 
@@ -94,9 +94,7 @@ class Server:
     def wait_idle(self, timeout_s: float = 20.0) -> dict[str, float]:
         """Until the engine is idle and holds nothing (scripts/load_test.py's `leaks`): no
         request running or waiting, every KV block free or cached, no pins, no deferrals."""
-        deadline = time.monotonic() + timeout_s
-        while found := leaks(m := self.metrics()):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"engine not idle: {found}: {m}")
-            time.sleep(0.1)
+        m, found = wait_idle(self.base_url, timeout_s)
+        if found:
+            raise TimeoutError(f"engine not idle: {found}: {m}")
         return m

@@ -1,5 +1,5 @@
 """bench_serving's results: one request's stream tally, percentiles, per-adapter rows,
-Jain's fairness index, the JSON summary and the PNG plot. Pure functions of the results."""
+Jain's fairness index, the JSON summary and the plot's panels. Pure functions of the results."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from scripts.png_plot import GREY, PALETTE, BarPanel, CdfPanel, plot_png
+from scripts.plot import BLUE, GREY, BarPanel, CdfPanel, Panel
 from scripts.serving_workload import PERCENTILES, AdapterSpec, PlannedRequest, popularity_shares
 
 # ---- one request's stream (pure) -----------------------------------------------------
@@ -220,7 +220,7 @@ def summarize(
     }
 
 
-def render_plot(results: Sequence[RequestResult], rows: Sequence[dict[str, Any]]) -> bytes:
+def plot_panels(results: Sequence[RequestResult], rows: Sequence[dict[str, Any]]) -> list[Panel]:
     """TTFT and TPOT CDFs (base vs adapter requests) and per-model mean TPOT bars."""
     ok = [r for r in results if r.status == 200]
 
@@ -232,11 +232,9 @@ def render_plot(results: Sequence[RequestResult], rows: Sequence[dict[str, Any]]
 
     plotted = [row for row in rows if row["mean_tpot_ms"] is not None]
     bars = [("B" if row["adapter"] is None else str(row["adapter"]), row["mean_tpot_ms"]) for row in plotted]
-    colors = [GREY if row["adapter"] is None else PALETTE[1] for row in plotted]
-    return plot_png(
-        [
-            CdfPanel("TTFT ms CDF", series("ttft_ms")),
-            CdfPanel("TPOT ms CDF", series("tpot_ms")),
-            BarPanel("mean TPOT ms by model: B base, 0.. adapters", bars, colors),
-        ]
-    )
+    colors = [GREY if row["adapter"] is None else BLUE for row in plotted]
+    return [
+        CdfPanel("TTFT CDF", series("ttft_ms"), xlabel="TTFT (ms)"),
+        CdfPanel("TPOT CDF", series("tpot_ms"), xlabel="TPOT (ms)"),
+        BarPanel("mean TPOT by model: B base, 0.. adapters", bars, colors, value_label="mean TPOT (ms)"),
+    ]

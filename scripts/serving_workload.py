@@ -5,7 +5,6 @@ files. The workload semantics are described in scripts/bench_serving.py."""
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import random
@@ -16,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from scripts.bench_fixtures import SEVEN
-from scripts.lora_stress import check_loopback
+from scripts.report_files import read_json
+from scripts.request_loop import check_loopback
 
 POPULARITIES = ("uniform", "zipf")
 ARRIVALS = ("poisson", "burst")
@@ -95,14 +95,6 @@ def workload_argv(data: Any, known: Sequence[str]) -> list[str]:
     return argv
 
 
-def read_workload(path: str) -> Any:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read workload file {path!r}: {e}") from None
-
-
 def parse_config(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Defaults, then the workload file, then the command line; validated."""
     parser = build_parser()
@@ -110,7 +102,7 @@ def parse_config(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.workload is not None:
         known = list(vars(parser.parse_args([])))
-        args = parser.parse_args(workload_argv(read_workload(args.workload), known) + argv)
+        args = parser.parse_args(workload_argv(read_json(args.workload, "workload file"), known) + argv)
     validate(args)
     return args
 
@@ -152,12 +144,7 @@ def validate(args: argparse.Namespace) -> None:
 
 
 def read_model_config(model_dir: str) -> dict[str, Any]:
-    path = os.path.join(model_dir, "config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read the base model's config {path!r}: {e}") from None
+    return read_json(os.path.join(model_dir, "config.json"), "the base model's config")
 
 
 # ---- workload (pure) -----------------------------------------------------------------

@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ledgerserve.shared import events as ev  # noqa: E402
 from ledgerserve.shared.sampling import SamplingParams  # noqa: E402
+from scripts import serving_report  # noqa: E402
 from tests.scheduler_proc.driver import Driver, FakeWorker  # noqa: E402
 from tests.scheduler_proc.fake_adapters import PendingLoad  # noqa: E402
 
@@ -222,14 +223,8 @@ def _summary(
 
 
 def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    ordered = sorted(values)
-    if not ordered:
-        return 0.0
-    pos = (len(ordered) - 1) * q / 100.0
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+    """Linear interpolation between closest ranks (numpy's default); 0 for no values."""
+    return serving_report.percentile(values, q) or 0.0
 
 
 def run_table(

@@ -21,7 +21,6 @@ LARGE_FILES = {
     "kernels/lora.py": "the LoRA shrink/expand Triton kernels with their launch helpers",
     "scripts/bench_decode.py": "a benchmark script: its sweep, churn and report in one runnable file",
     "kernels/fused.py": "three fused Triton kernels (RMSNorm, SiLU-and-mul, residual add) with their launchers",
-    "scripts/serving_workload.py": "the serving benchmark's workload: adapters, prompts, arrivals in one file",
 }
 LARGE_FUNCTIONS = {
     ("kernels/paged_attention.py", "paged_decode_attention"): "a Triton kernel body: splitting it costs registers",
@@ -34,9 +33,6 @@ LARGE_FUNCTIONS = {
     ("worker_proc/batch.py", "build_batch"): "one pass over the plan's requests filling every step input",
     ("worker_proc/main.py", "serve"): "the worker's start-up sequence, read top to bottom",
     ("tokenizer_proc/app.py", "build_app"): "the app's routes and middleware, registered in one place",
-    ("scripts/bench_adapter_churn.py", "prepare"): "a benchmark's set-up, step by step",
-    ("scripts/bench_peft.py", "main"): "a benchmark's main, step by step",
-    ("scripts/profile_decode.py", "main"): "a profiler's main, step by step",
 }
 
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from scripts.bench_serving import main
-from scripts.png_plot import PNG_SIGNATURE
+from scripts.plot import PNG_SIGNATURE
 from scripts.serving_workload import parse_config, plan_workload, read_model_config
 from tests.e2e.server import Server
 

@@ -16,7 +16,7 @@ from ledgerserve.shared.eventlog import EventLogWriter
 from scripts.bench_adapter_churn import main
 from scripts.churn_plan import FULL, PROBE_CASES, QUICK, TableSetup, check_settings, server_groups
 from scripts.churn_report import load_stats
-from scripts.png_plot import PNG_SIGNATURE
+from scripts.plot import PNG_SIGNATURE
 
 
 def test_the_full_plan_is_the_one_asked_for() -> None:

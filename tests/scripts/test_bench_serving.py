@@ -1,18 +1,19 @@
 """scripts/bench_serving.py without a server: workload generation, statistics, the report,
-argument and workload-file handling, and the PNG plot."""
+argument and workload-file handling, and the PNG plot (with and without matplotlib)."""
 
 from __future__ import annotations
 
 import json
 import random
 import struct
+import sys
 import zlib
 
 import pytest
 
 from ledgerserve.tokenizer_proc.protocol import CompletionRequest
 from scripts.bench_serving import main
-from scripts.png_plot import PNG_SIGNATURE, encode_png, nice_ticks
+from scripts.plot import PNG_SIGNATURE, write_png
 from scripts.serving_report import (
     RequestResult,
     StreamTally,
@@ -20,7 +21,7 @@ from scripts.serving_report import (
     jain_index,
     latency_stats,
     percentile,
-    render_plot,
+    plot_panels,
     result_of,
     summarize,
 )
@@ -215,24 +216,39 @@ def _png_chunks(png: bytes) -> dict[bytes, bytes]:
     return chunks
 
 
-def test_plot_is_a_png_that_decodes_to_its_size():
+def _panels() -> list:
     plan, results, specs = _results()
     report = summarize({"output_len": 8}, plan, [0.5, 0.5], results, specs, "base")
-    chunks = _png_chunks(render_plot(results, report["per_adapter"]))
+    return plot_panels(results, report["per_adapter"])
+
+
+def test_plot_panels_hold_the_cdfs_by_kind_and_the_mean_tpot_bars():
+    ttft, tpot, bars = _panels()
+    assert ttft.series == {"base": [50], "adapter": [60, 80, 70]}  # the 503 is left out
+    assert tpot.series == {"base": [10], "adapter": [20, 20, 40]}
+    assert bars.bars == [("B", 10.0), ("0", 20.0), ("1", 40.0)] and bars.colors[0] != bars.colors[1]
+
+
+def test_plot_is_a_png_that_decodes_to_its_size(tmp_path):
+    path = tmp_path / "plots" / "report.png"
+    assert write_png(str(path), _panels())
+    png = path.read_bytes()
+    chunks = _png_chunks(png)
     width, height, depth, color_type = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
-    assert (depth, color_type) == (8, 2) and width > 0 and height > 0
+    assert (width, height, depth) == (1800, 500, 8) and color_type in (2, 6)  # 3 panels of 6x5 inches at 100 dpi
     raw = zlib.decompress(chunks[b"IDAT"])
-    assert len(raw) == height * (1 + 3 * width) and b"IEND" in chunks
-    assert len(set(raw[1 : 1 + 3 * width])) >= 1 and len(set(raw)) > 3  # something was drawn
+    assert len(raw) == height * (1 + (3 if color_type == 2 else 4) * width) and b"IEND" in chunks
+    assert len(png) > 20_000 and len(set(raw)) > 16  # lines, bars and text were drawn
 
 
-def test_encode_png_round_trips_pixels():
-    rgb = bytes([255, 0, 0, 0, 255, 0, 0, 0, 255, 9, 9, 9])
-    raw = zlib.decompress(_png_chunks(encode_png(2, 2, rgb))[b"IDAT"])
-    assert raw == b"\x00" + rgb[:6] + b"\x00" + rgb[6:]
-    with pytest.raises(ValueError):
-        encode_png(2, 2, rgb[:-1])
-    assert nice_ticks(0, 0.37) == [0.0, 0.1, 0.2, 0.3, 0.4] and nice_ticks(0, 1234)[-1] >= 1234
+def test_without_matplotlib_no_plot_is_written_and_one_line_says_how_to_get_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    path = tmp_path / "report.png"
+    assert not write_png(str(path), _panels())
+    assert not path.exists()
+    [line] = capsys.readouterr().err.splitlines()
+    assert "matplotlib" in line and "pip install 'ledgerserve[plot]'" in line
 
 
 def test_workload_file_then_flags_override_it(tmp_path):

@@ -10,7 +10,8 @@ import pytest
 
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.tokenizer_proc.app import build_app
-from scripts.lora_stress import Outcome, check_loopback, main, parse_args, run_stress, summarize
+from scripts.lora_stress import Outcome, main, parse_args, run_stress, summarize
+from scripts.request_loop import check_loopback
 from tests.netutil import free_port, serve_in_thread
 from tests.peft_util import make_tiny_peft_adapter
 from tests.tokenizer_proc.fake_engine import FakeEngine
