@@ -12,7 +12,7 @@ from typing import Any
 
 from ledgerserve.scheduler_proc.core import digest, drain, movement, pins, prefetch, prefix, prompt_logprobs
 from ledgerserve.scheduler_proc.core.adapters import AdapterManager
-from ledgerserve.scheduler_proc.core.block_manager import BlockAccounting, BlockManager
+from ledgerserve.scheduler_proc.core.block_manager import BlockManager
 from ledgerserve.scheduler_proc.core.config import CoreConfig
 from ledgerserve.scheduler_proc.core.finish import admission_error, check_stop
 from ledgerserve.scheduler_proc.core.plan import InFlightStep, build_plan
@@ -38,58 +38,6 @@ class Core:
         self.last_agreed_step = 0  # every rank's digest of this step (and those before) arrived, equal
         self.failure: str | None = None
         self._num_arrived = 0
-
-    # ------------------------------------------------------------------ read-only views
-
-    @property
-    def num_total_blocks(self) -> int:
-        return self.scheduler.block_manager.num_total_blocks if self.scheduler.is_ready else 0
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.scheduler.block_manager.num_free_blocks if self.scheduler.is_ready else 0
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return self.scheduler.block_manager.num_cached_blocks if self.scheduler.is_ready else 0
-
-    def namespace_block_counts(self) -> list[tuple[int, int]]:
-        """(namespace, cached blocks) for every namespace holding any, by namespace."""
-        return self.scheduler.block_manager.namespace_block_counts() if self.scheduler.is_ready else []
-
-    def block_accounting(self) -> BlockAccounting:
-        return self.scheduler.block_manager.block_accounting()
-
-    @property
-    def num_deferred_evictions(self) -> int:
-        return self.adapters.num_deferred_evictions
-
-    @property
-    def num_pinned_slots(self) -> int:
-        return self.adapters.num_pinned_slots
-
-    @property
-    def num_loading_slots(self) -> int:
-        """Slot loads in flight: assigned, not yet reported done by every rank."""
-        return self.adapters.num_loading_slots
-
-    @property
-    def num_used_slots(self) -> int:
-        """Adapter slots holding a version: loading, loaded or pinned."""
-        return self.adapters.slots.num_used
-
-    @property
-    def num_cpu_tier_versions(self) -> int:
-        return self.adapters.num_cpu_tier_versions
-
-    @property
-    def cpu_tier_bytes(self) -> int:
-        return self.adapters.cpu_tier_bytes
-
-    @property
-    def num_lora_wait_steps(self) -> int:
-        """Planned steps that left a waiting request behind only because its adapter was loading."""
-        return self.scheduler.num_lora_wait_steps
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
@@ -346,7 +294,7 @@ class Core:
         ] + released
 
     def _reject_if_unservable(self, req: Request) -> Decisions:
-        num_total_blocks = self.num_total_blocks if self.scheduler.is_ready else None
+        num_total_blocks = self.scheduler.block_manager.num_total_blocks if self.scheduler.is_ready else None
         message = admission_error(
             req.num_prompt_tokens, req.sampling, self.config.max_model_len, self.config.block_size, num_total_blocks
         )
