@@ -15,7 +15,6 @@ MAX_FUNCTION_LINES = 50
 
 LARGE_FILES = {
     "shared/events.py": "every message type of every channel in one place: the log's schema reads as one file",
-    "scheduler_proc/core/core.py": "the core's input dispatch and step planning, each handler a few lines",
     "scheduler_proc/core/adapters.py": "the adapter registry and its version lifecycle (pins, on-demand marks)",
     "scheduler_proc/core/adapter_stats.py": "the fold of every adapter-related event into per-adapter figures",
     "kernels/lora.py": "the LoRA shrink/expand Triton kernels with their launch helpers",
