@@ -203,7 +203,7 @@ class Core:
             self.step + 1, not self.in_flight, self.adapters.slot_readiness(), draining, self.adapters.pinned_in_slots()
         )
         if not scheduled:
-            if self.in_flight or self.adapters.num_loading_slots:
+            if self.in_flight or self.adapters.slots.num_loading:
                 return []  # planned when a step completes or a load ends
             return self.fail(f"the scheduler can make no progress: {len(self.scheduler.waiting)} waiting, nothing fits")
         self.step += 1

@@ -15,24 +15,21 @@ def engine_stats(
     core: Core, adapter_rows: list[ev.AdapterRow] | None = None, lora_wait_ms: float = 0.0
 ) -> ev.EngineStats:
     """The core's gauges now. `adapter_rows` and `lora_wait_ms` come from the shell's fold of
-    the log (scheduler_proc.core.adapter_stats); block gauges are 0 until capacity is known."""
+    the log (scheduler_proc.core.adapter_stats); block gauges are 0 until capacity is known.
+    A deferred eviction is an unregistered version that requests still hold."""
     scheduler, adapters = core.scheduler, core.adapters
-    num_free_blocks, num_total_blocks, num_cached_blocks = 0, 0, 0
-    if scheduler.is_ready:
-        blocks = scheduler.block_manager
-        num_free_blocks, num_total_blocks = blocks.num_free_blocks, blocks.num_total_blocks
-        num_cached_blocks = blocks.num_cached_blocks
+    blocks = scheduler.block_manager if scheduler.is_ready else None
     return ev.EngineStats(
         step=core.step,
         num_running=len(scheduler.running),
         num_waiting=len(scheduler.waiting),
-        num_free_blocks=num_free_blocks,
-        num_total_blocks=num_total_blocks,
-        num_pinned_slots=adapters.num_pinned_slots,
-        num_deferred_evictions=adapters.num_deferred_evictions,
-        num_cached_blocks=num_cached_blocks,
-        num_loading_slots=adapters.num_loading_slots,
-        num_cpu_tier_versions=adapters.num_cpu_tier_versions,
+        num_free_blocks=blocks.num_free_blocks if blocks is not None else 0,
+        num_total_blocks=blocks.num_total_blocks if blocks is not None else 0,
+        num_pinned_slots=adapters.slots.num_pinned,
+        num_deferred_evictions=sum(not version.is_registered for version in adapters.versions.values()),
+        num_cached_blocks=blocks.num_cached_blocks if blocks is not None else 0,
+        num_loading_slots=adapters.slots.num_loading,
+        num_cpu_tier_versions=len(adapters.cpu_last_used_step),
         cpu_tier_bytes=adapters.cpu_tier_bytes,
         num_lora_wait_steps=scheduler.num_lora_wait_steps,
         adapter_rows=adapter_rows if adapter_rows is not None else [],
