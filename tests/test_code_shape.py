@@ -32,7 +32,6 @@ LARGE_FUNCTIONS = {
     ("ledgerserve/cli.py", "add_serve_args"): "one add_argument per engine setting, in the order --help lists them",
     ("worker_proc/batch.py", "build_batch"): "one pass over the plan's requests filling every step input",
     ("worker_proc/main.py", "serve"): "the worker's start-up sequence, read top to bottom",
-    ("tokenizer_proc/app.py", "build_app"): "the app's routes and middleware, registered in one place",
     ("scripts/bench_adapter_churn.py", "prepare"): "a benchmark's set-up, step by step",
     ("scripts/bench_peft.py", "main"): "a benchmark's main, step by step",
     ("scripts/profile_decode.py", "main"): "a profiler's main, step by step",
