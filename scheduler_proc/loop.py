@@ -13,6 +13,7 @@ import zmq
 
 from ledgerserve.scheduler_proc.core.adapter_stats import AdapterStats
 from ledgerserve.scheduler_proc.core.core import Core, CoreConfig
+from ledgerserve.scheduler_proc.core.stats import engine_stats
 from ledgerserve.shared import codec, events, ipc
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.eventlog import EventLogWriter, LogWriteError, enforce_retention
@@ -175,25 +176,7 @@ class SchedulerShell:
         """Gauges for /metrics, sent when they change (not logged: derived from logged state).
         Per-adapter rows go only when they changed: the cost of a step stays with the
         adapters its events touched, however many are registered."""
-        sched = self.core.scheduler
-        core = self.core
-        stats = events.EngineStats(
-            core.step,
-            len(sched.running),
-            len(sched.waiting),
-            core.num_free_blocks,
-            core.num_total_blocks,
-            core.num_pinned_slots,
-            core.num_deferred_evictions,
-            core.num_cached_blocks,
-            core.num_loading_slots,
-            core.num_cpu_tier_versions,
-            core.cpu_tier_bytes,
-            core.num_lora_wait_steps,
-            self.adapter_stats.take_changed_rows(),
-            core.num_used_slots,
-            self.adapter_stats.lora_wait_ms,
-        )
+        stats = engine_stats(self.core, self.adapter_stats.take_changed_rows(), self.adapter_stats.lora_wait_ms)
         if stats != self.last_stats:
             self._send(self.to_tokenizer, codec.encode(stats))
             self.last_stats = stats
@@ -223,7 +206,8 @@ class SchedulerShell:
 
     def _on_engine_ready(self, ready: events.WorkerReady) -> None:
         """Capacity as the core uses it: the smallest pool over the ranks."""
-        self._send(self.to_tokenizer, codec.encode(events.EngineReady(self.core.num_total_blocks, ready.vocab_size)))
+        num_total_blocks = self.core.scheduler.block_manager.num_total_blocks
+        self._send(self.to_tokenizer, codec.encode(events.EngineReady(num_total_blocks, ready.vocab_size)))
         send_ready(self.config.run_dir, "scheduler")
 
     def _close(self) -> None:

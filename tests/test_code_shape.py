@@ -15,7 +15,6 @@ MAX_FUNCTION_LINES = 50
 
 LARGE_FILES = {
     "shared/events.py": "every message type of every channel in one place: the log's schema reads as one file",
-    "scheduler_proc/core/core.py": "the core's input dispatch and step planning, each handler a few lines",
     "scheduler_proc/core/adapters.py": "the adapter registry and its version lifecycle (pins, on-demand marks)",
     "scheduler_proc/core/adapter_stats.py": "the fold of every adapter-related event into per-adapter figures",
     "kernels/lora.py": "the LoRA shrink/expand Triton kernels with their launch helpers",
@@ -32,7 +31,6 @@ LARGE_FUNCTIONS = {
     ("ledgerserve/cli.py", "add_serve_args"): "one add_argument per engine setting, in the order --help lists them",
     ("worker_proc/batch.py", "build_batch"): "one pass over the plan's requests filling every step input",
     ("worker_proc/main.py", "serve"): "the worker's start-up sequence, read top to bottom",
-    ("tokenizer_proc/app.py", "build_app"): "the app's routes and middleware, registered in one place",
 }
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from fastapi import FastAPI, Response
 
+from ledgerserve.shared.adapter_format import BaseShapes
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.events import AdapterInfo
 from ledgerserve.tokenizer_proc import adapters
@@ -39,28 +40,8 @@ def build_app(
     if an API key is required but LEDGERSERVE_API_KEY is empty."""
     api_key = api_key_from_env(config.api_key_required)
     template = chat_template if chat_template is not None else ChatTemplate.from_model_dir(config.model_dir)
-    registry = adapters.AdapterRegistry()
     base = adapters.load_base_shapes(config.model_dir) if config.enable_lora else None
-    resolver = LoraResolver(engine, config, registry, base)
-    served = Served(
-        engine,
-        tokenizer,
-        config,
-        template,
-        len(tokenizer),
-        int(time.time()),
-        Metrics(engine, config.max_loras),
-        registry,
-        resolver,
-    )
-    engine.finished_listeners.append(served.metrics.on_finished)
-    engine.load_listeners.append(served.metrics.on_load)
-
-    def on_adapters(infos: list[AdapterInfo]) -> None:  # the core's registry, after every adapter op
-        registry.refresh(infos)
-        served.metrics.on_adapters(infos)
-
-    engine.on_adapters = on_adapters
+    served = _served(engine, tokenizer, config, template, base)
     startup = validate_startup_adapters(config, base)
 
     @asynccontextmanager
@@ -76,14 +57,38 @@ def build_app(
 
     app = FastAPI(title="ledgerserve", version=VERSION, lifespan=lifespan)
     app.router.route_class = TextCheckedRoute  # every route added below refuses bodies that are not valid text
-    install_error_handlers(app, secret_paths=(config.model_dir, config.run_dir))
     _add_info_routes(app, served)
     add_generate_routes(app, served)
     add_adapter_routes(app, engine, config, base)
+    _add_middleware(app, config, api_key)
+    return app
+
+
+def _served(
+    engine: EngineClientBase, tokenizer: Any, config: EngineConfig, template: ChatTemplate, base: BaseShapes | None
+) -> Served:
+    """What the routes serve with, listening to the engine's finishes, loads and adapter registry."""
+    registry = adapters.AdapterRegistry()
+    resolver = LoraResolver(engine, config, registry, base)
+    metrics = Metrics(engine, config.max_loras)
+    served = Served(engine, tokenizer, config, template, len(tokenizer), int(time.time()), metrics, registry, resolver)
+    engine.finished_listeners.append(metrics.on_finished)
+    engine.load_listeners.append(metrics.on_load)
+
+    def on_adapters(infos: list[AdapterInfo]) -> None:  # the core's registry, after every adapter op
+        registry.refresh(infos)
+        metrics.on_adapters(infos)
+
+    engine.on_adapters = on_adapters
+    return served
+
+
+def _add_middleware(app: FastAPI, config: EngineConfig, api_key: str | None) -> None:
+    """OpenAI-shaped errors for every failure, the request-body limit, and the API key."""
+    install_error_handlers(app, secret_paths=(config.model_dir, config.run_dir))
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)  # outermost: checked first
-    return app
 
 
 def _add_info_routes(app: FastAPI, served: Served) -> None:

@@ -61,22 +61,6 @@ class AdapterManager:
     # ------------------------------------------------------------------ views
 
     @property
-    def num_deferred_evictions(self) -> int:
-        return sum(1 for v in self.versions.values() if not v.is_registered)
-
-    @property
-    def num_pinned_slots(self) -> int:
-        return self.slots.num_pinned
-
-    @property
-    def num_loading_slots(self) -> int:
-        return self.slots.num_loading
-
-    @property
-    def num_cpu_tier_versions(self) -> int:
-        return len(self.cpu_last_used_step)
-
-    @property
     def cpu_tier_bytes(self) -> int:
         return sum(self.versions[v].num_bytes for v in sorted(self.cpu_last_used_step))
 

@@ -96,10 +96,6 @@ class BlockAccounting:
     num_locked: int  # cached blocks some live request holds
     num_private: int  # held by one live request, not cached
 
-    @property
-    def num_evictable(self) -> int:
-        return self.num_cached - self.num_locked
-
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int) -> None:

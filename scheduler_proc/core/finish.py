@@ -1,9 +1,20 @@
-"""Pure stop checks on a request's newest token, and who may be served at all."""
+"""How a request ends. Pure checks: a stop on its newest token, and who may be served at all.
+The endings (a finish, a worker's failure, a rejection at admission) take the request out of
+the core for good and return what its end decides."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from ledgerserve.scheduler_proc.core.block_manager import num_blocks_for
+from ledgerserve.scheduler_proc.core.request import FINISH_REASON_TO_STATUS, Request, RequestStatus, transition
+from ledgerserve.shared import events as ev
 from ledgerserve.shared.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from ledgerserve.scheduler_proc.core.core import Core
+
+Decisions = list[Any]  # list[events.Decision]
 
 
 def check_stop(
@@ -61,3 +72,79 @@ def admission_error(
             f"{num_total_blocks} blocks. Please reduce the prompt or max_tokens."
         )
     return None
+
+
+def append_token(core: Core, req: Request, token: ev.SampledToken) -> Decisions:
+    req.output_token_ids.append(token.token_id)
+    reason, stop_token_id = check_stop(
+        token.token_id,
+        req.num_output_tokens,
+        req.num_tokens,
+        req.sampling,
+        core.eos_token_ids,
+        core.config.max_model_len,
+    )
+    logprobs = [token.logprobs] if token.logprobs is not None else None
+    if reason is not None:
+        return finish(core, req, reason, [token.token_id], logprobs, stop_token_id)
+    return [emitted(req, [token.token_id], logprobs, None, None)]
+
+
+def finish(
+    core: Core, req: Request, reason: str, token_ids: list[int], logprobs: Any, stop_token_id: int | None
+) -> Decisions:
+    released = _retire(core, req, FINISH_REASON_TO_STATUS[reason])
+    return [
+        emitted(req, token_ids, logprobs, reason, stop_token_id),
+        ev.RequestFinished(req.req_id, reason, req.num_output_tokens),
+    ] + released
+
+
+def fail_request(core: Core, req: Request, message: str) -> Decisions:
+    released = _retire(core, req, RequestStatus.FINISHED_ERROR)
+    return [
+        ev.RequestFinished(req.req_id, "error", req.num_output_tokens),
+        ev.RequestRejected(req.req_id, f"The worker failed this request: {message}", code=500),
+    ] + released
+
+
+def reject_if_unservable(core: Core, req: Request) -> Decisions:
+    num_total_blocks = core.scheduler.block_manager.num_total_blocks if core.scheduler.is_ready else None
+    message = admission_error(
+        req.num_prompt_tokens, req.sampling, core.config.max_model_len, core.config.block_size, num_total_blocks
+    )
+    if message is None:
+        return []
+    released = _retire(core, req, RequestStatus.FINISHED_ERROR)
+    return [ev.RequestRejected(req.req_id, message, code=400)] + released
+
+
+def _retire(core: Core, req: Request, status: RequestStatus) -> Decisions:
+    """Take a request out for good; returns the adapter decisions its end triggers."""
+    released = core.adapters.release(req)
+    core.scheduler.remove(req, core.step)
+    transition(req, status)
+    del core.requests[req.req_id]
+    if req.on_worker:
+        core.finished_req_ids.append(req.req_id)
+    return released
+
+
+def emitted(
+    req: Request,
+    token_ids: list[int],
+    logprobs: Any,
+    reason: str | None,
+    stop_token_id: int | None,
+    prompt: ev.PromptLogprobs | None = None,
+) -> ev.TokensEmitted:
+    return ev.TokensEmitted(
+        req_id=req.req_id,
+        new_token_ids=token_ids,
+        finish_reason=reason,
+        logprobs=logprobs,
+        num_prompt_tokens=req.num_prompt_tokens,
+        num_cached_tokens=req.num_cached_tokens,
+        stop_token_id=stop_token_id,
+        prompt_logprobs=prompt,
+    )

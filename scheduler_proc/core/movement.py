@@ -1,4 +1,5 @@
-"""Overlapped adapter loading: what the workers' load reports do to the slots.
+"""The core's adapter inputs: a user's load and unload, and what the workers' load reports
+do to the slots (overlapped adapter loading).
 
 A slot assigned by the prefetch pass is LOADING until every rank (tensor_parallel_size)
 reported AdapterLoadCompleted for that slot and version; it is then READY (LOADED) and
@@ -14,13 +15,54 @@ tells every rank to clear it, and a rank whose load still runs clears it when th
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ledgerserve.scheduler_proc.core import finish, prefix
 from ledgerserve.scheduler_proc.core.adapters import AdapterManager
 from ledgerserve.scheduler_proc.core.slots import SlotState
 from ledgerserve.shared import events as ev
 
+if TYPE_CHECKING:
+    from ledgerserve.scheduler_proc.core.core import Core
+
 Decisions = list[Any]
+
+
+def on_adapter_load_requested(core: Core, event: ev.AdapterLoadRequested) -> Decisions:
+    return _evict_unregistered(core, core.adapters.load(event, core.step))
+
+
+def on_adapter_unload_requested(core: Core, event: ev.AdapterUnloadRequested) -> Decisions:
+    return _evict_unregistered(core, core.adapters.unload(event))
+
+
+def on_adapter_load_completed(core: Core, event: ev.AdapterLoadCompleted) -> Decisions:
+    """Overlapped loading: a slot is ready once every rank reported it. Reference path:
+    logged only (a step's plan already waits on the worker side)."""
+    return load_completed(core.adapters, event)
+
+
+def on_adapter_load_failed(core: Core, event: ev.AdapterLoadFailed) -> Decisions:
+    """Free its slot if it was loading, fail every request of the version, unregister it."""
+    version = core.adapters.versions.get(event.version_id)
+    if version is None:
+        return []  # already dropped (another rank reported it first)
+    message = (
+        f"adapter {version.name!r} (version {version.version_id}) failed to load on rank {event.rank}: {event.message}"
+    )
+    decisions: Decisions = abort_load(core.adapters, event.version_id)
+    for req in sorted(core.live_requests(), key=lambda r: r.arrival_order):
+        if req.version_id == event.version_id:
+            decisions += finish.fail_request(core, req, message)
+    return decisions + _evict_unregistered(core, core.adapters.fail(event.version_id))
+
+
+def _evict_unregistered(core: Core, decisions: Decisions) -> Decisions:
+    """An unregistered adapter version's namespace leaves the prefix cache."""
+    if not core.scheduler.is_ready:
+        return decisions
+    evicted = prefix.evict_namespaces(core.scheduler.block_manager, prefix.unregistered_versions(decisions))
+    return prefix.before_reply(decisions, evicted)
 
 
 def load_completed(adapters: AdapterManager, event: ev.AdapterLoadCompleted) -> Decisions:

@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from ledgerserve.scheduler_proc.core.stats import engine_stats
 from ledgerserve.scheduler_proc.replay.diff import LogDiff, diff_logs
 from ledgerserve.scheduler_proc.replay.figures import FIGURE_SECTIONS, figure_sections, render_figures
 from ledgerserve.scheduler_proc.replay.state import SECTIONS, parse_sections, render, sections
@@ -85,7 +86,8 @@ def _replay(args: argparse.Namespace, names: list[str]) -> int:
         args.log, verify=verify, until_seq=args.until, until_step=args.at_step, with_adapter_stats=with_figures
     )
     state = sections(result.core.snapshot(), names)
-    figures = figure_sections(result.adapter_stats, names, result.core.num_lora_wait_steps) if with_figures else {}
+    num_lora_wait_steps = engine_stats(result.core).num_lora_wait_steps
+    figures = figure_sections(result.adapter_stats, names, num_lora_wait_steps) if with_figures else {}
     code = DIFFERENT if result.divergence is not None else OK
     if args.json:
         print(json.dumps({**_result_json(result, verify, state, code), "figures": figures}))

@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from ledgerserve.scheduler_proc.core.stats import engine_stats
 from ledgerserve.shared import events
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.sampling import SamplingParams
@@ -52,4 +53,5 @@ def test_greedy_parity_with_chunked_prefill_and_preemption(arch, tmp_path):
     notes = assert_greedy_matches(run.outputs, refs)
     print("near ties accepted:", notes or "none")
     core.check_integrity()
-    assert core.num_free_blocks + core.num_cached_blocks == core.num_total_blocks
+    stats = engine_stats(core)
+    assert stats.num_free_blocks + stats.num_cached_blocks == stats.num_total_blocks

@@ -41,6 +41,8 @@ from collections import deque
 from typing import Any
 
 from ledgerserve.scheduler_proc.core import Core, CoreConfig
+from ledgerserve.scheduler_proc.core.block_manager import BlockManager
+from ledgerserve.scheduler_proc.core.stats import engine_stats
 from ledgerserve.shared import events as ev
 from ledgerserve.shared.sampling import SamplingParams
 from tests.scheduler_proc.fake_adapters import AdapterLoads, FakeSlots, LoadPolicy
@@ -353,9 +355,19 @@ class Driver(AdapterLoads):
 
     # ---------------------------------------------------------------- queries
 
+    @property
+    def engine_stats(self) -> ev.EngineStats:
+        """The core's gauges now, as the shell publishes them."""
+        return engine_stats(self.core)
+
+    @property
+    def blocks(self) -> BlockManager:
+        """The core's block manager (once every rank is ready)."""
+        return self.core.scheduler.block_manager
+
     def check_idle(self) -> None:
         """Nothing live: every block is free or cached, and no cached block is locked."""
-        counts = self.core.block_accounting()
+        counts = self.blocks.block_accounting()
         if self.core.has_unfinished() or counts.num_locked or counts.num_private:
             raise AssertionError(f"not idle: {counts}")
         if counts.num_free + counts.num_cached != counts.num_total:

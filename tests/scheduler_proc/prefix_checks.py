@@ -41,12 +41,12 @@ class PrefixChecker:
                 for new in decision.new_reqs:
                     self._check_reuse(new, bs)
         self.num_seen = len(d.decisions)
-        counts = d.core.block_accounting()
+        counts = d.blocks.block_accounting()
         if counts.num_free + counts.num_cached + counts.num_private != counts.num_total:
             raise AssertionError(f"block accounting off: {counts}")
         if (
-            counts.num_cached != sum(n for _, n in d.core.namespace_block_counts())
-            or counts.num_cached != d.core.num_cached_blocks
+            counts.num_cached != sum(n for _, n in d.blocks.namespace_block_counts())
+            or counts.num_cached != d.engine_stats.num_cached_blocks
         ):
             raise AssertionError(f"namespace counts disagree with {counts}")
 

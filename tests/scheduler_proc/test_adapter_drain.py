@@ -28,7 +28,11 @@ def _check_clean_end(d: Driver) -> None:
     d.check_idle()
     adapters = d.core.snapshot()["adapters"]
     assert adapters["drains"] == [] and adapters["loads_in_flight"] == []
-    assert d.core.num_pinned_slots == 0 and d.core.num_deferred_evictions == 0 and not d.of_type(ev.EngineFailed)
+    assert (
+        d.engine_stats.num_pinned_slots == 0
+        and d.engine_stats.num_deferred_evictions == 0
+        and not d.of_type(ev.EngineFailed)
+    )
 
 
 def _three_resident(max_tokens: dict[str, int], **kwargs) -> Driver:

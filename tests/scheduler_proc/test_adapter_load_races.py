@@ -15,7 +15,11 @@ def _check_clean_end(d: Driver) -> None:
     d.run()
     d.check_idle()
     adapters = d.core.snapshot()["adapters"]
-    assert d.core.num_pinned_slots == 0 and d.core.num_loading_slots == 0 and d.core.num_deferred_evictions == 0
+    assert (
+        d.engine_stats.num_pinned_slots == 0
+        and d.engine_stats.num_loading_slots == 0
+        and d.engine_stats.num_deferred_evictions == 0
+    )
     assert adapters["loads_in_flight"] == [] and not d.of_type(ev.EngineFailed)
     assert [v for v, _ in adapters["cpu_tier"]] == sorted(adapters["registry"].values())  # only live versions
 
@@ -81,7 +85,7 @@ def test_a_slow_rank_holds_back_only_its_version():
         d.complete()
     ran = [req_id for plan in d.plans for req_id in Driver.scheduled_tokens(plan)]
     assert "b1" not in ran and {"z0", "z1", "z2", "a2", "a3", "a4"} <= set(ran)
-    assert d.core.num_lora_wait_steps == len(d.plans)  # every step left b1 waiting on its load
+    assert d.engine_stats.num_lora_wait_steps == len(d.plans)  # every step left b1 waiting on its load
     d.finish_loads(slot=1, rank=1)
     d.complete()
     assert "b1" in Driver.scheduled_tokens(d.plans[-1])
@@ -96,7 +100,7 @@ def test_unload_mid_load_frees_the_slot_when_the_load_ends():
     d.unload("a")
     assert d.of_type(ev.AdapterEvictionDeferred) == [ev.AdapterEvictionDeferred(1, 0, 0)]
     assert _slot_states(d)[0] == ("LOADING", 1) and not d.of_type(ev.AdapterEvicted)  # never evicted mid-load
-    assert d.core.num_deferred_evictions == 1
+    assert d.engine_stats.num_deferred_evictions == 1
     assert d.finish_loads(slot=0, rank=0) == []
     assert _moves(d.finish_loads(slot=0, rank=1)) == [("evict", 0, 1), ("unstage", -1, 1)]
     _check_clean_end(d)
@@ -162,7 +166,7 @@ def test_load_inplace_twice_mid_load_leaks_nothing():
     d.arrive("a2", 3, lora="a", max_tokens=1)  # version 2: no slot while 1 loads, staged instead
     d.load("a", inplace=True)  # version 2 is held by a2: deferred
     d.arrive("a3", 3, lora="a", max_tokens=1)
-    assert d.core.num_deferred_evictions == 2 and d.core.num_cpu_tier_versions <= 2
+    assert d.engine_stats.num_deferred_evictions == 2 and d.engine_stats.num_cpu_tier_versions <= 2
     _check_clean_end(d)
     assert d.finish_reasons == {"a1": "abort", "a2": "length", "a3": "length"}
 

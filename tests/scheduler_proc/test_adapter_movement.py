@@ -43,7 +43,7 @@ def test_a_request_waits_for_its_slot_while_others_run():
     d.load("a", content_digest=0xA1)
     decisions = d.arrive("a1", 3, lora="a", max_tokens=2)
     assert decisions == [ev.AdapterSlotAssigned(0, 1, "/adapters/a", 0xA1)] and d.plans == []
-    assert _slot_states(d)[0] == ("LOADING", 1) and d.core.num_loading_slots == 1
+    assert _slot_states(d)[0] == ("LOADING", 1) and d.engine_stats.num_loading_slots == 1
     d.arrive("z", 3, max_tokens=3)  # a base request does not wait for a's load
     assert sorted(Driver.scheduled_tokens(d.plans[-1])) == ["z"]
     d.complete()
@@ -53,8 +53,8 @@ def test_a_request_waits_for_its_slot_while_others_run():
     d.complete()
     assert Driver.scheduled_tokens(d.plans[-1]) == {"a1": 3, "z": 1} and d.plans[-1].new_reqs[0].lora_slot == 0
     d.run()
-    assert d.finish_reasons == {"a1": "length", "z": "length"} and d.core.num_pinned_slots == 0
-    assert d.core.num_lora_wait_steps == 2  # steps 1 and 2 left a1 waiting on its load
+    assert d.finish_reasons == {"a1": "length", "z": "length"} and d.engine_stats.num_pinned_slots == 0
+    assert d.engine_stats.num_lora_wait_steps == 2  # steps 1 and 2 left a1 waiting on its load
     assert _moves(d.decisions) == [("stage", -1, 1), ("assign", 0, 1)]  # the plans never assigned a slot
 
 
@@ -66,7 +66,7 @@ def test_an_idle_engine_waits_for_a_load_instead_of_failing():
     (plan,) = [x for x in d.finish_loads() if isinstance(x, ev.StepPlan)]
     assert Driver.scheduled_tokens(plan) == {"a1": 3}
     d.run()
-    assert d.core.num_lora_wait_steps == 0  # no step was planned while it waited
+    assert d.engine_stats.num_lora_wait_steps == 0  # no step was planned while it waited
 
 
 def test_prefetch_serves_the_head_of_the_queue_first():
@@ -152,7 +152,7 @@ def test_cpu_tier_staging_at_registration_and_from_the_queue():
     for name in "abc":
         d.load(name)
     assert _moves(d.decisions) == [("stage", -1, 1), ("stage", -1, 2)]  # c: the tier is full, nothing evicted
-    assert d.core.num_cpu_tier_versions == 2 and d.core.cpu_tier_bytes == 2000
+    assert d.engine_stats.num_cpu_tier_versions == 2 and d.engine_stats.cpu_tier_bytes == 2000
     decisions = d.arrive("c1", 3, lora="c", max_tokens=1)
     assert _moves(decisions) == [("unstage", -1, 1), ("assign", 0, 3)]  # the LRU unneeded entry makes room
     decisions = d.arrive("a1", 3, lora="a", max_tokens=1)  # no slot for a (c loads): staged instead
@@ -160,7 +160,7 @@ def test_cpu_tier_staging_at_registration_and_from_the_queue():
     decisions = d.arrive("b1", 3, lora="b", max_tokens=1)  # c in a slot, a needed: b cannot be staged
     assert _moves(decisions) == []
     d.run()
-    assert len(d.finish_reasons) == 3 and d.core.num_cpu_tier_versions <= 2
+    assert len(d.finish_reasons) == 3 and d.engine_stats.num_cpu_tier_versions <= 2
 
 
 def test_staging_reports_are_views_only():
@@ -205,9 +205,9 @@ def test_reference_path_assigns_ready_slots_and_ignores_completions():
     d.load("a")
     d.arrive("a1", 3, lora="a", max_tokens=2)
     assert _moves(d.decisions) == [("assign", 0, 1)] and _slot_states(d)[0] == ("PINNED", 1)
-    assert d.send(ev.AdapterLoadCompleted(0, 0, 1)) == [] and d.core.num_loading_slots == 0
+    assert d.send(ev.AdapterLoadCompleted(0, 0, 1)) == [] and d.engine_stats.num_loading_slots == 0
     d.run()
-    assert d.core.num_lora_wait_steps == 0 and d.core.num_cpu_tier_versions == 1
+    assert d.engine_stats.num_lora_wait_steps == 0 and d.engine_stats.num_cpu_tier_versions == 1
 
 
 def test_shell_stats_carry_the_movement_gauges(tmp_path):

@@ -57,7 +57,7 @@ def test_pinned_adapter_waits_for_a_slot_in_use_then_takes_it(mode):
     d.arrive("b1", 3, lora="b", max_tokens=3)
     d.finish_loads()
     d.complete()
-    assert d.core.num_pinned_slots == 2  # both slots run requests
+    assert d.engine_stats.num_pinned_slots == 2  # both slots run requests
     pinned = d.load("p", pinned=True).version_id
     assert _assigned(d, pinned) == []  # every slot is used by a running request
     d.run()

@@ -91,7 +91,7 @@ def test_overlap_starvation_is_bounded_by_the_max_wait_without_targeted_drains()
         assert passed_b1 == (max_wait_steps > 1)
         d.run()
         assert all(len(d.plan_versions(plan)) <= 1 for plan in d.plans)
-        assert len(d.finish_reasons) == 41 and d.core.num_pinned_slots == 0
+        assert len(d.finish_reasons) == 41 and d.engine_stats.num_pinned_slots == 0
 
 
 def test_overlap_without_the_max_wait_the_stream_starves_the_other_adapter():

@@ -41,9 +41,9 @@ def _driver(num_kv_blocks=8, max_num_seqs=4, max_num_batched_tokens=16, max_lora
 
 
 def _check_idle_end(d: Driver, max_loras: int) -> None:
-    core = d.core
-    assert not core.has_unfinished() and core.num_free_blocks + core.num_cached_blocks == core.num_total_blocks
-    assert core.num_pinned_slots == 0 and core.num_deferred_evictions == 0
+    stats = d.engine_stats
+    assert not d.core.has_unfinished() and stats.num_free_blocks + stats.num_cached_blocks == stats.num_total_blocks
+    assert stats.num_pinned_slots == 0 and stats.num_deferred_evictions == 0
     assert not d.of_type(ev.EngineFailed)
     assert all(len(d.plan_versions(plan)) <= max_loras for plan in d.plans)
     answered = {x.req_id for x in d.of_type(ev.RequestFinished)} | {x.req_id for x in d.of_type(ev.RequestRejected)}
@@ -183,7 +183,7 @@ def test_integrity_after_random_adapter_workloads_with_overlapped_loading(
     )
     run_adapter_workload(d, seed)  # integrity, the slot tables and every rank's loads checked after every event
     _check_idle_end(d, max_loras)
-    assert d.core.num_loading_slots == 0 and d.pending_loads == []
+    assert d.engine_stats.num_loading_slots == 0 and d.pending_loads == []
 
 
 def test_overlap_workload_exercises_the_movement_paths():
@@ -203,7 +203,7 @@ def test_overlap_workload_exercises_the_movement_paths():
     completions = [x for x in d.inputs if isinstance(x, ev.AdapterLoadCompleted)]
     assert {x.rank for x in completions} == {0, 1} and any(x.slot == -1 for x in completions)
     assert any(x.slot >= 0 for x in d.inputs if isinstance(x, ev.AdapterLoadFailed))
-    assert d.core.num_lora_wait_steps > 0
+    assert d.engine_stats.num_lora_wait_steps > 0
     assert any(isinstance(x, ev.AdapterEvictionDeferred) and x.num_reqs == 0 for x in d.decisions)  # unloaded mid-load
 
 

@@ -301,7 +301,7 @@ def test_replay_shows_the_figures_the_running_fold_had(tmp_path, capsys):
     assert figures["adapter_figures"]["adapters"] == [
         live.figures[n].to_json(live.tier(live.figures[n].version_id)) for n in sorted(live.figures)
     ]
-    assert figures["adapter_figures"]["engine"]["num_lora_wait_steps"] == d.core.num_lora_wait_steps
+    assert figures["adapter_figures"]["engine"]["num_lora_wait_steps"] == d.engine_stats.num_lora_wait_steps
     num_planned = len({r.req_id for p in d.plans for r in p.new_reqs if d.worker.req_versions.get(r.req_id)})
     assert sum(w["hit"] is not None for w in figures["adapter_waits"]) == num_planned
     assert sum(sum(row["loads"].values()) for row in figures["adapter_figures"]["adapters"]) > 0

@@ -89,7 +89,7 @@ def test_running_request_pins_its_slot():
     d.arrive("a1", 4, lora="a", max_tokens=6)
     d.arrive("b1", 4, lora="b", max_tokens=2)
     while "a1" not in d.finish_reasons:
-        assert d.core.num_pinned_slots == 1 and d.core.adapters.slots.slots[0].version_id == 1
+        assert d.engine_stats.num_pinned_slots == 1 and d.core.adapters.slots.slots[0].version_id == 1
         assert "b1" not in Driver.scheduled_tokens(d.in_flight)
         decisions = d.complete()
     order = _types(decisions)
@@ -101,7 +101,7 @@ def test_running_request_pins_its_slot():
     )
     assert d.of_type(ev.AdapterEvicted) == [ev.AdapterEvicted(0, 1)]
     d.run()
-    assert d.core.num_pinned_slots == 0
+    assert d.engine_stats.num_pinned_slots == 0
 
 
 def test_promotion_never_evicts_an_adapter_the_step_needs():
@@ -149,11 +149,11 @@ def test_unload_while_running_defers_until_finish():
     ]
     assert d.decisions[-3] == ev.AdapterEvictionDeferred(1, 0, 1) and reply.code == 200
     assert d.decisions[-2] == ev.NamespaceEvicted(1, 0, 1)  # a1's first block is locked
-    assert d.core.num_deferred_evictions == 1 and d.of_type(ev.AdapterEvicted) == []
+    assert d.engine_stats.num_deferred_evictions == 1 and d.of_type(ev.AdapterEvicted) == []
     assert d.arrive("a2", 3, lora="a")[0].code == 404
     d.run()
     assert d.finish_reasons["a1"] == "length" and d.of_type(ev.AdapterEvicted) == [ev.AdapterEvicted(0, 1)]
-    assert d.core.num_deferred_evictions == 0 and d.core.snapshot()["adapters"]["versions"] == []
+    assert d.engine_stats.num_deferred_evictions == 0 and d.core.snapshot()["adapters"]["versions"] == []
 
 
 def test_unload_then_abort_evicts_at_the_abort():
@@ -164,7 +164,7 @@ def test_unload_then_abort_evicts_at_the_abort():
     d.unload("a")
     decisions = d.abort("a1")
     assert _types(decisions)[:3] == ["TokensEmitted", "RequestFinished", "AdapterEvicted"]
-    assert d.core.num_deferred_evictions == 0 and d.core.num_pinned_slots == 0
+    assert d.engine_stats.num_deferred_evictions == 0 and d.engine_stats.num_pinned_slots == 0
     d.run()
 
 
@@ -188,7 +188,7 @@ def test_unload_of_an_idle_or_waiting_adapter():
     d.ready()
     d.run()  # b1 still runs on its version, then the slot goes
     assert d.finish_reasons["b1"] == "length" and d.of_type(ev.AdapterEvicted) == [ev.AdapterEvicted(0, 1)]
-    assert d.core.num_deferred_evictions == 0
+    assert d.engine_stats.num_deferred_evictions == 0
 
 
 def test_load_inplace_new_arrivals_get_the_new_version():
@@ -205,7 +205,7 @@ def test_load_inplace_new_arrivals_get_the_new_version():
     assert d.core.requests == {} and d.of_type(ev.AdapterSlotAssigned)[-1] == ev.AdapterSlotAssigned(
         1, 2, "/adapters/a-v2"
     )
-    assert d.of_type(ev.AdapterEvicted) == [ev.AdapterEvicted(0, 1)] and d.core.num_deferred_evictions == 0
+    assert d.of_type(ev.AdapterEvicted) == [ev.AdapterEvicted(0, 1)] and d.engine_stats.num_deferred_evictions == 0
     _use(d, "a3", "a")
     d.load("a", inplace=True)  # nobody holds version 2: its slot goes at once
     assert d.of_type(ev.AdapterEvicted)[-1] == ev.AdapterEvicted(1, 2)
@@ -230,7 +230,7 @@ def test_load_failed_fails_its_requests_and_unregisters():
     assert d.send(ev.AdapterLoadFailed(1, 0, 1, "again")) == []  # another rank: already gone
     assert d.arrive("a3", 3, lora="a")[0].code == 404
     d.run()
-    assert d.finish_reasons == {"z": "length"} and d.core.num_pinned_slots == 0
+    assert d.finish_reasons == {"z": "length"} and d.engine_stats.num_pinned_slots == 0
 
 
 def test_load_completed_is_logged_only():

@@ -173,7 +173,7 @@ def test_random_adapter_workloads_with_overlapped_loading_keep_slots_and_blocks_
     )
     run_adapter_workload(d, seed)
     d.check_idle()
-    assert not d.of_type(ev.EngineFailed) and d.core.num_loading_slots == 0
+    assert not d.of_type(ev.EngineFailed) and d.engine_stats.num_loading_slots == 0
 
 
 def test_async_log_replays_and_its_config_travels_in_the_header(tmp_path):

@@ -10,14 +10,14 @@ def test_no_plan_before_every_rank_is_ready():
     assert d.ready(rank=0) == []
     decisions = d.ready(rank=1)
     assert [type(x) for x in decisions] == [ev.StepPlan, ev.StateDigest]
-    assert d.core.num_total_blocks == 64
+    assert d.engine_stats.num_total_blocks == 64
 
 
 def test_capacity_is_the_smallest_rank():
     d = Driver(tensor_parallel_size=2, ready=False)
     d.send(ev.WorkerReady(0, 30, 1000, [2], "cpu", "float32"))
     d.send(ev.WorkerReady(1, 20, 1000, [2], "cpu", "float32"))
-    assert d.core.num_total_blocks == 20
+    assert d.engine_stats.num_total_blocks == 20
 
 
 def test_one_step_in_flight_at_a_time():

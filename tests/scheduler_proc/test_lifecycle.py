@@ -110,7 +110,7 @@ def test_snapshot_and_integrity_helpers():
     d.arrive("a", 6)
     snap = d.core.snapshot()
     assert snap["running"] == ["a"] and snap["requests"][0]["block_ids"] == [0, 1]
-    assert d.core.num_free_blocks == 6 and d.core.has_unfinished()
+    assert d.engine_stats.num_free_blocks == 6 and d.core.has_unfinished()
     d.core.scheduler.block_manager.pool.free_block_ids.append(0)  # corrupt: block 0 twice
     with pytest.raises(RuntimeError, match="block 0"):
         d.core.check_integrity()

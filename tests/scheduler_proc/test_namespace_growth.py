@@ -87,7 +87,7 @@ def test_reload_in_place_forgets_the_old_version_after_its_last_request():
     assert reply.code == 200 and d.core.state_rows()[-1][3] == [1]
     d.arrive("new", PROMPT, lora="x", max_tokens=1)
     d.run()
-    assert d.core.state_rows()[-1][3] == [] and d.core.namespace_block_counts() == [(2, 2)]
+    assert d.core.state_rows()[-1][3] == [] and d.blocks.namespace_block_counts() == [(2, 2)]
     assert all(x.namespace == 1 for x in d.of_type(ev.PrefixCached) if x.req_id == "old")
     d.check_idle()
 

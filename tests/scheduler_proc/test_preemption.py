@@ -17,7 +17,7 @@ def test_newest_running_request_is_preempted_and_resumes_in_full():
     d = _fill_pool()
     d.script("a", [60, 61])
     d.script("b", [70])
-    assert d.core.num_free_blocks == 0
+    assert d.engine_stats.num_free_blocks == 0
     d.complete()  # a and b each need a third block: b (newest) is preempted
     (preempted,) = d.of_type(ev.RequestPreempted)
     assert preempted.req_id == "b" and preempted.step == d.in_flight.step
@@ -77,9 +77,9 @@ def test_duplicate_req_id_rejected():
 def test_abort_frees_blocks_at_once_and_ignores_late_tokens():
     d = Driver(num_kv_blocks=8)
     d.arrive("a", 9, max_tokens=5)
-    assert d.core.num_free_blocks == 5
+    assert d.engine_stats.num_free_blocks == 5
     decisions = d.abort("a")  # step 1 is still in flight
-    assert d.core.num_free_blocks == 8
+    assert d.engine_stats.num_free_blocks == 8
     emitted, finished = decisions
     assert emitted == ev.TokensEmitted("a", [], "abort", num_prompt_tokens=9)
     assert finished == ev.RequestFinished("a", "abort", 0)

@@ -43,7 +43,7 @@ def test_reuse_within_a_namespace():
     assert second.block_ids[:2] == first.block_ids[:2]
     emitted = [e for e in d.emitted if e.req_id == "b"]
     assert len(emitted) == 3 and all(e.num_cached_tokens == 8 for e in emitted)
-    assert d.core.num_cached_blocks == 3 and d.core.namespace_block_counts() == [(0, 3)]
+    assert d.engine_stats.num_cached_blocks == 3 and d.blocks.namespace_block_counts() == [(0, 3)]
     d.check_idle()
 
 
@@ -64,7 +64,7 @@ def test_no_reuse_across_base_adapter_and_reloaded_version():
     assert d.of_type(ev.NamespaceEvicted) == [ev.NamespaceEvicted(1, 2, 0)]
     assert _run_one(d, "x3", PROMPT, lora="x").num_computed_tokens == 0  # the new version starts empty
     assert _run_one(d, "base2", PROMPT).num_computed_tokens == 8
-    assert d.core.namespace_block_counts() == [(0, 2), (2, 2)]
+    assert d.blocks.namespace_block_counts() == [(0, 2), (2, 2)]
     d.check_idle()
 
 
@@ -147,7 +147,7 @@ def test_preemption_only_when_neither_free_nor_evictable_blocks():
     d.arrive("b", list(range(300, 307)), max_tokens=5)
     d.run()
     assert d.of_type(ev.RequestPreempted) == []  # old's blocks were evicted instead
-    assert d.core.namespace_block_counts() == [(0, 4)]
+    assert d.blocks.namespace_block_counts() == [(0, 4)]
     d.check_idle()
 
 
@@ -158,10 +158,10 @@ def test_namespace_evicted_without_locked_blocks():
     d = Driver(num_kv_blocks=16, enable_lora=True)
     d.load("x")
     _run_one(d, "x1", PROMPT, lora="x")
-    assert d.core.namespace_block_counts() == [(1, 2)]
+    assert d.blocks.namespace_block_counts() == [(1, 2)]
     d.unload("x")
     assert d.of_type(ev.NamespaceEvicted) == [ev.NamespaceEvicted(1, 2, 0)]
-    assert d.core.num_cached_blocks == 0 and d.core.num_free_blocks == 16
+    assert d.engine_stats.num_cached_blocks == 0 and d.engine_stats.num_free_blocks == 16
     d.check_idle()
 
 
@@ -173,9 +173,9 @@ def test_namespace_evicted_with_locked_blocks_frees_them_at_finish():
     d.complete()  # x2's prompt computed: 2 more cached blocks, locked by x2
     d.unload("x")
     assert d.of_type(ev.NamespaceEvicted) == [ev.NamespaceEvicted(1, 1, 2)]
-    assert d.core.namespace_block_counts() == [(1, 2)] and d.core.block_accounting().num_locked == 2
+    assert d.blocks.namespace_block_counts() == [(1, 2)] and d.blocks.block_accounting().num_locked == 2
     d.run()
-    assert d.core.namespace_block_counts() == [] and d.core.num_free_blocks == 16
+    assert d.blocks.namespace_block_counts() == [] and d.engine_stats.num_free_blocks == 16
     assert [x for x in d.of_type(ev.PrefixCached) if x.req_id == "x2"][-1].namespace == 1
     assert len([x for x in d.of_type(ev.PrefixCached) if x.req_id == "x2"]) == 1  # nothing inserted after the unload
     d.check_idle()

@@ -83,7 +83,7 @@ def test_prefix_cache_under_random_interleavings(ops, num_kv_blocks):
         checker.check()
     d.check_idle()
     live = [0] + sorted(d.registry.values())
-    assert all(ns in live for ns, _ in d.core.namespace_block_counts())  # unloaded versions hold nothing
+    assert all(ns in live for ns, _ in d.blocks.namespace_block_counts())  # unloaded versions hold nothing
 
 
 def test_random_interleavings_do_reuse_across_requests():
