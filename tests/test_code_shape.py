@@ -31,7 +31,6 @@ LARGE_FUNCTIONS = {
     ("kernels/fused.py", "_rms_norm_kernel"): "a Triton kernel body: splitting it costs registers",
     ("kernels/fused.py", "_silu_and_mul_kernel"): "a Triton kernel body: splitting it costs registers",
     ("ledgerserve/cli.py", "add_serve_args"): "one add_argument per engine setting, in the order --help lists them",
-    ("worker_proc/main.py", "serve"): "the worker's start-up sequence, read top to bottom",
     ("tokenizer_proc/app.py", "build_app"): "the app's routes and middleware, registered in one place",
     ("scripts/bench_adapter_churn.py", "prepare"): "a benchmark's set-up, step by step",
     ("scripts/bench_peft.py", "main"): "a benchmark's main, step by step",
