@@ -1,10 +1,10 @@
-"""Torch reference paged attention (CPU and CUDA).
+"""Torch reference paged attention (CPU and CUDA), with the signatures of kernels/ops.py.
 
-One function serves prefill chunks (with or without a cached prefix) and decode: each
-request in the flat batch has `num_computed` tokens whose K/V are already in its blocks
-and `num_new` new query tokens. The new K/V are written into the cache at
-`slot_mapping`, then every new query attends causally over all of that request's
-`num_computed + num_new` keys, read back through its block table.
+Each request in the flat batch has `num_computed` tokens whose K/V were already in its
+blocks and `num_new` new query tokens, whose K/V `write_kv` put at `kv_slots` first; every
+new query attends causally over all of that request's `num_computed + num_new` keys, read
+back through its block table. One function serves prefill chunks (with or without a cached
+prefix) and decode.
 
 Cache layout: `[num_blocks, block_size, num_kv_heads, head_dim]`. A flat slot index is
 `block_id * block_size + offset_in_block`.
@@ -12,24 +12,8 @@ Cache layout: `[num_blocks, block_size, num_kv_heads, head_dim]`. A flat slot in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
-
-
-@dataclass(frozen=True)
-class PagedAttentionMetadata:
-    """Batch layout shared by every layer of one forward pass."""
-
-    query_start_loc: list[int]  # [num_reqs + 1] offsets of each req's new tokens in the flat batch
-    seq_lens: list[int]  # [num_reqs] num_computed + num_new per req
-    block_tables: list[list[int]]  # per req: block ids covering its seq_len tokens
-    slot_mapping: torch.Tensor  # [num_tokens] int64 flat cache slot of each new token
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.seq_lens)
 
 
 def write_kv(
@@ -37,12 +21,12 @@ def write_kv(
     v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    slot_mapping: torch.Tensor,  # [num_tokens] int64
+    kv_slots: torch.Tensor,  # [num_tokens] int64 flat cache slot of each new token
 ) -> None:
     """Scatter new K/V into the paged cache, in place."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, kv_slots, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, kv_slots, v.to(v_cache.dtype))
 
 
 def gather_kv(
@@ -56,37 +40,6 @@ def gather_kv(
         raise ValueError(f"block table has {len(block_table)} blocks, {num_blocks} needed for {seq_len} tokens")
     index = torch.tensor(block_table[:num_blocks], dtype=torch.long, device=cache.device)
     return cache.index_select(0, index).flatten(0, 1)[:seq_len]
-
-
-def paged_attention_ref(
-    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
-    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
-    meta: PagedAttentionMetadata,
-    scale: float,
-) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Write new K/V into the cache, then causal GQA attention of the new queries.
-
-    Apart from the cache write at `meta.slot_mapping` it is a pure function of its inputs.
-    """
-    num_heads, num_kv_heads = q.shape[1], k.shape[1]
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
-    if meta.slot_mapping.shape[0] != q.shape[0] or meta.query_start_loc[-1] != q.shape[0]:
-        raise ValueError("slot_mapping / query_start_loc do not match the number of tokens")
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    out = torch.empty_like(q)
-    for i in range(meta.num_reqs):
-        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-        if end == start:
-            continue
-        seq_len = meta.seq_lens[i]
-        keys = gather_kv(k_cache, meta.block_tables[i], seq_len)  # [seq_len, num_kv_heads, head_dim]
-        values = gather_kv(v_cache, meta.block_tables[i], seq_len)
-        out[start:end] = causal_attention(q[start:end], keys.to(q.dtype), values.to(q.dtype), scale)
-    return out
 
 
 def causal_attention(
@@ -108,10 +61,6 @@ def causal_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
     )  # [num_heads, num_new, head_dim]
     return out.transpose(0, 1)
-
-
-# Tensor-metadata forms of the same attention, with the signatures of kernels/ops.py. The
-# K/V of the new tokens must already be in the cache (`write_kv`).
 
 
 def paged_prefill_attention_ref(

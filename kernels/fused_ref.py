@@ -1,7 +1,7 @@
 """Torch references for the fused elementwise kernels in kernels/fused.py (CPU and CUDA).
 
-They round where the model's layers round (worker_proc/models/layers.py, rope.py), so
-switching the model to kernels/ops.py on CPU changes no output.
+They round where HF's Llama layers round (float32 norm statistics cast back before the
+weight, RoPE in the activations' dtype), which the transformers parity tests hold the model to.
 """
 
 from __future__ import annotations
@@ -38,21 +38,11 @@ def fused_add_rms_norm_ref(
     return rms_norm_ref(new_residual, weight, eps), new_residual
 
 
-def rope_cos_sin_cache(
-    inv_freq: torch.Tensor,  # [head_dim // 2] float32
-    max_position: int,
-) -> torch.Tensor:  # [max_position, head_dim] float32: cos in the first half, sin in the second
-    """The same float32 values as RotaryEmbedding.cos_sin, precomputed for every position."""
-    positions = torch.arange(max_position, device=inv_freq.device).float()
-    freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim // 2]
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
-
-
 def apply_rope_ref(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated in place
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rotated in place
     positions: torch.Tensor,  # [num_tokens] int
-    cos_sin_cache: torch.Tensor,  # [max_position, head_dim] float32 (rope_cos_sin_cache)
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim] float32 (ops.rope_cos_sin_cache)
 ) -> None:
     """Rotate-half RoPE (HF Llama layout), computed in q/k's dtype like the model."""
     half = cos_sin_cache.shape[-1] // 2
@@ -71,14 +61,14 @@ def rope_and_write_kv_ref(
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rotated in place
     v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     positions: torch.Tensor,  # [num_tokens] int
-    cos_sin_cache: torch.Tensor,  # [max_position, head_dim] float32 (rope_cos_sin_cache)
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim] float32 (ops.rope_cos_sin_cache)
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
-    slot_mapping: torch.Tensor,  # [num_tokens] int64 flat cache slot of each token
+    kv_slots: torch.Tensor,  # [num_tokens] int64 flat cache slot of each token
 ) -> None:
-    """apply_rope_ref on q and k, then write_kv of the rotated k and of v at slot_mapping."""
+    """apply_rope_ref on q and k, then write_kv of the rotated k and of v at kv_slots."""
     apply_rope_ref(q, k, positions, cos_sin_cache)
-    write_kv(k, v, k_cache, v_cache, slot_mapping)
+    write_kv(k, v, k_cache, v_cache, kv_slots)
 
 
 def silu_and_mul_ref(x: torch.Tensor, delta: LoraDelta | None = None) -> torch.Tensor:

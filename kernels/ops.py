@@ -1,4 +1,6 @@
-"""One import for the model's hot ops: Triton on CUDA tensors, the torch references otherwise.
+"""One import for the model's hot ops: Triton on half-precision CUDA tensors, the torch references
+otherwise (CPU, and float32 anywhere: exact checks). The model calls these ops only; this is the
+one place that chooses between the two.
 
 Each op has the same signature on both paths (see kernels/attention_ref.py and
 kernels/fused_ref.py for the semantics). Triton is imported only if installed, so this
@@ -17,7 +19,6 @@ from ledgerserve.kernels.fused_ref import (
     fused_add_rms_norm_ref,
     rms_norm_ref,
     rope_and_write_kv_ref,
-    rope_cos_sin_cache,
     silu_and_mul_ref,
 )
 from ledgerserve.kernels.lora_ref import LoraDelta
@@ -56,8 +57,11 @@ except ImportError:  # no triton on this machine: the references serve every cal
     HAS_TRITON = False
 
 
+TRITON_DTYPES = (torch.bfloat16, torch.float16)  # the model's dtypes that run the Triton kernels
+
+
 def use_triton(x: torch.Tensor) -> bool:
-    return HAS_TRITON and x.is_cuda
+    return HAS_TRITON and x.is_cuda and x.dtype in TRITON_DTYPES
 
 
 def paged_decode_attention(
@@ -96,7 +100,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         use_triton(x)
         and x.dim() == 2
         and x.shape[0] == 1
-        and x.dtype in (torch.bfloat16, torch.float16)
         and x.stride(-1) == 1
         and weight.stride(-1) == 1
         and weight.shape[0] <= GEMV_MAX_N
@@ -106,7 +109,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x.is_cuda
         and bias is None
         and x.dim() == 2
-        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.dtype in TRITON_DTYPES
         and x.is_contiguous()
         and weight.is_contiguous()
         and _gemm_tuning.enabled()
@@ -117,7 +120,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """x: [num_rows, n_cols] float32 -> [num_rows] int64, the first index of each row's max."""
-    if use_triton(x) and x.dim() == 2 and x.dtype == torch.float32 and x.stride(-1) == 1 and x.shape[1] > 0:
+    if HAS_TRITON and x.is_cuda and x.dim() == 2 and x.dtype == torch.float32 and x.stride(-1) == 1 and x.shape[1] > 0:
         return _argmax.argmax(x)
     return x.argmax(dim=-1)
 
@@ -134,8 +137,18 @@ def fused_add_rms_norm(
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
-    """In place; cos_sin_cache from fused_ref.rope_cos_sin_cache."""
+    """In place; cos_sin_cache from rope_cos_sin_cache."""
     (_fused.apply_rope if use_triton(q) else apply_rope_ref)(q, k, positions, cos_sin_cache)
+
+
+def rope_cos_sin_cache(
+    inv_freq: torch.Tensor,  # [head_dim // 2] float32
+    max_position: int,
+) -> torch.Tensor:  # [max_position, head_dim] float32: cos in the first half, sin in the second
+    """The rotation angles' float32 cos and sin at every position, as the RoPE ops take them."""
+    positions = torch.arange(max_position, device=inv_freq.device).float()
+    freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim // 2]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
 def rope_and_write_kv(
@@ -146,11 +159,11 @@ def rope_and_write_kv(
     cos_sin_cache: torch.Tensor,  # [max_position, head_dim] float32
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
-    slot_mapping: torch.Tensor,  # [num_tokens] int64
+    kv_slots: torch.Tensor,  # [num_tokens] int64 flat cache slot of each token
 ) -> None:
     """apply_rope then write_kv of the rotated k and v, one kernel on CUDA."""
     fn = _fused.rope_and_write_kv if use_triton(q) else rope_and_write_kv_ref
-    fn(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    fn(q, k, v, positions, cos_sin_cache, k_cache, v_cache, kv_slots)
 
 
 def silu_and_mul(x: torch.Tensor, delta: LoraDelta | None = None) -> torch.Tensor:  # [num_tokens, 2 * d] -> [.., d]

@@ -32,8 +32,8 @@ from ledgerserve.shared.adapter_format import BaseShapes
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.events import AdapterSlotAssigned, CachedReq, NewReq, StepPlan
 from ledgerserve.shared.sampling import SamplingParams
-from ledgerserve.worker_proc.batch import build_batch
 from ledgerserve.worker_proc.runner import InFlightStep, ModelRunner
+from ledgerserve.worker_proc.step_inputs import build_step_inputs
 from scripts.bench_fixtures import (
     LLAMA3_8B,
     adapter_bytes,
@@ -151,10 +151,10 @@ class Bench:
             start.record()
             ops.argmax(graphs.run(reqs, BLOCK, staging))
         else:
-            batch = build_batch(reqs, BLOCK, runner.device, runner.staging)
+            inputs = build_step_inputs(reqs, BLOCK, runner.device, runner.staging)
             start.record()
-            hidden = runner.model(batch.input_ids, batch.positions, runner.kv_cache.layers, batch.meta, lora=batch.lora)
-            ops.argmax(runner.model.compute_logits(hidden[batch.sample_indices], lora=batch.sample_lora))
+            hidden = runner.model(inputs, runner.kv_cache.layers)
+            ops.argmax(runner.model.compute_logits(hidden[inputs.sample_indices], inputs.sample_lora))
         end.record()
         enqueue_ms = (time.perf_counter() - t0) * 1e3
         end.synchronize()

@@ -20,13 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ledgerserve.kernels import fused  # noqa: E402
 from ledgerserve.kernels.attention_ref import paged_decode_attention_ref, paged_prefill_attention_ref  # noqa: E402
-from ledgerserve.kernels.fused_ref import (  # noqa: E402
-    apply_rope_ref,
-    fused_add_rms_norm_ref,
-    rms_norm_ref,
-    rope_cos_sin_cache,
-    silu_and_mul_ref,
-)
+from ledgerserve.kernels.fused_ref import apply_rope_ref, fused_add_rms_norm_ref, rms_norm_ref, silu_and_mul_ref  # noqa: E402
+from ledgerserve.kernels.ops import rope_cos_sin_cache  # noqa: E402
 from ledgerserve.kernels.paged_attention import paged_decode_attention  # noqa: E402
 from ledgerserve.kernels.prefill_attention import paged_prefill_attention  # noqa: E402
 from tests.kernels.paged_batch import make_paged_batch  # noqa: E402

@@ -29,8 +29,6 @@ LARGE_FUNCTIONS = {
     ("kernels/fused.py", "_rms_norm_kernel"): "a Triton kernel body: splitting it costs registers",
     ("kernels/fused.py", "_silu_and_mul_kernel"): "a Triton kernel body: splitting it costs registers",
     ("ledgerserve/cli.py", "add_serve_args"): "one add_argument per engine setting, in the order --help lists them",
-    ("worker_proc/batch.py", "build_batch"): "one pass over the plan's requests filling every step input",
-    ("worker_proc/main.py", "serve"): "the worker's start-up sequence, read top to bottom",
 }
 
 

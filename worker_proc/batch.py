@@ -1,4 +1,5 @@
-"""Per-request worker state and the flat forward batch built from it each step."""
+"""Per-request worker state, its checks, and the placeholder tokens of its steps
+(worker_proc/step_inputs.py builds a step's inputs from it)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ledgerserve.kernels.attention_ref import PagedAttentionMetadata
 from ledgerserve.shared.events import CachedReq, NewReq
 from ledgerserve.shared.sampling import SamplingParams
-from ledgerserve.worker_proc.lora.mapping import LoraMapping, runs
-from ledgerserve.worker_proc.step_inputs import DeviceAttentionMetadata, PinnedStaging, padded_tables
 
 
 @dataclass
@@ -114,116 +112,3 @@ def fill_placeholders(
     if prev_token_ids is None:
         raise ValueError("placeholder tokens, but the previous step sampled nothing")
     input_ids.index_copy_(0, dst, prev_token_ids.index_select(0, src))
-
-
-@dataclass(frozen=True)
-class ForwardBatch:
-    input_ids: torch.Tensor  # [num_tokens] int64
-    positions: torch.Tensor  # [num_tokens] int64
-    lora_slots: torch.Tensor  # [num_tokens] int64, -1 = base model
-    meta: PagedAttentionMetadata
-    sample_indices: torch.Tensor  # [num_sampling] int64, last token of each sampling req
-    sampling_reqs: list[ReqState]
-    lora: LoraMapping | None = None  # of every token; None when no token uses an adapter
-    sample_lora: LoraMapping | None = None  # of the sampled tokens
-
-
-def build_batch(
-    reqs: Sequence[ReqState],
-    block_size: int,
-    device: torch.device,
-    staging: PinnedStaging | None = None,
-    prev_token_ids: torch.Tensor | None = None,
-) -> ForwardBatch:
-    """One flat batch of every scheduled token, in the given request order. With `staging`
-    (CUDA), the inputs go up in one non-blocking copy and the LoRA mappings are built
-    from the host lists, so building the batch never waits on the GPU. Placeholder ids are
-    taken on the device from `prev_token_ids` [num_prev_sampling] int64, the previous step's
-    sampled tokens (worker_proc/placeholders.py)."""
-    input_ids: list[int] = []
-    positions: list[int] = []
-    lora_slots: list[int] = []
-    slots: list[int] = []
-    starts, seq_lens, tables, sample_indices, sampling_reqs = [0], [], [], [], []
-    for req in reqs:
-        start, end = req.num_computed_tokens, req.num_tokens_after_step
-        input_ids += req.step_input_ids()
-        positions += range(start, end)
-        lora_slots += [req.lora_slot] * (end - start)
-        slots += [req.block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
-        starts.append(len(input_ids))
-        seq_lens.append(end)
-        tables.append(req.block_ids)
-        if req.samples:
-            sample_indices.append(len(input_ids) - 1)
-            sampling_reqs.append(req)
-
-    placeholders = placeholder_pairs(reqs, [s - 1 for s in starts[1:]])
-    if staging is not None:
-        return _device_batch(
-            staging,
-            input_ids,
-            positions,
-            lora_slots,
-            slots,
-            sample_indices,
-            starts,
-            seq_lens,
-            tables,
-            sampling_reqs,
-            placeholders,
-            prev_token_ids,
-        )
-
-    def as_tensor(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=device)
-
-    ids = as_tensor(input_ids)  # [num_tokens]
-    if placeholders[0]:
-        fill_placeholders(ids, as_tensor(placeholders[0]), as_tensor(placeholders[1]), prev_token_ids)
-    meta = PagedAttentionMetadata(starts, seq_lens, tables, as_tensor(slots))
-    return ForwardBatch(
-        ids, as_tensor(positions), as_tensor(lora_slots), meta, as_tensor(sample_indices), sampling_reqs
-    )
-
-
-def _device_batch(
-    staging: PinnedStaging,
-    input_ids: list[int],
-    positions: list[int],
-    lora_slots: list[int],
-    slots: list[int],
-    sample_indices: list[int],
-    starts: list[int],
-    seq_lens: list[int],
-    tables: list[list[int]],
-    sampling_reqs: list[ReqState],
-    placeholders: list[list[int]],
-    prev_token_ids: torch.Tensor | None,
-) -> ForwardBatch:
-    flat_tables, width = padded_tables(tables)
-    run_starts, run_slots = runs(lora_slots)
-    ids, pos, lslots, smap, sidx, qsl, slens, bt, rstarts, rslots, dst, src = staging.upload(
-        [
-            input_ids,
-            positions,
-            lora_slots,
-            slots,
-            sample_indices,
-            starts,
-            seq_lens,
-            flat_tables,
-            run_starts,
-            run_slots,
-            *placeholders,
-        ]
-    )
-    if placeholders[0]:
-        fill_placeholders(ids, dst, src, prev_token_ids)
-    max_query_len = max(b - a for a, b in zip(starts, starts[1:]))
-    meta = DeviceAttentionMetadata(
-        starts, seq_lens, tables, smap, bt.view(len(tables), width).int(), slens.int(), qsl.int(), max_query_len
-    )
-    lora = LoraMapping.from_host(lora_slots, lslots, (rstarts, rslots))
-    sample_lora = LoraMapping.from_host([lora_slots[i] for i in sample_indices], lslots[sidx]) if lora else None
-    return ForwardBatch(ids, pos, lslots, meta, sidx, sampling_reqs, lora, sample_lora)

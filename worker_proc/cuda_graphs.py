@@ -1,6 +1,7 @@
 """CUDA graphs for decode steps, one per batch-size bucket: a set without LoRA and, when
-LoRA is enabled, a set with it. Each graph reads one static int64 input row (token ids,
-positions, KV slots, adapter slots, sequence lengths, block tables) that every step
+LoRA is enabled, a set with it. Each graph reads one static int64 input row, the fields of
+worker_proc/step_inputs.py's StepInputs (token ids, positions, KV slots, adapter slots,
+sequence lengths, block tables, ...) padded to its batch (`pad_for_graph`), that every step
 overwrites with a single device copy; adapter slots and block tables being inputs, one
 graph serves any mix of adapters and requests. The LoRA set also reads the grouped layout
 (kernels/lora_ref.py): token rows sorted by slot and a padded table of max_tiles(batch,
@@ -22,10 +23,18 @@ from collections.abc import Sequence
 import torch
 
 from ledgerserve.kernels import gemm_tuning, pdl
-from ledgerserve.kernels.lora_ref import group_tiles, max_tiles
+from ledgerserve.kernels.lora_ref import max_tiles
 from ledgerserve.worker_proc.batch import ReqState, fill_placeholders, placeholder_pairs
 from ledgerserve.worker_proc.lora.mapping import LoraMapping
-from ledgerserve.worker_proc.step_inputs import DeviceAttentionMetadata, PinnedStaging
+from ledgerserve.worker_proc.step_inputs import (
+    STAGED,
+    HostInputs,
+    PinnedStaging,
+    StepInputs,
+    assemble,
+    host_inputs,
+    pad_for_graph,
+)
 
 log = logging.getLogger(__name__)
 
@@ -41,38 +50,33 @@ def slot_buckets(max_loras: int) -> list[int]:
 class DecodeGraph:
     """One captured decode step at `batch` rows: static input row in, static logits out."""
 
-    def __init__(self, batch: int, width: int, num_tiles: int, device: torch.device) -> None:
-        self.batch, self.width, self.num_tiles = batch, width, num_tiles
-        # [batch * (6 + width) + 2 * num_tiles + 1]: ids, positions, KV slots, adapter slots, seq lens,
-        # grouped order, tile starts, tile slots, block tables
-        self.inputs = torch.zeros(batch * (6 + width) + 2 * num_tiles + 1, dtype=torch.long, device=device)
+    def __init__(
+        self, batch: int, width: int, num_tiles: int | None, scratch_kv_slot: int, device: torch.device
+    ) -> None:
+        self.batch, self.num_tiles = batch, num_tiles  # num_tiles: the LoRA set's grouped layout, else None
+        # an empty batch padded: the row's layout, and the values the capture runs on
+        self.empty = pad_for_graph(HostInputs(width=width), batch, scratch_kv_slot, num_tiles)
+        self.lengths = [len(p) for p in self.empty.parts()]
+        self.inputs = torch.tensor(list(itertools.chain(*self.empty.parts())), dtype=torch.long, device=device)
         self.graph = torch.cuda.CUDAGraph(keep_graph=True)  # edited (pdl.launch_after_block_start), then instantiated
         self.logits: torch.Tensor | None = None  # [batch, vocab] float32
 
-    def forward(self, model: torch.nn.Module, kv_layers: list, num_slots: int) -> torch.Tensor:
-        """num_slots: 0 without LoRA, else the graph's slot bucket."""
-        b = self.batch
-        t = self.num_tiles
-        ids, pos, smap, tslots, slens, order, tstarts, tile_slots, bt = self.inputs.split(
-            [b, b, b, b, b, b, t + 1, t, b * self.width]
-        )
-        qsl = torch.arange(b + 1, dtype=torch.int32, device=ids.device)
-        meta = DeviceAttentionMetadata([], [], [], smap, bt.view(b, self.width).int(), slens.int(), qsl, 1)
+    def step_inputs(self, num_slots: int) -> StepInputs:
+        """Views of the static row; num_slots: 0 without LoRA, else the graph's slot bucket."""
+        views = dict(zip(STAGED, self.inputs.split(self.lengths)))
         lora = None
         if num_slots:
             empty = torch.zeros(0, dtype=torch.long)
+            grouped = (views["order"], views["tile_starts"], views["tile_slots"])
             lora = LoraMapping(
-                tslots,
-                empty,
-                empty,
-                False,
-                (),
-                in_graph=True,
-                grouped=(order, tstarts, tile_slots),
-                num_slots=num_slots,
+                views["lora_slots"], empty, empty, False, (), in_graph=True, grouped=grouped, num_slots=num_slots
             )
-        hidden = model(ids, pos, kv_layers, meta, lora=lora)  # [b, hidden]
-        return model.compute_logits(hidden, lora=lora)  # [b, vocab] float32
+        return assemble(views, self.empty, lora, lora)
+
+    def forward(self, model: torch.nn.Module, kv_layers: list, num_slots: int) -> torch.Tensor:
+        inputs = self.step_inputs(num_slots)
+        hidden = model(inputs, kv_layers)  # [batch, hidden]: every row samples
+        return model.compute_logits(hidden, inputs.lora)  # [batch, vocab] float32
 
 
 class DecodeGraphs:
@@ -80,14 +84,14 @@ class DecodeGraphs:
         self,
         model: torch.nn.Module,
         kv_layers: list,
-        scratch_slot: int,
+        scratch_kv_slot: int,
         width: int,
         max_batch: int,
         with_lora: bool,
         device: torch.device,
         max_loras: int = 0,
     ) -> None:
-        self.model, self.kv_layers, self.scratch_slot, self.width = model, kv_layers, scratch_slot, width
+        self.model, self.kv_layers, self.scratch_kv_slot, self.width = model, kv_layers, scratch_kv_slot, width
         self.buckets = [b for b in BUCKETS if b <= max_batch] or [1]
         self.device, self.max_loras = device, max_loras
         # slot bucket (0: no LoRA) -> batch bucket -> graph
@@ -101,9 +105,8 @@ class DecodeGraphs:
         """Warm up (Triton compiles) and capture every bucket, largest first, in one memory pool."""
         for num_slots, graphs in self.sets.items():
             for b in sorted(self.buckets, reverse=True):
-                g = DecodeGraph(b, self.width, max_tiles(b, num_slots) if num_slots else 0, self.device)
-                g.inputs[3 * b : 4 * b].fill_(-1)  # adapter slots: base (tile table: zeros, empty)
-                g.inputs[2 * b : 3 * b].fill_(self.scratch_slot)  # KV slots: scratch
+                num_tiles = max_tiles(b, num_slots) if num_slots else None
+                g = DecodeGraph(b, self.width, num_tiles, self.scratch_kv_slot, self.device)
                 with gemm_tuning.recording() as gemms:
                     g.forward(self.model, self.kv_layers, num_slots)  # eager warm-up
                 _log_tuning(b, num_slots, gemm_tuning.tune(gemms))  # nothing recorded when tuning is off
@@ -139,13 +142,13 @@ class DecodeGraphs:
         top_slot = max(r.lora_slot for r in reqs)
         num_slots = next((s for s in self.sets if s > top_slot), 0) if top_slot >= 0 else 0
         g = self.sets[num_slots][bucket]
-        row = decode_row(reqs, bucket, self.width, block_size, self.scratch_slot, g.num_tiles if num_slots else None)
+        host = pad_for_graph(host_inputs(reqs, block_size, self.width), bucket, self.scratch_kv_slot, g.num_tiles)
         placeholders = placeholder_pairs(reqs, range(n))
         if placeholders[0]:
-            dst, src = staging.upload_into(g.inputs, row, placeholders)
+            dst, src = staging.upload_into(g.inputs, host.parts(), placeholders)
             fill_placeholders(g.inputs[:bucket], dst, src, prev_token_ids)  # the row's token ids: [bucket]
         else:
-            staging.upload_into(g.inputs, row)
+            staging.upload_into(g.inputs, host.parts())
         g.graph.replay()
         self.replays += 1
         assert g.logits is not None
@@ -164,29 +167,3 @@ def _log_tuning(batch: int, num_slots: int, timings: dict) -> None:
             torch_us,
             chosen_us,
         )
-
-
-def decode_row(
-    reqs: Sequence[ReqState], bucket: int, width: int, block_size: int, scratch_slot: int, num_tiles: int | None
-) -> list[list[int]]:
-    """The parts of a DecodeGraph's input row for `reqs` padded to `bucket` rows: token ids,
-    positions, KV slots, adapter slots, sequence lengths, the grouped layout (when num_tiles is
-    given: the LoRA set) and the block tables padded to `width`."""
-    pad = bucket - len(reqs)
-    positions = [r.num_computed_tokens for r in reqs]
-    slots = [r.lora_slot for r in reqs] + [-1] * pad
-    order, tile_starts, tile_slots = group_tiles(slots, num_tiles) if num_tiles is not None else (slots, [0], [])
-    return [
-        # a placeholder's id is written on the device later (DecodeGraphs.run)
-        [r.token_ids[p] if r.placeholder_row < 0 else 0 for r, p in zip(reqs, positions)] + [0] * pad,
-        positions + [0] * pad,
-        [r.block_ids[p // block_size] * block_size + p % block_size for r, p in zip(reqs, positions)]
-        + [scratch_slot] * pad,
-        slots,
-        [p + 1 for p in positions] + [0] * pad,
-        order,
-        tile_starts,
-        tile_slots,
-        list(itertools.chain.from_iterable(r.block_ids + [0] * (width - len(r.block_ids)) for r in reqs))
-        + [0] * (pad * width),
-    ]

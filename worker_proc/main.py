@@ -72,14 +72,7 @@ def serve(
     steps = StepReplies(runner, rank, outbox, log)
     loads = LoadReplies(runner, outbox)
     while True:
-        try:
-            if steps.in_flight is not None and not wait_for_command(inbox, steps.in_flight, loads):
-                if not steps.flush():  # the step is done and nothing is waiting: send its replies now
-                    return 1
-            if steps.in_flight is None:
-                loads.wait_idle(inbox)
-        except Exception as e:  # a device fault seen while a step or an adapter load ran
-            steps.fail("waiting on the device", e)
+        if not wait_turn(inbox, steps, loads):
             return 1
         frame = inbox.recv()
         arrival_s = time.monotonic()
@@ -89,22 +82,46 @@ def serve(
             num_dropped_frames += 1
             log.warning("dropped an undecodable frame (%d so far)", num_dropped_frames)
             continue
-        if isinstance(cmd, events.StepPlan):
-            if not steps.launch(cmd):
-                return 1
-            continue
-        if (not overlap_loading or isinstance(cmd, events.Shutdown)) and not steps.flush():
-            return 1
         if isinstance(cmd, events.Shutdown):
+            if not steps.flush():
+                return 1
             log.info("shutdown: %s (%d undecodable frames dropped)", cmd.reason, num_dropped_frames)
             return 0
-        try:
-            replies = runner.adapter_command(cmd, arrival_s)
-        except Exception as e:
-            steps.fail(type(cmd).__name__, e)
+        if not run_command(cmd, arrival_s, steps, overlap_loading):
             return 1
-        for reply in replies:
-            outbox.send(codec.encode(reply))
+
+
+def wait_turn(inbox: zmq.Socket, steps: StepReplies, loads: LoadReplies) -> bool:
+    """Return once a command is waiting: the step in flight, if any, is completed when the device
+    finished it first, and load replies go out meanwhile. False after a fault (reported): a device
+    fault seen while a step or an adapter load ran."""
+    try:
+        if steps.in_flight is not None and not wait_for_command(inbox, steps.in_flight, loads):
+            if not steps.flush():  # the step is done and nothing is waiting: send its replies now
+                return False
+        if steps.in_flight is None:
+            loads.wait_idle(inbox)
+    except Exception as e:
+        steps.fail("waiting on the device", e)
+        return False
+    return True
+
+
+def run_command(cmd: events.ToWorker, arrival_s: float, steps: StepReplies, overlap_loading: bool) -> bool:
+    """Launch a StepPlan, or complete the step in flight (unless loads overlap the steps) and run an
+    adapter command, sending its replies. False after a fault (reported)."""
+    if isinstance(cmd, events.StepPlan):
+        return steps.launch(cmd)
+    if not overlap_loading and not steps.flush():
+        return False
+    try:
+        replies = steps.runner.adapter_command(cmd, arrival_s)
+    except Exception as e:
+        steps.fail(type(cmd).__name__, e)
+        return False
+    for reply in replies:
+        steps.outbox.send(codec.encode(reply))
+    return True
 
 
 def wait_for_command(inbox: zmq.Socket, step: InFlightStep, loads: LoadReplies) -> bool:

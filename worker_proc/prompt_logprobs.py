@@ -58,7 +58,7 @@ class PendingPromptLogprobs:
 
 
 def prompt_rows(reqs: Sequence[ReqState]) -> PromptRows:
-    """Which rows of the flat batch of `reqs` (worker_proc/batch.build_batch's order) score prompt tokens."""
+    """Which rows of the flat batch of `reqs` (worker_proc/step_inputs.host_inputs's order) score prompt tokens."""
     indices: list[int] = []
     target_ids: list[int] = []
     lora_slots: list[int] = []
@@ -86,8 +86,8 @@ def launch(model: torch.nn.Module, hidden: torch.Tensor, rows: PromptRows, vocab
         b = a + MAX_ROWS
         index = to_device(rows.indices[a:b], torch.long, device)  # [m]
         targets = to_device(rows.target_ids[a:b], torch.long, device)  # [m]
-        slots = rows.lora_slots[a:b]
-        lora = LoraMapping.from_host(slots, to_device(slots, torch.long, device))
+        lora_slots = rows.lora_slots[a:b]
+        lora = LoraMapping.from_host(lora_slots, to_device(lora_slots, torch.long, device))
         logits = model.compute_logits(hidden.index_select(0, index), lora=lora)  # [m, vocab] float32
         parts.append(score(logits, targets, num_top))
     chosen, ranks, top_values, top_ids = (torch.cat(column) for column in zip(*parts))

@@ -16,6 +16,7 @@ import msgspec
 import torch
 import xxhash
 
+from ledgerserve.kernels import ops
 from ledgerserve.shared import env
 from ledgerserve.shared.adapter_format import BaseShapes
 from ledgerserve.shared.config import EngineConfig
@@ -31,15 +32,14 @@ from ledgerserve.shared.events import (
 )
 from ledgerserve.worker_proc import prompt_logprobs
 from ledgerserve.worker_proc.adapter_commands import AdapterCommands
-from ledgerserve.worker_proc.batch import ReqState, build_batch, check_fault, validate_req
+from ledgerserve.worker_proc.batch import ReqState, check_fault, validate_req
 from ledgerserve.worker_proc.cuda_graphs import DecodeGraphs
 from ledgerserve.worker_proc.kv_cache import KVCache, num_kv_blocks
 from ledgerserve.worker_proc.lora.manager import LoraManager
 from ledgerserve.worker_proc.models import build_model, load_eos_token_ids, load_model_config
-from ledgerserve.worker_proc.models.llama import FAST_DTYPES
 from ledgerserve.worker_proc.placeholders import SampledRows, mark_placeholder
 from ledgerserve.worker_proc.sampler import PendingSample, Sampler, SamplingReq
-from ledgerserve.worker_proc.step_inputs import PinnedStaging
+from ledgerserve.worker_proc.step_inputs import PinnedStaging, build_step_inputs
 from ledgerserve.worker_proc.warm_up import warm_up_batches
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -78,7 +78,7 @@ class ModelRunner(AdapterCommands):
         )
         self.lora = self._build_lora() if config.enable_lora else None  # before KV sizing: its buffers count
         num_blocks = num_kv_blocks(config, self.model_cfg, self.dtype, self.device)
-        use_graphs = self.device.type == "cuda" and not config.enforce_eager and self.dtype in FAST_DTYPES
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager and self.dtype in ops.TRITON_DTYPES
         self.kv_cache = KVCache(
             self.model_cfg,
             num_blocks,
@@ -118,11 +118,15 @@ class ModelRunner(AdapterCommands):
         """Run worker_proc/warm_up.py's batches through the forward pass and the sampler, and drop
         them: the Triton kernels of prefill, mixed batches and sampling are compiled before the
         first request, not during it."""
-        slot = 0 if self.lora is not None else -1
+        lora_slot = 0 if self.lora is not None else -1
         batches = warm_up_batches(
-            self.config.block_size, self.kv_cache.num_blocks, self.config.max_model_len, self.model_cfg.vocab_size, slot
+            self.config.block_size,
+            self.kv_cache.num_blocks,
+            self.config.max_model_len,
+            self.model_cfg.vocab_size,
+            lora_slot,
         )
-        with self.lora.zero_adapter(slot) if self.lora is not None else contextlib.nullcontext():
+        with self.lora.zero_adapter(lora_slot) if self.lora is not None else contextlib.nullcontext():
             for reqs in batches:
                 logits, sampling, _ = self._forward(reqs, use_graphs=False)  # the graphs compiled theirs
                 if logits is not None:
@@ -148,9 +152,9 @@ class ModelRunner(AdapterCommands):
         for req_id in [*plan.finished_req_ids, *plan.preempted_req_ids]:
             self.reqs.pop(req_id, None)
         scheduled, failed = self._apply_plan(plan)
-        slots = sorted({r.lora_slot for r in scheduled if r.lora_slot >= 0})
+        lora_slots = sorted({r.lora_slot for r in scheduled if r.lora_slot >= 0})
         if self.lora is not None:  # the compute stream waits for the copies of the slots it reads
-            self.lora.prepare(slots)
+            self.lora.prepare(lora_slots)
         logits, sampling, hidden = self._forward(scheduled) if scheduled else (None, [], None)
         pending = None
         if logits is not None:
@@ -158,7 +162,7 @@ class ModelRunner(AdapterCommands):
         self.prev_sampled = SampledRows.of(pending.token_ids, sampling) if pending is not None else SampledRows()
         prompt = self._launch_prompt_logprobs(scheduled, hidden) if self.rank == 0 else None
         if self.lora is not None:  # a write into these slots now waits for this step
-            self.lora.note_step(slots)
+            self.lora.note_step(lora_slots)
         digest = RankDigest(plan.step, self.rank, self.digest())  # on the host while the device runs the step
         return InFlightStep(plan.step, [r.req_id for r in sampling], pending, failed, digest, prompt)
 
@@ -194,7 +198,7 @@ class ModelRunner(AdapterCommands):
                 validate_req(
                     req, new_blocks, self.config.block_size, self.kv_cache.num_blocks, self.config.max_model_len
                 )
-                self._check_slot(req.lora_slot)
+                self._check_lora_slot(req.lora_slot)
                 check_fault(req, self.fault_token_id)
             except ValueError as e:
                 self.reqs.pop(req_id, None)
@@ -204,7 +208,7 @@ class ModelRunner(AdapterCommands):
                 scheduled.append(req)
         return scheduled, failed
 
-    def _check_slot(self, slot: int) -> None:
+    def _check_lora_slot(self, slot: int) -> None:
         """Raise ValueError unless `slot` is the base model (-1) or holds a loaded adapter (a load
         still under way for it finishes its host side first)."""
         if slot == -1:
@@ -241,17 +245,12 @@ class ModelRunner(AdapterCommands):
         prev = self.prev_sampled.token_ids
         if use_graphs and self.graphs is not None and self.staging is not None and self.graphs.fits(scheduled):
             return self.graphs.run(scheduled, self.config.block_size, self.staging, prev), scheduled, None
-        batch = build_batch(scheduled, self.config.block_size, self.device, self.staging, prev)
-        if self.staging is None:  # CPU: slot tensors are host tensors, reading them costs nothing
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.layers, batch.meta, batch.lora_slots)
-            sample_slots, sample_lora = batch.lora_slots[batch.sample_indices], None
-        else:  # CUDA: LoRA mappings prebuilt from host lists, no sync until the sampled tokens
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.layers, batch.meta, lora=batch.lora)
-            sample_slots, sample_lora = None, batch.sample_lora
-        if not batch.sampling_reqs:
+        inputs = build_step_inputs(scheduled, self.config.block_size, self.device, self.staging, prev)
+        hidden = self.model(inputs, self.kv_cache.layers)
+        if not inputs.sample_indices.numel():
             return None, [], hidden
-        logits = self.model.compute_logits(hidden[batch.sample_indices], sample_slots, sample_lora)
-        return logits, batch.sampling_reqs, hidden
+        logits = self.model.compute_logits(hidden[inputs.sample_indices], inputs.sample_lora)
+        return logits, [r for r in scheduled if r.samples], hidden
 
     def _launch_prompt_logprobs(
         self, scheduled: list[ReqState], hidden: torch.Tensor | None

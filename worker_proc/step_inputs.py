@@ -1,9 +1,11 @@
-"""Step inputs for CUDA: one pinned host buffer, one non-blocking copy per step.
+"""A step's inputs: built once on the host from the scheduled requests (`host_inputs`), padded for
+a CUDA graph (`pad_for_graph`), and put on the device by field name (`build_step_inputs`, or a
+graph's static row) as one `StepInputs`, the struct every forward pass reads.
 
-Every int list a forward pass needs (token ids, positions, slots, block tables, ...) is
-packed into one int64 row of a reusable pinned buffer, copied to the device with
-`non_blocking=True`, and split there into views. Nothing here waits on the GPU, except
-that the buffer is not rewritten before the previous step's copy out of it finished.
+On CUDA every int list goes up in one non-blocking copy out of a reusable pinned buffer
+(`PinnedStaging`); on the CPU the same struct holds plain CPU tensors. Nothing here waits
+on the GPU, except that the pinned buffer is not rewritten before the previous step's copy
+out of it finished.
 """
 
 from __future__ import annotations
@@ -11,11 +13,14 @@ from __future__ import annotations
 import ctypes
 import itertools
 import struct
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
 
 import torch
 
-from ledgerserve.kernels.attention_ref import PagedAttentionMetadata
+from ledgerserve.kernels.lora_ref import group_tiles
+from ledgerserve.worker_proc.batch import ReqState, fill_placeholders, placeholder_pairs
+from ledgerserve.worker_proc.lora.mapping import LoraMapping, runs
 
 # int64 elements per 16 bytes: every view handed out starts 16-byte aligned, as Triton compiles a
 # kernel apart for pointers that are and aren't, so a batch's layout never costs a new compile
@@ -23,17 +28,144 @@ ALIGN = 2
 
 
 @dataclass(frozen=True)
-class DeviceAttentionMetadata(PagedAttentionMetadata):
-    """The host lists of PagedAttentionMetadata plus their device copies for the Triton kernels."""
+class StepInputs:
+    """Everything a forward pass and its logits read, on the model's device."""
 
-    block_table_t: torch.Tensor  # [num_reqs, max_blocks] int32, padded with block 0 (never read)
-    seq_lens_t: torch.Tensor  # [num_reqs] int32
-    query_start_loc_t: torch.Tensor  # [num_reqs + 1] int32
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    kv_slots: torch.Tensor  # [num_tokens] int64 flat KV cache slot of each token
+    lora_slots: torch.Tensor  # [num_tokens] int64, -1 = base model
+    seq_lens: torch.Tensor  # [num_reqs] int32, cached + new tokens; 0 = padding row
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32 offsets of each request's tokens
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32, padded with block 0 (never read)
+    sample_indices: torch.Tensor  # [num_sampling] int64, the last token of each sampling request
     max_query_len: int
+    lora: LoraMapping | None  # of every token; None when no token uses an adapter
+    sample_lora: LoraMapping | None  # of the sampled tokens
 
     @property
     def is_decode(self) -> bool:
         return self.max_query_len == 1
+
+
+@dataclass
+class HostInputs:
+    """A step's inputs as host int lists, one per staged field (`parts` gives them in order)."""
+
+    input_ids: list[int] = field(default_factory=list)  # a placeholder's is 0, written on the device
+    positions: list[int] = field(default_factory=list)
+    kv_slots: list[int] = field(default_factory=list)
+    lora_slots: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    query_start_loc: list[int] = field(default_factory=lambda: [0])
+    sample_indices: list[int] = field(default_factory=list)
+    seg_starts: list[int] = field(default_factory=list)  # runs of one adapter slot (eager)
+    seg_slots: list[int] = field(default_factory=list)
+    order: list[int] = field(default_factory=list)  # the grouped LoRA layout (CUDA graphs)
+    tile_starts: list[int] = field(default_factory=list)
+    tile_slots: list[int] = field(default_factory=list)
+    block_tables: list[int] = field(default_factory=list)  # [num_reqs * width], rows padded with 0
+    width: int = 1  # blocks per row of block_tables
+
+    def parts(self) -> list[list[int]]:
+        return [getattr(self, f.name) for f in fields(self) if f.name != "width"]
+
+    @property
+    def max_query_len(self) -> int:
+        return max((b - a for a, b in zip(self.query_start_loc, self.query_start_loc[1:])), default=0)
+
+
+STAGED = [f.name for f in fields(HostInputs) if f.name != "width"]
+
+
+def host_inputs(reqs: Sequence[ReqState], block_size: int, width: int = 1) -> HostInputs:
+    """One pass over the scheduled requests, in order: every token of theirs this step computes;
+    block table rows padded to at least `width` blocks."""
+    host = HostInputs()
+    for req in reqs:
+        start, end = req.num_computed_tokens, req.num_tokens_after_step
+        host.input_ids += req.step_input_ids()
+        host.positions += range(start, end)
+        host.kv_slots += [req.block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        host.lora_slots += [req.lora_slot] * (end - start)
+        host.seq_lens.append(end)
+        host.query_start_loc.append(len(host.input_ids))
+        if req.samples:
+            host.sample_indices.append(len(host.input_ids) - 1)
+    host.block_tables, host.width = padded_tables([r.block_ids for r in reqs], width)
+    host.seg_starts, host.seg_slots = runs(host.lora_slots)
+    return host
+
+
+def pad_for_graph(host: HostInputs, bucket: int, scratch_kv_slot: int, num_tiles: int | None) -> HostInputs:
+    """A decode step's inputs (one token per request) padded to `bucket` rows, every row sampled:
+    padding rows read token 0 at position 0, write their K/V into `scratch_kv_slot`, use no adapter
+    and no key (seq_len 0). With `num_tiles` (the LoRA graphs) the grouped layout is filled in."""
+    pad = bucket - len(host.seq_lens)
+    lora_slots = host.lora_slots + [-1] * pad
+    order, tile_starts, tile_slots = group_tiles(lora_slots, num_tiles) if num_tiles is not None else ([], [], [])
+    return HostInputs(
+        input_ids=host.input_ids + [0] * pad,
+        positions=host.positions + [0] * pad,
+        kv_slots=host.kv_slots + [scratch_kv_slot] * pad,
+        lora_slots=lora_slots,
+        seq_lens=host.seq_lens + [0] * pad,
+        query_start_loc=list(range(bucket + 1)),
+        sample_indices=list(range(bucket)),
+        order=order,
+        tile_starts=tile_starts,
+        tile_slots=tile_slots,
+        block_tables=host.block_tables + [0] * (pad * host.width),
+        width=host.width,
+    )
+
+
+def build_step_inputs(
+    reqs: Sequence[ReqState],
+    block_size: int,
+    device: torch.device,
+    staging: PinnedStaging | None = None,
+    prev_token_ids: torch.Tensor | None = None,
+) -> StepInputs:
+    """The inputs of one eager step over every scheduled token of `reqs`. With `staging` (CUDA) they
+    go up in one non-blocking copy and the LoRA mappings come from the host lists, so building them
+    never waits on the GPU. Placeholder ids are taken on the device from `prev_token_ids`
+    [num_prev_sampling] int64, the previous step's sampled tokens (worker_proc/placeholders.py)."""
+    host = host_inputs(reqs, block_size)
+    placeholders = placeholder_pairs(reqs, [end - 1 for end in host.query_start_loc[1:]])
+    parts = host.parts() + placeholders
+    if staging is not None:
+        views = staging.upload(parts)
+    else:
+        views = [torch.tensor(p, dtype=torch.long, device=device) for p in parts]
+    tensors = dict(zip(STAGED, views))
+    if placeholders[0]:
+        fill_placeholders(tensors["input_ids"], *views[len(STAGED) :], prev_token_ids)
+    lora_slots, sample_indices = tensors["lora_slots"], tensors["sample_indices"]
+    lora = LoraMapping.from_host(host.lora_slots, lora_slots, (tensors["seg_starts"], tensors["seg_slots"]))
+    sample_slots = [host.lora_slots[i] for i in host.sample_indices]
+    sample_lora = LoraMapping.from_host(sample_slots, lora_slots[sample_indices]) if lora else None
+    return assemble(tensors, host, lora, sample_lora)
+
+
+def assemble(
+    tensors: dict[str, torch.Tensor], host: HostInputs, lora: LoraMapping | None, sample_lora: LoraMapping | None
+) -> StepInputs:
+    """StepInputs from the device views of `host`'s fields (`tensors`, by field name)."""
+    num_reqs = len(host.seq_lens)
+    return StepInputs(
+        tensors["input_ids"],
+        tensors["positions"],
+        tensors["kv_slots"],
+        tensors["lora_slots"],
+        tensors["seq_lens"].int(),
+        tensors["query_start_loc"].int(),
+        tensors["block_tables"].view(num_reqs, host.width).int(),
+        tensors["sample_indices"],
+        host.max_query_len,
+        lora,
+        sample_lora,
+    )
 
 
 class PinnedStaging:
@@ -95,7 +227,7 @@ def _writable_bytes(t: torch.Tensor) -> ctypes.Array:
     return (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
 
 
-def padded_tables(tables: list[list[int]]) -> tuple[list[int], int]:
-    """Flat [num_reqs * max_blocks] block ids, each row padded with 0, and max_blocks."""
-    width = max((len(t) for t in tables), default=1) or 1
+def padded_tables(tables: list[list[int]], width: int = 1) -> tuple[list[int], int]:
+    """Flat [num_reqs * max_blocks] block ids, each row padded with 0 to max_blocks (at least `width`)."""
+    width = max([width, *(len(t) for t in tables)])
     return [b for t in tables for b in itertools.chain(t, itertools.repeat(0, width - len(t)))], width

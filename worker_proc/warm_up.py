@@ -32,7 +32,7 @@ def warm_up_batches(
     batches = []
     for shape in shapes:
         reqs, next_block = [], 0
-        for i, (num_computed, num_tokens, slot, sampling) in enumerate(shape):
+        for i, (num_computed, num_tokens, lora_slot, sampling) in enumerate(shape):
             num_req_blocks = -(-num_tokens // block_size)
             token_ids = [(7 * i + t) % vocab_size for t in range(num_tokens)]
             block_ids = list(range(next_block, next_block + num_req_blocks))
@@ -45,7 +45,7 @@ def warm_up_batches(
                     block_ids,
                     num_computed,
                     num_tokens - num_computed,
-                    slot,
+                    lora_slot,
                 )
             )
             next_block += num_req_blocks

@@ -1,4 +1,5 @@
-"""Paged reference attention vs dense SDPA on contiguous tensors, at odd sizes."""
+"""Paged reference attention (the new K/V written, then attended over) vs dense SDPA on contiguous
+tensors, at odd sizes."""
 
 from __future__ import annotations
 
@@ -8,7 +9,28 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ledgerserve.kernels.attention_ref import PagedAttentionMetadata, paged_attention_ref
+from ledgerserve.kernels.attention_ref import paged_prefill_attention_ref, write_kv
+from ledgerserve.worker_proc.step_inputs import padded_tables
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
+    v_cache: torch.Tensor,
+    starts: list[int],
+    seq_lens: list[int],
+    tables: list[list[int]],
+    kv_slots: list[int],
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """What the model's attention does on the CPU: write the new K/V, then attend (host lists in)."""
+    write_kv(k, v, k_cache, v_cache, torch.tensor(kv_slots, dtype=torch.long))
+    flat, width = padded_tables(tables)
+    block_tables = torch.tensor(flat, dtype=torch.int32).view(len(tables), width)
+    as_int32 = (torch.tensor(starts, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32))
+    return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, *as_int32, scale)
 
 
 def dense_reference(q_full: torch.Tensor, k_full: torch.Tensor, v_full: torch.Tensor, scale: float) -> torch.Tensor:
@@ -54,14 +76,13 @@ def test_paged_matches_dense(block_size: int, num_heads: int, num_kv_heads: int,
         seq_lens.append(seq_len)
         tables.append(table)
         expected.append(dense_reference(q_full, k_full, v_full, scale)[num_computed:])
-    meta = PagedAttentionMetadata(starts, seq_lens, tables, torch.tensor(slots, dtype=torch.long))
-    out = paged_attention_ref(torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta, scale)
+    args = (starts, seq_lens, tables, slots, scale)
+    out = paged_attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, *args)
     torch.testing.assert_close(out, torch.cat(expected), atol=1e-5, rtol=1e-5)
 
 
 def test_short_block_table_raises() -> None:
     k_cache = torch.zeros(4, 2, 1, 4)
-    meta = PagedAttentionMetadata([0, 3], [3], [[0]], torch.tensor([0, 1, 2]))
     q = torch.randn(3, 1, 4)
     with pytest.raises(ValueError):
-        paged_attention_ref(q, q, q, k_cache, k_cache.clone(), meta, 0.5)
+        paged_attention(q, q, q, k_cache, k_cache.clone(), [0, 3], [3], [[0]], [0, 1, 2], 0.5)

@@ -7,17 +7,10 @@ import torch
 
 from ledgerserve.kernels import ops
 from ledgerserve.kernels.attention_ref import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv
-from ledgerserve.kernels.fused_ref import (
-    apply_rope_ref,
-    fused_add_rms_norm_ref,
-    rms_norm_ref,
-    rope_cos_sin_cache,
-    silu_and_mul_ref,
-)
+from ledgerserve.kernels.fused_ref import apply_rope_ref, fused_add_rms_norm_ref, rms_norm_ref, silu_and_mul_ref
 from ledgerserve.worker_proc.models.config import RopeConfig
 from ledgerserve.worker_proc.models.layers import RMSNorm
 from ledgerserve.worker_proc.models.rope import RotaryEmbedding
-from ledgerserve.worker_proc.models.rope import apply_rope as model_apply_rope
 from tests.kernels.lora_delta_data import SLOTS, make_delta, naive_delta
 from tests.kernels.paged_batch import make_paged_batch
 
@@ -60,7 +53,7 @@ def test_rms_norm_matches_formula_and_model(dtype: torch.dtype) -> None:
     torch.testing.assert_close(out.double(), direct, atol=tol, rtol=tol)
     layer = RMSNorm(1000, 1e-6).to(dtype)
     layer.weight.data.copy_(weight)
-    assert torch.equal(layer(x), out)  # the model switches over with no change in output
+    assert torch.equal(layer(x), out)  # the model's layer takes the same op
     assert torch.equal(ops.rms_norm(x, weight, 1e-6), out)
 
 
@@ -83,13 +76,22 @@ def rope_complex(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tenso
     return torch.cat((z.real, z.imag), dim=-1)
 
 
+def rope_hf(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """HF Llama's RoPE: float32 cos/sin of the angles, the rotation computed in x's dtype."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [tokens, half]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [tokens, 1, head_dim]
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
 @pytest.mark.parametrize("rope_type", ["default", "llama3"])
-def test_rope_matches_complex_rotation_and_model(rope_type: str) -> None:
+def test_rope_matches_complex_rotation_and_hf(rope_type: str) -> None:
     head_dim = 64
     rope = RopeConfig(theta=500000.0, rope_type=rope_type, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                       original_max_position_embeddings=64)  # fmt: skip
-    rotary = RotaryEmbedding(rope, head_dim)
-    cache = rope_cos_sin_cache(rotary.inv_freq, 2048)
+    rotary = RotaryEmbedding(rope, head_dim, 2048)
+    cache = rotary.cos_sin_cache(torch.device("cpu"))
     positions = torch.tensor([0, 1, 17, 333, 2047])
     q, k = torch.randn(5, 7, head_dim), torch.randn(5, 1, head_dim)
     q_out, k_out = q.clone(), k.clone()
@@ -97,8 +99,7 @@ def test_rope_matches_complex_rotation_and_model(rope_type: str) -> None:
     torch.testing.assert_close(q_out.double(), rope_complex(q, positions, rotary.inv_freq), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(k_out.double(), rope_complex(k, positions, rotary.inv_freq), atol=1e-4, rtol=1e-4)
     qb, kb = q.bfloat16(), k.bfloat16()
-    cos, sin = rotary.cos_sin(positions)
-    expect_q, expect_k = model_apply_rope(qb, cos, sin), model_apply_rope(kb, cos, sin)
+    expect_q, expect_k = rope_hf(qb, positions, rotary.inv_freq), rope_hf(kb, positions, rotary.inv_freq)
     ops.apply_rope(qb, kb, positions, cache)
     assert torch.equal(qb, expect_q) and torch.equal(kb, expect_k)
 
@@ -108,7 +109,7 @@ def test_rope_in_place_on_qkv_views() -> None:
     q = qkv[:, : 6 * 32].view(4, 6, 32)
     k = qkv[:, 6 * 32 : 8 * 32].view(4, 2, 32)
     v_before = qkv[:, 8 * 32 :].clone()
-    cache = rope_cos_sin_cache(1.0 / (10000.0 ** (torch.arange(0, 32, 2).float() / 32)), 16)
+    cache = ops.rope_cos_sin_cache(1.0 / (10000.0 ** (torch.arange(0, 32, 2).float() / 32)), 16)
     positions = torch.tensor([3, 0, 15, 7])
     expect_q = rope_complex(q.clone(), positions, 1.0 / (10000.0 ** (torch.arange(0, 32, 2).float() / 32)))
     ops.apply_rope(q, k, positions, cache)
@@ -122,7 +123,7 @@ def test_rope_and_write_kv_is_rope_then_write_kv(dtype: torch.dtype) -> None:
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
     sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
     q, k, v = (t.view(num_tokens, -1, head_dim) for t in qkv.split(sizes, dim=-1))  # views of qkv
-    cache = rope_cos_sin_cache(1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim)), 16)
+    cache = ops.rope_cos_sin_cache(1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim)), 16)
     positions = torch.tensor([3, 0, 15, 7, 7])
     slots = torch.tensor([9, 2, 17, 0, 10])  # shuffled, non-contiguous, across blocks
     k_cache = torch.randn(5, block_size, num_kv_heads, head_dim).to(dtype)

@@ -14,7 +14,7 @@ from tests.kernels.triton_device import DEVICE, requires_triton_device
 pytest.importorskip("triton")
 
 from ledgerserve.kernels import ops, pdl  # noqa: E402
-from ledgerserve.kernels.fused_ref import rope_cos_sin_cache  # noqa: E402
+from ledgerserve.kernels.ops import rope_cos_sin_cache  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,

@@ -10,9 +10,9 @@ from ledgerserve.kernels.fused_ref import (
     fused_add_rms_norm_ref,
     rms_norm_ref,
     rope_and_write_kv_ref,
-    rope_cos_sin_cache,
     silu_and_mul_ref,
 )
+from ledgerserve.kernels.ops import rope_cos_sin_cache
 from tests.kernels.lora_delta_data import SLOTS, make_delta, naive_delta
 from tests.kernels.triton_device import DEVICE, DTYPES, TOL, requires_triton_device
 

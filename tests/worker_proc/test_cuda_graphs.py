@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from ledgerserve.shared.events import AdapterSlotAssigned
-from ledgerserve.worker_proc.batch import ReqState, build_batch
+from ledgerserve.worker_proc.batch import ReqState
 from ledgerserve.worker_proc.runner import ModelRunner
+from ledgerserve.worker_proc.step_inputs import build_step_inputs
 from tests.worker_proc.fake_scheduler import FakeScheduler, run_to_completion
 from tests.worker_proc.lora_setup import BLOCK_SIZE, GREEDY, NUM_BLOCKS, LoraSetup, lora_config
 
@@ -41,9 +42,9 @@ def test_graph_replay_matches_eager(lora_setup: LoraSetup, slots: list[int]) -> 
     assert runner.graphs is not None
     reqs = _decode_reqs(lora_setup, slots)
     assert runner.graphs.fits(reqs)
-    batch = build_batch(reqs, BLOCK_SIZE, runner.device, runner.staging)
-    hidden = runner.model(batch.input_ids, batch.positions, runner.kv_cache.layers, batch.meta, lora=batch.lora)
-    eager = runner.model.compute_logits(hidden[batch.sample_indices], lora=batch.sample_lora)
+    inputs = build_step_inputs(reqs, BLOCK_SIZE, runner.device, runner.staging)
+    hidden = runner.model(inputs, runner.kv_cache.layers)
+    eager = runner.model.compute_logits(hidden[inputs.sample_indices], inputs.sample_lora)
     assert sorted(runner.graphs.sets) == [0, 4, 6]  # no LoRA; slot buckets 4 and max_loras
     graph = runner.graphs.run(reqs, BLOCK_SIZE, runner.staging).clone()
     assert runner.graphs.replays == 1 and torch.isfinite(graph).all()

@@ -8,9 +8,11 @@ import os
 import pytest
 import torch
 
-from ledgerserve.kernels.attention_ref import PagedAttentionMetadata
+from ledgerserve.shared.sampling import SamplingParams
+from ledgerserve.worker_proc.batch import ReqState
 from ledgerserve.worker_proc.models import build_model, load_eos_token_ids, load_model_config
 from ledgerserve.worker_proc.models.config import parse_model_config
+from ledgerserve.worker_proc.step_inputs import StepInputs, build_step_inputs
 from tests.model_factory import load_reference
 
 BLOCK_SIZE = 4
@@ -21,9 +23,10 @@ def _caches(cfg, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
 
 
-def _chunk_meta(table: list[int], start: int, end: int) -> PagedAttentionMetadata:
-    slots = [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, end)]
-    return PagedAttentionMetadata([0, end - start], [end], [table], torch.tensor(slots, dtype=torch.long))
+def _chunk_inputs(ids: list[int], table: list[int], start: int, end: int) -> StepInputs:
+    """Tokens [start, end) of one request whose first `start` tokens are in its blocks already."""
+    req = ReqState("r", ids, len(ids), SamplingParams(max_tokens=1), table, start, end - start, -1)
+    return build_step_inputs([req], BLOCK_SIZE, torch.device("cpu"))
 
 
 def test_logits_match_transformers_in_chunks(tiny_checkpoint: str) -> None:
@@ -37,7 +40,7 @@ def test_logits_match_transformers_in_chunks(tiny_checkpoint: str) -> None:
     table = [9, 2, 14, 0, 7, 3, 11, 5, 1, 12, 4, 6]
     got = []
     for start, end in [(0, 7), (7, 30), (30, 31), (31, 45)]:
-        hidden = model(ids[start:end], torch.arange(start, end), caches, _chunk_meta(table, start, end))
+        hidden = model(_chunk_inputs(ids.tolist(), table, start, end), caches)
         got.append(model.compute_logits(hidden))
     torch.testing.assert_close(torch.cat(got), want, atol=1e-4, rtol=1e-4)
 
@@ -50,7 +53,7 @@ def test_dummy_weights_have_checkpoint_shapes(tiny_checkpoint: str) -> None:
     for (name, pa), (_, pb), (_, pr) in zip(a.named_parameters(), b.named_parameters(), real.named_parameters()):
         assert pa.shape == pr.shape, name
         assert torch.equal(pa, pb), name
-    hidden = a(torch.tensor([1, 2, 3]), torch.arange(3), _caches(cfg, 2), _chunk_meta([1], 0, 3))
+    hidden = a(_chunk_inputs([1, 2, 3], [1], 0, 3), _caches(cfg, 2))
     assert torch.isfinite(a.compute_logits(hidden)).all()
 
 
@@ -91,5 +94,5 @@ def test_half_precision_keeps_fp32_rope(tiny_checkpoint: str) -> None:
     assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
     shape = (2, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
     caches = [(torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16))] * cfg.num_layers
-    hidden = model(torch.tensor([1, 2, 3]), torch.arange(3), caches, _chunk_meta([1], 0, 3))
+    hidden = model(_chunk_inputs([1, 2, 3], [1], 0, 3), caches)
     assert torch.isfinite(model.compute_logits(hidden)).all()

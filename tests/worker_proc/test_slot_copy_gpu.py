@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from ledgerserve.shared.events import AdapterEvicted, AdapterLoadCompleted, AdapterSlotAssigned
-from ledgerserve.worker_proc.batch import build_batch
 from ledgerserve.worker_proc.lora.slot_copy import SlotCopier
 from ledgerserve.worker_proc.runner import ModelRunner
+from ledgerserve.worker_proc.step_inputs import build_step_inputs
 from tests.reference import assert_greedy_matches
 from tests.worker_proc.fake_scheduler import FakeScheduler, run_to_completion
 from tests.worker_proc.load_gate import settle
@@ -84,9 +84,9 @@ def test_graphs_serve_adapters_loaded_after_capture(lora_setup: LoraSetup) -> No
                 runner.evict_adapter(AdapterEvicted(slot, 10 * (round_ - 1) + slot))
             runner.load_adapter(AdapterSlotAssigned(slot, 10 * round_ + slot, lora_setup.adapter_dirs[name]))
         reqs = _decode_reqs(lora_setup, [0, -1, 1, 2])
-        batch = build_batch(reqs, BLOCK_SIZE, runner.device, runner.staging)
-        hidden = runner.model(batch.input_ids, batch.positions, runner.kv_cache.layers, batch.meta, lora=batch.lora)
-        eager = runner.model.compute_logits(hidden[batch.sample_indices], lora=batch.sample_lora)
+        inputs = build_step_inputs(reqs, BLOCK_SIZE, runner.device, runner.staging)
+        hidden = runner.model(inputs, runner.kv_cache.layers)
+        eager = runner.model.compute_logits(hidden[inputs.sample_indices], inputs.sample_lora)
         graph = runner.graphs.run(reqs, BLOCK_SIZE, runner.staging).clone()
         err = float((graph - eager).norm() / eager.norm())
         assert err < 1e-2, (round_, err)

@@ -8,7 +8,6 @@ from its stacked buffers (`self.lora`), for fused qkv, o, gate_up, down and lm_h
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ledgerserve.kernels import ops
@@ -111,12 +110,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., dim]; normalise in float32 like HF, then cast back before the weight
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 class GatedMLP(nn.Module):
@@ -125,12 +120,7 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = SlotLinear(hidden_size, [intermediate_size, intermediate_size], bias)
         self.down_proj = SlotLinear(intermediate_size, [hidden_size], bias)
 
-    def forward(self, x: torch.Tensor, lora: LoraMapping | None) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x, lora)  # [num_tokens, 2 * intermediate]
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up, lora)  # [num_tokens, hidden]
-
-    def forward_fast(self, x: torch.Tensor, lora: LoraMapping | None) -> tuple[torch.Tensor, LoraDelta | None]:
+    def forward(self, x: torch.Tensor, lora: LoraMapping | None) -> tuple[torch.Tensor, LoraDelta | None]:
         """[num_tokens, hidden] and its pending LoRA delta (for the next residual-add norm)."""
         gate_up, delta = self.gate_up_proj.forward_deferred(x, lora)  # [num_tokens, 2 * intermediate]
         return self.down_proj.forward_deferred(ops.silu_and_mul(gate_up, delta), lora)

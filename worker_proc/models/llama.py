@@ -1,13 +1,14 @@
 """Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) over a paged KV cache.
 
-One forward takes a flat batch of tokens from many requests; attention finds each
-request's keys through `PagedAttentionMetadata`. Each token carries its adapter slot
-(`lora_slots`, -1 = base model); every projection, lm_head included, receives the
-batch's `LoraMapping` and adds its slot's LoRA delta.
+One forward takes a flat batch of tokens from many requests, described by one `StepInputs`
+(worker_proc/step_inputs.py): attention finds each request's keys through its block table.
+Each token carries its adapter slot (`lora_slots`, -1 = base model); every projection,
+lm_head included, receives the batch's `LoraMapping` and adds its slot's LoRA delta.
 
-On CUDA, with `DeviceAttentionMetadata`, the hot ops go through `kernels.ops` (Triton
-paged attention, fused residual-add + RMSNorm, in-place RoPE from a cos/sin cache,
-SiLU-and-mul) in bf16/fp16; elsewhere the layers run the torch references, as before.
+Every op goes through `kernels.ops` (paged attention, fused residual-add + RMSNorm, in-place
+RoPE from a cos/sin cache with the KV write, SiLU-and-mul, linear): Triton on CUDA in
+bf16/fp16, the torch references otherwise. A projection's LoRA delta may come back unapplied
+(`SlotLinear.forward_deferred`), for the op that consumes the output to add.
 """
 
 from __future__ import annotations
@@ -16,15 +17,13 @@ import torch
 from torch import nn
 
 from ledgerserve.kernels import ops
-from ledgerserve.kernels.attention_ref import PagedAttentionMetadata, paged_attention_ref
 from ledgerserve.kernels.lora_ref import LoraDelta
 from ledgerserve.worker_proc.lora.mapping import LoraMapping
 from ledgerserve.worker_proc.models.config import ModelConfig
 from ledgerserve.worker_proc.models.layers import GatedMLP, RMSNorm, SlotLinear
-from ledgerserve.worker_proc.models.rope import RotaryEmbedding, apply_rope
-from ledgerserve.worker_proc.step_inputs import DeviceAttentionMetadata
+from ledgerserve.worker_proc.models.rope import RotaryEmbedding
+from ledgerserve.worker_proc.step_inputs import StepInputs
 
-FAST_DTYPES = (torch.bfloat16, torch.float16)  # float32 on CUDA stays on the references (exact checks)
 KVCacheLayer = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, block_size, num_kv_heads, head_dim]
 
 
@@ -56,51 +55,30 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [num_tokens, hidden]
-        cos_sin: tuple[torch.Tensor, torch.Tensor],  # each [num_tokens, 1, head_dim]
-        kv_cache: KVCacheLayer,
-        meta: PagedAttentionMetadata,
-        lora: LoraMapping | None,
-    ) -> torch.Tensor:  # [num_tokens, hidden]
-        num_tokens = x.shape[0]
-        q, k, v = self._project_qkv(x, lora)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
-        out = paged_attention_ref(
-            q, k, v, kv_cache[0], kv_cache[1], meta, self.scale
-        )  # [num_tokens, num_heads, head_dim]
-        return self.o_proj(out.reshape(num_tokens, -1), lora)
-
-    def forward_fast(
-        self,
-        x: torch.Tensor,  # [num_tokens, hidden]
-        positions: torch.Tensor,  # [num_tokens] int64
+        inputs: StepInputs,
         cos_sin_cache: torch.Tensor,  # [max_position, head_dim] float32
         kv_cache: KVCacheLayer,
-        meta: DeviceAttentionMetadata,
-        lora: LoraMapping | None,
     ) -> tuple[torch.Tensor, LoraDelta | None]:  # [num_tokens, hidden] and its pending LoRA delta
         num_tokens = x.shape[0]
-        q, k, v = self._project_qkv(x, lora)
+        q, k, v = self._project_qkv(x, inputs.lora)
         if self.q_norm is not None and self.k_norm is not None:
-            q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
-            k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+            q, k = self.q_norm(q), self.k_norm(k)
         k_cache, v_cache = kv_cache
-        ops.rope_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)  # q, k in place
-        if meta.is_decode:
-            out = ops.paged_decode_attention(q, k_cache, v_cache, meta.block_table_t, meta.seq_lens_t, self.scale)
+        ops.rope_and_write_kv(q, k, v, inputs.positions, cos_sin_cache, k_cache, v_cache, inputs.kv_slots)  # in place
+        if inputs.is_decode:
+            out = ops.paged_decode_attention(q, k_cache, v_cache, inputs.block_tables, inputs.seq_lens, self.scale)
         else:
             out = ops.paged_prefill_attention(
                 q,
                 k_cache,
                 v_cache,
-                meta.block_table_t,
-                meta.query_start_loc_t,
-                meta.seq_lens_t,
+                inputs.block_tables,
+                inputs.query_start_loc,
+                inputs.seq_lens,
                 self.scale,
-                meta.max_query_len,
-            )
-        return self.o_proj.forward_deferred(out.reshape(num_tokens, -1), lora)  # out: [num_tokens, num_heads, head_dim]
+                inputs.max_query_len,
+            )  # [num_tokens, num_heads, head_dim]
+        return self.o_proj.forward_deferred(out.reshape(num_tokens, -1), inputs.lora)
 
 
 class DecoderLayer(nn.Module):
@@ -113,34 +91,21 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        h: torch.Tensor,  # [num_tokens, hidden]
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: KVCacheLayer,
-        meta: PagedAttentionMetadata,
-        lora: LoraMapping | None,
-    ) -> torch.Tensor:  # [num_tokens, hidden]
-        h = h + self.self_attn(self.input_layernorm(h), cos_sin, kv_cache, meta, lora)
-        return h + self.mlp(self.post_attention_layernorm(h), lora)
-
-    def forward_fast(
-        self,
         h: torch.Tensor,  # [num_tokens, hidden]: this layer's input delta (embeddings for layer 0)
         h_lora: LoraDelta | None,  # h's pending LoRA delta (the previous down_proj's)
         residual: torch.Tensor | None,  # [num_tokens, hidden]; None for layer 0
-        positions: torch.Tensor,
+        inputs: StepInputs,
         cos_sin_cache: torch.Tensor,
         kv_cache: KVCacheLayer,
-        meta: DeviceAttentionMetadata,
-        lora: LoraMapping | None,
     ) -> tuple[torch.Tensor, LoraDelta | None, torch.Tensor]:  # mlp output, its LoRA delta, residual
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         if residual is None:
-            x, residual = ops.rms_norm(h, norm1.weight, norm1.eps), h
+            x, residual = norm1(h), h
         else:
             x, residual = ops.fused_add_rms_norm(h, residual, norm1.weight, norm1.eps, h_lora)
-        attn, attn_lora = self.self_attn.forward_fast(x, positions, cos_sin_cache, kv_cache, meta, lora)
+        attn, attn_lora = self.self_attn(x, inputs, cos_sin_cache, kv_cache)
         x, residual = ops.fused_add_rms_norm(attn, residual, norm2.weight, norm2.eps, attn_lora)
-        return *self.mlp.forward_fast(x, lora), residual
+        return *self.mlp(x, inputs.lora), residual
 
 
 class LlamaModel(nn.Module):
@@ -150,14 +115,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
-        self.max_position = cfg.max_position_embeddings
-        self.cos_sin_cache: torch.Tensor | None = None  # [max_position, head_dim] float32, built on first CUDA use
-
-    def rope_cache(self, device: torch.device) -> torch.Tensor:
-        if self.cos_sin_cache is None or self.cos_sin_cache.device != device:
-            self.cos_sin_cache = ops.rope_cos_sin_cache(self.rotary.inv_freq.to(device), self.max_position)
-        return self.cos_sin_cache
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -172,42 +130,16 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens] int64
-        positions: torch.Tensor,  # [num_tokens] int64
-        kv_caches: list[KVCacheLayer],  # one per layer
-        meta: PagedAttentionMetadata,
-        lora_slots: torch.Tensor | None = None,  # [num_tokens] int, -1 = base model
-        lora: LoraMapping | None = None,  # prebuilt from host lists (no sync); overrides lora_slots
-    ) -> torch.Tensor:  # [num_tokens, hidden]
+    def forward(self, inputs: StepInputs, kv_caches: list[KVCacheLayer]) -> torch.Tensor:  # [num_tokens, hidden]
+        """kv_caches: one per layer."""
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"{len(kv_caches)} KV cache layers for {len(self.model.layers)} model layers")
-        h = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
-        if lora is None and lora_slots is not None:
-            lora = LoraMapping.from_slots(lora_slots)
-        if isinstance(meta, DeviceAttentionMetadata) and h.is_cuda and h.dtype in FAST_DTYPES:
-            return self._forward_fast(h, positions, kv_caches, meta, lora)
-        cos_sin = self.model.rotary.cos_sin(positions)
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            h = layer(h, cos_sin, kv_cache, meta, lora)
-        return self.model.norm(h)
-
-    def _forward_fast(
-        self,
-        h: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[KVCacheLayer],
-        meta: DeviceAttentionMetadata,
-        lora: LoraMapping | None,
-    ) -> torch.Tensor:  # [num_tokens, hidden]
-        cos_sin_cache = self.model.rope_cache(h.device)
+        h = self.model.embed_tokens(inputs.input_ids)  # [num_tokens, hidden]
+        cos_sin_cache = self.model.rotary.cos_sin_cache(h.device)
         residual: torch.Tensor | None = None
         h_lora: LoraDelta | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            h, h_lora, residual = layer.forward_fast(
-                h, h_lora, residual, positions, cos_sin_cache, kv_cache, meta, lora
-            )
+            h, h_lora, residual = layer(h, h_lora, residual, inputs, cos_sin_cache, kv_cache)
         norm = self.model.norm
         assert residual is not None
         return ops.fused_add_rms_norm(h, residual, norm.weight, norm.eps, h_lora)[0]
@@ -216,9 +148,6 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(
         self,
         hidden: torch.Tensor,  # [num_sampled, hidden]
-        lora_slots: torch.Tensor | None = None,  # [num_sampled]
-        lora: LoraMapping | None = None,  # prebuilt from host lists (no sync); overrides lora_slots
+        lora: LoraMapping | None = None,  # of the rows of `hidden`
     ) -> torch.Tensor:  # [num_sampled, vocab] float32
-        if lora is None and lora_slots is not None:
-            lora = LoraMapping.from_slots(lora_slots)
         return self.lm_head(hidden, lora).float()

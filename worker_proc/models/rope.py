@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from ledgerserve.kernels import ops
 from ledgerserve.worker_proc.models.config import RopeConfig
 
 
@@ -30,21 +31,15 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    def __init__(self, rope: RopeConfig, head_dim: int) -> None:
+    def __init__(self, rope: RopeConfig, head_dim: int, max_position: int) -> None:
         super().__init__()
         # a plain attribute, not a buffer: Module.to(dtype) must not round it to bf16/fp16
         self.inv_freq = rope_inv_freq(rope, head_dim)  # [head_dim // 2] float32
+        self.max_position = max_position
+        self.cache: torch.Tensor | None = None  # [max_position, head_dim] float32, built on first use
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [num_tokens] -> cos, sin: [num_tokens, 1, head_dim] float32."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [num_tokens, head_dim // 2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [num_tokens, 1, head_dim]
-        return emb.cos(), emb.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, num_heads, head_dim]; rotation computed in x's dtype like HF."""
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    def cos_sin_cache(self, device: torch.device) -> torch.Tensor:
+        """[max_position, head_dim] float32: cos of every position's angles, then sin (kernels/ops.py)."""
+        if self.cache is None or self.cache.device != device:
+            self.cache = ops.rope_cos_sin_cache(self.inv_freq.to(device), self.max_position)
+        return self.cache
