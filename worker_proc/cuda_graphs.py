@@ -22,20 +22,15 @@ from collections.abc import Sequence
 import torch
 
 from ledgerserve.kernels import gemm_tuning, pdl
-from ledgerserve.kernels.lora_ref import group_tiles, max_tiles
+from ledgerserve.kernels.lora_types import Tiles, group_tiles, max_tiles
 from ledgerserve.worker_proc.batch import ReqState, fill_placeholders, placeholder_pairs
+from ledgerserve.worker_proc.lora.layout import slot_buckets
 from ledgerserve.worker_proc.lora.mapping import LoraMapping
 from ledgerserve.worker_proc.step_inputs import DeviceAttentionMetadata, PinnedStaging
 
 log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-SLOT_BUCKETS = (4, 16)  # LoRA graphs per number of leading slots, besides max_loras itself
-
-
-def slot_buckets(max_loras: int) -> list[int]:
-    """Slot counts that get their own LoRA graphs: SLOT_BUCKETS capped at max_loras, and max_loras."""
-    return sorted({min(n, max_loras) for n in SLOT_BUCKETS} | {max_loras})
 
 
 class DecodeGraph:
@@ -58,19 +53,7 @@ class DecodeGraph:
         )
         qsl = torch.arange(b + 1, dtype=torch.int32, device=ids.device)
         meta = DeviceAttentionMetadata([], [], [], smap, bt.view(b, self.width).int(), slens.int(), qsl, 1)
-        lora = None
-        if num_slots:
-            empty = torch.zeros(0, dtype=torch.long)
-            lora = LoraMapping(
-                tslots,
-                empty,
-                empty,
-                False,
-                (),
-                in_graph=True,
-                grouped=(order, tstarts, tile_slots),
-                num_slots=num_slots,
-            )
+        lora = LoraMapping.for_graph(tslots, Tiles(order, tstarts, tile_slots), num_slots) if num_slots else None
         hidden = model(ids, pos, kv_layers, meta, lora=lora)  # [b, hidden]
         return model.compute_logits(hidden, lora=lora)  # [b, vocab] float32
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from ledgerserve.kernels import ops
 from ledgerserve.kernels.attention_ref import PagedAttentionMetadata, paged_attention_ref
-from ledgerserve.kernels.lora_ref import LoraDelta
+from ledgerserve.kernels.lora_types import LoraDelta
 from ledgerserve.worker_proc.lora.mapping import LoraMapping
 from ledgerserve.worker_proc.models.config import ModelConfig
 from ledgerserve.worker_proc.models.layers import GatedMLP, RMSNorm, SlotLinear
