@@ -3,11 +3,15 @@ loading, checks and apply."""
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 
 from ledgerserve.kernels.lora_types import Segments, Tiles, Tokens, group_tiles, max_tiles
-from ledgerserve.worker_proc.lora.layout import choose, slot_buckets
+from ledgerserve.worker_proc.lora import layout
+from ledgerserve.worker_proc.lora.layout import Stacked, choose, slot_buckets, stacks_a
 from ledgerserve.worker_proc.lora.mapping import LoraMapping
 from ledgerserve.worker_proc.lora.weights import LoraWeights
 from ledgerserve.worker_proc.models.layers import SlotLinear
@@ -24,6 +28,23 @@ def test_mapping_runs_and_kernel_choice() -> None:
     assert decode.segments.slots.tolist() == [1, 0, -1, 1]
     assert choose(w, False, decode, torch.zeros(4, 6)) is decode.tokens
     assert choose(w, False, LoraMapping.from_slots(torch.tensor([1, 2, 1])), torch.zeros(3, 6)) is None  # empty slots
+    tiles = Tiles(*(torch.tensor(t) for t in group_tiles([1, -1], max_tiles(2, 3))))
+    graph = LoraMapping.for_graph(torch.tensor([1, -1]), tiles, 2)  # launched whatever the slots hold
+    assert choose(w, False, graph, torch.zeros(2, 6)) is tiles
+    stacked = choose(w, True, graph, torch.zeros(2, 6))
+    assert isinstance(stacked, Stacked) and stacked.tiles is tiles and stacked.num_slots == 2
+    assert stacks_a("model.layers.0.self_attn.qkv_proj") and not stacks_a("lm_head")
+
+
+def test_lora_package_does_not_import_the_models() -> None:
+    """models -> lora only: a layer uses LoRA types, the manager finds layers through a protocol."""
+    lora_dir = Path(layout.__file__).parent
+    for path in sorted(lora_dir.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                assert "worker_proc.models" not in (node.module or ""), f"{path.name} imports {node.module}"
+            elif isinstance(node, ast.Import):
+                assert not any("worker_proc.models" in alias.name for alias in node.names), path.name
 
 
 def _weights() -> LoraWeights:
