@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ledgerserve.kernels.lora import delta_args, lora_b_tile, lora_row_delta, lora_tile_delta, rank_pad
-from ledgerserve.kernels.lora_ref import LoraDelta
+from ledgerserve.kernels.lora_delta import delta_args, lora_b_tile, lora_row_delta, lora_tile_delta, rank_pad
+from ledgerserve.kernels.lora_types import LoraDelta
 from ledgerserve.kernels.pdl import enabled as pdl_enabled
 from ledgerserve.kernels.pdl import wait_for_previous
 

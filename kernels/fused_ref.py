@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from ledgerserve.kernels.attention_ref import write_kv
-from ledgerserve.kernels.lora_ref import LoraDelta, add_lora_delta
+from ledgerserve.kernels.lora_ref import add_lora_delta
+from ledgerserve.kernels.lora_types import LoraDelta
 
 
 def rms_norm_ref(
@@ -33,7 +34,7 @@ def fused_add_rms_norm_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # normed, new_residual: [num_tokens, hidden] each
     """new_residual = x + residual (in x's dtype); normed = rms_norm(new_residual)."""
     if delta is not None:
-        x = add_lora_delta(x, delta, [x.shape[-1]])
+        x = add_lora_delta(x, delta)
     new_residual = x + residual
     return rms_norm_ref(new_residual, weight, eps), new_residual
 
@@ -74,6 +75,6 @@ def rope_and_write_kv_ref(
 def silu_and_mul_ref(x: torch.Tensor, delta: LoraDelta | None = None) -> torch.Tensor:
     """x: [num_tokens, 2 * d] -> [num_tokens, d]; `delta`: x's pending LoRA delta (slices gate, up)."""
     if delta is not None:
-        x = add_lora_delta(x, delta, [x.shape[-1] // 2] * 2)
+        x = add_lora_delta(x, delta)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up

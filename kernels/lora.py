@@ -1,4 +1,5 @@
-"""Triton multi-LoRA shrink / expand: the contract and buffers of kernels/lora_ref.py.
+"""Triton multi-LoRA shrink / expand: the contract of kernels/lora_ref.py, taking the same
+structs (kernels/lora_types.py).
 
 One pair of kernels serves both token layouts. Shrink splits the input dimension over
 programs and adds float32 partials atomically into a float32 `buf` (so `buf` is float32
@@ -7,7 +8,8 @@ row block) for shrink, one (segment, slice, column block, row block) for expand;
 per-token layout a "segment" is one token and its slot comes from `token_slots`. Each
 program reads its slot's real rank from `ranks` and loads only those rows of A / columns
 of B (masked loads), so the bytes read follow each adapter's real rank; slots -1 and
-rank-0 slices exit at once. No host sync: grid sizes come from shapes and host ints.
+rank-0 slices exit at once. No host sync: grid sizes come from shapes and host ints
+(a Segments without `max_len` is the exception: its longest run is read back).
 The grouped layout (decode) is the segment layout over `order`, the batch's token rows
 sorted by slot and cut into tiles of at most GROUP_TILE rows: each program gathers its
 rows through `order` (GATHER), so each distinct adapter's A / B are read once per tile.
@@ -21,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ledgerserve.kernels.lora_ref import GROUP_TILE, LoraDelta
+from ledgerserve.kernels.lora_types import GROUP_TILE, Segments, SlotWeights, Tiles, Tokens
 from ledgerserve.kernels.pdl import enabled as pdl_enabled
 from ledgerserve.kernels.pdl import wait_for_previous
 
@@ -135,18 +137,17 @@ def _expand_kernel(
 
 
 def _shrink(
-    x,
-    a,
-    ranks,
-    seg_starts,
-    seg_slots,
-    num_segs: int,
+    x: torch.Tensor,  # [num_tokens, in]
+    w: SlotWeights,
+    seg_starts: torch.Tensor,
+    seg_slots: torch.Tensor,
     m_blocks: int,
     per_token: bool,
     block_m: int,
     order: torch.Tensor | None = None,
-):
-    num_slices, max_rank, in_features = a.shape[1], a.shape[2], a.shape[3]
+) -> torch.Tensor:  # [num_slices, num_tokens, max_rank] float32
+    a, ranks = w.a, w.ranks
+    num_segs, (num_slices, max_rank, in_features) = seg_slots.shape[0], a.shape[1:]
     assert x.stride(-1) == 1 and a.is_contiguous() and ranks.is_contiguous()
     buf = torch.zeros(num_slices, x.shape[0], max_rank, dtype=torch.float32, device=x.device)  # atomics: fp32
     if num_segs == 0 or x.shape[0] == 0:
@@ -170,24 +171,21 @@ def _per_slice_strides(buf: torch.Tensor) -> tuple[int, int, int]:
 
 
 def _expand(
-    y,
-    buf,
+    y: torch.Tensor,  # [num_tokens, sum(output_sizes)], updated in place
+    buf: torch.Tensor,
     buf_strides: tuple[int, int, int],
-    b,
-    ranks,
-    scalings,
-    output_sizes,
-    seg_starts,
-    seg_slots,
-    num_segs,
-    m_blocks,
-    per_token,
-    block_m,
+    w: SlotWeights,
+    seg_starts: torch.Tensor,
+    seg_slots: torch.Tensor,
+    m_blocks: int,
+    per_token: bool,
+    block_m: int,
     order: torch.Tensor | None = None,
     block_n: int = EXPAND_BLOCK_N,
     num_warps: int = 4,
-):
+) -> None:
     """buf_strides: (slot, slice, token) strides of the shrink output; rank is its unit-stride dim."""
+    b, output_sizes, num_segs = w.b, w.output_sizes, seg_slots.shape[0]
     num_slices, max_rank = b.shape[1], b.shape[3]
     assert len(output_sizes) == num_slices <= 3 and y.stride(-1) == 1
     if num_segs == 0 or y.shape[0] == 0:
@@ -197,7 +195,7 @@ def _expand(
     block_r = max(16, triton.next_power_of_2(max_rank))
     pdl = pdl_enabled(y.device)
     _expand_kernel[(num_segs, num_slices * n_blocks, m_blocks)](
-        y, buf, b, ranks, scalings, seg_starts, seg_slots, seg_slots if order is None else order,
+        y, buf, b, w.ranks, w.scalings, seg_starts, seg_slots, seg_slots if order is None else order,
         sizes[0], sizes[1], sizes[2], num_slices, n_blocks,
         y.stride(0), *buf_strides, b.stride(0), b.stride(1), b.stride(2), b.stride(3),
         PER_TOKEN=per_token, GATHER=order is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
@@ -205,242 +203,46 @@ def _expand(
     )  # fmt: skip
 
 
-def _max_seg_len(seg_starts: torch.Tensor, max_seg_len: int | None) -> int:
-    return int((seg_starts[1:] - seg_starts[:-1]).max()) if max_seg_len is None else max_seg_len  # sync if unknown
+def _segment_blocks(segs: Segments) -> int:
+    """Row blocks of the longest segment (read from its offsets, a sync, if the caller did not say)."""
+    max_len = int((segs.starts[1:] - segs.starts[:-1]).max()) if segs.max_len is None else segs.max_len
+    return triton.cdiv(max(max_len, 1), BLOCK_M_SEG)
 
 
-def lora_shrink_segments(
-    x: torch.Tensor,  # [num_tokens, in]
-    a: torch.Tensor,  # [max_loras, num_slices, max_rank, in]
-    ranks: torch.Tensor,  # [max_loras, num_slices] int, on x's device
-    seg_starts: torch.Tensor,  # [num_segments + 1] int, on x's device
-    seg_slots: torch.Tensor,  # [num_segments] int, -1 = base
-    rank_table: list[list[int]] | None = None,  # unused: ranks are read on the device
-    max_seg_len: int | None = None,  # longest segment; read from seg_starts (a sync) if None
-) -> torch.Tensor:  # [num_slices, num_tokens, max_rank]
-    m_blocks = triton.cdiv(max(_max_seg_len(seg_starts, max_seg_len), 1), BLOCK_M_SEG)
-    return _shrink(x, a, ranks, seg_starts, seg_slots, seg_slots.shape[0], m_blocks, False, BLOCK_M_SEG)
+def lora_shrink_segments(x: torch.Tensor, w: SlotWeights, segs: Segments) -> torch.Tensor:
+    """x [num_tokens, in] -> [num_slices, num_tokens, max_rank]; segs on x's device."""
+    return _shrink(x, w, segs.starts, segs.slots, _segment_blocks(segs), False, BLOCK_M_SEG)
 
 
-def lora_expand_segments(
-    y: torch.Tensor,  # [num_tokens, sum(output_sizes)], updated in place
-    buf: torch.Tensor,  # [num_slices, num_tokens, max_rank]
-    b: torch.Tensor,  # [max_loras, num_slices, max_out_slice, max_rank]
-    ranks: torch.Tensor,  # [max_loras, num_slices] int
-    scalings: torch.Tensor,  # [max_loras, num_slices] float32
-    output_sizes: list[int],
-    seg_starts: torch.Tensor,  # [num_segments + 1] int
-    seg_slots: torch.Tensor,  # [num_segments] int, -1 = base
-    rank_table: list[list[int]] | None = None,  # unused
-    scale_table: list[list[float]] | None = None,  # unused
-    max_seg_len: int | None = None,
-) -> None:
-    m_blocks = triton.cdiv(max(_max_seg_len(seg_starts, max_seg_len), 1), BLOCK_M_SEG)
-    _expand(
-        y,
-        buf,
-        _per_slice_strides(buf),
-        b,
-        ranks,
-        scalings,
-        output_sizes,
-        seg_starts,
-        seg_slots,
-        seg_slots.shape[0],
-        m_blocks,
-        False,
-        BLOCK_M_SEG,
-    )
+def lora_expand_segments(y: torch.Tensor, buf: torch.Tensor, w: SlotWeights, segs: Segments) -> None:
+    _expand(y, buf, _per_slice_strides(buf), w, segs.starts, segs.slots, _segment_blocks(segs), False, BLOCK_M_SEG)
 
 
-def lora_shrink_tokens(
-    x: torch.Tensor,  # [num_tokens, in]
-    a: torch.Tensor,  # [max_loras, num_slices, max_rank, in]
-    ranks: torch.Tensor,  # [max_loras, num_slices] int
-    token_slots: torch.Tensor,  # [num_tokens] int, -1 = base
-    max_rank: int | None = None,  # unused: each program reads its own slot's rank
-) -> torch.Tensor:  # [num_slices, num_tokens, max_rank]
-    return _shrink(x, a, ranks, token_slots, token_slots, token_slots.shape[0], 1, True, BLOCK_M_TOK)
+def lora_shrink_tokens(x: torch.Tensor, w: SlotWeights, tokens: Tokens) -> torch.Tensor:
+    """Each program reads its own token's rank: `tokens.used` is not needed."""
+    return _shrink(x, w, tokens.slots, tokens.slots, 1, True, BLOCK_M_TOK)
 
 
-def lora_expand_tokens(
-    y: torch.Tensor,  # [num_tokens, sum(output_sizes)], updated in place
-    buf: torch.Tensor,  # [num_slices, num_tokens, max_rank]
-    b: torch.Tensor,  # [max_loras, num_slices, max_out_slice, max_rank]
-    ranks: torch.Tensor,  # [max_loras, num_slices] int
-    scalings: torch.Tensor,  # [max_loras, num_slices] float32
-    output_sizes: list[int],
-    token_slots: torch.Tensor,  # [num_tokens] int, -1 = base
-    max_rank: int | None = None,  # unused
-) -> None:
-    _expand(
-        y,
-        buf,
-        _per_slice_strides(buf),
-        b,
-        ranks,
-        scalings,
-        output_sizes,
-        token_slots,
-        token_slots,
-        token_slots.shape[0],
-        1,
-        True,
-        BLOCK_M_TOK,
-    )
+def lora_expand_tokens(y: torch.Tensor, buf: torch.Tensor, w: SlotWeights, tokens: Tokens) -> None:
+    _expand(y, buf, _per_slice_strides(buf), w, tokens.slots, tokens.slots, 1, True, BLOCK_M_TOK)
 
 
-def lora_shrink_grouped(
-    x: torch.Tensor,  # [num_tokens, in]
-    a: torch.Tensor,  # [max_loras, num_slices, max_rank, in]
-    ranks: torch.Tensor,  # [max_loras, num_slices] int
-    order: torch.Tensor,  # [num_tokens] int: token rows sorted by slot (kernels/lora_ref.py, grouped layout)
-    tile_starts: torch.Tensor,  # [num_tiles + 1] int: offsets into `order`, tiles of <= GROUP_TILE
-    tile_slots: torch.Tensor,  # [num_tiles] int, -1 = padding / base
-) -> torch.Tensor:  # [num_slices, num_tokens, max_rank]
-    return _shrink(x, a, ranks, tile_starts, tile_slots, tile_slots.shape[0], 1, False, GROUP_TILE, order)
+def lora_shrink_grouped(x: torch.Tensor, w: SlotWeights, tiles: Tiles) -> torch.Tensor:
+    return _shrink(x, w, tiles.starts, tiles.slots, 1, False, GROUP_TILE, tiles.order)
 
 
-def lora_expand_grouped(
-    y: torch.Tensor,  # [num_tokens, sum(output_sizes)], updated in place
-    buf: torch.Tensor,  # [num_slices, num_tokens, max_rank]
-    b: torch.Tensor,  # [max_loras, num_slices, max_out_slice, max_rank]
-    ranks: torch.Tensor,  # [max_loras, num_slices] int
-    scalings: torch.Tensor,  # [max_loras, num_slices] float32
-    output_sizes: list[int],
-    order: torch.Tensor,  # [num_tokens] int
-    tile_starts: torch.Tensor,  # [num_tiles + 1] int
-    tile_slots: torch.Tensor,  # [num_tiles] int
-) -> None:
-    _expand(
-        y,
-        buf,
-        _per_slice_strides(buf),
-        b,
-        ranks,
-        scalings,
-        output_sizes,
-        tile_starts,
-        tile_slots,
-        tile_slots.shape[0],
-        1,
-        False,
-        GROUP_TILE,
-        order,
-    )
+def lora_expand_grouped(y: torch.Tensor, buf: torch.Tensor, w: SlotWeights, tiles: Tiles) -> None:
+    _expand(y, buf, _per_slice_strides(buf), w, tiles.starts, tiles.slots, 1, False, GROUP_TILE, tiles.order)
 
 
 def lora_expand_stacked(
     y: torch.Tensor,  # [num_tokens, sum(output_sizes)], updated in place (rows may be strided)
     h: torch.Tensor,  # [num_tokens, max_loras, num_slices, max_rank]: x A^T of every slot, rank unit-stride
-    b: torch.Tensor,  # [max_loras, num_slices, max_out_slice, max_rank]
-    ranks: torch.Tensor,  # [max_loras, num_slices] int
-    scalings: torch.Tensor,  # [max_loras, num_slices] float32
-    output_sizes: list[int],
-    order: torch.Tensor,  # [num_tokens] int
-    tile_starts: torch.Tensor,  # [num_tiles + 1] int
-    tile_slots: torch.Tensor,  # [num_tiles] int
+    w: SlotWeights,
+    tiles: Tiles,
     block_n: int = EXPAND_BLOCK_N,
     num_warps: int = 4,
 ) -> None:
     assert h.stride(-1) == 1
-    _expand(
-        y,
-        h,
-        (h.stride(1), h.stride(2), h.stride(0)),
-        b,
-        ranks,
-        scalings,
-        output_sizes,
-        tile_starts,
-        tile_slots,
-        tile_slots.shape[0],
-        1,
-        False,
-        GROUP_TILE,
-        order,
-        block_n,
-        num_warps,
-    )
-
-
-# A pending LoRA delta (kernels/lora_ref.LoraDelta) added by the kernel that consumes the
-# projection's output (fused.py: the residual-add RMSNorm after o / down, SiLU-and-mul after
-# gate_up), so those projections launch no expand of their own.
-R_CHUNK = tl.constexpr(4)  # rank rows of B loaded at a time by lora_row_delta
-
-
-@triton.jit
-def _token_slot(slot, max_rank):
-    """A token's slot clamped to a valid index (int64) and the ranks it reads: max_rank, or 0 for
-    a base token (slot -1). Masks take `r < rank_on`, not `slot >= 0 & ...`: Triton's interpreter
-    turns a scalar bool & a vector into int64, which it then refuses as a mask."""
-    return tl.maximum(slot, 0).to(tl.int64), tl.where(slot >= 0, max_rank, 0)
-
-
-@triton.jit
-def lora_row_delta(
-    h_row_ptr, b_ptr, scalings_ptr, slot, s, num_slices, max_rank, cols, col_mask,
-    stride_hl, stride_hs, stride_bl, stride_bs, stride_bo, stride_br,
-    BLOCK: tl.constexpr, R_PAD: tl.constexpr,
-):  # fmt: skip
-    """One token's delta on columns `cols` [BLOCK] of slice s, float32; zeros when slot < 0.
-    It reads all max_rank columns of h / rows of B, not the slot's rank: past its rank A and B
-    are zero (LoraWeights keeps them so), and not loading the rank first saves a round trip."""
-    slot, rank_on = _token_slot(slot, max_rank)
-    scale = tl.load(scalings_ptr + slot * num_slices + s)
-    h_base = h_row_ptr + slot * stride_hl + s * stride_hs
-    b_base = b_ptr + slot * stride_bl + s * stride_bs
-    acc = tl.zeros([BLOCK], tl.float32)
-    for r0 in tl.static_range(0, R_PAD, R_CHUNK):
-        r = r0 + tl.arange(0, R_CHUNK)
-        r_mask = r < rank_on
-        hv = tl.load(h_base + r, mask=r_mask, other=0.0).to(tl.float32)  # [R_CHUNK]
-        bt = tl.load(
-            b_base + r[:, None] * stride_br + cols[None, :] * stride_bo,
-            mask=r_mask[:, None] & col_mask[None, :],
-            other=0.0,
-        ).to(tl.float32)  # [R_CHUNK, BLOCK]
-        acc += tl.sum(hv[:, None] * bt, axis=0)
-    return acc * scale
-
-
-@triton.jit
-def lora_b_tile(
-    b_ptr, scalings_ptr, slot, s, num_slices, max_rank, cols, col_mask,
-    stride_bl, stride_bs, stride_bo, stride_br, R_PAD: tl.constexpr,
-):  # fmt: skip
-    """Slice s of the B of one token's slot on columns `cols` [BLOCK]: [R_PAD, BLOCK] (zeros when
-    slot < 0 or past max_rank) and its scaling. Weights only, so a PDL kernel may load it before
-    gdc_wait; lora_tile_delta finishes the delta once h may be read."""
-    slot, rank_on = _token_slot(slot, max_rank)
-    r = tl.arange(0, R_PAD)
-    bt = tl.load(
-        b_ptr + slot * stride_bl + s * stride_bs + r[:, None] * stride_br + cols[None, :] * stride_bo,
-        mask=(r < rank_on)[:, None] & col_mask[None, :],
-        other=0.0,
-    )  # [R_PAD, BLOCK]
-    return bt, tl.load(scalings_ptr + slot * num_slices + s)
-
-
-@triton.jit
-def lora_tile_delta(h_row_ptr, slot, s, max_rank, bt, scale, stride_hl, stride_hs, R_PAD: tl.constexpr):
-    """One token's delta [BLOCK] float32 from its shrink row h and a B tile from lora_b_tile."""
-    slot, rank_on = _token_slot(slot, max_rank)
-    r = tl.arange(0, R_PAD)
-    hv = tl.load(h_row_ptr + slot * stride_hl + s * stride_hs + r, mask=r < rank_on, other=0.0)
-    return tl.sum(hv.to(tl.float32)[:, None] * bt.to(tl.float32), axis=0) * scale
-
-
-def delta_args(delta: LoraDelta | None, dummy: torch.Tensor) -> list:
-    """lora_row_delta's tensors and sizes, as a kernel's trailing arguments: h, b, scalings,
-    token_slots, max_rank, then the strides of h (token, slot, slice) and b (4)."""
-    if delta is None:
-        return [dummy] * 4 + [0] * 8
-    h, b = delta.h, delta.b
-    assert h.stride(-1) == 1 and delta.scalings.is_contiguous()
-    return [h, b, delta.scalings, delta.token_slots, b.shape[3], h.stride(0), h.stride(1), h.stride(2), *b.stride()]
-
-
-def rank_pad(delta: LoraDelta | None) -> int:
-    return 0 if delta is None else max(R_CHUNK.value, triton.next_power_of_2(delta.b.shape[3]))
+    strides = (h.stride(1), h.stride(2), h.stride(0))
+    _expand(y, h, strides, w, tiles.starts, tiles.slots, 1, False, GROUP_TILE, tiles.order, block_n, num_warps)

@@ -21,20 +21,16 @@ from ledgerserve.kernels.fused_ref import (
     rope_and_write_kv_ref,
     silu_and_mul_ref,
 )
-from ledgerserve.kernels.lora_ref import LoraDelta
+from ledgerserve.kernels.lora_types import LoraDelta, LoraLayout, Segments, SlotWeights, Tiles
 
 __all__ = [
     "apply_rope",
     "argmax",
     "fused_add_rms_norm",
     "linear",
-    "lora_expand_grouped",
-    "lora_expand_segments",
+    "lora_expand",
     "lora_expand_stacked",
-    "lora_expand_tokens",
-    "lora_shrink_grouped",
-    "lora_shrink_segments",
-    "lora_shrink_tokens",
+    "lora_shrink",
     "paged_decode_attention",
     "paged_prefill_attention",
     "rms_norm",
@@ -132,7 +128,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, delta: LoraDelta | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:  # normed, new_residual: [num_tokens, hidden]
-    """`delta`: x's pending LoRA delta (kernels/lora_ref.LoraDelta), added to x first."""
+    """`delta`: x's pending LoRA delta (kernels/lora_types.LoraDelta), added to x first."""
     return (_fused.fused_add_rms_norm if use_triton(x) else fused_add_rms_norm_ref)(x, residual, weight, eps, delta)
 
 
@@ -171,60 +167,36 @@ def silu_and_mul(x: torch.Tensor, delta: LoraDelta | None = None) -> torch.Tenso
     return (_fused.silu_and_mul if use_triton(x) else silu_and_mul_ref)(x, delta)
 
 
-# Multi-LoRA (kernels/lora_ref.py has the contract). Triton for half-precision CUDA tensors:
-# it then wants device segment tensors and reads ranks/scalings on the device; the
-# host-side extras (rank_table, scale_table, max_rank, max_seg_len) serve whichever needs them.
+# Multi-LoRA (kernels/lora_ref.py has the contract): Triton for half-precision CUDA tensors, which
+# wants its Segments on the device; the references read ranks from the host tables. The layout
+# struct names the kernels; worker_proc/lora/layout.py decides which one a layer runs.
 
 
 def use_triton_lora(x: torch.Tensor) -> bool:
     return use_triton(x) and x.dtype in (torch.bfloat16, torch.float16)
 
 
-def lora_shrink_segments(x, a, ranks, seg_starts, seg_slots, rank_table=None, max_seg_len=None) -> torch.Tensor:
-    if use_triton_lora(x):
-        return _lora.lora_shrink_segments(x, a, ranks, seg_starts, seg_slots, rank_table, max_seg_len)
-    return lora_ref.lora_shrink_segments(x, a, ranks, seg_starts, seg_slots, rank_table)
+def lora_shrink(x: torch.Tensor, weights: SlotWeights, layout: LoraLayout) -> torch.Tensor:
+    """x [num_tokens, in] -> buf [num_slices, num_tokens, max_rank], x A^T of each token's slot."""
+    impl = _lora if use_triton_lora(x) else lora_ref
+    if isinstance(layout, Segments):
+        return impl.lora_shrink_segments(x, weights, layout)
+    if isinstance(layout, Tiles):
+        return impl.lora_shrink_grouped(x, weights, layout)
+    return impl.lora_shrink_tokens(x, weights, layout)
 
 
-def lora_expand_segments(
-    y, buf, b, ranks, scalings, output_sizes, seg_starts, seg_slots, rank_table=None, scale_table=None,
-    max_seg_len=None,
-) -> None:  # fmt: skip
-    if use_triton_lora(y):
-        _lora.lora_expand_segments(
-            y, buf, b, ranks, scalings, output_sizes, seg_starts, seg_slots, rank_table, scale_table, max_seg_len
-        )
+def lora_expand(y: torch.Tensor, buf: torch.Tensor, weights: SlotWeights, layout: LoraLayout) -> None:
+    """y [num_tokens, sum(output_sizes)] += buf B^T * scaling of each token's slot, in place."""
+    impl = _lora if use_triton_lora(y) else lora_ref
+    if isinstance(layout, Segments):
+        impl.lora_expand_segments(y, buf, weights, layout)
+    elif isinstance(layout, Tiles):
+        impl.lora_expand_grouped(y, buf, weights, layout)
     else:
-        lora_ref.lora_expand_segments(
-            y, buf, b, ranks, scalings, output_sizes, seg_starts, seg_slots, rank_table, scale_table
-        )
+        impl.lora_expand_tokens(y, buf, weights, layout)
 
 
-def lora_shrink_tokens(x, a, ranks, token_slots, max_rank=None) -> torch.Tensor:
-    return (_lora.lora_shrink_tokens if use_triton_lora(x) else lora_ref.lora_shrink_tokens)(
-        x, a, ranks, token_slots, max_rank
-    )
-
-
-def lora_expand_tokens(y, buf, b, ranks, scalings, output_sizes, token_slots, max_rank=None) -> None:
-    (_lora.lora_expand_tokens if use_triton_lora(y) else lora_ref.lora_expand_tokens)(
-        y, buf, b, ranks, scalings, output_sizes, token_slots, max_rank
-    )
-
-
-def lora_shrink_grouped(x, a, ranks, order, tile_starts, tile_slots) -> torch.Tensor:
-    return (_lora.lora_shrink_grouped if use_triton_lora(x) else lora_ref.lora_shrink_grouped)(
-        x, a, ranks, order, tile_starts, tile_slots
-    )
-
-
-def lora_expand_grouped(y, buf, b, ranks, scalings, output_sizes, order, tile_starts, tile_slots) -> None:
-    (_lora.lora_expand_grouped if use_triton_lora(y) else lora_ref.lora_expand_grouped)(
-        y, buf, b, ranks, scalings, output_sizes, order, tile_starts, tile_slots
-    )
-
-
-def lora_expand_stacked(y, h, b, ranks, scalings, output_sizes, order, tile_starts, tile_slots) -> None:
-    (_lora.lora_expand_stacked if use_triton_lora(y) else lora_ref.lora_expand_stacked)(
-        y, h, b, ranks, scalings, output_sizes, order, tile_starts, tile_slots
-    )
+def lora_expand_stacked(y: torch.Tensor, h: torch.Tensor, weights: SlotWeights, tiles: Tiles) -> None:
+    """lora_expand from the shrink of every slot, h [num_tokens, max_loras, num_slices, max_rank]."""
+    (_lora.lora_expand_stacked if use_triton_lora(y) else lora_ref.lora_expand_stacked)(y, h, weights, tiles)

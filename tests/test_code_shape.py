@@ -17,7 +17,6 @@ LARGE_FILES = {
     "shared/events.py": "every message type of every channel in one place: the log's schema reads as one file",
     "scheduler_proc/core/adapters.py": "the adapter registry and its version lifecycle (pins, on-demand marks)",
     "scheduler_proc/core/adapter_stats.py": "the fold of every adapter-related event into per-adapter figures",
-    "kernels/lora.py": "the LoRA shrink/expand Triton kernels with their launch helpers",
     "scripts/bench_decode.py": "a benchmark script: its sweep, churn and report in one runnable file",
     "kernels/fused.py": "three fused Triton kernels (RMSNorm, SiLU-and-mul, residual add) with their launchers",
 }

@@ -4,7 +4,7 @@ worker_proc/step_inputs.py's StepInputs (token ids, positions, KV slots, adapter
 sequence lengths, block tables, ...) padded to its batch (`pad_for_graph`), that every step
 overwrites with a single device copy; adapter slots and block tables being inputs, one
 graph serves any mix of adapters and requests. The LoRA set also reads the grouped layout
-(kernels/lora_ref.py): token rows sorted by slot and a padded table of max_tiles(batch,
+(kernels/lora_types.py): token rows sorted by slot and a padded table of max_tiles(batch,
 max_loras) tiles, built on the host from the plan, so each distinct adapter's A / B are read
 once per tile, not once per token. Each projection's single GEMM also returns every slot's
 x A^T (A stacked under the base weight, worker_proc/models/layers.py); so that a step on few
@@ -23,8 +23,9 @@ from collections.abc import Sequence
 import torch
 
 from ledgerserve.kernels import gemm_tuning, pdl
-from ledgerserve.kernels.lora_ref import max_tiles
+from ledgerserve.kernels.lora_types import Tiles, max_tiles
 from ledgerserve.worker_proc.batch import ReqState, fill_placeholders, placeholder_pairs
+from ledgerserve.worker_proc.lora.layout import slot_buckets
 from ledgerserve.worker_proc.lora.mapping import LoraMapping
 from ledgerserve.worker_proc.step_inputs import (
     STAGED,
@@ -39,12 +40,6 @@ from ledgerserve.worker_proc.step_inputs import (
 log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-SLOT_BUCKETS = (4, 16)  # LoRA graphs per number of leading slots, besides max_loras itself
-
-
-def slot_buckets(max_loras: int) -> list[int]:
-    """Slot counts that get their own LoRA graphs: SLOT_BUCKETS capped at max_loras, and max_loras."""
-    return sorted({min(n, max_loras) for n in SLOT_BUCKETS} | {max_loras})
 
 
 class DecodeGraph:
@@ -66,11 +61,8 @@ class DecodeGraph:
         views = dict(zip(STAGED, self.inputs.split(self.lengths)))
         lora = None
         if num_slots:
-            empty = torch.zeros(0, dtype=torch.long)
-            grouped = (views["order"], views["tile_starts"], views["tile_slots"])
-            lora = LoraMapping(
-                views["lora_slots"], empty, empty, False, (), in_graph=True, grouped=grouped, num_slots=num_slots
-            )
+            tiles = Tiles(views["order"], views["tile_starts"], views["tile_slots"])
+            lora = LoraMapping.for_graph(views["lora_slots"], tiles, num_slots)
         return assemble(views, self.empty, lora, lora)
 
     def forward(self, model: torch.nn.Module, kv_layers: list, num_slots: int) -> torch.Tensor:

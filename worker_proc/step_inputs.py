@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from ledgerserve.kernels.lora_ref import group_tiles
+from ledgerserve.kernels.lora_types import group_tiles
 from ledgerserve.worker_proc.batch import ReqState, fill_placeholders, placeholder_pairs
 from ledgerserve.worker_proc.lora.mapping import LoraMapping, runs
 

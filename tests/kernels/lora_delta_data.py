@@ -1,11 +1,11 @@
-"""A pending LoRA delta (kernels/lora_ref.LoraDelta) laid out as the worker holds it, and the
+"""A pending LoRA delta (kernels/lora_types.LoraDelta) laid out as the worker holds it, and the
 delta it stands for computed token by token in float64."""
 
 from __future__ import annotations
 
 import torch
 
-from ledgerserve.kernels.lora_ref import LoraDelta
+from ledgerserve.kernels.lora_types import LoraDelta, SlotWeights
 
 SLOTS = [0, -1, 3, 1, 1, 2, -1, 0, 3]  # slot 1 does not target slice 0; -1: base tokens
 
@@ -33,23 +33,21 @@ def make_delta(
     past_rank = torch.arange(max_rank) >= ranks[..., None]  # [max_loras, num_slices, max_rank]: zero there, as stored
     b = b.masked_fill(past_rank[..., None], 0.0)
     h.masked_fill_(past_rank[:num_slots].to(device), 0.0)  # in place: h stays a strided view
-    return LoraDelta(
-        h,
-        b.to(dtype).to(device).transpose(2, 3),
-        ranks.to(device),
-        scalings.to(device),
-        torch.tensor(slots, device=device),
+    a = torch.zeros(max_loras, num_slices, max_rank, 0, dtype=dtype, device=device)  # its shrink is h already
+    weights = SlotWeights.of(
+        a, b.to(dtype).to(device).transpose(2, 3), ranks.to(device), scalings.to(device), output_sizes
     )
+    return LoraDelta(h, weights, torch.tensor(slots, device=device))
 
 
 def naive_delta(delta: LoraDelta, output_sizes: list[int]) -> torch.Tensor:  # [num_tokens, sum(output_sizes)] f64
     out = torch.zeros(delta.h.shape[0], sum(output_sizes), dtype=torch.float64)
-    h, b = delta.h.cpu().double(), delta.b.cpu().double()
+    h, b = delta.h.cpu().double(), delta.weights.b.cpu().double()
     for t, slot in enumerate(delta.token_slots.tolist()):
         lo = 0
         for s, size in enumerate(output_sizes):
-            rank = int(delta.ranks[slot, s]) if slot >= 0 else 0
-            scale = float(delta.scalings[slot, s]) if slot >= 0 else 0.0
+            rank = int(delta.weights.ranks[slot, s]) if slot >= 0 else 0
+            scale = float(delta.weights.scalings[slot, s]) if slot >= 0 else 0.0
             out[t, lo : lo + size] = scale * (h[t, slot, s, :rank] @ b[slot, s, :size, :rank].T)
             lo += size
     return out

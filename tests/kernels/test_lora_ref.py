@@ -7,8 +7,6 @@ import pytest
 import torch
 
 from ledgerserve.kernels.lora_ref import (
-    GROUP_TILE,
-    group_tiles,
     lora_expand_grouped,
     lora_expand_segments,
     lora_expand_stacked,
@@ -16,8 +14,8 @@ from ledgerserve.kernels.lora_ref import (
     lora_shrink_grouped,
     lora_shrink_segments,
     lora_shrink_tokens,
-    max_tiles,
 )
+from ledgerserve.kernels.lora_types import GROUP_TILE, Segments, SlotWeights, Tiles, Tokens, group_tiles, max_tiles
 
 MAX_LORAS, MAX_RANK, IN = 5, 13, 37
 
@@ -68,8 +66,9 @@ def test_segments_match_naive(output_sizes: list[int]) -> None:
     x = torch.randn(len(token_slots), IN, generator=gen, dtype=torch.float64)
     base = torch.randn(len(token_slots), sum(output_sizes), generator=gen, dtype=torch.float64)
     y = base.clone()
-    buf = lora_shrink_segments(x, a, ranks, seg_starts, seg_slots)
-    lora_expand_segments(y, buf, b, ranks, scalings, output_sizes, seg_starts, seg_slots)
+    w, segs = SlotWeights.of(a, b, ranks, scalings, output_sizes), Segments(seg_starts, seg_slots)
+    buf = lora_shrink_segments(x, w, segs)
+    lora_expand_segments(y, buf, w, segs)
     torch.testing.assert_close(y, base + _naive(x, a, b, ranks, scalings, output_sizes, token_slots))
     assert torch.equal(y[7:10], base[7:10])  # base-model segment untouched
 
@@ -82,8 +81,9 @@ def test_tokens_match_naive(output_sizes: list[int]) -> None:
     x = torch.randn(len(token_slots), IN, generator=gen, dtype=torch.float64)
     base = torch.randn(len(token_slots), sum(output_sizes), generator=gen, dtype=torch.float64)
     y = base.clone()
-    buf = lora_shrink_tokens(x, a, ranks, token_slots)
-    lora_expand_tokens(y, buf, b, ranks, scalings, output_sizes, token_slots)
+    w, tokens = SlotWeights.of(a, b, ranks, scalings, output_sizes), Tokens(token_slots)
+    buf = lora_shrink_tokens(x, w, tokens)
+    lora_expand_tokens(y, buf, w, tokens)
     torch.testing.assert_close(y, base + _naive(x, a, b, ranks, scalings, output_sizes, token_slots))
     assert torch.equal(y[1], base[1]) and torch.equal(y[5], base[5])  # base token, rank-0 slot
 
@@ -94,12 +94,13 @@ def test_layouts_agree_and_all_base_is_a_no_op() -> None:
     a, b, ranks, scalings = _buffers(output_sizes, gen)
     seg_starts, seg_slots, token_slots = _segment_layout([3, 4, 2], [4, 0, 2])
     x = torch.randn(len(token_slots), IN, generator=gen, dtype=torch.float64)
-    buf_seg = lora_shrink_segments(x, a, ranks, seg_starts, seg_slots)
-    buf_tok = lora_shrink_tokens(x, a, ranks, token_slots)
+    w = SlotWeights.of(a, b, ranks, scalings, output_sizes)
+    buf_seg = lora_shrink_segments(x, w, Segments(seg_starts, seg_slots))
+    buf_tok = lora_shrink_tokens(x, w, Tokens(token_slots))
     torch.testing.assert_close(buf_seg, buf_tok)
     y = torch.zeros(len(token_slots), sum(output_sizes), dtype=torch.float64)
-    base_slots = torch.full_like(token_slots, -1)
-    lora_expand_tokens(y, lora_shrink_tokens(x, a, ranks, base_slots), b, ranks, scalings, output_sizes, base_slots)
+    base = Tokens(torch.full_like(token_slots, -1))
+    lora_expand_tokens(y, lora_shrink_tokens(x, w, base), w, base)
     assert not y.any()
 
 
@@ -124,13 +125,14 @@ def test_grouped_matches_naive(output_sizes: list[int]) -> None:
     a, b, ranks, scalings = _buffers(output_sizes, gen)
     slots = [0, -1, 4, 1, 1, 3, -1, 2, 0, 4, 2] + [2] * (GROUP_TILE + 1)
     token_slots = torch.tensor(slots)
-    order, starts, tile_slots = (torch.tensor(t) for t in group_tiles(slots, max_tiles(len(slots), MAX_LORAS)))
+    tiles = Tiles(*(torch.tensor(t) for t in group_tiles(slots, max_tiles(len(slots), MAX_LORAS))))
     x = torch.randn(len(slots), IN, generator=gen, dtype=torch.float64)
     base = torch.randn(len(slots), sum(output_sizes), generator=gen, dtype=torch.float64)
     y = base.clone()
-    buf = lora_shrink_grouped(x, a, ranks, order, starts, tile_slots)
-    torch.testing.assert_close(buf, lora_shrink_tokens(x, a, ranks, token_slots))
-    lora_expand_grouped(y, buf, b, ranks, scalings, output_sizes, order, starts, tile_slots)
+    w = SlotWeights.of(a, b, ranks, scalings, output_sizes)
+    buf = lora_shrink_grouped(x, w, tiles)
+    torch.testing.assert_close(buf, lora_shrink_tokens(x, w, Tokens(token_slots)))
+    lora_expand_grouped(y, buf, w, tiles)
     torch.testing.assert_close(y, base + _naive(x, a, b, ranks, scalings, output_sizes, token_slots))
     assert torch.equal(y[1], base[1]) and torch.equal(y[5], base[5])  # base token, rank-0 slot
 
@@ -141,11 +143,11 @@ def test_stacked_matches_naive(output_sizes: list[int]) -> None:
     gen = torch.Generator().manual_seed(30 + len(output_sizes))
     a, b, ranks, scalings = _buffers(output_sizes, gen)
     slots = [3, 0, -1, 4, 1, 1, 2, 0, 4, 2] + [1] * (GROUP_TILE + 2)
-    order, starts, tile_slots = (torch.tensor(t) for t in group_tiles(slots, max_tiles(len(slots), MAX_LORAS)))
+    tiles = Tiles(*(torch.tensor(t) for t in group_tiles(slots, max_tiles(len(slots), MAX_LORAS))))
     x = torch.randn(len(slots), IN, generator=gen, dtype=torch.float64)
     base = torch.randn(len(slots), sum(output_sizes), generator=gen, dtype=torch.float64)
     a_real = a * (torch.arange(a.shape[2])[:, None] < ranks[..., None, None])  # zero past each rank, as stored
     h = torch.einsum("ti,lsri->tlsr", x, a_real)  # [num_tokens, max_loras, num_slices, max_rank]
     y = base.clone()
-    lora_expand_stacked(y, h, b, ranks, scalings, output_sizes, order, starts, tile_slots)
+    lora_expand_stacked(y, h, SlotWeights.of(a, b, ranks, scalings, output_sizes), tiles)
     torch.testing.assert_close(y, base + _naive(x, a, b, ranks, scalings, output_sizes, torch.tensor(slots)))

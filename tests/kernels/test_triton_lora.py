@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from ledgerserve.kernels import lora_ref
+from ledgerserve.kernels.lora_types import Segments, SlotWeights, Tiles, Tokens, group_tiles, max_tiles
 from tests.kernels.triton_device import DEVICE, DTYPES, requires_triton_device
 
 pytest.importorskip("triton")
@@ -44,66 +45,40 @@ def _check(layout: str, output_sizes: list[int], dtype: torch.dtype, seg_lens: l
     x = torch.randn(len(token_slots), IN, generator=gen)
     base = torch.randn(len(token_slots), sum(output_sizes), generator=gen)
     want = base.clone()  # float32 reference on the same (rounded) inputs
-    args32 = [t.to(dtype).float() for t in (x, a, b)]
-    dev = {
-        k: t.to(DEVICE)
-        for k, t in dict(
-            ranks=ranks,
-            scalings=scalings,
-            token_slots=token_slots,
-            seg_starts=torch.tensor(starts),
-            seg_slots=torch.tensor(seg_slots),
-        ).items()
-    }
+    x32, a32, b32 = (t.to(dtype).float() for t in (x, a, b))
+    w32 = SlotWeights.of(a32, b32, ranks, scalings, output_sizes)
     xd, ad, bd = (t.to(dtype).to(DEVICE) for t in (x, a, b))
     if layout != "tokens":  # out-major, as LoraWeights stores B (the tokens layout keeps a rank-major B)
         bd = bd.transpose(-1, -2).contiguous().transpose(-1, -2)
+    wd = SlotWeights.of(ad, bd, ranks.to(DEVICE), scalings.to(DEVICE), output_sizes)
     got = base.to(dtype).to(DEVICE)
+    slots = token_slots.tolist()
+    tiles = Tiles(*(torch.tensor(t) for t in group_tiles(slots, max_tiles(len(slots), MAX_LORAS))))
+    tiles_d = Tiles(tiles.order.to(DEVICE), tiles.starts.to(DEVICE), tiles.slots.to(DEVICE))
     if layout == "segments":
-        buf32 = lora_ref.lora_shrink_segments(
-            args32[0], args32[1], ranks, torch.tensor(starts), torch.tensor(seg_slots)
-        )
-        lora_ref.lora_expand_segments(
-            want, buf32, args32[2], ranks, scalings, output_sizes, torch.tensor(starts), torch.tensor(seg_slots)
-        )
-        buf = lora.lora_shrink_segments(
-            xd, ad, dev["ranks"], dev["seg_starts"], dev["seg_slots"], max_seg_len=max(seg_lens)
-        )
-        lora.lora_expand_segments(
-            got,
-            buf,
-            bd,
-            dev["ranks"],
-            dev["scalings"],
-            output_sizes,
-            dev["seg_starts"],
-            dev["seg_slots"],
-            max_seg_len=max(seg_lens),
-        )
+        segs = Segments(torch.tensor(starts), torch.tensor(seg_slots))
+        buf32 = lora_ref.lora_shrink_segments(x32, w32, segs)
+        lora_ref.lora_expand_segments(want, buf32, w32, segs)
+        segs_d = Segments(segs.starts.to(DEVICE), segs.slots.to(DEVICE), max(seg_lens))
+        buf = lora.lora_shrink_segments(xd, wd, segs_d)
+        lora.lora_expand_segments(got, buf, wd, segs_d)
     elif layout == "grouped":
-        slots = token_slots.tolist()
-        table = lora_ref.group_tiles(slots, lora_ref.max_tiles(len(slots), MAX_LORAS))
-        order, tstarts, tslots = (torch.tensor(t) for t in table)
-        buf32 = lora_ref.lora_shrink_grouped(args32[0], args32[1], ranks, order, tstarts, tslots)
-        lora_ref.lora_expand_grouped(want, buf32, args32[2], ranks, scalings, output_sizes, order, tstarts, tslots)
-        od, sd, td = order.to(DEVICE), tstarts.to(DEVICE), tslots.to(DEVICE)
-        buf = lora.lora_shrink_grouped(xd, ad, dev["ranks"], od, sd, td)
-        lora.lora_expand_grouped(got, buf, bd, dev["ranks"], dev["scalings"], output_sizes, od, sd, td)
+        buf32 = lora_ref.lora_shrink_grouped(x32, w32, tiles)
+        lora_ref.lora_expand_grouped(want, buf32, w32, tiles)
+        buf = lora.lora_shrink_grouped(xd, wd, tiles_d)
+        lora.lora_expand_grouped(got, buf, wd, tiles_d)
     elif layout == "stacked":  # h of every slot, a strided view out of a wider output as SlotLinear makes it
-        slots = token_slots.tolist()
-        table = lora_ref.group_tiles(slots, lora_ref.max_tiles(len(slots), MAX_LORAS))
-        order, tstarts, tslots = (torch.tensor(t) for t in table)
-        buf32 = torch.einsum("ti,lsri->tlsr", args32[0], args32[1]).to(dtype).float()  # rounded like a GEMM output
-        lora_ref.lora_expand_stacked(want, buf32, args32[2], ranks, scalings, output_sizes, order, tstarts, tslots)
+        buf32 = torch.einsum("ti,lsri->tlsr", x32, a32).to(dtype).float()  # rounded like a GEMM output
+        lora_ref.lora_expand_stacked(want, buf32, w32, tiles)
         wide = torch.cat([torch.zeros(len(slots), 7), buf32.flatten(1)], dim=1).to(dtype).to(DEVICE)
         buf = wide[:, 7:].unflatten(1, buf32.shape[1:])  # [num_tokens, max_loras, num_slices, max_rank]
-        od, sd, td = order.to(DEVICE), tstarts.to(DEVICE), tslots.to(DEVICE)
-        lora.lora_expand_stacked(got, buf, bd, dev["ranks"], dev["scalings"], output_sizes, od, sd, td)
+        lora.lora_expand_stacked(got, buf, wd, tiles_d)
     else:
-        buf32 = lora_ref.lora_shrink_tokens(args32[0], args32[1], ranks, token_slots)
-        lora_ref.lora_expand_tokens(want, buf32, args32[2], ranks, scalings, output_sizes, token_slots)
-        buf = lora.lora_shrink_tokens(xd, ad, dev["ranks"], dev["token_slots"])
-        lora.lora_expand_tokens(got, buf, bd, dev["ranks"], dev["scalings"], output_sizes, dev["token_slots"])
+        buf32 = lora_ref.lora_shrink_tokens(x32, w32, Tokens(token_slots))
+        lora_ref.lora_expand_tokens(want, buf32, w32, Tokens(token_slots))
+        tokens_d = Tokens(token_slots.to(DEVICE))
+        buf = lora.lora_shrink_tokens(xd, wd, tokens_d)
+        lora.lora_expand_tokens(got, buf, wd, tokens_d)
     tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
     assert _rel_err(buf.cpu(), buf32) < tol, "shrink"
     delta_got, delta_want = got.cpu().float() - base.to(dtype).float(), want - base

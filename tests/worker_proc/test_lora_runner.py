@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ledgerserve.shared.events import AdapterEvicted, AdapterLoadCompleted, AdapterSlotAssigned
-from ledgerserve.worker_proc.lora.weights import LoraWeights
+from ledgerserve.worker_proc.lora import layout
 from ledgerserve.worker_proc.runner import ModelRunner
 from ledgerserve.worker_proc.warm_up import warm_up_batches
 from tests.reference import assert_greedy_matches
@@ -54,11 +54,14 @@ def test_warm_up_leaves_nothing_behind(lora_setup: LoraSetup) -> None:
     ]
     runner = ModelRunner(lora_config(lora_setup.base_dir))
     calls = []
-    real_apply = LoraWeights.apply
-    with pytest.MonkeyPatch.context() as mp:  # the LoRA kernels really run (an empty slot would skip them)
-        mp.setattr(
-            LoraWeights, "apply", lambda self, *a: (calls.append(self.batch_rank(a[2].slots)), real_apply(self, *a))
-        )
+    real_choose = layout.choose
+
+    def choose(weights, stacked, mapping, x):  # the LoRA kernels really run (an empty slot would skip them)
+        calls.append(weights.batch_rank(mapping.slots))
+        return real_choose(weights, stacked, mapping, x)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(layout, "choose", choose)
         runner.warm_up()
     assert calls and min(calls) == 32
     assert not runner.reqs and runner.prev_sampled.token_ids is None and not runner.lora.slots

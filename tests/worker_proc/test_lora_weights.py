@@ -1,12 +1,17 @@
-"""LoraMapping's segments and kernel choice; LoraWeights slot loading, checks and apply."""
+"""LoraMapping's segments and the kernel choice (worker_proc/lora/layout.py); LoraWeights slot
+loading, checks and apply."""
 
 from __future__ import annotations
+
+import ast
+from pathlib import Path
 
 import pytest
 import torch
 
-from ledgerserve.kernels.lora_ref import group_tiles, max_tiles
-from ledgerserve.worker_proc.cuda_graphs import slot_buckets
+from ledgerserve.kernels.lora_types import Segments, Tiles, Tokens, group_tiles, max_tiles
+from ledgerserve.worker_proc.lora import layout
+from ledgerserve.worker_proc.lora.layout import Stacked, choose, slot_buckets, stacks_a
 from ledgerserve.worker_proc.lora.mapping import LoraMapping
 from ledgerserve.worker_proc.lora.weights import LoraWeights
 from ledgerserve.worker_proc.models.layers import SlotLinear
@@ -14,11 +19,32 @@ from ledgerserve.worker_proc.models.layers import SlotLinear
 
 def test_mapping_runs_and_kernel_choice() -> None:
     assert LoraMapping.from_slots(torch.tensor([-1, -1, -1])) is None
+    w = _weights()
+    w.load_slot(0, [(torch.ones(2, 6), torch.ones(5, 2), 1.0), None])
     prefill = LoraMapping.from_slots(torch.tensor([2, 2, 2, -1, -1, 0, 0, 0, 2]))
-    assert prefill.seg_starts.tolist() == [0, 3, 5, 8, 9] and prefill.seg_slots.tolist() == [2, -1, 0, 2]
-    assert prefill.use_segments
+    assert prefill.segments.starts.tolist() == [0, 3, 5, 8, 9] and prefill.segments.slots.tolist() == [2, -1, 0, 2]
+    assert choose(w, False, prefill, torch.zeros(9, 6)) is prefill.segments
     decode = LoraMapping.from_slots(torch.tensor([1, 0, -1, 1]))
-    assert decode.seg_slots.tolist() == [1, 0, -1, 1] and not decode.use_segments
+    assert decode.segments.slots.tolist() == [1, 0, -1, 1]
+    assert choose(w, False, decode, torch.zeros(4, 6)) is decode.tokens
+    assert choose(w, False, LoraMapping.from_slots(torch.tensor([1, 2, 1])), torch.zeros(3, 6)) is None  # empty slots
+    tiles = Tiles(*(torch.tensor(t) for t in group_tiles([1, -1], max_tiles(2, 3))))
+    graph = LoraMapping.for_graph(torch.tensor([1, -1]), tiles, 2)  # launched whatever the slots hold
+    assert choose(w, False, graph, torch.zeros(2, 6)) is tiles
+    stacked = choose(w, True, graph, torch.zeros(2, 6))
+    assert isinstance(stacked, Stacked) and stacked.tiles is tiles and stacked.num_slots == 2
+    assert stacks_a("model.layers.0.self_attn.qkv_proj") and not stacks_a("lm_head")
+
+
+def test_lora_package_does_not_import_the_models() -> None:
+    """models -> lora only: a layer uses LoRA types, the manager finds layers through a protocol."""
+    lora_dir = Path(layout.__file__).parent
+    for path in sorted(lora_dir.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                assert "worker_proc.models" not in (node.module or ""), f"{path.name} imports {node.module}"
+            elif isinstance(node, ast.Import):
+                assert not any("worker_proc.models" in alias.name for alias in node.names), path.name
 
 
 def _weights() -> LoraWeights:
@@ -37,9 +63,11 @@ def test_load_slot_zeroes_the_rest_and_apply_matches_dense() -> None:
     assert w.ranks[1].tolist() == [0, 4] and not w.a[1, 0].any() and not w.a[1, 1, 4:].any()
     assert not w.b[1, 1, 3:].any() and not w.b[1, 1, :, 4:].any()
     x = torch.randn(5, 6, generator=gen, dtype=torch.float64)
-    for slots in ([1, 1, 1, -1, -1], [1, -1, 1, -1, 1]):  # segment and per-token layouts
+    for slots, kind in (([1, 1, 1, -1, -1], Segments), ([1, -1, 1, -1, 1], Tokens)):
         y = torch.zeros(5, 8, dtype=torch.float64)
-        w.apply(x, y, LoraMapping.from_slots(torch.tensor(slots)))
+        layout = choose(w, False, LoraMapping.from_slots(torch.tensor(slots)), x)
+        assert isinstance(layout, kind)
+        w.apply(x, y, layout)
         on = torch.tensor(slots) == 1
         torch.testing.assert_close(y[on, 5:], x[on] @ a.T @ b.T * 0.5)
         assert not y[:, :5].any() and not y[~on].any()
@@ -56,9 +84,9 @@ def test_grouped_mapping_matches_per_token() -> None:
     x = torch.randn(len(slots), 6, generator=gen, dtype=torch.float64)
     want, got = (torch.randn(len(slots), 8, generator=gen, dtype=torch.float64),) * 2
     want, got = want.clone(), got.clone()
-    w.apply(x, want, LoraMapping.from_slots(torch.tensor(slots)))
-    grouped = tuple(torch.tensor(t) for t in group_tiles(slots, max_tiles(len(slots), 3)))
-    w.apply(x, got, LoraMapping(torch.tensor(slots), torch.zeros(0), torch.zeros(0), False, (), grouped=grouped))
+    w.apply(x, want, choose(w, False, LoraMapping.from_slots(torch.tensor(slots)), x))
+    tiles = Tiles(*(torch.tensor(t) for t in group_tiles(slots, max_tiles(len(slots), 3))))
+    w.apply(x, got, choose(w, False, LoraMapping.for_graph(torch.tensor(slots), tiles, 0), x))
     torch.testing.assert_close(got, want)
 
 
@@ -101,8 +129,8 @@ def test_stacked_linear_matches_unstacked() -> None:
     slots = [2, -1, 0, 2, 1, 0, -1, 2]
     x = torch.randn(len(slots), 6, generator=gen, dtype=torch.float64)
     want = lin(x, LoraMapping.from_slots(torch.tensor(slots)))
-    grouped = tuple(torch.tensor(t) for t in group_tiles(slots, max_tiles(len(slots), 3)))
-    got = lin(x, LoraMapping(torch.tensor(slots), torch.zeros(0), torch.zeros(0), False, (), grouped=grouped))
+    tiles = Tiles(*(torch.tensor(t) for t in group_tiles(slots, max_tiles(len(slots), 3))))
+    got = lin(x, LoraMapping.for_graph(torch.tensor(slots), tiles, 0))
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(lin(x), x @ weight.T + bias)  # no mapping: the base weight alone
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ledgerserve.kernels.lora_ref import max_tiles
+from ledgerserve.kernels.lora_types import max_tiles
 from ledgerserve.shared.sampling import SamplingParams
 from ledgerserve.worker_proc.batch import ReqState
 from ledgerserve.worker_proc.step_inputs import HostInputs, build_step_inputs, host_inputs, pad_for_graph
@@ -64,7 +64,7 @@ def test_step_inputs_on_cpu_fill_placeholders_and_map_sampled_adapters() -> None
     assert inputs.block_tables.tolist() == [[7, 3, 5], [9, 0, 0]] and inputs.block_tables.dtype == torch.int32
     assert inputs.seq_lens.tolist() == [7, 6] and inputs.query_start_loc.tolist() == [0, 4, 5]
     assert not inputs.is_decode and inputs.sample_indices.tolist() == [4]
-    assert inputs.lora is not None and inputs.lora.token_slots.tolist() == [-1, -1, -1, -1, 2]
-    assert inputs.sample_lora is not None and inputs.sample_lora.token_slots.tolist() == [2]
+    assert inputs.lora is not None and inputs.lora.tokens.slots.tolist() == [-1, -1, -1, -1, 2]
+    assert inputs.sample_lora is not None and inputs.sample_lora.tokens.slots.tolist() == [2]
     base_only = build_step_inputs(reqs[:1], BLOCK_SIZE, torch.device("cpu"))
     assert base_only.lora is None and base_only.sample_lora is None

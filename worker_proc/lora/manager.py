@@ -1,5 +1,5 @@
-"""The worker's LoRA state: stacked buffers hung on every SlotLinear, the slot tables and the
-adapter movement behind them (worker_proc/lora/loader.py).
+"""The worker's LoRA state: stacked buffers hung on every LoRA layer of the model, the slot
+tables and the adapter movement behind them (worker_proc/lora/loader.py).
 
 Two slot tables: `assigned` follows the commands (AdapterSlotAssigned and AdapterEvicted in
 command order, with each version's content digest) and is what the rank digest covers, so
@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from ledgerserve.shared.adapter_format import BaseShapes
 from ledgerserve.shared.config import EngineConfig
+from ledgerserve.worker_proc.lora import layout
 from ledgerserve.worker_proc.lora.fences import SlotFences
 from ledgerserve.worker_proc.lora.file_image import ImageLayout, SlotLayout
 from ledgerserve.worker_proc.lora.loader import AdapterLoader, Reply
@@ -24,7 +26,13 @@ from ledgerserve.worker_proc.lora.pinned_pool import PinnedPool, page_bytes_for
 from ledgerserve.worker_proc.lora.reader import ReadSpec
 from ledgerserve.worker_proc.lora.slot_copy import DoneEvent, Event, SlotCopier, cuda_event, flat_tables, staging_bytes
 from ledgerserve.worker_proc.lora.weights import LoraWeights
-from ledgerserve.worker_proc.models.layers import SlotLinear
+
+
+@runtime_checkable
+class LoraLayer(Protocol):
+    """A model layer that can take per-slot LoRA buffers (worker_proc/models/layers.SlotLinear)."""
+
+    def attach_lora(self, max_loras: int, max_rank: int, stack: bool) -> LoraWeights: ...
 
 
 class LoraManager:
@@ -41,8 +49,8 @@ class LoraManager:
         self.device = device
         self.weights: dict[str, LoraWeights] = {}  # module path -> its slot buffers
         for name, module in model.named_modules():
-            if isinstance(module, SlotLinear):  # lm_head unstacked: it may share the embedding table
-                self.weights[name] = module.attach_lora(config.max_loras, config.max_lora_rank, name != "lm_head")
+            if isinstance(module, LoraLayer):
+                self.weights[name] = module.attach_lora(config.max_loras, config.max_lora_rank, layout.stacks_a(name))
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the unstacked weights just freed
         ranks, scalings = flat_tables(self.weights)

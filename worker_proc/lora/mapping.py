@@ -1,4 +1,5 @@
-"""Which adapter slot each token of a forward pass uses, in the layout the kernels take."""
+"""Which adapter slot each token of a forward pass uses, in every layout the kernels take
+(kernels/lora_types.py); worker_proc/lora/layout.py picks the one a layer runs."""
 
 from __future__ import annotations
 
@@ -6,24 +7,21 @@ from dataclasses import dataclass
 
 import torch
 
-# Use the segment-grouped kernels when segments average at least this many tokens.
-MIN_MEAN_SEGMENT_LEN = 2
+from ledgerserve.kernels.lora_types import Segments, Tiles, Tokens
 
 
 @dataclass(frozen=True)
 class LoraMapping:
-    token_slots: torch.Tensor  # [num_tokens] int64 on the model's device, -1 = base model
-    seg_starts: torch.Tensor  # [num_segments + 1] int64 on the CPU, token offsets of runs of one slot
-    seg_slots: torch.Tensor  # [num_segments] int64 on the CPU
-    use_segments: bool  # prefill-like batch: segment kernels; else per-token gather
-    slots: tuple[int, ...]  # distinct adapter slots used (>= 0), host-side
-    device_segments: tuple[torch.Tensor, torch.Tensor] | None = None  # seg_starts, seg_slots on the device
-    max_seg_len: int = 0  # longest run of one slot
-    in_graph: bool = False  # CUDA-graph capture: launch the kernels whatever the slots hold now
-    # decode's grouped layout (kernels/lora_ref.py) on the device: order [num_tokens],
-    # tile_starts [num_tiles + 1], tile_slots [num_tiles]; when set, it serves every LoRA op
-    grouped: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    num_slots: int = 0  # grouped: every used slot is below this; the stacked GEMM reads A of these (0: all)
+    tokens: Tokens  # each token's slot [num_tokens] int64 on the model's device; the distinct slots used
+    segments: Segments  # runs of one slot, CPU tensors, with the longest run
+    device_segments: Segments | None = None  # the same runs on the device, for the Triton segment kernels
+    tiles: Tiles | None = None  # decode graphs: the grouped layout on the device
+    num_slots: int = 0  # with tiles: every used slot is below this; the stacked GEMM reads A of these (0: all)
+
+    @property
+    def slots(self) -> tuple[int, ...]:
+        """The distinct adapter slots used (>= 0), host-side."""
+        return self.tokens.used or ()
 
     @staticmethod
     def from_slots(token_slots: torch.Tensor) -> LoraMapping | None:
@@ -41,15 +39,21 @@ class LoraMapping:
         if not used:
             return None
         starts, seg_slots = runs(slots)
-        return LoraMapping(
-            token_slots.long(),
-            torch.tensor(starts, dtype=torch.long),
-            torch.tensor(seg_slots, dtype=torch.long),
-            len(slots) >= MIN_MEAN_SEGMENT_LEN * len(seg_slots),
-            used,
-            device_segments,
-            max(b - a for a, b in zip(starts, starts[1:])),
-        )
+        max_len = max(b - a for a, b in zip(starts, starts[1:]))
+        segments = Segments(torch.tensor(starts, dtype=torch.long), torch.tensor(seg_slots, dtype=torch.long), max_len)
+        on_device = None if device_segments is None else Segments(*device_segments, max_len)
+        return LoraMapping(Tokens(token_slots.long(), used), segments, on_device)
+
+    @staticmethod
+    def for_graph(token_slots: torch.Tensor, tiles: Tiles, num_slots: int) -> LoraMapping:
+        """A decode graph's: its slots and tiles are graph inputs, so the slots used are unknown
+        at capture; the stacked GEMM reads the A of slots [0, num_slots)."""
+        empty = torch.zeros(0, dtype=torch.long)
+        return LoraMapping(Tokens(token_slots, ()), Segments(empty, empty, 0), tiles=tiles, num_slots=num_slots)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.slots.shape[0]
 
 
 def runs(slots: list[int]) -> tuple[list[int], list[int]]:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 
 from ledgerserve.kernels import ops
-from ledgerserve.worker_proc.lora.mapping import LoraMapping
+from ledgerserve.kernels.lora_types import LoraLayout, SlotWeights
 
 SliceWeights = tuple[torch.Tensor, torch.Tensor, float]  # A [rank, in], B [out_slice, rank], scaling
 
 
-class LoraWeights:
+class LoraWeights(SlotWeights):
     """A, B, ranks and scalings of every slot for one layer with `len(output_sizes)` slices.
     Padding past a slot's rank is zero; a slice the slot's adapter does not target has rank 0."""
 
@@ -26,96 +26,28 @@ class LoraWeights:
     ) -> None:
         """`a`: zeroed storage for A that the caller owns (a view stacked under the base weight), or None."""
         num_slices = len(output_sizes)
-        self.output_sizes = list(output_sizes)
         a_shape = (max_loras, num_slices, max_rank, in_features)
         if a is not None and (tuple(a.shape) != a_shape or not a.is_contiguous()):
             raise ValueError(f"A storage of shape {tuple(a.shape)} is not a contiguous {a_shape}")
-        self.a = torch.zeros(a_shape, dtype=dtype, device=device) if a is None else a
-        # [max_loras, num_slices, max_out_slice, max_rank], stored out-major so the expand reads whole output rows
-        self.b = torch.zeros(max_loras, num_slices, max_rank, max(output_sizes), dtype=dtype, device=device).transpose(
-            2, 3
+        super().__init__(
+            torch.zeros(a_shape, dtype=dtype, device=device) if a is None else a,
+            # [max_loras, num_slices, max_out_slice, max_rank], stored out-major so the expand reads whole output rows
+            torch.zeros(max_loras, num_slices, max_rank, max(output_sizes), dtype=dtype, device=device).transpose(2, 3),
+            torch.zeros(max_loras, num_slices, dtype=torch.long, device=device),
+            torch.zeros(max_loras, num_slices, dtype=torch.float32, device=device),
+            list(output_sizes),
+            [[0] * num_slices for _ in range(max_loras)],
+            [[0.0] * num_slices for _ in range(max_loras)],
         )
-        self.ranks = torch.zeros(max_loras, num_slices, dtype=torch.long, device=device)
-        self.scalings = torch.zeros(max_loras, num_slices, dtype=torch.float32, device=device)
-        # host copies of ranks / scalings, kept in step with the device ones: no sync per step
-        self.rank_table: list[list[int]] = [[0] * num_slices for _ in range(max_loras)]
-        self.scale_table: list[list[float]] = [[0.0] * num_slices for _ in range(max_loras)]
 
     @property
     def max_rank(self) -> int:
         return self.a.shape[2]
 
-    def apply(self, x: torch.Tensor, y: torch.Tensor, mapping: LoraMapping) -> None:
-        """y += LoRA delta of each token's slot. x: [num_tokens, in], y: [num_tokens, out]."""
-        if mapping.grouped is not None:
-            self._apply_grouped(x, y, mapping.grouped)
-            return
-        if ops.use_triton_lora(x):
-            self._apply_triton(x, y, mapping)
-            return
-        if mapping.use_segments:
-            buf = ops.lora_shrink_segments(
-                x, self.a, self.ranks, mapping.seg_starts, mapping.seg_slots, self.rank_table
-            )
-            ops.lora_expand_segments(
-                y,
-                buf,
-                self.b,
-                self.ranks,
-                self.scalings,
-                self.output_sizes,
-                mapping.seg_starts,
-                mapping.seg_slots,
-                self.rank_table,
-                self.scale_table,
-            )
-            return
-        rank = self.batch_rank(mapping.slots)
-        if rank == 0:
-            return
-        buf = ops.lora_shrink_tokens(x, self.a, self.ranks, mapping.token_slots, rank)
-        ops.lora_expand_tokens(y, buf, self.b, self.ranks, self.scalings, self.output_sizes, mapping.token_slots, rank)
-
-    def _apply_triton(self, x: torch.Tensor, y: torch.Tensor, mapping: LoraMapping) -> None:
-        """Triton: segment kernels when the batch is prefill-like and its runs are on the device."""
-        if not mapping.in_graph and self.batch_rank(mapping.slots) == 0:
-            return
-        if mapping.use_segments and mapping.device_segments is not None:
-            starts, seg_slots = mapping.device_segments
-            buf = ops.lora_shrink_segments(x, self.a, self.ranks, starts, seg_slots, max_seg_len=mapping.max_seg_len)
-            ops.lora_expand_segments(
-                y,
-                buf,
-                self.b,
-                self.ranks,
-                self.scalings,
-                self.output_sizes,
-                starts,
-                seg_slots,
-                max_seg_len=mapping.max_seg_len,
-            )
-            return
-        buf = ops.lora_shrink_tokens(x, self.a, self.ranks, mapping.token_slots)
-        ops.lora_expand_tokens(y, buf, self.b, self.ranks, self.scalings, self.output_sizes, mapping.token_slots)
-
-    def expand_stacked(self, y: torch.Tensor, h: torch.Tensor, grouped: tuple[torch.Tensor, ...]) -> None:
-        """Decode, shrink already done for every slot: h [num_tokens, max_loras, num_slices, max_rank]."""
-        order, tile_starts, tile_slots = grouped
-        ops.lora_expand_stacked(
-            y, h, self.b, self.ranks, self.scalings, self.output_sizes, order, tile_starts, tile_slots
-        )
-
-    def _apply_grouped(self, x: torch.Tensor, y: torch.Tensor, grouped: tuple[torch.Tensor, ...]) -> None:
-        """Decode: tokens grouped by slot, each tile of one adapter reads its A / B once."""
-        order, tile_starts, tile_slots = grouped
-        buf = ops.lora_shrink_grouped(x, self.a, self.ranks, order, tile_starts, tile_slots)
-        ops.lora_expand_grouped(
-            y, buf, self.b, self.ranks, self.scalings, self.output_sizes, order, tile_starts, tile_slots
-        )
-
-    def batch_rank(self, slots: tuple[int, ...]) -> int:
-        """The largest real rank over `slots` and this layer's slices (host-side)."""
-        return max((max(self.rank_table[slot]) for slot in slots), default=0)
+    def apply(self, x: torch.Tensor, y: torch.Tensor, layout: LoraLayout) -> None:
+        """y += LoRA delta of each token's slot, by the kernels of `layout` (worker_proc/lora/layout.choose).
+        x: [num_tokens, in], y: [num_tokens, out]."""
+        ops.lora_expand(y, ops.lora_shrink(x, self, layout), self, layout)
 
     def check_slice(self, s: int, weights: SliceWeights) -> None:
         """Raise ValueError if one slice's tensors do not fit this layer's buffers."""

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from ledgerserve.kernels import ops
-from ledgerserve.kernels.lora_ref import LoraDelta
+from ledgerserve.kernels.lora_types import LoraDelta, LoraLayout
+from ledgerserve.worker_proc.lora import layout as lora_layout
 from ledgerserve.worker_proc.lora.mapping import LoraMapping
 from ledgerserve.worker_proc.lora.weights import LoraWeights
 
@@ -38,25 +39,33 @@ class SlotLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoraMapping | None = None) -> torch.Tensor:
         # x: [num_tokens, in_features] -> [num_tokens, out_features]
-        if self.stacked is not None and lora is not None and lora.grouped is not None:
-            return self._forward_stacked(x, lora.grouped, lora.num_slots)
-        y = ops.linear(x, self.weight, self.bias)
-        if self.lora is not None and lora is not None:
-            self.lora.apply(x, y, lora)
-        return y
+        return self._forward(x, self._lora_plan(x, lora))
 
     def forward_deferred(self, x: torch.Tensor, lora: LoraMapping | None) -> tuple[torch.Tensor, LoraDelta | None]:
         """forward, except that on the stacked decode path the LoRA delta comes back unapplied, for
-        the kernel that consumes the output to add (kernels/lora_ref.LoraDelta): one launch fewer."""
-        if self.stacked is None or self.lora is None or lora is None or lora.grouped is None:
-            return self.forward(x, lora), None
-        y, h = self._stacked_gemm(x, lora.num_slots)
-        return y, LoraDelta(h, self.lora.b, self.lora.ranks, self.lora.scalings, lora.token_slots)
-
-    def _forward_stacked(self, x: torch.Tensor, grouped: tuple[torch.Tensor, ...], num_slots: int) -> torch.Tensor:
+        the kernel that consumes the output to add (kernels/lora_types.LoraDelta): one launch fewer."""
+        plan = self._lora_plan(x, lora)
+        if not isinstance(plan, lora_layout.Stacked):
+            return self._forward(x, plan), None
         assert self.lora is not None
-        y, h = self._stacked_gemm(x, num_slots)
-        self.lora.expand_stacked(y, h, grouped)
+        y, h = self._stacked_gemm(x, plan.num_slots)
+        return y, LoraDelta(h, self.lora, plan.token_slots)
+
+    def _lora_plan(self, x: torch.Tensor, lora: LoraMapping | None) -> lora_layout.Stacked | LoraLayout | None:
+        if self.lora is None or lora is None:
+            return None
+        return lora_layout.choose(self.lora, self.stacked is not None, lora, x)
+
+    def _forward(self, x: torch.Tensor, plan: lora_layout.Stacked | LoraLayout | None) -> torch.Tensor:
+        if plan is None:
+            return ops.linear(x, self.weight, self.bias)
+        assert self.lora is not None
+        if isinstance(plan, lora_layout.Stacked):
+            y, h = self._stacked_gemm(x, plan.num_slots)
+            ops.lora_expand_stacked(y, h, self.lora, plan.tiles)
+            return y
+        y = ops.linear(x, self.weight, self.bias)
+        self.lora.apply(x, y, plan)
         return y
 
     def _stacked_gemm(self, x: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,7 +84,8 @@ class SlotLinear(nn.Module):
         return out[:, :num_out], out[:, num_out:].unflatten(1, (num_slots, num_slices, max_rank))
 
     def attach_lora(self, max_loras: int, max_rank: int, stack: bool) -> LoraWeights:
-        """Hang per-slot LoRA buffers on this layer; with `stack`, A lives under the base weight."""
+        """Hang per-slot LoRA buffers on this layer; with `stack` (worker_proc/lora/layout.stacks_a),
+        A lives under the base weight."""
         weight = self.weight.data  # [out, in]
         num_a_rows = max_loras * len(self.output_sizes) * max_rank
         a = None

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ledgerserve.kernels import ops
-from ledgerserve.kernels.lora_ref import LoraDelta
+from ledgerserve.kernels.lora_types import LoraDelta
 from ledgerserve.worker_proc.lora.mapping import LoraMapping
 from ledgerserve.worker_proc.models.config import ModelConfig
 from ledgerserve.worker_proc.models.layers import GatedMLP, RMSNorm, SlotLinear
