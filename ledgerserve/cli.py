@@ -1,111 +1,106 @@
-"""`ledgerserve serve` and `ledgerserve replay`."""
+"""`ledgerserve serve` and `ledgerserve replay`. The serve flags are generated from EngineConfig's
+fields (shared/config.py), but for the few arguments that are not one field each (`_add_other_args`)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+import typing
+from typing import Any
 
-from ledgerserve.shared.config import EngineConfig
+from ledgerserve.shared.config import EngineConfig, Flag, GiB, MiB
+
+AUTO = "auto"  # an auto setting's flag with choices given this value is as if not given
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    add_settings(parser, EngineConfig)
+    _add_other_args(parser)
+
+
+def add_settings(parser: argparse.ArgumentParser, config_type: type) -> None:
+    """One flag per field of `config_type` that has one (a `shared.config.setting`)."""
+    hints = typing.get_type_hints(config_type)
+    for f in flagged_fields(config_type):
+        _add_setting(parser, f, hints[f.name])
+
+
+def flagged_fields(config_type: type = EngineConfig) -> list[dataclasses.Field]:
+    """The fields that have a flag of their own."""
+    return [f for f in dataclasses.fields(config_type) if "flag" in f.metadata]
+
+
+def flag_of(f: dataclasses.Field) -> str:
+    return f.metadata["flag"].name or "--" + f.name.replace("_", "-")
+
+
+def _add_setting(parser: argparse.ArgumentParser, f: dataclasses.Field, hint: Any) -> None:
+    """One flag from its field. The parser's own default is None (not given), so the value a flag
+    not given ends up with is the field's default or the launcher's resolution, never restated."""
+    flag: Flag = f.metadata["flag"]
+    options: dict[str, Any] = {"dest": f.name, "default": None, "help": _help(f)}
+    if _value_type(hint) is bool:
+        options["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
+    else:
+        choices = _choices(f) or None  # shown as the metavar when there are choices
+        metavar = None if choices else flag_of(f)[2:].upper().replace("-", "_")
+        options.update(type=flag.parse or _value_type(hint), choices=choices, metavar=metavar)
+        if typing.get_origin(hint) is tuple:
+            options["action"] = "append"
+    parser.add_argument(flag_of(f), *flag.aliases, **options)
+
+
+def _choices(f: dataclasses.Field) -> tuple[str, ...]:
+    """A flag's choices: the field's, and `auto` first where start-up resolves it."""
+    flag: Flag = f.metadata["flag"]
+    return (AUTO, *flag.choices) if flag.choices and flag.auto_text else flag.choices
+
+
+def _help(f: dataclasses.Field) -> str:
+    return f"{f.metadata['flag'].help} (default: {shown_default(f)})".replace("%", "%%")  # argparse formats help with %
+
+
+def _add_other_args(parser: argparse.ArgumentParser) -> None:
+    """The arguments that are not one EngineConfig field each."""
     add = parser.add_argument
     add("model_dir", nargs="?", default=None, help="local HF checkpoint directory (default: the demo model)")
-    add("--host", default="127.0.0.1")
-    add("--port", type=int, default=8000)
-    add("--served-model-name", default=None, help="model id in the API (default: the directory's name)")
-    add(
-        "--dtype",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        default="auto",
-        help="auto: float32 on CPU, bfloat16 on CUDA",
-    )
-    add("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    add("--max-model-len", type=int, default=None, help="default: the model's max_position_embeddings")
-    add("--max-num-seqs", type=int, default=None, help="requests per step (default 256 on CUDA, 64 on CPU)")
-    add("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (chunked-prefill budget)")
-    add("--block-size", type=int, default=16, help="tokens per KV block")
-    add("--num-kv-blocks", type=int, default=None, help="KV pool size; overrides --gpu-memory-utilization")
-    add("--gpu-memory-utilization", type=float, default=0.9)
-    add("--load-format", choices=["auto", "safetensors", "dummy"], default="auto")
-    add("--seed", type=int, default=0)
-    add("--event-log-dir", default=None, help="default: ~/.cache/ledgerserve/events")
-    add("--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
-    add("--tensor-parallel-size", type=int, default=1)
-    add("--enforce-eager", action="store_true", help="no CUDA graphs: run every decode step eagerly")
-    add(
-        "--async-scheduling",
-        action="store_true",
-        help="plan step s + 1 while step s runs, so the GPU does not wait on the scheduler between steps",
-    )
     add("--api-key", default=None, help="require this Bearer key on every /v1 route (or set LEDGERSERVE_API_KEY)")
-    add("--max-request-bytes", type=int, default=8 * 1024 * 1024, help="largest HTTP request body")
-    add("--max-n", type=int, default=16, help="most choices (n) per request")
-    add("--max-waiting-requests", type=int, default=1024, help="queue bound; past it, 503 with Retry-After")
-    add(
-        "--event-log-fsync",
-        choices=["never", "step", "always"],
-        default="step",
-        help="step: at most one fsync per step, after its records",
-    )
-    add("--event-log-max-bytes", type=int, default=256 * 1024 * 1024, help="rotate log segments past this size")
-    add(
-        "--event-log-max-total-bytes",
-        type=int,
-        default=EngineConfig.event_log_max_total_bytes,
-        help="bound of the event-log directory: past it the oldest runs, then the oldest segments of this run, "
-        "are removed (0: unlimited)",
-    )
-    add("--enable-lora", action="store_true", help="serve LoRA adapters")
-    add(
-        "--lora-modules",
-        nargs="+",
-        default=[],
-        metavar="NAME=PATH",
-        help='adapters loaded at start-up (trusted): NAME=PATH or JSON {"name": ..., "path": ..., "pinned": false}',
-    )
-    add("--max-loras", type=int, default=8, help="GPU adapter slots = distinct adapters per step")
-    add("--max-lora-rank", type=int, default=64)
-    add(
-        "--max-cpu-loras",
-        type=int,
-        default=None,
-        help="adapter versions kept in CPU memory (default: max(32, --max-loras))",
-    )
-    add(
-        "--lora-allowed-dir",
-        action="append",
-        default=[],
-        metavar="DIR",
-        help="root that adapters loaded at run time must resolve inside (repeatable); none: runtime loading is refused",
-    )
-    add(
-        "--lora-overlap-loading",
-        action=argparse.BooleanOptionalAction,
-        default=EngineConfig.lora_overlap_loading,
-        help="load adapters (disk -> CPU -> GPU slot) beside the running steps, prefetching from the waiting queue; "
-        "--no-lora-overlap-loading loads each in command order, before the step that needs it",
-    )
-    add(
-        "--lora-resolve-dir",
-        default="",
-        metavar="DIR",
-        help="a request whose model is an unknown name N loads the adapter DIR/N on demand "
-        "(DIR inside a --lora-allowed-dir)",
-    )
-    add(
-        "--max-on-demand-loras",
-        type=int,
-        default=EngineConfig.max_on_demand_loras,
-        metavar="N",
-        help="adapters registered on demand at once; a new one unregisters the least recently used idle one past it",
-    )
-    add(
-        "--lora-max-wait-steps",
-        type=int,
-        default=EngineConfig.lora_max_wait_steps,
-        help="steps an adapter request may be overtaken by requests of resident adapters before nothing may pass it",
-    )
+    modules = 'adapters loaded at start-up (trusted): NAME=PATH or JSON {"name": ..., "path": ..., "pinned": false}'
+    add("--lora-modules", nargs="+", default=[], metavar="NAME=PATH", help=modules)
+
+
+def given_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings the flags give; a flag not given (or an auto one given `auto`) is left out."""
+    given = {}
+    for f in flagged_fields():
+        value = getattr(args, f.name)
+        if value is not None and not (value == AUTO and AUTO in _choices(f)):
+            given[f.name] = tuple(value) if isinstance(value, list) else value
+    return given
+
+
+def shown_default(f: dataclasses.Field) -> str:
+    """A field's default as --help and the README show it."""
+    auto = f.metadata["flag"].auto_text
+    return auto.format(default=_shown(f.name, f.default)) if auto else _shown(f.name, f.default)
+
+
+def _shown(name: str, value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value in (None, "", ()):
+        return "none"
+    for unit, unit_name in ((GiB, "GiB"), (MiB, "MiB")):
+        if name.endswith("_bytes") and value >= unit and value % unit == 0:
+            return f"{value // unit} {unit_name}"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _value_type(hint: Any) -> type:
+    """The type a flag's text becomes: `int | None` -> int, `tuple[str, ...]` -> str."""
+    args = [arg for arg in typing.get_args(hint) if arg not in (type(None), Ellipsis)]
+    return args[0] if args else hint
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,10 +10,12 @@ import os
 import shutil
 import sys
 import time
+from typing import Any
 
+from ledgerserve.cli import given_settings
 from ledgerserve.process_group import Child, ProcessGroup
 from ledgerserve.shared import env, ipc
-from ledgerserve.shared.config import EngineConfig
+from ledgerserve.shared.config import DEFAULT_EVENT_LOG_DIR, EngineConfig, cuda_defaults, default_of
 
 log = logging.getLogger("launcher")
 
@@ -59,57 +61,38 @@ def children(config: EngineConfig, key: str = "") -> list[Child]:
 
 
 def resolve_config(args: argparse.Namespace, run_dir: str) -> EngineConfig:
+    """The flags' settings, the auto ones no flag gave resolved for this machine and checkpoint;
+    every other field keeps its EngineConfig default."""
     is_demo = args.model_dir is None
     model_dir = _demo_model_dir() if is_demo else os.path.abspath(args.model_dir)
     hf_config = _read_hf_config(model_dir)
-    device = _resolve_device(args.device)
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
-    max_pos = int(hf_config.get("max_position_embeddings", 2048))
-    max_model_len = max_pos if args.max_model_len is None else args.max_model_len
     modules = [parse_lora_module(spec) for spec in args.lora_modules]
+    given = given_settings(args)
+    settings = {**given, **_auto_settings(given, model_dir, hf_config), "model_dir": model_dir, "run_dir": run_dir}
+    settings.update(is_demo_model=is_demo, api_key_required=bool(api_key(args)))
+    if modules:  # they imply --enable-lora
+        settings.update(enable_lora=True, lora_modules=tuple((name, path) for name, path, _ in modules))
+        settings["pinned_lora_modules"] = tuple(name for name, _, pinned in modules if pinned)
+    return EngineConfig(**settings)
+
+
+def _auto_settings(given: dict[str, Any], model_dir: str, hf_config: dict) -> dict[str, Any]:
+    """The auto settings: what a flag gave, else what this machine and checkpoint resolve."""
+    max_pos = int(hf_config.get("max_position_embeddings", 2048))
+    max_model_len = given.get("max_model_len", max_pos)
     if max_model_len > max_pos:
         raise ValueError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings {max_pos}")
-    return EngineConfig(
-        model_dir=model_dir,
-        served_model_name=args.served_model_name or os.path.basename(model_dir.rstrip("/")),
-        max_model_len=max_model_len,
-        host=args.host,
-        port=args.port,
-        dtype=dtype,
-        device=device,
-        max_num_seqs=(256 if device == "cuda" else 64) if args.max_num_seqs is None else args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        load_format=args.load_format,
-        seed=args.seed,
-        event_log_dir=os.path.abspath(args.event_log_dir or _default_log_dir()),
-        shutdown_timeout_s=args.shutdown_timeout,
-        tensor_parallel_size=args.tensor_parallel_size,
-        run_dir=run_dir,
-        is_demo_model=is_demo,
-        enforce_eager=args.enforce_eager,
-        async_scheduling=args.async_scheduling,
-        max_request_bytes=args.max_request_bytes,
-        max_n=args.max_n,
-        max_waiting_requests=args.max_waiting_requests,
-        api_key_required=bool(api_key(args)),
-        event_log_fsync=args.event_log_fsync,
-        event_log_max_bytes=args.event_log_max_bytes,
-        event_log_max_total_bytes=args.event_log_max_total_bytes,
-        enable_lora=args.enable_lora or bool(args.lora_modules),
-        max_loras=args.max_loras,
-        max_lora_rank=args.max_lora_rank,
-        max_cpu_loras=max(32, args.max_loras) if args.max_cpu_loras is None else args.max_cpu_loras,
-        lora_modules=tuple((name, path) for name, path, _ in modules),
-        pinned_lora_modules=tuple(name for name, _, pinned in modules if pinned),
-        lora_allowed_dirs=tuple(os.path.realpath(d) for d in args.lora_allowed_dir),
-        lora_overlap_loading=args.lora_overlap_loading,
-        lora_max_wait_steps=args.lora_max_wait_steps,
-        lora_resolve_dir=os.path.realpath(args.lora_resolve_dir) if args.lora_resolve_dir else "",
-        max_on_demand_loras=args.max_on_demand_loras,
-    )
+    max_loras = given.get("max_loras", default_of("max_loras"))
+    auto = {
+        "served_model_name": given.get("served_model_name") or os.path.basename(model_dir.rstrip("/")),
+        "max_model_len": max_model_len,
+        "device": given.get("device") or _detected_device(),
+        "event_log_dir": os.path.abspath(given.get("event_log_dir") or os.path.expanduser(DEFAULT_EVENT_LOG_DIR)),
+        "max_cpu_loras": given.get("max_cpu_loras", max(default_of("max_cpu_loras"), max_loras)),
+    }
+    if auto["device"] == "cuda":
+        auto.update({name: value for name, value in cuda_defaults().items() if name not in given})
+    return auto
 
 
 def api_key(args: argparse.Namespace) -> str:
@@ -152,13 +135,7 @@ def _read_hf_config(model_dir: str) -> dict:
         return json.load(f)
 
 
-def _resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
+def _detected_device() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _default_log_dir() -> str:
-    return os.path.join(os.path.expanduser("~"), ".cache", "ledgerserve", "events")

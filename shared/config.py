@@ -1,61 +1,102 @@
-"""Engine configuration: one frozen dataclass, built by the launcher from the CLI,
-written into the run directory, read by every child and logged in the event-log header.
-
-Facts found at start-up (KV capacity, vocab size) travel in WorkerReady, never here.
-"""
+"""Engine configuration: one frozen dataclass, built by the launcher from the CLI, written into the
+run directory, read by every child and logged in the event-log header. Each setting is written once,
+on its field: default, help and `Flag`, from which ledgerserve/cli.py generates the serve flags.
+Facts found at start-up (KV capacity, vocab size) travel in WorkerReady, never here."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass
+from typing import Any
 
 import msgspec
 
 from ledgerserve.shared.adapter_files import is_inside
 
+DEFAULT_EVENT_LOG_DIR = "~/.cache/ledgerserve/events"
+MiB = 1024 * 1024
+GiB = 1024 * MiB
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A field's flag: `name` (default `--` + the field's name, dashed) and `aliases`; its text
+    becomes the value through `parse` (default: the field's type); a tuple field collects a repeated
+    flag. Not given, an `auto` setting is found at start-up (`auto` says how, `{default}` standing for
+    the default, which is the CPU's and what a config built in code gets); `on_cuda`: its CUDA value."""
+
+    help: str
+    name: str = ""
+    aliases: tuple[str, ...] = ()
+    choices: tuple[str, ...] = ()
+    parse: Callable[[str], Any] | None = None
+    auto: str = ""
+    on_cuda: Any = None
+
+    @property
+    def auto_text(self) -> str:
+        return self.auto or ("" if self.on_cuda is None else f"{self.on_cuda} on CUDA, {{default}} on CPU")
+
+
+def setting(default: Any = MISSING, help: str = "", **flag: Any) -> Any:
+    """A field with a flag of its own (`flag`: the other keys of `Flag`)."""
+    return dataclasses.field(default=default, metadata={"flag": Flag(help, **flag)})
+
+
+def unflagged(default: Any = MISSING, *, set_by: str) -> Any:
+    """A field that no flag of its own sets; `set_by` says what does."""
+    return dataclasses.field(default=default, metadata={"set_by": set_by})
+
+
+def _real_path(path: str) -> str:
+    return os.path.realpath(path) if path else ""
+
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model_dir: str
-    served_model_name: str
-    max_model_len: int
-    host: str = "127.0.0.1"
-    port: int = 8000
-    dtype: str = "float32"  # resolved: float32 | bfloat16 | float16
-    device: str = "cpu"  # resolved: cpu | cuda
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # None: size the pool from gpu_memory_utilization
-    gpu_memory_utilization: float = 0.9
-    load_format: str = "auto"  # auto | safetensors | dummy
-    seed: int = 0
-    event_log_dir: str = ""
-    shutdown_timeout_s: float = 30.0
-    tensor_parallel_size: int = 1
-    run_dir: str = ""  # the 0700 directory holding the ipc sockets
-    is_demo_model: bool = False
-    enable_lora: bool = False
-    max_loras: int = 8  # GPU slots = distinct adapters per step
-    max_lora_rank: int = 64
-    max_cpu_loras: int = 32  # adapter versions kept in (pinned) CPU memory
-    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) loaded at start-up, trusted
-    lora_allowed_dirs: tuple[str, ...] = ()  # roots for adapters loaded at run time
-    enforce_eager: bool = False  # True: no CUDA graphs
-    max_request_bytes: int = 8 * 1024 * 1024  # larger HTTP bodies get 413
-    max_n: int = 16  # most choices per request
-    max_waiting_requests: int = 1024  # past it, new requests get 503 with Retry-After
-    api_key_required: bool = False  # the key itself travels in LEDGERSERVE_API_KEY, never in config or logs
-    event_log_fsync: str = "step"  # never | step | always
-    event_log_max_bytes: int = 256 * 1024 * 1024  # rotate segments past this size
-    async_scheduling: bool = False  # plan step s + 1 while step s runs, so the GPU never waits on the host
-    event_log_max_total_bytes: int = 4 * 1024**3  # retention bound of the log directory; 0: unlimited
-    lora_overlap_loading: bool = True  # adapter loads run beside the steps; False: in command order (the reference)
-    lora_max_wait_steps: int = 16  # steps a waiting adapter request may be overtaken before nothing may pass it
-    lora_resolve_dir: str = ""  # a request's unknown model name N loads DIR/N on demand; inside an allowed dir
-    max_on_demand_loras: int = 64  # adapters registered on demand at once; past it the LRU idle one is unregistered
-    pinned_lora_modules: tuple[str, ...] = ()  # names of lora_modules that keep a GPU slot (at most max_loras - 1)
+    model_dir: str = unflagged(set_by="the MODEL_DIR argument, else the demo model")
+    served_model_name: str = setting(help="the model id in the API", auto="the model directory's name")
+    max_model_len: int = setting(help="longest prompt + output", auto="the model's max_position_embeddings")
+    host: str = setting("127.0.0.1", "HTTP bind address")
+    port: int = setting(8000, "HTTP port")
+    dtype: str = setting("float32", "model dtype", choices=("float32", "bfloat16", "float16"), on_cuda="bfloat16")
+    device: str = setting("cpu", "where the model runs", choices=("cpu", "cuda"), auto="cuda when available, else cpu")
+    max_num_seqs: int = setting(64, "requests in one step", on_cuda=256)
+    max_num_batched_tokens: int = setting(2048, "tokens in one step (the chunked-prefill budget)")
+    block_size: int = setting(16, "tokens per KV block")
+    num_kv_blocks: int | None = setting(None, "KV pool size; overrides --gpu-memory-utilization", auto="from memory")
+    gpu_memory_utilization: float = setting(0.9, "share of GPU memory the worker may use")
+    load_format: str = setting("auto", "dummy: random weights (benchmarks)", choices=("auto", "safetensors", "dummy"))
+    seed: int = setting(0, "seed for the weights of dummy and for unseeded sampling")
+    event_log_dir: str = setting("", "where the event log goes", auto=DEFAULT_EVENT_LOG_DIR)
+    shutdown_timeout_s: float = setting(30.0, "seconds to finish requests on SIGTERM", name="--shutdown-timeout")
+    tensor_parallel_size: int = setting(1, "worker ranks")
+    run_dir: str = unflagged("", set_by="the launcher: the 0700 directory holding the ipc sockets")
+    is_demo_model: bool = unflagged(False, set_by="the launcher: no MODEL_DIR given")
+    enable_lora: bool = setting(False, "serve LoRA adapters (implied by --lora-modules)")
+    max_loras: int = setting(8, "GPU adapter slots = distinct adapters per step")
+    max_lora_rank: int = setting(64, "larger adapters are refused")
+    max_cpu_loras: int = setting(32, "adapter versions kept in (pinned) CPU memory", auto="max({default}, --max-loras)")
+    lora_modules: tuple[tuple[str, str], ...] = unflagged((), set_by="--lora-modules: (name, path) loaded at start-up")
+    lora_allowed_dirs: tuple[str, ...] = setting(
+        (), "a root run-time adapter loads must lie in (repeatable)", name="--lora-allowed-dir", parse=os.path.realpath
+    )
+    enforce_eager: bool = setting(False, "no CUDA graphs: run every decode step eagerly")
+    max_request_bytes: int = setting(8 * MiB, "largest HTTP request body; larger ones get 413")
+    max_n: int = setting(16, "most choices (n) per request")
+    max_waiting_requests: int = setting(1024, "queue bound; past it, 503 with Retry-After")
+    api_key_required: bool = unflagged(False, set_by="--api-key or LEDGERSERVE_API_KEY (the key never enters config)")
+    event_log_fsync: str = setting("step", "step: one fsync per step", choices=("never", "step", "always"))
+    event_log_max_bytes: int = setting(256 * MiB, "rotate log segments past this size")
+    async_scheduling: bool = setting(False, "plan step s + 1 while step s runs, so the GPU never waits on the host")
+    event_log_max_total_bytes: int = setting(4 * GiB, "bound of the event-log directory (0: unlimited)")
+    lora_overlap_loading: bool = setting(True, "load adapters beside the running steps, ahead of use")
+    lora_max_wait_steps: int = setting(16, "steps an adapter request may be passed before a slot is drained for it")
+    lora_resolve_dir: str = setting("", "load the adapter DIR/N for a request of unknown model N", parse=_real_path)
+    max_on_demand_loras: int = setting(64, "adapters registered on demand at once (then LRU)")
+    pinned_lora_modules: tuple[str, ...] = unflagged((), set_by="--lora-modules entries with pinned: true")
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -68,6 +109,17 @@ class EngineConfig:
         return msgspec.json.decode(data, type=EngineConfig)
 
 
+def default_of(name: str) -> Any:
+    """A field's default (the one place it is written is its field above)."""
+    return EngineConfig.__dataclass_fields__[name].default
+
+
+def cuda_defaults() -> dict[str, Any]:
+    """The values that replace the defaults on CUDA, for the settings no flag gave."""
+    flags = [(f.name, f.metadata.get("flag")) for f in dataclasses.fields(EngineConfig)]
+    return {name: flag.on_cuda for name, flag in flags if flag and flag.on_cuda is not None}
+
+
 def _validate(cfg: EngineConfig) -> None:
     checks = [
         (cfg.max_model_len > 0, f"max_model_len must be > 0, got {cfg.max_model_len}"),
@@ -76,16 +128,12 @@ def _validate(cfg: EngineConfig) -> None:
         (cfg.block_size > 0, "block_size must be > 0"),
         (cfg.num_kv_blocks is None or cfg.num_kv_blocks > 0, "num_kv_blocks must be > 0"),
         (0.0 < cfg.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]"),
-        (cfg.dtype in ("float32", "bfloat16", "float16"), f"unknown dtype {cfg.dtype!r}"),
-        (cfg.device in ("cpu", "cuda"), f"unknown device {cfg.device!r}"),
-        (cfg.load_format in ("auto", "safetensors", "dummy"), f"unknown load format {cfg.load_format!r}"),
         (cfg.shutdown_timeout_s >= 0, "shutdown_timeout must be >= 0"),
         (cfg.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
         (cfg.max_loras >= 1, "max_loras must be >= 1"),
         (cfg.max_lora_rank >= 1, "max_lora_rank must be >= 1"),
         (cfg.max_cpu_loras >= cfg.max_loras, "max_cpu_loras must be >= max_loras"),
         (cfg.lora_max_wait_steps >= 1, "lora_max_wait_steps must be >= 1"),
-        (cfg.event_log_fsync in ("never", "step", "always"), f"unknown event_log_fsync {cfg.event_log_fsync!r}"),
         (cfg.event_log_max_bytes >= 4096, "event_log_max_bytes must be >= 4096"),
         (
             cfg.event_log_max_total_bytes == 0 or cfg.event_log_max_total_bytes >= 2 * cfg.event_log_max_bytes,
@@ -111,6 +159,9 @@ def _validate(cfg: EngineConfig) -> None:
             f"got {len(cfg.pinned_lora_modules)}",
         ),
     ]
+    for f in dataclasses.fields(cfg):
+        value, choices = getattr(cfg, f.name), f.metadata["flag"].choices if "flag" in f.metadata else ()
+        checks.append((not choices or value in choices, f"unknown {f.name} {value!r}: one of {', '.join(choices)}"))
     for ok, message in checks:
         if not ok:
             raise ValueError(message)

@@ -23,11 +23,9 @@ LARGE_FILES = {
 LARGE_FUNCTIONS = {
     ("kernels/paged_attention.py", "paged_decode_attention"): "a Triton kernel body: splitting it costs registers",
     ("kernels/prefill_attention.py", "_prefill_kernel"): "a Triton kernel body: splitting it costs registers",
-    ("ledgerserve/launcher.py", "resolve_config"): "maps every CLI argument onto EngineConfig in one readable call",
     ("kernels/paged_attention.py", "_decode_partition_kernel"): "a Triton kernel body: splitting it costs registers",
     ("kernels/fused.py", "_rms_norm_kernel"): "a Triton kernel body: splitting it costs registers",
     ("kernels/fused.py", "_silu_and_mul_kernel"): "a Triton kernel body: splitting it costs registers",
-    ("ledgerserve/cli.py", "add_serve_args"): "one add_argument per engine setting, in the order --help lists them",
 }
 
 

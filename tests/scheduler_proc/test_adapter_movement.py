@@ -3,7 +3,7 @@ every rank, the prefetch pass serves the head of the waiting queue first and nev
 slot that is loading, pinned, read by a step in flight or needed earlier in the queue, and
 the CPU tier is staged at registration and from the queue within max_cpu_loras."""
 
-from ledgerserve.scheduler_proc.core import Core, CoreConfig
+from ledgerserve.scheduler_proc.core import Core
 from ledgerserve.shared import events as ev
 from ledgerserve.shared.sampling import SamplingParams
 from tests.scheduler_proc.driver import Driver
@@ -213,7 +213,7 @@ def test_reference_path_assigns_ready_slots_and_ignores_completions():
 def test_shell_stats_carry_the_movement_gauges(tmp_path):
     shell = make_shell(tmp_path)
     shell.core = Core(
-        CoreConfig(4, 16, 4, 32, max_loras=2, max_cpu_loras=2, enable_lora=True, lora_overlap_loading=True)
+        overlap_driver(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=32, max_loras=2, max_cpu_loras=2).config
     )
     shell.handle(ev.WorkerReady(0, 16, 1000, [2], "cpu", "float32"))
     shell.handle(ev.AdapterLoadRequested("op-1", "a", "/adapters/a", 8, 1000))

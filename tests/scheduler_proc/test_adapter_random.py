@@ -117,7 +117,7 @@ def test_recorded_adapter_run_replays(tmp_path):
         lora_overlap_loading=False,
     )
     writer = EventLogWriter(str(tmp_path), engine.to_json(), run_id="lora")
-    d = _driver(aging=16, log=writer)  # 16: CoreConfig's default, which replay uses
+    d = _driver(aging=16, log=writer)  # 16: EngineConfig's default, which replay reads from the header
     run_adapter_workload(d, 5, num_events=150)
     writer.append(ev.LogClosed("done"))
     writer.close()

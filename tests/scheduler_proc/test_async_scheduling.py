@@ -200,7 +200,7 @@ def test_async_log_replays_and_its_config_travels_in_the_header(tmp_path):
 
 def test_config_bounds():
     with pytest.raises(ValueError, match="max_steps_in_flight"):
-        CoreConfig(4, 16, 4, 32, max_steps_in_flight=3)
+        Driver(max_steps_in_flight=3)
 
 
 def test_two_ranks_run_ahead_once_the_step_before_agreed():
