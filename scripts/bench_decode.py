@@ -293,25 +293,11 @@ def sweep(
     results = []
     for num_adapters in args.adapter_counts:
         for batch in args.batches:
-            for row in _rows(bench, base, args, bw, batch, num_adapters, churn):
+            for row_churn in [None, churn] if churn is not None else [None]:
+                row = _row(bench, base, args, bw, batch, num_adapters, row_churn)
                 results.append(row)
                 print(json.dumps(row), flush=True)
     return results
-
-
-def _rows(
-    bench: Bench,
-    base: BaseShapes,
-    args: argparse.Namespace,
-    bw: float,
-    batch: int,
-    num_adapters: int,
-    churn: LoadChurn | None,
-) -> list[dict]:
-    rows = [_row(bench, base, args, bw, batch, num_adapters)]
-    if churn is not None:
-        rows.append(_row(bench, base, args, bw, batch, num_adapters, churn))
-    return rows
 
 
 def _row(
