@@ -51,6 +51,13 @@ SLEEP_CYCLES = 500_000_000  # ~0.25 s at ~2 GHz: longer than the CPU takes to qu
 
 
 class Bench:
+    """Feeds the runner hand-made StepPlans, not ledgerserve.engine: a timed step is the runner's launch and
+    read-back alone, as the worker runs it, so its figures stay comparable across versions. The engine's step
+    would add the core's host work (taking the tokens in, planning the next step, its state digest) into the
+    timed region, and it reads each step back before the next is planned, so it cannot queue step s + 1 behind
+    step s (--async-scheduling). The plans are what the core plans here: every request one decode token, its
+    blocks allotted up front."""
+
     def __init__(self, runner: ModelRunner, prompt_len: int, warmup: int, steps: int, ahead: bool = False) -> None:
         self.runner, self.prompt_len, self.warmup, self.steps = runner, prompt_len, warmup, steps
         self.ahead = ahead  # async scheduling: one step in flight while the next is launched
@@ -286,25 +293,11 @@ def sweep(
     results = []
     for num_adapters in args.adapter_counts:
         for batch in args.batches:
-            for row in _rows(bench, base, args, bw, batch, num_adapters, churn):
+            for row_churn in [None, churn] if churn is not None else [None]:
+                row = _row(bench, base, args, bw, batch, num_adapters, row_churn)
                 results.append(row)
                 print(json.dumps(row), flush=True)
     return results
-
-
-def _rows(
-    bench: Bench,
-    base: BaseShapes,
-    args: argparse.Namespace,
-    bw: float,
-    batch: int,
-    num_adapters: int,
-    churn: LoadChurn | None,
-) -> list[dict]:
-    rows = [_row(bench, base, args, bw, batch, num_adapters)]
-    if churn is not None:
-        rows.append(_row(bench, base, args, bw, batch, num_adapters, churn))
-    return rows
 
 
 def _row(

@@ -1,12 +1,13 @@
-"""Run the scheduler core and one model runner in-process, with no IPC: the same events
-the processes exchange, passed by hand. For parity tests against transformers/PEFT."""
+"""Run the scheduler core and one model runner in-process (ledgerserve.engine), with no IPC: the
+same events the processes exchange. For parity tests against transformers/PEFT."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from ledgerserve.scheduler_proc.core.core import Core, CoreConfig
+from ledgerserve.engine import Engine
+from ledgerserve.scheduler_proc.core.core import Core
 from ledgerserve.shared import events
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.worker_proc.runner import ModelRunner
@@ -25,20 +26,14 @@ class EngineRun:
 def run_engine(
     config: EngineConfig, arrivals: list[events.RequestArrived], max_steps: int = 10_000
 ) -> tuple[EngineRun, Core]:
-    core = Core(CoreConfig.from_engine(config))
-    runner = ModelRunner(config, rank=0)
-    run = EngineRun()
-    pending = core.apply(runner.ready())
+    engine = Engine(config, ModelRunner(config, rank=0))
+    decisions = list(engine.ready_decisions)
     for arrived in arrivals:
-        pending += core.apply(arrived)
-    for _ in range(max_steps):
-        _collect(run, pending)
-        plans = [d for d in pending if isinstance(d, events.StepPlan)]
-        if not plans:
-            return run, core
-        completed, digest = runner.execute(plans[0])
-        pending = core.apply(completed) + core.apply(digest)
-    raise RuntimeError(f"engine did not finish in {max_steps} steps")
+        decisions += engine.apply(arrived)
+    decisions += engine.run_until_idle(max_steps)
+    run = EngineRun()
+    _collect(run, decisions)
+    return run, engine.core
 
 
 def _collect(run: EngineRun, decisions: list[events.Event]) -> None:

@@ -1,58 +1,145 @@
-"""An in-process fake engine: it echoes each request's prompt tokens back, one per event.
-A request asking for prompt logprobs first gets them in two chunks (fake_prompt_logprobs).
+"""An in-process engine for the HTTP tests: the real scheduler core (ledgerserve.engine) driving a
+fake runner that needs no model. The runner echoes each request's prompt tokens back (or `script`),
+one per step; it reports prompt logprobs for the prompt positions each step computes
+(fake_prompt_logprobs) and finishes adapter loads at once. Adapter ops, rejections, finish reasons
+and cached tokens are the core's own.
 
-It answers adapter ops like the core: a registry of name -> version, 400 for a duplicate
-load (unless load_inplace), 404 for unloading an unknown name, and a 404 RequestRejected
-for a request naming an adapter that is not registered (e.g. unloaded in between).
-
-Built on EngineClientBase, so the per-request queues and dispatch are the real ones; only
-the transport is replaced. Records every event it receives, for assertions.
+Built on EngineClientBase, so the per-request queues and dispatch are the real ones; only the
+transport is replaced: one task takes the events in the order they were sent, applies each to the
+engine, and steps it while it has work. Records every event it receives, for assertions.
 """
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
+from ledgerserve.engine import Engine
+from ledgerserve.scheduler_proc.loop import TO_TOKENIZER_TYPES
 from ledgerserve.shared import codec
+from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.events import (
     AdapterInfo,
+    AdapterLoadCompleted,
     AdapterLoadRequested,
-    AdapterOpReplied,
+    AdapterPrefetched,
+    AdapterSlotAssigned,
     AdapterUnloadRequested,
-    EngineFailed,
     Event,
     PromptLogprobs,
+    RankDigest,
     RequestAborted,
     RequestArrived,
-    RequestRejected,
+    SampledToken,
+    StepCompleted,
+    StepPlan,
     TokenLogprobs,
-    TokensEmitted,
+    WorkerFailed,
+    WorkerReady,
 )
+from ledgerserve.shared.sampling import SamplingParams
 from ledgerserve.tokenizer_proc.engine_client import EngineClientBase
+
+HELD_POLL_S = 0.001  # how often a held engine looks at `hold` again
+
+
+class EchoRunner:
+    """A worker rank with no model: request i's output token j is its prompt's token j (cycled),
+    or `script`'s. Keeps each request's known tokens as a worker does, and samples where a plan's
+    scheduled tokens reach their end."""
+
+    def __init__(self, num_kv_blocks: int) -> None:
+        self.num_kv_blocks = num_kv_blocks
+        self.script: list[int] | None = None
+        self.logprob_values = (-0.25, -1.5)  # the sampled token's logprob, and the second top one's
+        self.tokens: dict[str, list[int]] = {}
+        self.reqs: dict[str, tuple[int, SamplingParams]] = {}  # req id -> (num_prompt_tokens, sampling)
+
+    def ready(self) -> WorkerReady:
+        return WorkerReady(0, self.num_kv_blocks, 1 << 16, [], "cpu", "float32")  # no EOS: only length ends
+
+    def execute(self, plan: StepPlan) -> tuple[StepCompleted, RankDigest]:
+        for req_id in [*plan.finished_req_ids, *plan.preempted_req_ids]:
+            self.tokens.pop(req_id, None)
+        for new in plan.new_reqs:
+            self.tokens[new.req_id] = list(new.token_ids)
+            self.reqs[new.req_id] = (new.num_prompt_tokens, new.sampling)
+        for cached in plan.cached_reqs:
+            self.tokens[cached.req_id] += cached.new_token_ids
+        sampled, reports = [], []
+        for req in [*plan.new_reqs, *plan.cached_reqs]:
+            tokens, (num_prompt, sampling) = self.tokens[req.req_id], self.reqs[req.req_id]
+            end = req.num_computed_tokens + req.num_scheduled_tokens
+            positions = list(range(req.num_computed_tokens + 1, min(end, num_prompt - 1) + 1))
+            if sampling.prompt_logprobs is not None and positions:
+                reports.append(fake_prompt_logprobs(req.req_id, tokens, positions, sampling.prompt_logprobs))
+            if end == len(tokens):
+                sampled.append(self._sample(req.req_id, tokens, num_prompt, sampling.logprobs))
+        return StepCompleted(plan.step, 0, sampled, [], reports), RankDigest(plan.step, 0, 0)
+
+    def _sample(self, req_id: str, tokens: list[int], num_prompt: int, num_logprobs: int | None) -> SampledToken:
+        source = self.script or tokens[:num_prompt]
+        token_id = source[(len(tokens) - num_prompt) % len(source)]
+        if num_logprobs is None:
+            return SampledToken(req_id, token_id)
+        top_ids = [token_id, (token_id + 1) % 100][:num_logprobs]
+        chosen, second = self.logprob_values
+        return SampledToken(req_id, token_id, TokenLogprobs(chosen, top_ids, [chosen, second][: len(top_ids)]))
+
+    def adapter_command(self, cmd: Event, arrival_s: float) -> list[Event]:
+        if isinstance(cmd, AdapterSlotAssigned):
+            return [AdapterLoadCompleted(0, cmd.slot, cmd.version_id, "disk")]
+        if isinstance(cmd, AdapterPrefetched):
+            return [AdapterLoadCompleted(0, -1, cmd.version_id, "disk")]
+        return []  # evictions
+
+    def poll_adapters(self) -> list[Event]:
+        return []
+
+    def adapters_busy(self) -> bool:
+        return False
 
 
 class FakeEngine(EngineClientBase):
-    def __init__(self, delay_s: float = 0.0, num_cached_tokens: int = 0, op_delay_s: float = 0.0) -> None:
+    def __init__(
+        self, delay_s: float = 0.0, op_delay_s: float = 0.0, num_kv_blocks: int = 1024, **settings: Any
+    ) -> None:
+        """`settings`: EngineConfig fields of the core (LoRA is on unless they say otherwise)."""
         super().__init__()
-        self.op_delay_s = op_delay_s  # time the "core" takes to answer an adapter op
-        self.registry: dict[str, AdapterInfo] = {}
-        self.refuse_loads: str | None = None  # answer every load with this message ...
-        self.refuse_code = 400  # ... and this code
-        self._next_version = 1
-        self._op_lock = asyncio.Lock()
-        self.is_ready = True
-        self.delay_s = delay_s
-        self.num_cached_tokens = num_cached_tokens
-        self.received: list[Event] = []
-        self.script: list[int] | None = None  # ids to emit instead of the echo
-        self.logprob_values = (-0.25, -1.5)  # the sampled token's logprob, and the second top one's
-        self.reject_all: str | None = None
-        self.eos_token_id: int | None = None
-        self._tasks: dict[str, asyncio.Task[None]] = {}
-        self.aborted = asyncio.Event()
-        self.hold: asyncio.Event | None = None  # when set: requests wait for it before emitting
+        self.delay_s = delay_s  # before each engine step
+        self.op_delay_s = op_delay_s  # time the core takes to answer an adapter op
+        self.prompt_delay_s = 0.0  # a request asking for prompt logprobs reaches the core this much later
+        self.hold: asyncio.Event | None = None  # when set: the engine steps only once it is set
         self.encode_events = False  # encode each event like the real transport (catches overflows)
-        self.prompt_delay_s = 0.0  # before a request's prompt logprobs (its first tokens wait too)
+        self.received: list[Event] = []
+        self.runner = EchoRunner(num_kv_blocks)
+        settings = {"max_model_len": 4096, "enable_lora": True, **settings}
+        config = EngineConfig(model_dir="", served_model_name="fake", **settings)
+        self.engine = Engine(config, self.runner)
+        self.is_ready = True
+        self._inbox: asyncio.Queue[Event] = asyncio.Queue()
+        self._pump: asyncio.Task[None] | None = None
+
+    @property
+    def script(self) -> list[int] | None:
+        return self.runner.script
+
+    @script.setter
+    def script(self, token_ids: list[int]) -> None:
+        self.runner.script = token_ids
+
+    @property
+    def logprob_values(self) -> tuple[float, float]:
+        return self.runner.logprob_values
+
+    @logprob_values.setter
+    def logprob_values(self, values: tuple[float, float]) -> None:
+        self.runner.logprob_values = values
+
+    @property
+    def registry(self) -> dict[str, AdapterInfo]:
+        """The core's adapter registry: name -> its current version."""
+        return {info.name: info for info in self.engine.core.adapters.infos()}
 
     @property
     def aborts(self) -> list[RequestAborted]:
@@ -62,104 +149,69 @@ class FakeEngine(EngineClientBase):
     def arrivals(self) -> list[RequestArrived]:
         return [e for e in self.received if isinstance(e, RequestArrived)]
 
+    async def close(self) -> None:
+        if self._pump is not None:
+            self._pump.cancel()
+            await asyncio.gather(self._pump, return_exceptions=True)
+            self._pump = None
+
+    def fail(self, message: str) -> None:
+        """Rank 0 reports a fault: the core fails the engine."""
+        self._deliver_now(WorkerFailed(0, message))
+
+    def unload_unheard(self, name: str) -> None:
+        """The core unloads `name` at once; its reply does not reach this process (its mirror has not heard)."""
+        self.engine.apply(AdapterUnloadRequested(f"elsewhere-{name}", name))
+
     async def _send(self, event: Event) -> None:
         if self.encode_events:
             codec.encode(event)
         self.received.append(event)
-        if isinstance(event, (AdapterLoadRequested, AdapterUnloadRequested)):
-            self._tasks[event.op_id] = asyncio.get_running_loop().create_task(self._answer_op(event))
-        elif isinstance(event, RequestArrived):
-            if self.reject_all is not None:
-                self._dispatch(RequestRejected(event.req_id, self.reject_all, 400, "prompt"))
-                return
-            if event.lora_name is not None and event.lora_name not in self.registry:
-                message = f"The lora adapter '{event.lora_name}' cannot be found."
-                self._dispatch(RequestRejected(event.req_id, message, 404, "model"))
-                return
-            self._tasks[event.req_id] = asyncio.get_running_loop().create_task(self._emit(event))
-        elif isinstance(event, RequestAborted):
-            task = self._tasks.pop(event.req_id, None)
-            if task is not None:
-                task.cancel()
-            self.aborted.set()
+        self._start_pump()
+        if isinstance(event, RequestArrived) and event.sampling.prompt_logprobs is not None and self.prompt_delay_s:
+            asyncio.get_running_loop().call_later(self.prompt_delay_s, self._inbox.put_nowait, event)
+        else:
+            self._inbox.put_nowait(event)
 
-    async def _answer_op(self, op: AdapterLoadRequested | AdapterUnloadRequested) -> None:
-        async with self._op_lock:  # the core handles ops one at a time, in arrival order
-            if self.op_delay_s:
-                await asyncio.sleep(self.op_delay_s)
-            code, message, version_id = self._apply_op(op)
-            self._dispatch(AdapterOpReplied(op.op_id, code, message, version_id, list(self.registry.values())))
-        self._tasks.pop(op.op_id, None)
+    def _start_pump(self) -> None:
+        """One pump, in the running event loop (a client that runs each call in a loop of its own gets a new one)."""
+        loop = asyncio.get_running_loop()
+        if self._pump is None or self._pump.done() or self._pump.get_loop() is not loop:
+            self._inbox = asyncio.Queue()
+            self._pump = loop.create_task(self._run(self._inbox))
 
-    def _apply_op(self, op: AdapterLoadRequested | AdapterUnloadRequested) -> tuple[int, str, int]:
-        if isinstance(op, AdapterUnloadRequested):
-            if self.registry.pop(op.name, None) is None:
-                return 404, f"The lora adapter '{op.name}' cannot be found.", 0
-            return 200, "", 0
-        if self.refuse_loads is not None:
-            return self.refuse_code, self.refuse_loads, 0
-        if op.name in self.registry and not op.load_inplace:
-            return 400, f"The lora adapter '{op.name}' has already been loaded.", 0
-        version_id, self._next_version = self._next_version, self._next_version + 1
-        self.registry[op.name] = AdapterInfo(op.name, version_id, op.path, op.pinned, op.on_demand)
-        return 200, "", version_id
+    async def _run(self, inbox: asyncio.Queue[Event]) -> None:
+        """Apply the events in the order they came, and step the engine while it has work (and is not held)."""
+        while inbox is self._inbox:
+            if inbox.empty() and not self.engine.has_work():
+                await self._take(await inbox.get())
+            while not inbox.empty():
+                await self._take(inbox.get_nowait())
+            if not self.engine.has_work():
+                continue
+            if self.hold is not None and not self.hold.is_set():
+                await asyncio.sleep(HELD_POLL_S)
+                continue
+            await asyncio.sleep(self.delay_s)
+            self._dispatch_decisions(self.engine.step())
 
-    def fail(self, message: str) -> None:
-        self._dispatch(EngineFailed(message))
+    async def _take(self, event: Event) -> None:
+        if isinstance(event, (AdapterLoadRequested, AdapterUnloadRequested)) and self.op_delay_s:
+            await asyncio.sleep(self.op_delay_s)
+        self._deliver_now(event)
 
-    async def _emit(self, arrived: RequestArrived) -> None:
-        ids = self._output_ids(arrived)
-        params = arrived.sampling
-        if self.hold is not None:
-            await self.hold.wait()
-        if params.prompt_logprobs is not None:
-            await asyncio.sleep(self.prompt_delay_s)
-            for report in fake_prompt_logprobs(arrived.req_id, arrived.prompt_token_ids, params.prompt_logprobs):
-                self._dispatch(TokensEmitted(arrived.req_id, [], prompt_logprobs=report))
-        for index, token_id in enumerate(ids):
-            if self.delay_s:
-                await asyncio.sleep(self.delay_s)
-            last = index == len(ids) - 1
-            is_eos = token_id == self.eos_token_id
-            logprobs = None
-            if params.logprobs is not None:
-                top_ids = [token_id, (token_id + 1) % 100][: params.logprobs]
-                chosen, second = self.logprob_values
-                logprobs = [TokenLogprobs(chosen, top_ids, [chosen, second][: len(top_ids)])]
-            self._dispatch(
-                TokensEmitted(
-                    req_id=arrived.req_id,
-                    new_token_ids=[token_id],
-                    finish_reason=("stop" if is_eos else "length") if last or is_eos else None,
-                    logprobs=logprobs,
-                    num_prompt_tokens=len(arrived.prompt_token_ids),
-                    num_cached_tokens=self.num_cached_tokens,
-                    stop_token_id=token_id if is_eos else None,
-                )
-            )
-            if is_eos:
-                break
-            await asyncio.sleep(0)
-        self._tasks.pop(arrived.req_id, None)
+    def _deliver_now(self, event: Event) -> None:
+        self._dispatch_decisions(self.engine.apply(event))
 
-    def _output_ids(self, arrived: RequestArrived) -> list[int]:
-        if self.script is not None:
-            return self.script[: arrived.sampling.max_tokens]
-        prompt = arrived.prompt_token_ids
-        max_tokens = arrived.sampling.max_tokens
-        return [prompt[i % len(prompt)] for i in range(max_tokens)]
+    def _dispatch_decisions(self, decisions: list[Event]) -> None:
+        for decision in decisions:
+            if isinstance(decision, TO_TOKENIZER_TYPES):
+                self._dispatch(decision)
 
 
-def fake_prompt_logprobs(req_id: str, prompt: list[int], k: int) -> list[PromptLogprobs]:
+def fake_prompt_logprobs(req_id: str, prompt: list[int], positions: list[int], k: int) -> PromptLogprobs:
     """Position p: logprob -p / 10, rank p + 1; top j (0-based): token prompt[p] + j for odd p (so the
-    prompt token is the top one), else prompt[p] + 1 + j, mod 256, with logprob -(j + 1) / 100. Two
-    chunks, split in the middle of the prompt."""
-    positions = list(range(1, len(prompt)))
-    reports = []
-    for chunk in (positions[: len(positions) // 2], positions[len(positions) // 2 :]):
-        if not chunk:
-            continue
-        tops = [[(prompt[p] + (p % 2 == 0) + j) % 256 for j in range(k)] for p in chunk] if k else []
-        values = [[-(j + 1) / 100 for j in range(k)] for _ in chunk] if k else []
-        reports.append(PromptLogprobs(req_id, chunk[0], [-p / 10 for p in chunk], [p + 1 for p in chunk], tops, values))
-    return reports
+    prompt token is the top one), else prompt[p] + 1 + j, mod 256, with logprob -(j + 1) / 100."""
+    tops = [[(prompt[p] + (p % 2 == 0) + j) % 256 for j in range(k)] for p in positions] if k else []
+    values = [[-(j + 1) / 100 for j in range(k)] for _ in positions] if k else []
+    return PromptLogprobs(req_id, positions[0], [-p / 10 for p in positions], [p + 1 for p in positions], tops, values)

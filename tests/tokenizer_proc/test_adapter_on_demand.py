@@ -47,6 +47,11 @@ async def _app_client(engine: FakeEngine, tokenizer, config: EngineConfig) -> As
 
 
 @pytest.fixture
+def engine(request: pytest.FixtureRequest) -> FakeEngine:
+    return FakeEngine(max_on_demand_loras=getattr(request, "param", 64))
+
+
+@pytest.fixture
 async def client(engine, tokenizer, demo_model_dir: str, root: Path) -> AsyncIterator[httpx.AsyncClient]:
     config = _config(demo_model_dir, lora_allowed_dirs=(str(root),), lora_resolve_dir=str(root / "names"))
     async for c in _app_client(engine, tokenizer, config):
@@ -119,10 +124,16 @@ async def test_refused_first_requests_load_nothing(client, engine, root: Path, b
     await assert_still_serves(client)
 
 
-async def test_the_cores_refusal_reaches_the_client(client, engine) -> None:
-    engine.refuse_loads, engine.refuse_code = "all 64 adapters loaded on demand are in use; retry later.", 503
+@pytest.mark.parametrize("engine", [1], indirect=True)  # one adapter registered on demand at once
+async def test_the_cores_refusal_reaches_the_client(client, engine, root: Path) -> None:
+    engine.hold = asyncio.Event()  # the first request keeps its adapter, loaded on demand, in use
+    first = asyncio.create_task(client.post("/v1/completions", json=_completion(lora_path=str(root / "direct"))))
+    while not engine.arrivals:
+        await asyncio.sleep(0.01)
     message = assert_error(await client.post("/v1/completions", json=_completion("alpha")), 503, "model")
-    assert "retry later" in message and engine.arrivals == []
+    assert "retry later" in message and [a.lora_name for a in engine.arrivals] == [os.path.realpath(root / "direct")]
+    engine.hold.set()
+    assert (await first).status_code == 200
 
 
 async def test_without_allowed_dirs_nothing_loads_on_demand(engine, tokenizer, demo_model_dir: str, root: Path) -> None:

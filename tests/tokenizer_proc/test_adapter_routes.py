@@ -132,8 +132,8 @@ async def test_unknown_model_is_404(client) -> None:
 
 async def test_core_404_after_unload_surfaces(client, engine, lora_root: Path) -> None:
     await _load(client, "sql", lora_root / "sql")
-    engine.registry.pop("sql")  # the core unloaded it; the mirror has not heard yet
-    _error(await client.post("/v1/completions", json={"model": "sql", "prompt": [5]}), 404, "cannot be found")
+    engine.unload_unheard("sql")  # the core unloaded it; the mirror has not heard yet
+    _error(await client.post("/v1/completions", json={"model": "sql", "prompt": [5]}), 404, "does not exist")
     r = await client.post("/v1/completions", json={"model": "sql", "prompt": [5], "stream": True})
     events = [json.loads(line[6:]) for line in r.text.split("\n\n") if line.startswith("data: {")]
     assert r.text.endswith("data: [DONE]\n\n") and events[-1]["error"]["code"] == 404
@@ -224,10 +224,10 @@ async def test_startup_adapter_refused_by_validation(engine, tokenizer, demo_mod
         build_app(engine, tokenizer, config)
 
 
-async def test_startup_adapter_refused_by_core(engine, tokenizer, demo_model_dir, lora_root: Path) -> None:
-    engine.refuse_loads = "no room"
+async def test_startup_adapter_refused_by_core(tokenizer, demo_model_dir, lora_root: Path) -> None:
+    engine = FakeEngine(enable_lora=False)  # the core refuses every load
     config = _config(demo_model_dir, enable_lora=True, lora_modules=(("sql", str(lora_root / "sql")),))
     app = build_app(engine, tokenizer, config)
-    with pytest.raises(StartupAdapterError, match="refused it \\(400\\): no room"):
+    with pytest.raises(StartupAdapterError, match="refused it \\(400\\): LoRA is disabled"):
         async with app.router.lifespan_context(app):
             pass

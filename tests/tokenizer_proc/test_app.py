@@ -48,11 +48,12 @@ async def test_completion_echoes_prompt(client, engine, tokenizer) -> None:
 
 
 async def test_completion_token_prompt_and_return_token_ids(client, engine) -> None:
-    engine.num_cached_tokens = 16
-    payload = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4, "return_token_ids": True}
+    prompt = [5, 6, 7] + list(range(10, 24))  # 17 tokens: a second request finds its first block (16) cached
+    payload = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "return_token_ids": True}
+    assert (await client.post("/v1/completions", json=payload)).status_code == 200
     body = (await client.post("/v1/completions", json=payload)).json()
-    assert body["choices"][0]["token_ids"] == [5, 6, 7, 5]
-    assert body["prompt_token_ids"] == [5, 6, 7]
+    assert body["choices"][0]["token_ids"] == [5, 6, 7, 10]
+    assert body["prompt_token_ids"] == prompt
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 16
 
 

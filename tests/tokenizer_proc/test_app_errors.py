@@ -15,6 +15,11 @@ MODEL = "demo"
 
 
 @pytest.fixture
+def engine(request: pytest.FixtureRequest) -> FakeEngine:
+    return FakeEngine(num_kv_blocks=getattr(request, "param", 1024))
+
+
+@pytest.fixture
 async def client(engine: FakeEngine, tokenizer, demo_model_dir: str) -> AsyncIterator[httpx.AsyncClient]:
     config = EngineConfig(model_dir=demo_model_dir, served_model_name=MODEL, max_model_len=64)
     transport = httpx.ASGITransport(app=build_app(engine, tokenizer, config))
@@ -102,11 +107,12 @@ async def test_unknown_route_is_openai_shaped_404(client) -> None:
     _assert_error(await client.get("/v1/nothing"), 404, None)
 
 
+@pytest.mark.parametrize("engine", [1], indirect=True)  # a KV pool of one block (16 tokens)
 async def test_rejected_request(client, engine) -> None:
-    engine.reject_all = "too long for the KV pool"
-    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
-    assert _assert_error(r, 400, "prompt")["message"] == "too long for the KV pool"
-    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": True})
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 20}  # the core can never fit it: 400, its message
+    r = await client.post("/v1/completions", json=body)
+    assert "the KV cache holds only 1 blocks" in _assert_error(r, 400, None)["message"]
+    r = await client.post("/v1/completions", json={**body, "stream": True})
     lines = [x for x in r.text.split("\n\n") if x]
     assert json.loads(lines[0][len("data: ") :])["error"]["code"] == 400 and lines[-1] == "data: [DONE]"
 

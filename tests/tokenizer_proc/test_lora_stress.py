@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from ledgerserve.shared.config import EngineConfig
+from ledgerserve.shared.events import AdapterOpReplied
 from ledgerserve.tokenizer_proc.app import build_app
 from scripts.lora_stress import Outcome, main, parse_args, run_stress, summarize
 from scripts.request_loop import check_loopback
@@ -63,16 +64,16 @@ def test_stress_against_fake_engine(server, lora_root: Path) -> None:
 
 def test_stress_catches_an_unload_that_does_nothing(server, lora_root: Path, monkeypatch) -> None:
     url, engine = server
-    real = engine._apply_op
-    monkeypatch.setattr(
-        engine, "_apply_op", lambda op: (200, "", 0) if type(op).__name__ == "AdapterUnloadRequested" else real(op)
-    )
+    adapters = engine.engine.core.adapters
+    monkeypatch.setattr(adapters, "unload", lambda op: [AdapterOpReplied(op.op_id, 200, "", 0, adapters.infos())])
     summary = run_stress(
         _args(url, lora_root, "--rounds", "2", "--requests", "24", "--concurrency", "4", "--max-tokens", "2")
     )
     kinds = {u["kind"] for u in summary["unexpected"]}
     assert "load" in kinds or "load_group" in kinds, summary  # the second round's loads hit a "duplicate"
-    engine.registry.clear()
+    monkeypatch.undo()
+    for name in engine.registry:  # the server is idle: unload what the broken unloads left
+        engine.unload_unheard(name)
 
 
 @pytest.mark.parametrize("url", ["http://10.0.0.1:8000", "http://example.com", "http://0.0.0.0:8000"])

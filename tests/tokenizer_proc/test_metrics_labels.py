@@ -32,7 +32,7 @@ def adapter_dir(demo_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -
 
 @pytest.fixture
 def engine() -> FakeEngine:
-    return FakeEngine(num_cached_tokens=1)
+    return FakeEngine()
 
 
 @pytest.fixture
