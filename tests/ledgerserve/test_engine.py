@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ledgerserve.engine import Engine
+from ledgerserve.scheduler_proc.core.stats import engine_stats
 from ledgerserve.scheduler_proc.loop import TO_WORKER_TYPES
 from ledgerserve.scheduler_proc.replay import main as replay_main
 from ledgerserve.scheduler_proc.replay import replay
@@ -89,7 +90,8 @@ def test_requests_finish_with_the_cores_reason() -> None:
     last = [d for d in decisions if isinstance(d, ev.TokensEmitted) and d.req_id == "stops"][-1]
     assert last.finish_reason == "stop" and last.stop_token_id == PROMPT[2]
     engine.core.check_integrity()
-    assert engine.core.num_free_blocks + engine.core.num_cached_blocks == engine.core.num_total_blocks
+    stats = engine_stats(engine.core)
+    assert stats.num_free_blocks + stats.num_cached_blocks == stats.num_total_blocks
 
 
 def test_adapter_ops_are_the_cores() -> None:
