@@ -24,7 +24,7 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_x, stride_res, stride_out, stride_res_out,
     n_cols, eps,
-    h_ptr, b_ptr, scalings_ptr, slots_ptr, max_rank, stride_ht, stride_hl, stride_hs,
+    h_ptr, b_ptr, scalings_ptr, lora_slots_ptr, max_rank, stride_ht, stride_hl, stride_hs,
     stride_bl, stride_bs, stride_bo, stride_br,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, R_PAD: tl.constexpr, PREFETCH_B: tl.constexpr,
     PDL: tl.constexpr,
@@ -34,22 +34,34 @@ def _rms_norm_kernel(
     mask = cols < n_cols
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if R_PAD > 0:
-        slot = tl.load(slots_ptr + row)  # the step's input row: written before the graph ran
+        lora_slot = tl.load(lora_slots_ptr + row)  # the step's input row: written before the graph ran
         if PREFETCH_B:  # B before the wait: its latency hides behind the previous kernel
             bt, scale = lora_b_tile(
-                b_ptr, scalings_ptr, slot, 0, 1, max_rank, cols, mask, stride_bl, stride_bs, stride_bo, stride_br, R_PAD
+                b_ptr,
+                scalings_ptr,
+                lora_slot,
+                0,
+                1,
+                max_rank,
+                cols,
+                mask,
+                stride_bl,
+                stride_bs,
+                stride_bo,
+                stride_br,
+                R_PAD,
             )
     wait_for_previous(PDL)  # x, residual and h come from earlier kernels
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if R_PAD > 0:  # x's pending LoRA delta (one slice)
         if PREFETCH_B:
-            d = lora_tile_delta(h_ptr + row * stride_ht, slot, 0, max_rank, bt, scale, stride_hl, stride_hs, R_PAD)
+            d = lora_tile_delta(h_ptr + row * stride_ht, lora_slot, 0, max_rank, bt, scale, stride_hl, stride_hs, R_PAD)
         else:
             d = lora_row_delta(
                 h_ptr + row * stride_ht,
                 b_ptr,
                 scalings_ptr,
-                slot,
+                lora_slot,
                 0,
                 1,
                 max_rank,
@@ -201,24 +213,24 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_si
 
 @triton.jit
 def _rope_and_write_kv_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, cache_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    q_ptr, k_ptr, v_ptr, pos_ptr, cache_ptr, k_cache_ptr, v_cache_ptr, kv_slot_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cache,
-    stride_slot, stride_slot_h,
+    stride_kv_slot, stride_kv_slot_h,
     n_q_heads, n_k_heads,
     HALF: tl.constexpr, Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """One program per token: rotate its q and k heads in place, store k and v at its cache slot."""
+    """One program per token: rotate its q and k heads in place, store k and v at its KV cache slot."""
     token = tl.program_id(0).to(tl.int64)
     cos, sin = _cos_sin(pos_ptr, cache_ptr, token, stride_cache, HALF)  # the step's positions: before the wait
-    slot = tl.load(slot_ptr + token).to(tl.int64)  # flat: block * block_size + offset
+    kv_slot = tl.load(kv_slot_ptr + token).to(tl.int64)  # flat: block * block_size + offset
     wait_for_previous(PDL)  # q, k, v come from the qkv projection
     _rope_heads(q_ptr + token * stride_qt, stride_qh, n_q_heads, cos, sin, HALF, Q_HEADS_PAD)
     k_row = k_ptr + token * stride_kt
     k1, k2 = _rotated_halves(k_row, stride_kh, n_k_heads, cos, sin, HALF, K_HEADS_PAD)
     _store_halves(k_row, stride_kh, n_k_heads, k1, k2, HALF, K_HEADS_PAD)
-    _store_halves(k_cache_ptr + slot * stride_slot, stride_slot_h, n_k_heads, k1, k2, HALF, K_HEADS_PAD)
+    _store_halves(k_cache_ptr + kv_slot * stride_kv_slot, stride_kv_slot_h, n_k_heads, k1, k2, HALF, K_HEADS_PAD)
     v1, v2 = _load_halves(v_ptr + token * stride_vt, stride_vh, n_k_heads, HALF, K_HEADS_PAD)
-    _store_halves(v_cache_ptr + slot * stride_slot, stride_slot_h, n_k_heads, v1, v2, HALF, K_HEADS_PAD)
+    _store_halves(v_cache_ptr + kv_slot * stride_kv_slot, stride_kv_slot_h, n_k_heads, v1, v2, HALF, K_HEADS_PAD)
 
 
 def rope_and_write_kv(
@@ -229,9 +241,9 @@ def rope_and_write_kv(
     cos_sin_cache: torch.Tensor,  # [max_position, head_dim] float32
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
-    slot_mapping: torch.Tensor,  # [num_tokens] int64 flat cache slot of each token
+    kv_slots: torch.Tensor,  # [num_tokens] int64 flat cache slot of each token
 ) -> None:
-    """apply_rope, then the rotated k and v stored at slot_mapping, in one launch (no host sync)."""
+    """apply_rope, then the rotated k and v stored at kv_slots, in one launch (no host sync)."""
     half = _check_rope_args(q, k, cos_sin_cache)
     assert v.stride(-1) == 1 and v.shape == k.shape and k_cache.shape == v_cache.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[2:] == k.shape[1:]
@@ -239,7 +251,7 @@ def rope_and_write_kv(
         return
     pdl = pdl_enabled(q.device)
     _rope_and_write_kv_kernel[(q.shape[0],)](
-        q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+        q, k, v, positions, cos_sin_cache, k_cache, v_cache, kv_slots,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2),
         q.shape[1], k.shape[1],

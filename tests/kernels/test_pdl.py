@@ -39,7 +39,7 @@ def _chain(inputs: dict) -> list[torch.Tensor]:
     q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
     q, k, v = (t.unflatten(-1, (-1, HEAD_DIM)) for t in (q, k, v))
     ops.rope_and_write_kv(
-        q, k, v, inputs["positions"], inputs["cos_sin"], inputs["k_cache"], inputs["v_cache"], inputs["slots"]
+        q, k, v, inputs["positions"], inputs["cos_sin"], inputs["k_cache"], inputs["v_cache"], inputs["kv_slots"]
     )
     attn = ops.paged_decode_attention(
         q, inputs["k_cache"], inputs["v_cache"], inputs["tables"], inputs["seq_lens"], HEAD_DIM**-0.5
@@ -61,7 +61,7 @@ def _inputs() -> dict:
     width = 8
     tables = torch.arange(num_tokens * width, dtype=torch.int32).view(num_tokens, width)
     positions = (seq_lens - 1).long()
-    slots = tables[torch.arange(num_tokens), positions // BLOCK].long() * BLOCK + positions % BLOCK
+    kv_slots = tables[torch.arange(num_tokens), positions // BLOCK].long() * BLOCK + positions % BLOCK
     cache_shape = (num_tokens * width, BLOCK, KV_HEADS, HEAD_DIM)
     inv_freq = 1.0 / (1e4 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
     return dict(
@@ -78,7 +78,7 @@ def _inputs() -> dict:
         delta_gu=make_delta([D, D], torch.bfloat16, DEVICE, seed=2),
         positions=positions.to(DEVICE),
         cos_sin=rope_cos_sin_cache(inv_freq.to(DEVICE), 4096),
-        slots=slots.to(DEVICE),
+        kv_slots=kv_slots.to(DEVICE),
         k_cache=randn(*cache_shape),
         v_cache=randn(*cache_shape),
         tables=tables.to(DEVICE),
