@@ -37,20 +37,9 @@ def _rms_norm_kernel(
         lora_slot = tl.load(lora_slots_ptr + row)  # the step's input row: written before the graph ran
         if PREFETCH_B:  # B before the wait: its latency hides behind the previous kernel
             bt, scale = lora_b_tile(
-                b_ptr,
-                scalings_ptr,
-                lora_slot,
-                0,
-                1,
-                max_rank,
-                cols,
-                mask,
-                stride_bl,
-                stride_bs,
-                stride_bo,
-                stride_br,
+                b_ptr, scalings_ptr, lora_slot, 0, 1, max_rank, cols, mask, stride_bl, stride_bs, stride_bo, stride_br,
                 R_PAD,
-            )
+            )  # fmt: skip
     wait_for_previous(PDL)  # x, residual and h come from earlier kernels
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if R_PAD > 0:  # x's pending LoRA delta (one slice)
@@ -58,24 +47,9 @@ def _rms_norm_kernel(
             d = lora_tile_delta(h_ptr + row * stride_ht, lora_slot, 0, max_rank, bt, scale, stride_hl, stride_hs, R_PAD)
         else:
             d = lora_row_delta(
-                h_ptr + row * stride_ht,
-                b_ptr,
-                scalings_ptr,
-                lora_slot,
-                0,
-                1,
-                max_rank,
-                cols,
-                mask,
-                stride_hl,
-                stride_hs,
-                stride_bl,
-                stride_bs,
-                stride_bo,
-                stride_br,
-                BLOCK,
-                R_PAD,
-            )
+                h_ptr + row * stride_ht, b_ptr, scalings_ptr, lora_slot, 0, 1, max_rank, cols, mask,
+                stride_hl, stride_hs, stride_bl, stride_bs, stride_bo, stride_br, BLOCK, R_PAD,
+            )  # fmt: skip
         x = (x.to(tl.float32) + d).to(x.dtype)
     if HAS_RESIDUAL:
         res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
@@ -263,7 +237,7 @@ def rope_and_write_kv(
 @triton.jit
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, stride_x, stride_out, d,
-    h_ptr, b_ptr, scalings_ptr, slots_ptr, max_rank, stride_ht, stride_hl, stride_hs,
+    h_ptr, b_ptr, scalings_ptr, lora_slots_ptr, max_rank, stride_ht, stride_hl, stride_hs,
     stride_bl, stride_bs, stride_bo, stride_br,
     BLOCK: tl.constexpr, R_PAD: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -274,46 +248,16 @@ def _silu_and_mul_kernel(
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0)
     if R_PAD > 0:  # the pending LoRA delta of slices gate (0) and up (1)
-        slot = tl.load(slots_ptr + row)
+        lora_slot = tl.load(lora_slots_ptr + row)
         h_row = h_ptr + row * stride_ht
         d_gate = lora_row_delta(
-            h_row,
-            b_ptr,
-            scalings_ptr,
-            slot,
-            0,
-            2,
-            max_rank,
-            cols,
-            mask,
-            stride_hl,
-            stride_hs,
-            stride_bl,
-            stride_bs,
-            stride_bo,
-            stride_br,
-            BLOCK,
-            R_PAD,
-        )
+            h_row, b_ptr, scalings_ptr, lora_slot, 0, 2, max_rank, cols, mask, stride_hl, stride_hs,
+            stride_bl, stride_bs, stride_bo, stride_br, BLOCK, R_PAD,
+        )  # fmt: skip
         d_up = lora_row_delta(
-            h_row,
-            b_ptr,
-            scalings_ptr,
-            slot,
-            1,
-            2,
-            max_rank,
-            cols,
-            mask,
-            stride_hl,
-            stride_hs,
-            stride_bl,
-            stride_bs,
-            stride_bo,
-            stride_br,
-            BLOCK,
-            R_PAD,
-        )
+            h_row, b_ptr, scalings_ptr, lora_slot, 1, 2, max_rank, cols, mask, stride_hl, stride_hs,
+            stride_bl, stride_bs, stride_bo, stride_br, BLOCK, R_PAD,
+        )  # fmt: skip
         gate = (gate.to(tl.float32) + d_gate).to(gate.dtype)
         up = (up.to(tl.float32) + d_up).to(up.dtype)
     up = up.to(tl.float32)
@@ -331,15 +275,7 @@ def silu_and_mul(x: torch.Tensor, delta: LoraDelta | None = None) -> torch.Tenso
     pdl = pdl_enabled(x.device)
     if x.shape[0] > 0:
         _silu_and_mul_kernel[(x.shape[0], triton.cdiv(d, block))](
-            x,
-            out,
-            x.stride(0),
-            out.stride(0),
-            d,
-            *delta_args(delta, x),
-            BLOCK=block,
-            R_PAD=rank_pad(delta),
-            PDL=pdl,
-            launch_pdl=pdl,
-        )
+            x, out, x.stride(0), out.stride(0), d, *delta_args(delta, x),
+            BLOCK=block, R_PAD=rank_pad(delta), PDL=pdl, launch_pdl=pdl,
+        )  # fmt: skip
     return out

@@ -18,14 +18,11 @@ LARGE_FILES = {
     "scheduler_proc/core/adapters.py": "the adapter registry and its version lifecycle (pins, on-demand marks)",
     "scheduler_proc/core/adapter_stats.py": "the fold of every adapter-related event into per-adapter figures",
     "scripts/bench_decode.py": "a benchmark script: its sweep, churn and report in one runnable file",
-    "kernels/fused.py": "three fused Triton kernels (RMSNorm, SiLU-and-mul, residual add) with their launchers",
 }
 LARGE_FUNCTIONS = {
     ("kernels/paged_attention.py", "paged_decode_attention"): "a Triton kernel body: splitting it costs registers",
     ("kernels/prefill_attention.py", "_prefill_kernel"): "a Triton kernel body: splitting it costs registers",
     ("kernels/paged_attention.py", "_decode_partition_kernel"): "a Triton kernel body: splitting it costs registers",
-    ("kernels/fused.py", "_rms_norm_kernel"): "a Triton kernel body: splitting it costs registers",
-    ("kernels/fused.py", "_silu_and_mul_kernel"): "a Triton kernel body: splitting it costs registers",
 }
 
 
