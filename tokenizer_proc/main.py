@@ -120,10 +120,10 @@ def load_config(path: str) -> EngineConfig:
         return EngineConfig.from_json(f.read())
 
 
-def load_tokenizer(model_dir: str) -> Any:
+def load_tokenizer(tokenizer_dir: str) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir)
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
 def send_ready(run_dir: str) -> None:
@@ -143,11 +143,12 @@ async def announce_when_listening(server: uvicorn.Server, run_dir: str) -> None:
             return
         await asyncio.sleep(0.02)
     send_ready(run_dir)
-    logger.info("tokenizer ready on http://%s:%d", server.config.host, server.config.port)
+    scheme = "https" if server.config.is_ssl else "http"
+    logger.info("tokenizer ready on %s://%s:%d", scheme, server.config.host, server.config.port)
 
 
 async def serve(config: EngineConfig) -> None:
-    tokenizer = load_tokenizer(config.model_dir)
+    tokenizer = load_tokenizer(config.tokenizer_dir)
     engine = EngineClient(config.run_dir)
     try:
         app = build_app(engine, tokenizer, config)  # its lifespan starts and closes the engine
@@ -159,8 +160,10 @@ async def serve(config: EngineConfig) -> None:
         port=config.port,
         loop="none",  # we already run on uvloop
         lifespan="on",
-        log_level="info",
+        log_level=config.uvicorn_log_level,
         timeout_graceful_shutdown=config.shutdown_timeout_s,  # type: ignore[arg-type]
+        ssl_keyfile=config.ssl_keyfile or None,
+        ssl_certfile=config.ssl_certfile or None,
     )
     server = Server(uv_config, engine, config.run_dir, config.shutdown_timeout_s)
     loop = asyncio.get_running_loop()
