@@ -56,7 +56,7 @@ def build_app(
         yield
         await engine.close()
 
-    app = FastAPI(title="ledgerserve", version=VERSION, lifespan=lifespan, root_path=config.root_path)
+    app = FastAPI(title="ledgerserve", version=VERSION, lifespan=lifespan)
     app.router.route_class = TextCheckedRoute  # every route added below refuses bodies that are not valid text
     _add_info_routes(app, served)
     add_generate_routes(app, served)
