@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 from pathlib import Path
 
 
@@ -41,8 +40,3 @@ def pickle_only(files: dict[str, bytes]) -> dict[str, bytes]:
     """The same checkpoint with its weights as pytorch_model.bin (the bytes are never read)."""
     kept = {name: data for name, data in files.items() if not name.endswith(".safetensors")}
     return {**kept, "pytorch_model.bin": b"\x80\x04not a real pickle"}
-
-
-def copy_dir(src: str, dst: Path) -> str:
-    shutil.copytree(src, dst)
-    return str(dst)

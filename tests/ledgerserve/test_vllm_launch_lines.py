@@ -69,6 +69,8 @@ LINES: list[tuple[str, dict[str, Any] | str]] = [
     (f"vllm serve {LLAMA} --max-lora 2", "error: unknown flag --max-lora; did you mean --max-loras"),
     (f"vllm serve {LLAMA} --ssl-keyfile key.pem", "error: --ssl-keyfile and --ssl-certfile go together"),
     (f"vllm serve {LLAMA} --allowed-origins https://a.example", "error: argument --allowed-origins: invalid"),
+    (f"vllm serve {LLAMA} --chat-template ./missing.jinja", "error: is neither a file nor a template"),
+    (f"vllm serve {LLAMA} --chat-template '{{% for %}}'", "error: --chat-template does not compile"),
     ("vllm serve meta-llama/Unknown-Model", "error: model 'meta-llama/Unknown-Model' (revision main) is not in"),
 ]
 NOTICES = {
