@@ -70,9 +70,9 @@ def resolve_config(args: argparse.Namespace, run_dir: str) -> EngineConfig:
     spec = _model_spec(args)
     model_dir = _demo_model_dir() if spec is None else _model_dir(spec, given)
     hf_config = _read_hf_config(model_dir)
-    modules = [parse_lora_module(spec) for spec in args.lora_modules]
+    modules = [parse_lora_module(entry) for entry in args.lora_modules]
     auto = _auto_settings(given, spec or model_dir, hf_config)
-    settings = {**given, **auto, **_sources(given, model_dir), "model_dir": model_dir, "run_dir": run_dir}
+    settings = {**given, **auto, **_resolved_paths(given, model_dir), "model_dir": model_dir, "run_dir": run_dir}
     settings.update(is_demo_model=spec is None, api_key_required=bool(api_key(args)))
     if modules:  # they imply --enable-lora
         settings.update(enable_lora=True, lora_modules=tuple((name, path) for name, path, _ in modules))
@@ -96,8 +96,9 @@ def _model_dir(spec: str, given: dict[str, Any]) -> str:
     return model_dir
 
 
-def _sources(given: dict[str, Any], model_dir: str) -> dict[str, str]:
-    """The tokenizer's directory, the chat template's file made absolute, the cache's directory."""
+def _resolved_paths(given: dict[str, Any], model_dir: str) -> dict[str, str]:
+    """The tokenizer's directory, the chat template's file made absolute, the cache's directory;
+    the TLS files must exist."""
     sources = {}
     if given.get("tokenizer"):
         revision, download_dir = given.get("tokenizer_revision", ""), given.get("download_dir", "")
@@ -131,7 +132,7 @@ def _auto_settings(given: dict[str, Any], model: str, hf_config: dict) -> dict[s
     if max_model_len > max_pos:
         raise ValueError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings {max_pos}")
     max_loras = given.get("max_loras", default_of("max_loras"))
-    names = given.get("served_model_name") or (_default_served_name(model),)
+    names = tuple(dict.fromkeys(given.get("served_model_name") or (_default_served_name(model),)))
     auto = {
         "served_model_name": names[0],
         "served_model_aliases": tuple(names[1:]),

@@ -68,9 +68,12 @@ def _snapshot(repo_id: str, revision: str, cache_dir: str, what: str) -> str:
             local_files_only=offline,
         )
     except LocalEntryNotFoundError:
-        why = "HF_HUB_OFFLINE=1 is set" if offline else "the Hugging Face Hub could not be reached"
+        if offline:
+            why, todo = "HF_HUB_OFFLINE=1 is set", f"run without HF_HUB_OFFLINE or {fetch}"
+        else:
+            why, todo = "the Hugging Face Hub could not be reached", f"check the network, or run {fetch} where it is"
         raise ModelSourceError(
-            f"{at} is not in the cache at {cache_dir} and {why}; run without HF_HUB_OFFLINE or {fetch} "
+            f"{at} is not in the cache at {cache_dir} and {why}; {todo} "
             "(with --download-dir DIR if you keep models elsewhere), or give a local directory"
         ) from None
     except GatedRepoError:
