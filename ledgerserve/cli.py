@@ -8,7 +8,7 @@ import dataclasses
 import difflib
 import sys
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,10 +102,23 @@ def _add_setting(parser: argparse.ArgumentParser, f: dataclasses.Field, hint: An
     else:
         choices = _choices(f) or None  # shown as the metavar when there are choices
         metavar = None if choices else flag_of(f)[2:].upper().replace("-", "_")
-        options.update(type=flag.parse or _value_type(hint), choices=choices, metavar=metavar, nargs=flag.nargs)
+        value_type = _saying_why(flag.parse) if flag.parse else _value_type(hint)
+        options.update(type=value_type, choices=choices, metavar=metavar, nargs=flag.nargs)
         if typing.get_origin(hint) is tuple and flag.repeat:
             options["action"] = "append"
     parser.add_argument(flag_of(f), *flag.aliases, **options)
+
+
+def _saying_why(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`parse` whose ValueError reaches the user: argparse shows an ArgumentTypeError's message."""
+
+    def parse_text(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse_text
 
 
 def _choices(f: dataclasses.Field) -> tuple[str, ...]:
