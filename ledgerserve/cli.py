@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import sys
 import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ledgerserve.shared.config import EngineConfig, Flag, GiB, MiB
@@ -14,9 +17,63 @@ from ledgerserve.shared.config import EngineConfig, Flag, GiB, MiB
 AUTO = "auto"  # an auto setting's flag with choices given this value is as if not given
 
 
+@dataclass(frozen=True)
+class VllmFlag:
+    """A vLLM flag with no setting here: `notice` (accepted; start-up logs `reason` once) or
+    `refuse` (start-up fails with `reason`), unless its value is one of `fine_values`."""
+
+    flag: str
+    action: str
+    reason: str
+    takes_value: bool = False
+    fine_values: tuple[str, ...] = ()
+
+
+VLLM_FLAGS = (
+    VllmFlag(
+        "--trust-remote-code",
+        "notice",
+        "remote code is never run: only the built-in Llama-family architectures are served",
+    ),
+    VllmFlag(
+        "--disable-log-requests",
+        "notice",
+        "request contents are never logged; the access log (--uvicorn-log-level) has one line per request",
+    ),
+    VllmFlag(
+        "--enable-log-requests",
+        "notice",
+        "request contents are never logged; the access log (--uvicorn-log-level) has one line per request",
+    ),
+    VllmFlag("--enable-prefix-caching", "notice", "the prefix cache is always on"),
+    VllmFlag(
+        "--no-enable-prefix-caching",
+        "refuse",
+        "the prefix cache cannot be turned off: the KV cache is the prefix cache (one radix tree per adapter version)",
+    ),
+    VllmFlag("--enable-lora-bias", "refuse", "LoRA adapters with biases are not supported"),
+    VllmFlag(
+        "--fully-sharded-loras",
+        "notice",
+        "every rank computes the whole model and its adapters, so no LoRA is sharded; the flag has no effect",
+    ),
+    VllmFlag(
+        "--quantization", "refuse", "quantized checkpoints are not supported: weights load as --dtype", takes_value=True
+    ),
+    VllmFlag(
+        "--kv-cache-dtype",
+        "refuse",
+        "the KV cache is kept in the model dtype; fp8 KV is not supported",
+        takes_value=True,
+        fine_values=("auto",),
+    ),
+)
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add_settings(parser, EngineConfig)
     _add_other_args(parser)
+    _add_vllm_flags(parser)
 
 
 def add_settings(parser: argparse.ArgumentParser, config_type: type) -> None:
@@ -45,10 +102,23 @@ def _add_setting(parser: argparse.ArgumentParser, f: dataclasses.Field, hint: An
     else:
         choices = _choices(f) or None  # shown as the metavar when there are choices
         metavar = None if choices else flag_of(f)[2:].upper().replace("-", "_")
-        options.update(type=flag.parse or _value_type(hint), choices=choices, metavar=metavar)
-        if typing.get_origin(hint) is tuple:
+        value_type = _saying_why(flag.parse) if flag.parse else _value_type(hint)
+        options.update(type=value_type, choices=choices, metavar=metavar, nargs=flag.nargs)
+        if typing.get_origin(hint) is tuple and flag.repeat:
             options["action"] = "append"
     parser.add_argument(flag_of(f), *flag.aliases, **options)
+
+
+def _saying_why(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`parse` whose ValueError reaches the user: argparse shows an ArgumentTypeError's message."""
+
+    def parse_text(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse_text
 
 
 def _choices(f: dataclasses.Field) -> tuple[str, ...]:
@@ -64,10 +134,38 @@ def _help(f: dataclasses.Field) -> str:
 def _add_other_args(parser: argparse.ArgumentParser) -> None:
     """The arguments that are not one EngineConfig field each."""
     add = parser.add_argument
-    add("model_dir", nargs="?", default=None, help="local HF checkpoint directory (default: the demo model)")
+    model = "a local checkpoint directory or a Hugging Face id ORG/NAME (default: the demo model)"
+    add("model_dir", nargs="?", default=None, metavar="MODEL", help=model)
+    add("--model", dest="model", default=None, help="MODEL as a flag, as vLLM takes it")
     add("--api-key", default=None, help="require this Bearer key on every /v1 route (or set LEDGERSERVE_API_KEY)")
     modules = 'adapters loaded at start-up (trusted): NAME=PATH or JSON {"name": ..., "path": ..., "pinned": false}'
     add("--lora-modules", nargs="+", default=[], metavar="NAME=PATH", help=modules)
+
+
+def _add_vllm_flags(parser: argparse.ArgumentParser) -> None:
+    """VLLM_FLAGS, in a group of their own."""
+    group = parser.add_argument_group("vLLM flags with no setting here (accepted with a notice, or refused)")
+    for vf in VLLM_FLAGS:
+        kind = {"metavar": "VALUE", "default": None} if vf.takes_value else {"action": "store_true"}
+        group.add_argument(vf.flag, dest=_vllm_dest(vf), help=f"{vf.action}: {vf.reason}".replace("%", "%%"), **kind)
+
+
+def _vllm_dest(vf: VllmFlag) -> str:
+    return "vllm_" + vf.flag[2:].replace("-", "_")
+
+
+def vllm_flag_notices(args: argparse.Namespace) -> list[str]:
+    """One notice per accepted VLLM_FLAGS flag given; ValueError naming the first refused one."""
+    notices = []
+    for vf in VLLM_FLAGS:
+        value = getattr(args, _vllm_dest(vf), None)
+        if value in (None, False) or value in vf.fine_values:
+            continue
+        given = f"{vf.flag} {value}" if vf.takes_value else vf.flag
+        if vf.action == "refuse":
+            raise ValueError(f"{given} is refused: {vf.reason}")
+        notices.append(f"{given}: {vf.reason}")
+    return notices
 
 
 def given_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -103,9 +201,38 @@ def _value_type(hint: Any) -> type:
     return args[0] if args else hint
 
 
+class Parser(argparse.ArgumentParser):
+    """No prefix abbreviations (`--max-lora` is not `--max-loras`); an unknown flag is an error
+    that names the closest known ones."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            self.error(unknown_flag_message(unknown, self._flag_names()))
+        return parsed
+
+    def _flag_names(self) -> list[str]:
+        parsers = [self]
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                parsers += list(action.choices.values())
+        return [flag for p in parsers for a in p._actions for flag in a.option_strings]
+
+
+def unknown_flag_message(unknown: list[str], known: list[str]) -> str:
+    flags = [arg for arg in unknown if arg.startswith("-")] or unknown
+    flag = flags[0].split("=", 1)[0]
+    close = difflib.get_close_matches(flag, known, n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(close)}?" if close else ""
+    return f"unrecognized arguments: {' '.join(unknown)} (unknown flag {flag}{hint})"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ledgerserve")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = Parser(prog="ledgerserve")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     add_serve_args(sub.add_parser("serve", help="start the server (launcher, tokenizer, scheduler, workers)"))
     sub.add_parser("replay", help="replay and verify an event log", add_help=False)
     return parser

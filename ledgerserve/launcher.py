@@ -12,7 +12,8 @@ import sys
 import time
 from typing import Any
 
-from ledgerserve.cli import given_settings
+from ledgerserve import model_source
+from ledgerserve.cli import given_settings, vllm_flag_notices
 from ledgerserve.process_group import Child, ProcessGroup
 from ledgerserve.shared import env, ipc
 from ledgerserve.shared.config import DEFAULT_EVENT_LOG_DIR, EngineConfig, cuda_defaults, default_of
@@ -34,7 +35,7 @@ def serve(args: argparse.Namespace) -> int:
 def _serve_in(args: argparse.Namespace, run_dir: str, started: float) -> int:
     try:
         config = resolve_config(args, run_dir)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         print(f"ledgerserve: error: {e}", file=sys.stderr)
         return 2
     if config.is_demo_model:
@@ -62,29 +63,79 @@ def children(config: EngineConfig, key: str = "") -> list[Child]:
 
 def resolve_config(args: argparse.Namespace, run_dir: str) -> EngineConfig:
     """The flags' settings, the auto ones no flag gave resolved for this machine and checkpoint;
-    every other field keeps its EngineConfig default."""
-    is_demo = args.model_dir is None
-    model_dir = _demo_model_dir() if is_demo else os.path.abspath(args.model_dir)
-    hf_config = _read_hf_config(model_dir)
-    modules = [parse_lora_module(spec) for spec in args.lora_modules]
+    every other field keeps its EngineConfig default. Logs one line per vLLM flag accepted with a notice."""
+    for notice in vllm_flag_notices(args):
+        log.info("%s", notice)
     given = given_settings(args)
-    settings = {**given, **_auto_settings(given, model_dir, hf_config), "model_dir": model_dir, "run_dir": run_dir}
-    settings.update(is_demo_model=is_demo, api_key_required=bool(api_key(args)))
+    spec = _model_spec(args)
+    model_dir = _demo_model_dir() if spec is None else _model_dir(spec, given)
+    hf_config = _read_hf_config(model_dir)
+    modules = [parse_lora_module(entry) for entry in args.lora_modules]
+    auto = _auto_settings(given, spec or model_dir, hf_config)
+    settings = {**given, **auto, **_resolved_paths(given, model_dir), "model_dir": model_dir, "run_dir": run_dir}
+    settings.update(is_demo_model=spec is None, api_key_required=bool(api_key(args)))
     if modules:  # they imply --enable-lora
         settings.update(enable_lora=True, lora_modules=tuple((name, path) for name, path, _ in modules))
         settings["pinned_lora_modules"] = tuple(name for name, _, pinned in modules if pinned)
     return EngineConfig(**settings)
 
 
-def _auto_settings(given: dict[str, Any], model_dir: str, hf_config: dict) -> dict[str, Any]:
+def _model_spec(args: argparse.Namespace) -> str | None:
+    """MODEL, given as the argument or as --model (vLLM takes both); None: the demo model."""
+    if args.model_dir and args.model and args.model_dir != args.model:
+        raise ValueError(f"two models given: {args.model_dir!r} and --model {args.model!r}")
+    return args.model_dir or args.model
+
+
+def _model_dir(spec: str, given: dict[str, Any]) -> str:
+    """The directory of MODEL: a local directory, or a Hugging Face id's snapshot with safetensors weights."""
+    revision = given.get("revision", "")
+    model_dir = model_source.resolve(spec, revision, given.get("download_dir", ""))
+    if given.get("load_format") != "dummy" and not os.path.isdir(spec):
+        model_source.require_safetensors(model_dir, spec, revision)
+    return model_dir
+
+
+def _resolved_paths(given: dict[str, Any], model_dir: str) -> dict[str, str]:
+    """The tokenizer's directory, the chat template's file made absolute, the cache's directory;
+    the TLS files must exist."""
+    sources = {}
+    if given.get("tokenizer"):
+        revision, download_dir = given.get("tokenizer_revision", ""), given.get("download_dir", "")
+        sources["tokenizer"] = model_source.resolve(given["tokenizer"], revision, download_dir, what="tokenizer")
+    if given.get("chat_template"):
+        tokenizer_dir = sources.get("tokenizer", model_dir)
+        sources["chat_template"] = chat_template_source(given["chat_template"], tokenizer_dir)
+    for flag in ("ssl_keyfile", "ssl_certfile"):
+        if given.get(flag) and not os.path.isfile(given[flag]):
+            raise FileNotFoundError(f"--{flag.replace('_', '-')} {given[flag]}: no such file")
+    if given.get("download_dir"):
+        sources["download_dir"] = os.path.abspath(os.path.expanduser(given["download_dir"]))
+    return sources
+
+
+def chat_template_source(value: str, tokenizer_dir: str) -> str:
+    """--chat-template: an existing file (made absolute), else the template itself; one that
+    cannot be read or does not compile fails the start."""
+    from ledgerserve.tokenizer_proc.chat_template import ChatTemplate
+
+    if os.path.isfile(value):
+        value = os.path.abspath(value)
+    ChatTemplate.for_tokenizer(tokenizer_dir, value)
+    return value
+
+
+def _auto_settings(given: dict[str, Any], model: str, hf_config: dict) -> dict[str, Any]:
     """The auto settings: what a flag gave, else what this machine and checkpoint resolve."""
     max_pos = int(hf_config.get("max_position_embeddings", 2048))
     max_model_len = given.get("max_model_len", max_pos)
     if max_model_len > max_pos:
         raise ValueError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings {max_pos}")
     max_loras = given.get("max_loras", default_of("max_loras"))
+    names = tuple(dict.fromkeys(given.get("served_model_name") or (_default_served_name(model),)))
     auto = {
-        "served_model_name": given.get("served_model_name") or os.path.basename(model_dir.rstrip("/")),
+        "served_model_name": names[0],
+        "served_model_aliases": tuple(names[1:]),
         "max_model_len": max_model_len,
         "device": given.get("device") or _detected_device(),
         "event_log_dir": os.path.abspath(given.get("event_log_dir") or os.path.expanduser(DEFAULT_EVENT_LOG_DIR)),
@@ -93,6 +144,11 @@ def _auto_settings(given: dict[str, Any], model_dir: str, hf_config: dict) -> di
     if auto["device"] == "cuda":
         auto.update({name: value for name, value in cuda_defaults().items() if name not in given})
     return auto
+
+
+def _default_served_name(model: str) -> str:
+    """A directory's name, or a Hugging Face id as given (ORG/NAME), as vLLM names it."""
+    return os.path.basename(model.rstrip("/")) if os.path.isdir(model) else model
 
 
 def api_key(args: argparse.Namespace) -> str:

@@ -6,7 +6,9 @@ Facts found at start-up (KV capacity, vocab size) travel in WorkerReady, never h
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import re
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass
 from typing import Any
@@ -18,14 +20,16 @@ from ledgerserve.shared.adapter_files import is_inside
 DEFAULT_EVENT_LOG_DIR = "~/.cache/ledgerserve/events"
 MiB = 1024 * 1024
 GiB = 1024 * MiB
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 @dataclass(frozen=True)
 class Flag:
     """A field's flag: `name` (default `--` + the field's name, dashed) and `aliases`; its text
     becomes the value through `parse` (default: the field's type); a tuple field collects a repeated
-    flag. Not given, an `auto` setting is found at start-up (`auto` says how, `{default}` standing for
-    the default, which is the CPU's and what a config built in code gets); `on_cuda`: its CUDA value."""
+    flag (unless `repeat` is off). Not given, an `auto` setting is found at start-up (`auto` says
+    how, `{default}` standing for the default, which is the CPU's and what a config built in code
+    gets); `on_cuda`: its CUDA value."""
 
     help: str
     name: str = ""
@@ -34,6 +38,8 @@ class Flag:
     parse: Callable[[str], Any] | None = None
     auto: str = ""
     on_cuda: Any = None
+    nargs: str | None = None  # "+": the flag takes one or more values
+    repeat: bool = True  # False: a tuple field's `parse` gives the whole tuple from one flag
 
     @property
     def auto_text(self) -> str:
@@ -54,17 +60,67 @@ def _real_path(path: str) -> str:
     return os.path.realpath(path) if path else ""
 
 
+def human_readable_int(text: str) -> int:
+    """vLLM's rule: a plain int, or a number with a suffix: k, m, g, t decimal (1k = 1000, 25.6k
+    allowed), K, M, G, T binary (1K = 1024, whole numbers only)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", text.strip())
+    if match is None:
+        return int(text)
+    number, suffix = match.groups()
+    power = "kmgt".index(suffix.lower()) + 1
+    if suffix.islower():
+        return int(float(number) * 1000**power)
+    if not number.isdigit():
+        raise ValueError(f"{text!r}: no decimals with a binary suffix; did you mean {number}{suffix.lower()}?")
+    return int(number) * 1024**power
+
+
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's names
+
+
+def dtype_name(text: str) -> str:
+    return DTYPE_ALIASES.get(text, text)
+
+
+def json_str_list(text: str) -> tuple[str, ...]:
+    """A JSON list of strings, as vLLM takes --allowed-origins."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{text!r} is not a JSON list of strings, e.g. '[\"https://example.com\"]'")
+    return tuple(value)
+
+
+CORS_LIST: dict[str, Any] = {"parse": json_str_list, "repeat": False}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_dir: str = unflagged(set_by="the MODEL_DIR argument, else the demo model")
-    served_model_name: str = setting(help="the model id in the API", auto="the model directory's name")
-    max_model_len: int = setting(help="longest prompt + output", auto="the model's max_position_embeddings")
+    served_model_name: str = setting(
+        help="the model id in the API; more names are accepted too", auto="the model id as given", nargs="+"
+    )
+    max_model_len: int = setting(
+        help="longest prompt + output (32k = 32000, 32K = 32768)",
+        auto="the model's max_position_embeddings",
+        parse=human_readable_int,
+    )
     host: str = setting("127.0.0.1", "HTTP bind address")
     port: int = setting(8000, "HTTP port")
-    dtype: str = setting("float32", "model dtype", choices=("float32", "bfloat16", "float16"), on_cuda="bfloat16")
+    dtype: str = setting(
+        "float32",
+        "model dtype (also vLLM's half, float)",
+        choices=("float32", "bfloat16", "float16"),
+        parse=dtype_name,
+        on_cuda="bfloat16",
+    )
     device: str = setting("cpu", "where the model runs", choices=("cpu", "cuda"), auto="cuda when available, else cpu")
     max_num_seqs: int = setting(64, "requests in one step", on_cuda=256)
-    max_num_batched_tokens: int = setting(2048, "tokens in one step (the chunked-prefill budget)")
+    max_num_batched_tokens: int = setting(
+        2048, "tokens in one step (the chunked-prefill budget)", parse=human_readable_int
+    )
     block_size: int = setting(16, "tokens per KV block")
     num_kv_blocks: int | None = setting(None, "KV pool size; overrides --gpu-memory-utilization", auto="from memory")
     gpu_memory_utilization: float = setting(0.9, "share of GPU memory the worker may use")
@@ -72,7 +128,7 @@ class EngineConfig:
     seed: int = setting(0, "seed for the weights of dummy and for unseeded sampling")
     event_log_dir: str = setting("", "where the event log goes", auto=DEFAULT_EVENT_LOG_DIR)
     shutdown_timeout_s: float = setting(30.0, "seconds to finish requests on SIGTERM", name="--shutdown-timeout")
-    tensor_parallel_size: int = setting(1, "worker ranks")
+    tensor_parallel_size: int = setting(1, "worker ranks", aliases=("-tp",))
     run_dir: str = unflagged("", set_by="the launcher: the 0700 directory holding the ipc sockets")
     is_demo_model: bool = unflagged(False, set_by="the launcher: no MODEL_DIR given")
     enable_lora: bool = setting(False, "serve LoRA adapters (implied by --lora-modules)")
@@ -97,6 +153,29 @@ class EngineConfig:
     lora_resolve_dir: str = setting("", "load the adapter DIR/N for a request of unknown model N", parse=_real_path)
     max_on_demand_loras: int = setting(64, "adapters registered on demand at once (then LRU)")
     pinned_lora_modules: tuple[str, ...] = unflagged((), set_by="--lora-modules entries with pinned: true")
+    served_model_aliases: tuple[str, ...] = unflagged((), set_by="--served-model-name: its names after the first")
+    revision: str = setting("", "branch, tag or commit of a Hugging Face model id (none: main)")
+    tokenizer: str = setting("", "tokenizer directory or Hugging Face id", auto="the model's")
+    tokenizer_revision: str = setting("", "branch, tag or commit of a Hugging Face tokenizer id (none: main)")
+    download_dir: str = setting("", "Hugging Face cache for model ids (none: $HF_HUB_CACHE, else $HF_HOME/hub)")
+    chat_template: str = setting("", "a chat template file, or the template itself, instead of the tokenizer's")
+    uvicorn_log_level: str = setting("info", "uvicorn's log level", choices=UVICORN_LOG_LEVELS)
+    root_path: str = setting("", "the path prefix a proxy serves the API under (FastAPI root_path)")
+    allowed_origins: tuple[str, ...] = setting((), "CORS origins, a JSON list (none: no CORS)", **CORS_LIST)
+    allowed_methods: tuple[str, ...] = setting((), 'CORS methods, a JSON list (none: ["*"])', **CORS_LIST)
+    allowed_headers: tuple[str, ...] = setting((), 'CORS headers, a JSON list (none: ["*"])', **CORS_LIST)
+    allow_credentials: bool = setting(False, "CORS: allow credentials")
+    ssl_keyfile: str = setting("", "TLS private key file (HTTPS, with --ssl-certfile)", parse=_real_path)
+    ssl_certfile: str = setting("", "TLS certificate file (HTTPS, with --ssl-keyfile)", parse=_real_path)
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """Every name the API accepts for the base model, the one it reports first."""
+        return (self.served_model_name, *self.served_model_aliases)
+
+    @property
+    def tokenizer_dir(self) -> str:
+        return self.tokenizer or self.model_dir
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -144,6 +223,7 @@ def _validate(cfg: EngineConfig) -> None:
         (cfg.max_request_bytes >= 1024, "max_request_bytes must be >= 1024"),
         (cfg.max_n >= 1, "max_n must be >= 1"),
         (cfg.max_waiting_requests >= 1, "max_waiting_requests must be >= 1"),
+        (bool(cfg.ssl_keyfile) == bool(cfg.ssl_certfile), "--ssl-keyfile and --ssl-certfile go together"),
         (cfg.max_on_demand_loras >= 1, f"max_on_demand_loras must be >= 1, got {cfg.max_on_demand_loras}"),
         (
             not cfg.lora_resolve_dir or is_inside(os.path.realpath(cfg.lora_resolve_dir), cfg.lora_allowed_dirs),

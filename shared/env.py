@@ -63,3 +63,21 @@ def fault_token_id() -> int | None:
         return int(value)
     except ValueError:
         raise ValueError(f"{FAULT_TOKEN_ID}={value!r} is not an integer") from None
+
+
+HF_HUB_OFFLINE = "HF_HUB_OFFLINE"  # "1": model ids resolve from the Hugging Face cache only
+HF_HUB_CACHE = "HF_HUB_CACHE"  # the Hugging Face cache directory ...
+HF_HOME = "HF_HOME"  # ... else HF_HOME/hub, else ~/.cache/huggingface/hub
+
+
+def hf_hub_offline() -> bool:
+    """HF_HUB_OFFLINE as huggingface_hub reads it: 1, true, yes or on (any case)."""
+    return os.environ.get(HF_HUB_OFFLINE, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def hf_hub_cache() -> str:
+    """The Hugging Face cache directory, read at each call (huggingface_hub reads it once, at import)."""
+    if os.environ.get(HF_HUB_CACHE):
+        return os.path.expanduser(os.environ[HF_HUB_CACHE])
+    home = os.environ.get(HF_HOME) or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+    return os.path.join(os.path.expanduser(home), "hub")

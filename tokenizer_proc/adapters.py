@@ -69,7 +69,7 @@ def check_name(name: str, config: EngineConfig) -> None:
         raise ApiError(
             400, "lora_name must not hold control characters, line separators or lone surrogates.", "lora_name"
         )
-    if name == config.served_model_name:
+    if name in config.served_model_names:
         raise ApiError(400, f"lora_name `{name}` is the base model's name.", "lora_name")
 
 
@@ -108,11 +108,12 @@ def validate(path: str, base: BaseShapes, config: EngineConfig) -> AdapterManife
 def model_cards(
     config: EngineConfig, registry: AdapterRegistry, created: int, rows: dict[str, AdapterRow] | None = None
 ) -> list[dict[str, Any]]:
-    """The base model's card, then each adapter's with `pinned` and `location` (gpu, cpu or disk)
-    from its latest row; an adapter the scheduler has sent no row for yet is on disk."""
-    base = _card(config.served_model_name, config.model_dir, None, config, created)
+    """The base model's cards (one per served name, the first first), then each adapter's with
+    `pinned` and `location` (gpu, cpu or disk) from its latest row; an adapter the scheduler has
+    sent no row for yet is on disk."""
+    base = [_card(name, config.model_dir, None, config, created) for name in config.served_model_names]
     rows = rows or {}
-    return [base] + [
+    return base + [
         {
             **_card(a.name, a.path, config.served_model_name, config, created),
             "pinned": a.pinned,

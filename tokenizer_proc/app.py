@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Response
+from fastapi.middleware.cors import CORSMiddleware
 
 from ledgerserve.shared.adapter_format import BaseShapes
 from ledgerserve.shared.config import EngineConfig
@@ -39,7 +40,7 @@ def build_app(
     """Raises StartupAdapterError if a `--lora-modules` adapter is refused, and StartupRefused
     if an API key is required but LEDGERSERVE_API_KEY is empty."""
     api_key = api_key_from_env(config.api_key_required)
-    template = chat_template if chat_template is not None else ChatTemplate.from_model_dir(config.model_dir)
+    template = chat_template if chat_template is not None else _chat_template(config)
     base = adapters.load_base_shapes(config.model_dir) if config.enable_lora else None
     served = _served(engine, tokenizer, config, template, base)
     startup = validate_startup_adapters(config, base)
@@ -84,11 +85,24 @@ def _served(
 
 
 def _add_middleware(app: FastAPI, config: EngineConfig, api_key: str | None) -> None:
-    """OpenAI-shaped errors for every failure, the request-body limit, and the API key."""
+    """OpenAI-shaped errors for every failure, the request-body limit, the API key and CORS."""
     install_error_handlers(app, secret_paths=(config.model_dir, config.run_dir))
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
     if api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)  # outermost: checked first
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    if config.allowed_origins:  # outermost: preflights are answered, and a 401 carries the CORS headers too
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.allowed_origins),
+            allow_methods=list(config.allowed_methods or ("*",)),
+            allow_headers=list(config.allowed_headers or ("*",)),
+            allow_credentials=config.allow_credentials,
+        )
+
+
+def _chat_template(config: EngineConfig) -> ChatTemplate | None:
+    """--chat-template, else the tokenizer's own."""
+    return ChatTemplate.for_tokenizer(config.tokenizer_dir, config.chat_template)
 
 
 def _add_info_routes(app: FastAPI, served: Served) -> None:

@@ -1,12 +1,14 @@
 """The model's chat template, rendered in a jinja2 immutable sandbox.
 
-Only the template shipped with the model (tokenizer_config.json, or chat_template.jinja
-beside it) is ever rendered; templates supplied by a request are refused upstream.
+Only the template shipped with the tokenizer (tokenizer_config.json, or chat_template.jinja
+beside it), or the one the server was started with (--chat-template), is ever rendered;
+templates supplied by a request are refused upstream.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -58,6 +60,20 @@ class ChatTemplate:
             return None
         return cls(source, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
 
+    @classmethod
+    def for_tokenizer(cls, tokenizer_dir: str, override: str = "") -> ChatTemplate | None:
+        """The tokenizer's template, or `override` (--chat-template: a file, or the template itself)
+        in its place; ValueError if the override cannot be read or does not compile."""
+        if not override:
+            return cls.from_model_dir(tokenizer_dir)
+        config = _read_tokenizer_config(Path(tokenizer_dir))
+        try:
+            return cls(
+                read_override(override), _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
+            )
+        except TemplateError as exc:
+            raise ValueError(f"--chat-template does not compile: {exc}") from None
+
     def render(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -95,6 +111,19 @@ def _within_budget(chunks: Iterator[str], max_chars: int, max_seconds: float) ->
         if time.monotonic() > deadline:
             raise ChatTemplateError(f"rendering the chat template took longer than {max_seconds:g} s")
     return "".join(parts)
+
+
+def read_override(value: str) -> str:
+    """--chat-template's text: the file `value` names, else `value` itself when it reads as a
+    template (it holds `{`, `}` or a newline), as vLLM takes it."""
+    if os.path.isfile(value):
+        try:
+            return Path(value).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--chat-template {value!r} cannot be read: {exc}") from None
+    if any(ch in value for ch in "{}\n"):
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a template (a template holds {{ or }})")
 
 
 def _read_tokenizer_config(model_dir: Path) -> dict[str, Any]:

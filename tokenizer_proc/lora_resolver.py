@@ -70,7 +70,7 @@ class LoraResolver:
         return info
 
     async def _by_model(self, model: str) -> str | None:
-        if model == self.config.served_model_name:
+        if model in self.config.served_model_names:
             return None
         info = self.registry.get(model) if self.config.enable_lora else None
         if info is not None:

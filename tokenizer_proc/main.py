@@ -120,10 +120,10 @@ def load_config(path: str) -> EngineConfig:
         return EngineConfig.from_json(f.read())
 
 
-def load_tokenizer(model_dir: str) -> Any:
+def load_tokenizer(tokenizer_dir: str) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir)
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
 def send_ready(run_dir: str) -> None:
@@ -143,25 +143,34 @@ async def announce_when_listening(server: uvicorn.Server, run_dir: str) -> None:
             return
         await asyncio.sleep(0.02)
     send_ready(run_dir)
-    logger.info("tokenizer ready on http://%s:%d", server.config.host, server.config.port)
+    scheme = "https" if server.config.is_ssl else "http"
+    logger.info("tokenizer ready on %s://%s:%d", scheme, server.config.host, server.config.port)
 
 
-async def serve(config: EngineConfig) -> None:
-    tokenizer = load_tokenizer(config.model_dir)
-    engine = EngineClient(config.run_dir)
-    try:
-        app = build_app(engine, tokenizer, config)  # its lifespan starts and closes the engine
-    except (StartupAdapterError, StartupRefused) as e:
-        raise SystemExit(f"tokenizer: {e}") from None
-    uv_config = uvicorn.Config(
+def uvicorn_config(app: Any, config: EngineConfig) -> uvicorn.Config:
+    """uvicorn's settings: the bind address, log level, root path (behind a proxy) and TLS."""
+    return uvicorn.Config(
         app,
         host=config.host,
         port=config.port,
         loop="none",  # we already run on uvloop
         lifespan="on",
-        log_level="info",
+        log_level=config.uvicorn_log_level,
         timeout_graceful_shutdown=config.shutdown_timeout_s,  # type: ignore[arg-type]
+        root_path=config.root_path,
+        ssl_keyfile=config.ssl_keyfile or None,
+        ssl_certfile=config.ssl_certfile or None,
     )
+
+
+async def serve(config: EngineConfig) -> None:
+    tokenizer = load_tokenizer(config.tokenizer_dir)
+    engine = EngineClient(config.run_dir)
+    try:
+        app = build_app(engine, tokenizer, config)  # its lifespan starts and closes the engine
+    except (StartupAdapterError, StartupRefused) as e:
+        raise SystemExit(f"tokenizer: {e}") from None
+    uv_config = uvicorn_config(app, config)
     server = Server(uv_config, engine, config.run_dir, config.shutdown_timeout_s)
     loop = asyncio.get_running_loop()
 

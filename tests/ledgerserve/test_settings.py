@@ -14,15 +14,32 @@ from pathlib import Path
 import pytest
 
 from ledgerserve import launcher
-from ledgerserve.cli import add_serve_args, add_settings, build_parser, flag_of, flagged_fields, shown_default
+from ledgerserve.cli import (
+    VLLM_FLAGS,
+    add_serve_args,
+    add_settings,
+    build_parser,
+    flag_of,
+    flagged_fields,
+    shown_default,
+)
 from ledgerserve.launcher import resolve_config
 from ledgerserve.scheduler_proc.core import CoreConfig
 from ledgerserve.shared.config import EngineConfig, setting
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
-SET_BY_LAUNCHER = {"model_dir", "run_dir", "is_demo_model", "api_key_required", "lora_modules", "pinned_lora_modules"}
-OTHER_ARGS = {"model_dir", "--api-key", "--lora-modules"}  # declared by hand in cli.py, not one field each
+SET_BY_LAUNCHER = {
+    "model_dir",
+    "run_dir",
+    "is_demo_model",
+    "api_key_required",
+    "lora_modules",
+    "pinned_lora_modules",
+    "served_model_aliases",
+}
+OTHER_ARGS = {"model_dir", "--model", "--api-key", "--lora-modules"}  # declared by hand in cli.py, not one field each
+VLLM_ONLY = {vf.flag for vf in VLLM_FLAGS}  # accepted with a notice or refused: no field
 
 
 def _serve_parser() -> argparse.ArgumentParser:
@@ -56,7 +73,7 @@ def test_every_field_has_a_flag_or_says_what_sets_it():
         assert FIELDS[name].metadata["set_by"] and "flag" not in FIELDS[name].metadata
     options = {a.option_strings[0] if a.option_strings else a.dest: a.dest for a in _serve_parser()._actions}
     assert {flag_of(FIELDS[name]): name for name in flagged} == {
-        flag: dest for flag, dest in options.items() if flag not in OTHER_ARGS | {"-h"}
+        flag: dest for flag, dest in options.items() if flag not in OTHER_ARGS | VLLM_ONLY | {"-h"}
     }
     assert flag_of(FIELDS["shutdown_timeout_s"]) == "--shutdown-timeout"  # a flag named apart from its field
     assert flag_of(FIELDS["lora_allowed_dirs"]) == "--lora-allowed-dir"
@@ -112,6 +129,7 @@ def test_bare_serve_resolves_to_the_dataclass_defaults(model_dir, monkeypatch, o
         "num_kv_blocks",
         "event_log_dir",
         "max_cpu_loras",
+        "tokenizer",
     }
     for name, f in FIELDS.items():
         if name not in auto | {"model_dir", "run_dir", "is_demo_model"}:
@@ -226,9 +244,13 @@ def readme_flag_rows(text: str) -> dict[str, str]:
 
 
 def test_readme_flag_table_matches_the_parser():
-    rows = readme_flag_rows(README.read_text())
+    text = README.read_text()
+    rows = readme_flag_rows(text)
     parser_flags = {a.option_strings[0] for a in _serve_parser()._actions if a.option_strings} - {"-h"}
-    assert set(rows) == parser_flags | {"MODEL_DIR"}
+    assert set(rows) == parser_flags - VLLM_ONLY | {"MODEL"}
+    vllm_section = text.split("## Coming from vLLM", 1)[1].split("\n## ", 1)[0]
+    for flag in VLLM_ONLY:  # the flags with no setting are listed where vLLM users look
+        assert f"`{flag}" in vllm_section, flag
     for f in flagged_fields():
         if not f.metadata["flag"].auto_text:
             assert rows[flag_of(f)] == shown_default(f), flag_of(f)
