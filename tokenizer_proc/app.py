@@ -22,12 +22,13 @@ from ledgerserve.tokenizer_proc.adapter_routes import (
 )
 from ledgerserve.tokenizer_proc.chat_template import ChatTemplate
 from ledgerserve.tokenizer_proc.engine_client import EngineClientBase
-from ledgerserve.tokenizer_proc.errors import error_response, install_error_handlers
+from ledgerserve.tokenizer_proc.errors import ApiError, error_response, install_error_handlers
 from ledgerserve.tokenizer_proc.generate_routes import Served, add_generate_routes
 from ledgerserve.tokenizer_proc.lora_resolver import LoraResolver
 from ledgerserve.tokenizer_proc.metrics import CONTENT_TYPE_LATEST, Metrics
 from ledgerserve.tokenizer_proc.security import ApiKeyMiddleware, BodyLimitMiddleware, api_key_from_env
 from ledgerserve.tokenizer_proc.text_check import TextCheckedRoute
+from ledgerserve.tokenizer_proc.tokenize_routes import add_tokenize_routes
 
 VERSION = "0.1.0"
 logger = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ def build_app(
     app.router.route_class = TextCheckedRoute  # every route added below refuses bodies that are not valid text
     _add_info_routes(app, served)
     add_generate_routes(app, served)
+    add_tokenize_routes(app, served)
     add_adapter_routes(app, engine, config, base)
     _add_middleware(app, config, api_key)
     return app
@@ -99,6 +101,8 @@ def _add_info_routes(app: FastAPI, served: Served) -> None:
             return Response(status_code=200)
         return error_response(503, reason or "the engine is not ready")
 
+    app.add_api_route("/ping", health, methods=["GET", "POST"], include_in_schema=False)  # vLLM's /health alias
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(served.metrics.render(served.engine), media_type=CONTENT_TYPE_LATEST)
@@ -111,3 +115,11 @@ def _add_info_routes(app: FastAPI, served: Served) -> None:
     async def models() -> dict[str, Any]:
         cards = adapters.model_cards(served.config, served.adapters, served.created, served.engine.adapter_rows)
         return {"object": "list", "data": cards}
+
+    @app.get("/v1/models/{model_id:path}")  # an adapter's id may hold `/`
+    async def model(model_id: str) -> dict[str, Any]:
+        cards = adapters.model_cards(served.config, served.adapters, served.created, served.engine.adapter_rows)
+        for card in cards:
+            if card["id"] == model_id:
+                return card
+        raise ApiError(404, f"The model `{model_id}` does not exist.", "model")

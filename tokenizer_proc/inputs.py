@@ -9,7 +9,13 @@ from typing import Any
 
 from ledgerserve.shared.sampling import SamplingParams
 from ledgerserve.tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError, render_char_budget
-from ledgerserve.tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest, InvalidParam, SamplingFields
+from ledgerserve.tokenizer_proc.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    InvalidParam,
+    SamplingFields,
+    TokenizeChatRequest,
+)
 
 # text longer than this is tokenized on a worker thread (the tokenizer releases the GIL), so a
 # long prompt never stalls the event loop; shorter text is cheaper to tokenize in place
@@ -27,20 +33,34 @@ def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
-async def completion_prompt_ids(req: CompletionRequest, tokenizer: Any, max_model_len: int) -> list[int]:
-    prompt = req.single_prompt()
+async def completion_prompt_ids(req: CompletionRequest, tokenizer: Any, max_model_len: int) -> list[list[int]]:
+    """Each of the request's prompts as token ids."""
+    return [await _prompt_ids(prompt, tokenizer, max_model_len) for prompt in req.prompts()]
+
+
+async def _prompt_ids(prompt: str | list[int], tokenizer: Any, max_model_len: int) -> list[int]:
     if isinstance(prompt, str):
-        budget = render_char_budget(max_model_len)
-        if len(prompt) > budget:  # far past max_model_len tokens: refuse before tokenizing
-            raise InvalidParam(f"the prompt is longer than {budget} characters", "prompt")
-        return await encode(tokenizer, prompt, add_special_tokens=True)
+        return await text_prompt_ids(prompt, tokenizer, max_model_len, add_special_tokens=True)
     check_token_ids(prompt, len(tokenizer), "prompt")
     return list(prompt)
 
 
+async def text_prompt_ids(text: str, tokenizer: Any, max_model_len: int, add_special_tokens: bool) -> list[int]:
+    budget = render_char_budget(max_model_len)
+    if len(text) > budget:  # far past max_model_len tokens: refuse before tokenizing
+        raise InvalidParam(f"the prompt is longer than {budget} characters", "prompt")
+    return await encode(tokenizer, text, add_special_tokens)
+
+
 async def chat_prompt_ids(
-    req: ChatCompletionRequest, tokenizer: Any, template: ChatTemplate | None, max_model_len: int
+    req: ChatCompletionRequest | TokenizeChatRequest,
+    tokenizer: Any,
+    template: ChatTemplate | None,
+    max_model_len: int,
+    add_special_tokens: bool = False,
 ) -> list[int]:
+    """The rendered chat's token ids; the template writes any BOS/special tokens as text, so none
+    are added unless `add_special_tokens` (a /tokenize request may ask)."""
     if template is None:
         raise InvalidParam("this model has no chat template; use /v1/completions", "messages")
     messages = [_message_dict(m) for m in req.messages]
@@ -50,8 +70,7 @@ async def chat_prompt_ids(
         )
     except ChatTemplateError as exc:
         raise InvalidParam(str(exc), "messages") from exc
-    # The template already wrote any BOS/special tokens as text.
-    return await encode(tokenizer, text, add_special_tokens=False)
+    return await encode(tokenizer, text, add_special_tokens)
 
 
 def _message_dict(message: Any) -> dict[str, Any]:
