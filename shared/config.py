@@ -54,6 +54,11 @@ def _real_path(path: str) -> str:
     return os.path.realpath(path) if path else ""
 
 
+def _generation_config_source(text: str) -> str:
+    """`auto`, `vllm`, or a directory (made absolute: the HTTP process may run elsewhere)."""
+    return text if text in ("auto", "vllm") else os.path.realpath(text)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_dir: str = unflagged(set_by="the MODEL_DIR argument, else the demo model")
@@ -97,6 +102,11 @@ class EngineConfig:
     lora_resolve_dir: str = setting("", "load the adapter DIR/N for a request of unknown model N", parse=_real_path)
     max_on_demand_loras: int = setting(64, "adapters registered on demand at once (then LRU)")
     pinned_lora_modules: tuple[str, ...] = unflagged((), set_by="--lora-modules entries with pinned: true")
+    generation_config: str = setting(
+        "auto",
+        "sampling defaults: auto (the model's generation_config.json), vllm (none) or a DIR holding one",
+        parse=_generation_config_source,
+    )
 
     def __post_init__(self) -> None:
         _validate(self)

@@ -24,6 +24,7 @@ from ledgerserve.tokenizer_proc.chat_template import ChatTemplate
 from ledgerserve.tokenizer_proc.engine_client import EngineClientBase
 from ledgerserve.tokenizer_proc.errors import ApiError, error_response, install_error_handlers
 from ledgerserve.tokenizer_proc.generate_routes import Served, add_generate_routes
+from ledgerserve.tokenizer_proc.generation_defaults import load_defaults, log_defaults
 from ledgerserve.tokenizer_proc.lora_resolver import LoraResolver
 from ledgerserve.tokenizer_proc.metrics import CONTENT_TYPE_LATEST, Metrics
 from ledgerserve.tokenizer_proc.security import ApiKeyMiddleware, BodyLimitMiddleware, api_key_from_env
@@ -38,7 +39,8 @@ def build_app(
     engine: EngineClientBase, tokenizer: Any, config: EngineConfig, chat_template: ChatTemplate | None = None
 ) -> FastAPI:
     """Raises StartupAdapterError if a `--lora-modules` adapter is refused, and StartupRefused
-    if an API key is required but LEDGERSERVE_API_KEY is empty."""
+    if an API key is required but LEDGERSERVE_API_KEY is empty or the `--generation-config`
+    file is unreadable or invalid (GenerationConfigError)."""
     api_key = api_key_from_env(config.api_key_required)
     template = chat_template if chat_template is not None else ChatTemplate.from_model_dir(config.model_dir)
     base = adapters.load_base_shapes(config.model_dir) if config.enable_lora else None
@@ -73,7 +75,11 @@ def _served(
     registry = adapters.AdapterRegistry()
     resolver = LoraResolver(engine, config, registry, base)
     metrics = Metrics(engine, config.max_loras)
-    served = Served(engine, tokenizer, config, template, len(tokenizer), int(time.time()), metrics, registry, resolver)
+    defaults = load_defaults(config.generation_config, config.model_dir, len(tokenizer))
+    log_defaults(defaults, config.generation_config)
+    served = Served(
+        engine, tokenizer, config, template, len(tokenizer), int(time.time()), metrics, registry, resolver, defaults
+    )
     engine.finished_listeners.append(metrics.on_finished)
     engine.load_listeners.append(metrics.on_load)
 

@@ -20,6 +20,7 @@ from ledgerserve.tokenizer_proc.engine_client import EngineClientBase, EngineDea
 from ledgerserve.tokenizer_proc.errors import ApiError
 from ledgerserve.tokenizer_proc.fanout import choice_params, choice_req_id, collect_all, total_usage
 from ledgerserve.tokenizer_proc.generation import Delta, RequestRun
+from ledgerserve.tokenizer_proc.generation_defaults import GenerationDefaults
 from ledgerserve.tokenizer_proc.lora_resolver import LoraResolver
 from ledgerserve.tokenizer_proc.metrics import Metrics
 from ledgerserve.tokenizer_proc.prompt_logprobs import PromptLogprobsBody, prompt_logprobs_body
@@ -47,6 +48,7 @@ class Served:
     metrics: Metrics
     adapters: adapters.AdapterRegistry
     resolver: LoraResolver  # the adapter a request names, loaded on its first request
+    defaults: GenerationDefaults  # `--generation-config`: what a request's unset sampling fields take
 
 
 def add_generate_routes(app: FastAPI, served: Served) -> None:
@@ -166,7 +168,9 @@ def start_runs(
     refuses it rather than run another adapter. Every prompt is checked before any run exists."""
     config = served.config
     params = [
-        inputs.sampling_params(req, max_tokens, num_logprobs, len(ids), config.max_model_len, served.vocab_size)
+        inputs.sampling_params(
+            req, max_tokens, num_logprobs, len(ids), config.max_model_len, served.vocab_size, served.defaults
+        )
         for ids in prompt_ids
     ]
     req_id = f"{prefix}-{uuid.uuid4().hex}"

@@ -9,6 +9,7 @@ from typing import Any
 
 from ledgerserve.shared.sampling import SamplingParams
 from ledgerserve.tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError, render_char_budget
+from ledgerserve.tokenizer_proc.generation_defaults import GenerationDefaults
 from ledgerserve.tokenizer_proc.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -106,7 +107,10 @@ def sampling_params(
     num_prompt_tokens: int,
     max_model_len: int,
     vocab_size: int,
+    defaults: GenerationDefaults,
 ) -> SamplingParams:
+    """The request's sampling fields; a field it leaves out takes `defaults` (`--generation-config`),
+    else the engine's own."""
     prompt_param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
     if num_prompt_tokens >= max_model_len:
         raise InvalidParam(
@@ -124,21 +128,21 @@ def sampling_params(
         )
     stop_token_ids = tuple(req.stop_token_ids or ())
     check_token_ids(stop_token_ids, vocab_size, "stop_token_ids")
-    if req.top_k is not None and req.top_k > vocab_size:
+    if req.top_k is not None and req.top_k > vocab_size:  # a default's top_k was checked at start-up
         raise InvalidParam(f"top_k must be -1, 0 (off) or at most the vocabulary size {vocab_size}", "top_k")
-    resolved_max = max_tokens if max_tokens is not None else room
+    resolved_max = max_tokens if max_tokens is not None else min(_or(defaults.max_tokens, room), room)
     if req.min_tokens > resolved_max:
         raise InvalidParam("min_tokens must not exceed max_tokens", "min_tokens")
     return SamplingParams(
         max_tokens=resolved_max,
-        temperature=_or(req.temperature, 1.0),
-        top_p=_or(req.top_p, 1.0),
-        top_k=max(_or(req.top_k, 0), 0),  # -1 (vLLM) and 0 both disable top-k
-        min_p=_or(req.min_p, 0.0),
+        temperature=_or(req.temperature, _or(defaults.temperature, 1.0)),
+        top_p=_or(req.top_p, _or(defaults.top_p, 1.0)),
+        top_k=max(_or(req.top_k, _or(defaults.top_k, 0)), 0),  # -1 (vLLM) and 0 both disable top-k
+        min_p=_or(req.min_p, _or(defaults.min_p, 0.0)),
         seed=req.seed,
         presence_penalty=_or(req.presence_penalty, 0.0),
         frequency_penalty=_or(req.frequency_penalty, 0.0),
-        repetition_penalty=_or(req.repetition_penalty, 1.0),
+        repetition_penalty=_or(req.repetition_penalty, _or(defaults.repetition_penalty, 1.0)),
         stop_token_ids=stop_token_ids,
         ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens,
