@@ -4,6 +4,7 @@ and /detokenize (against the transformers tokenizer), /ping."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -82,6 +83,25 @@ async def test_completions_list_of_prompts_streams(oai: openai.AsyncOpenAI, toke
     assert texts == {i: tokenizer.decode((prompts[i // 2] * 4)[:4]) for i in range(4)}
     assert finishes == dict.fromkeys(range(4), "length")
     assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (3 + 2, 4 * 4)
+
+
+async def test_each_choice_carries_its_prompts_ids_and_prompt_logprobs(client: httpx.AsyncClient) -> None:
+    prompts = [[5, 6, 7], [8, 9]]
+    payload = {"model": MODEL, "prompt": prompts, "n": 2, "max_tokens": 2, "prompt_logprobs": 1}
+    body = (await client.post("/v1/completions", json={**payload, "return_token_ids": True})).json()
+    for choice in body["choices"]:
+        prompt = prompts[choice["index"] // 2]
+        assert choice["prompt_token_ids"] == prompt and choice["token_ids"] == prompt[:2]
+        assert len(choice["prompt_logprobs"]) == len(prompt) and choice["prompt_logprobs"][0] is None
+        assert [int(next(iter(e))) for e in choice["prompt_logprobs"][1:]] == prompt[1:]  # the prompt token first
+    assert "prompt_token_ids" not in body  # several prompts: on the choices only
+    r = await client.post("/v1/completions", json={**payload, "stream": True})
+    events = [json.loads(line[6:]) for line in r.text.split("\n\n") if line.startswith("data: {")]
+    firsts: dict[int, dict] = {}
+    for event in events:
+        (choice,) = event["choices"]
+        firsts.setdefault(choice["index"], choice)
+    assert {i: len(c["prompt_logprobs"]) for i, c in firsts.items()} == {0: 3, 1: 3, 2: 2, 3: 2}
 
 
 async def test_too_many_choices_over_all_prompts_is_refused(oai: openai.AsyncOpenAI, engine) -> None:
