@@ -96,6 +96,11 @@ def json_str_list(text: str) -> tuple[str, ...]:
 CORS_LIST: dict[str, Any] = {"parse": json_str_list, "repeat": False}
 
 
+def _generation_config_source(text: str) -> str:
+    """`auto`, `vllm`, or a directory (made absolute: the HTTP process may run elsewhere)."""
+    return text if text in ("auto", "vllm") else os.path.realpath(text)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_dir: str = unflagged(set_by="the MODEL_DIR argument, else the demo model")
@@ -167,6 +172,11 @@ class EngineConfig:
     allow_credentials: bool = setting(False, "CORS: allow credentials")
     ssl_keyfile: str = setting("", "TLS private key file (HTTPS, with --ssl-certfile)", parse=_real_path)
     ssl_certfile: str = setting("", "TLS certificate file (HTTPS, with --ssl-keyfile)", parse=_real_path)
+    generation_config: str = setting(
+        "auto",
+        "sampling defaults: auto (the model's generation_config.json), vllm (none) or a DIR holding one",
+        parse=_generation_config_source,
+    )
 
     @property
     def served_model_names(self) -> tuple[str, ...]:

@@ -23,12 +23,14 @@ from ledgerserve.tokenizer_proc.adapter_routes import (
 )
 from ledgerserve.tokenizer_proc.chat_template import ChatTemplate
 from ledgerserve.tokenizer_proc.engine_client import EngineClientBase
-from ledgerserve.tokenizer_proc.errors import error_response, install_error_handlers
+from ledgerserve.tokenizer_proc.errors import ApiError, error_response, install_error_handlers
 from ledgerserve.tokenizer_proc.generate_routes import Served, add_generate_routes
+from ledgerserve.tokenizer_proc.generation_defaults import load_defaults, log_defaults
 from ledgerserve.tokenizer_proc.lora_resolver import LoraResolver
 from ledgerserve.tokenizer_proc.metrics import CONTENT_TYPE_LATEST, Metrics
 from ledgerserve.tokenizer_proc.security import ApiKeyMiddleware, BodyLimitMiddleware, api_key_from_env
 from ledgerserve.tokenizer_proc.text_check import TextCheckedRoute
+from ledgerserve.tokenizer_proc.tokenize_routes import add_tokenize_routes
 
 VERSION = "0.1.0"
 logger = logging.getLogger(__name__)
@@ -38,7 +40,8 @@ def build_app(
     engine: EngineClientBase, tokenizer: Any, config: EngineConfig, chat_template: ChatTemplate | None = None
 ) -> FastAPI:
     """Raises StartupAdapterError if a `--lora-modules` adapter is refused, and StartupRefused
-    if an API key is required but LEDGERSERVE_API_KEY is empty."""
+    if an API key is required but LEDGERSERVE_API_KEY is empty or the `--generation-config`
+    file is unreadable or invalid (GenerationConfigError)."""
     api_key = api_key_from_env(config.api_key_required)
     template = chat_template if chat_template is not None else _chat_template(config)
     base = adapters.load_base_shapes(config.model_dir) if config.enable_lora else None
@@ -60,6 +63,7 @@ def build_app(
     app.router.route_class = TextCheckedRoute  # every route added below refuses bodies that are not valid text
     _add_info_routes(app, served)
     add_generate_routes(app, served)
+    add_tokenize_routes(app, served)
     add_adapter_routes(app, engine, config, base)
     _add_middleware(app, config, api_key)
     return app
@@ -72,7 +76,11 @@ def _served(
     registry = adapters.AdapterRegistry()
     resolver = LoraResolver(engine, config, registry, base)
     metrics = Metrics(engine, config.max_loras)
-    served = Served(engine, tokenizer, config, template, len(tokenizer), int(time.time()), metrics, registry, resolver)
+    defaults = load_defaults(config.generation_config, config.model_dir, len(tokenizer))
+    log_defaults(defaults, config.generation_config)
+    served = Served(
+        engine, tokenizer, config, template, len(tokenizer), int(time.time()), metrics, registry, resolver, defaults
+    )
     engine.finished_listeners.append(metrics.on_finished)
     engine.load_listeners.append(metrics.on_load)
 
@@ -113,6 +121,8 @@ def _add_info_routes(app: FastAPI, served: Served) -> None:
             return Response(status_code=200)
         return error_response(503, reason or "the engine is not ready")
 
+    app.add_api_route("/ping", health, methods=["GET", "POST"], include_in_schema=False)  # vLLM's /health alias
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(served.metrics.render(served.engine), media_type=CONTENT_TYPE_LATEST)
@@ -125,3 +135,11 @@ def _add_info_routes(app: FastAPI, served: Served) -> None:
     async def models() -> dict[str, Any]:
         cards = adapters.model_cards(served.config, served.adapters, served.created, served.engine.adapter_rows)
         return {"object": "list", "data": cards}
+
+    @app.get("/v1/models/{model_id:path}")  # an adapter's id may hold `/`
+    async def model(model_id: str) -> dict[str, Any]:
+        cards = adapters.model_cards(served.config, served.adapters, served.created, served.engine.adapter_rows)
+        for card in cards:
+            if card["id"] == model_id:
+                return card
+        raise ApiError(404, f"The model `{model_id}` does not exist.", "model")

@@ -1,6 +1,7 @@
-"""`n` choices per request: n engine requests run side by side, merged back by index. Prompt
-logprobs are the same for every choice: choice 0 alone asks the engine for them (the others
-may then use the prefix cache), and the responses copy them to every choice."""
+"""`n` choices per prompt: n engine requests per prompt run side by side, merged back by index
+(prompt i's choice j is choice i * n + j). Prompt logprobs are the same for every choice of a
+prompt: its choice 0 alone asks the engine for them (the others may then use the prefix cache),
+and the responses copy them to each choice of that prompt."""
 
 from __future__ import annotations
 
@@ -30,11 +31,13 @@ def choice_params(params: SamplingParams, index: int) -> SamplingParams:
     return msgspec.structs.replace(params, seed=seed, prompt_logprobs=None)
 
 
-def total_usage(runs: Sequence[RequestRun]) -> Usage:
-    """The prompt counted once; completion tokens summed over the choices."""
-    usage = Usage(num_prompt_tokens=runs[0].usage.num_prompt_tokens)
+def total_usage(runs: Sequence[RequestRun], n: int) -> Usage:
+    """Runs in groups of n (one prompt's choices): each prompt counted once, completion tokens
+    summed over every choice; cached tokens the most any choice of a prompt found, summed over prompts."""
+    groups = [runs[start : start + n] for start in range(0, len(runs), n)]
+    usage = Usage(num_prompt_tokens=sum(group[0].usage.num_prompt_tokens for group in groups))
     usage.num_output_tokens = sum(run.usage.num_output_tokens for run in runs)
-    usage.num_cached_tokens = max(run.usage.num_cached_tokens for run in runs)
+    usage.num_cached_tokens = sum(max(run.usage.num_cached_tokens for run in group) for group in groups)
     return usage
 
 
@@ -47,28 +50,30 @@ async def collect_all(runs: Sequence[RequestRun]) -> list[Delta]:
         await _cancel(tasks)
 
 
-async def merged(runs: Sequence[RequestRun], choice_0_first: bool = False) -> AsyncIterator[tuple[int, Delta]]:
-    """(choice index, delta) as each run produces them; stopping early aborts every run. With
-    `choice_0_first`, the other choices' deltas wait until choice 0's first one (which carries
-    the prompt logprobs every choice's first chunk shows) has gone out."""
+async def merged(runs: Sequence[RequestRun], group_size: int = 0) -> AsyncIterator[tuple[int, Delta]]:
+    """(choice index, delta) as each run produces them; stopping early aborts every run. With a
+    `group_size` n, the runs are groups of n (one prompt's choices), and the deltas of a group's
+    other choices wait until its first choice's first delta (which carries the prompt logprobs
+    every choice's first chunk shows) has gone out."""
     queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
     tasks = [asyncio.ensure_future(_pump(index, run, queue)) for index, run in enumerate(runs)]
-    held: list[tuple[int, Delta]] | None = [] if choice_0_first else None
+    starts = range(0, len(runs), group_size) if group_size else range(0)
+    held: dict[int, list[tuple[int, Delta]]] = {start: [] for start in starts}  # group start -> deltas held
     try:
         remaining = len(runs)
         while remaining:
             index, item = await queue.get()
             if isinstance(item, BaseException):
                 raise item
-            if item is not None and held is not None and index != 0:
-                held.append((index, item))
+            leader = index - index % group_size if group_size else index
+            if item is not None and leader != index and leader in held:
+                held[leader].append((index, item))
                 continue
             if item is not None:
                 yield index, item
-            if held is not None and index == 0:  # choice 0's first delta, or its end
-                for pair in held:
+            if index in held:  # a group's first choice: its first delta, or its end
+                for pair in held.pop(index):
                     yield pair
-                held = None
             remaining -= item is None
     finally:
         await _cancel(tasks)

@@ -1,4 +1,4 @@
-"""`/v1/completions` and `/v1/chat/completions`: validate, admit, fan out n choices, answer."""
+"""`/v1/completions` and `/v1/chat/completions`: validate, admit, fan out n choices (of each prompt), answer."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from ledgerserve.tokenizer_proc.engine_client import EngineClientBase, EngineDea
 from ledgerserve.tokenizer_proc.errors import ApiError
 from ledgerserve.tokenizer_proc.fanout import choice_params, choice_req_id, collect_all, total_usage
 from ledgerserve.tokenizer_proc.generation import Delta, RequestRun
+from ledgerserve.tokenizer_proc.generation_defaults import GenerationDefaults
 from ledgerserve.tokenizer_proc.lora_resolver import LoraResolver
 from ledgerserve.tokenizer_proc.metrics import Metrics
 from ledgerserve.tokenizer_proc.prompt_logprobs import PromptLogprobsBody, prompt_logprobs_body
@@ -47,6 +48,7 @@ class Served:
     metrics: Metrics
     adapters: adapters.AdapterRegistry
     resolver: LoraResolver  # the adapter a request names, loaded on its first request
+    defaults: GenerationDefaults  # `--generation-config`: what a request's unset sampling fields take
 
 
 def add_generate_routes(app: FastAPI, served: Served) -> None:
@@ -60,13 +62,10 @@ def add_generate_routes(app: FastAPI, served: Served) -> None:
         deltas = await _collect_or_gone(raw, runs)
         if deltas is None:
             return Response(status_code=499)
-        choices = [_completion_choice(served, req, delta, i, prompt_ids) for i, delta in enumerate(deltas)]
-        if (prompt := _prompt_logprobs(served, prompt_ids, deltas[0])) is not None:
-            for choice in choices:  # vLLM puts them on each choice; choice 0 computed them
-                choice["prompt_logprobs"] = prompt
-        body = envelope(req_id, "text_completion", int(time.time()), req.model, choices, total_usage(runs))
-        if req.return_token_ids:
-            body["prompt_token_ids"] = prompt_ids
+        choices = _completion_choices(served, req, deltas, prompt_ids)
+        body = envelope(req_id, "text_completion", int(time.time()), req.model, choices, total_usage(runs, req.n))
+        if req.return_token_ids and len(prompt_ids) == 1:  # several prompts: each choice carries its own
+            body["prompt_token_ids"] = prompt_ids[0]
         return json_response(body)
 
     @app.post("/v1/chat/completions")
@@ -76,19 +75,35 @@ def add_generate_routes(app: FastAPI, served: Served) -> None:
             req, served.tokenizer, served.chat_template, served.config.max_model_len
         )
         max_tokens, num_logprobs = req.max_output_tokens(), req.num_logprobs()
-        req_id, runs = start_runs(served, req, prompt_ids, max_tokens, num_logprobs, "chatcmpl", adapter)
+        req_id, runs = start_runs(served, req, [prompt_ids], max_tokens, num_logprobs, "chatcmpl", adapter)
         if req.stream:
             return _sse(streaming.chat_stream(req_id, runs, req, served.tokenizer))
         deltas = await _collect_or_gone(raw, runs)
         if deltas is None:
             return Response(status_code=499)
         choices = [_chat_choice(served, req, delta, i) for i, delta in enumerate(deltas)]
-        body = envelope(req_id, "chat.completion", int(time.time()), req.model, choices, total_usage(runs))
+        body = envelope(req_id, "chat.completion", int(time.time()), req.model, choices, total_usage(runs, req.n))
         if (prompt := _prompt_logprobs(served, prompt_ids, deltas[0])) is not None:
             body["prompt_logprobs"] = prompt  # vLLM puts them on the response
         if req.return_token_ids:
             body["prompt_token_ids"] = prompt_ids
         return json_response(body)
+
+
+def _completion_choices(
+    served: Served, req: CompletionRequest, deltas: list[Delta], prompt_ids: list[list[int]]
+) -> list[dict[str, Any]]:
+    """Choice i * n + j: prompt i's choice j. Prompt logprobs go on each choice of their prompt, as
+    in vLLM; the prompt's first choice computed them."""
+    prompts = [_prompt_logprobs(served, ids, deltas[i * req.n]) for i, ids in enumerate(prompt_ids)]
+    choices = []
+    for index, delta in enumerate(deltas):
+        prompt_index = index // req.n
+        choice = _completion_choice(served, req, delta, index, prompt_ids[prompt_index])
+        if prompts[prompt_index] is not None:
+            choice["prompt_logprobs"] = prompts[prompt_index]
+        choices.append(choice)
+    return choices
 
 
 def _completion_choice(
@@ -121,7 +136,7 @@ async def check_request(req: SamplingFields, served: Served) -> AdapterInfo | No
     req.check_n(served.config.max_n)
     if (reason := served.engine.unavailable_reason()) is not None:
         raise EngineDeadError(reason)
-    check_capacity(served.engine, served.config, req.n)
+    check_capacity(served.engine, served.config, req.num_choices())
     return adapter
 
 
@@ -141,25 +156,32 @@ def check_capacity(engine: EngineClientBase, config: EngineConfig, n: int) -> No
 def start_runs(
     served: Served,
     req: SamplingFields,
-    prompt_ids: list[int],
+    prompt_ids: list[list[int]],
     max_tokens: int | None,
     num_logprobs: int | None,
     prefix: str,
     adapter: AdapterInfo | None,
 ) -> tuple[str, list[RequestRun]]:
-    """The response id and one RequestRun per choice (engine ids `<id>-<i>` when n > 1). Each
-    names the adapter's version as resolved: should the name be unloaded and loaded afresh
-    before the request arrives, the core refuses it rather than run another adapter."""
-    params = inputs.sampling_params(
-        req, max_tokens, num_logprobs, len(prompt_ids), served.config.max_model_len, served.vocab_size
-    )
+    """The response id and one RequestRun per choice: prompt i's choice j is choice i * n + j
+    (engine ids `<id>-<index>` when there are several). Each names the adapter's version as
+    resolved: should the name be unloaded and loaded afresh before the request arrives, the core
+    refuses it rather than run another adapter. Every prompt is checked before any run exists."""
+    config = served.config
+    params = [
+        inputs.sampling_params(
+            req, max_tokens, num_logprobs, len(ids), config.max_model_len, served.vocab_size, served.defaults
+        )
+        for ids in prompt_ids
+    ]
     req_id = f"{prefix}-{uuid.uuid4().hex}"
+    num_choices = len(prompt_ids) * req.n
     runs = []
-    for index in range(req.n):
+    for index in range(num_choices):
+        prompt_index, choice = divmod(index, req.n)
         arrived = RequestArrived(
-            req_id=choice_req_id(req_id, index, req.n),
-            prompt_token_ids=prompt_ids,
-            sampling=choice_params(params, index),
+            req_id=choice_req_id(req_id, index, num_choices),
+            prompt_token_ids=prompt_ids[prompt_index],
+            sampling=choice_params(params[prompt_index], choice),
             arrival_time_s=time.time(),
             lora_name=adapter.name if adapter is not None else None,
             lora_version_id=adapter.version_id if adapter is not None else 0,

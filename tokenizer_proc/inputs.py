@@ -9,7 +9,14 @@ from typing import Any
 
 from ledgerserve.shared.sampling import SamplingParams
 from ledgerserve.tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError, render_char_budget
-from ledgerserve.tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest, InvalidParam, SamplingFields
+from ledgerserve.tokenizer_proc.generation_defaults import GenerationDefaults
+from ledgerserve.tokenizer_proc.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    InvalidParam,
+    SamplingFields,
+    TokenizeChatRequest,
+)
 
 # text longer than this is tokenized on a worker thread (the tokenizer releases the GIL), so a
 # long prompt never stalls the event loop; shorter text is cheaper to tokenize in place
@@ -27,20 +34,34 @@ def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
-async def completion_prompt_ids(req: CompletionRequest, tokenizer: Any, max_model_len: int) -> list[int]:
-    prompt = req.single_prompt()
+async def completion_prompt_ids(req: CompletionRequest, tokenizer: Any, max_model_len: int) -> list[list[int]]:
+    """Each of the request's prompts as token ids."""
+    return [await _prompt_ids(prompt, tokenizer, max_model_len) for prompt in req.prompts()]
+
+
+async def _prompt_ids(prompt: str | list[int], tokenizer: Any, max_model_len: int) -> list[int]:
     if isinstance(prompt, str):
-        budget = render_char_budget(max_model_len)
-        if len(prompt) > budget:  # far past max_model_len tokens: refuse before tokenizing
-            raise InvalidParam(f"the prompt is longer than {budget} characters", "prompt")
-        return await encode(tokenizer, prompt, add_special_tokens=True)
+        return await text_prompt_ids(prompt, tokenizer, max_model_len, add_special_tokens=True)
     check_token_ids(prompt, len(tokenizer), "prompt")
     return list(prompt)
 
 
+async def text_prompt_ids(text: str, tokenizer: Any, max_model_len: int, add_special_tokens: bool) -> list[int]:
+    budget = render_char_budget(max_model_len)
+    if len(text) > budget:  # far past max_model_len tokens: refuse before tokenizing
+        raise InvalidParam(f"the prompt is longer than {budget} characters", "prompt")
+    return await encode(tokenizer, text, add_special_tokens)
+
+
 async def chat_prompt_ids(
-    req: ChatCompletionRequest, tokenizer: Any, template: ChatTemplate | None, max_model_len: int
+    req: ChatCompletionRequest | TokenizeChatRequest,
+    tokenizer: Any,
+    template: ChatTemplate | None,
+    max_model_len: int,
+    add_special_tokens: bool = False,
 ) -> list[int]:
+    """The rendered chat's token ids; the template writes any BOS/special tokens as text, so none
+    are added unless `add_special_tokens` (a /tokenize request may ask)."""
     if template is None:
         raise InvalidParam("this model has no chat template; use /v1/completions", "messages")
     messages = [_message_dict(m) for m in req.messages]
@@ -50,8 +71,7 @@ async def chat_prompt_ids(
         )
     except ChatTemplateError as exc:
         raise InvalidParam(str(exc), "messages") from exc
-    # The template already wrote any BOS/special tokens as text.
-    return await encode(tokenizer, text, add_special_tokens=False)
+    return await encode(tokenizer, text, add_special_tokens)
 
 
 def _message_dict(message: Any) -> dict[str, Any]:
@@ -87,7 +107,10 @@ def sampling_params(
     num_prompt_tokens: int,
     max_model_len: int,
     vocab_size: int,
+    defaults: GenerationDefaults,
 ) -> SamplingParams:
+    """The request's sampling fields; a field it leaves out takes `defaults` (`--generation-config`),
+    else the engine's own."""
     prompt_param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
     if num_prompt_tokens >= max_model_len:
         raise InvalidParam(
@@ -105,21 +128,21 @@ def sampling_params(
         )
     stop_token_ids = tuple(req.stop_token_ids or ())
     check_token_ids(stop_token_ids, vocab_size, "stop_token_ids")
-    if req.top_k is not None and req.top_k > vocab_size:
+    if req.top_k is not None and req.top_k > vocab_size:  # a default's top_k was checked at start-up
         raise InvalidParam(f"top_k must be -1, 0 (off) or at most the vocabulary size {vocab_size}", "top_k")
-    resolved_max = max_tokens if max_tokens is not None else room
+    resolved_max = max_tokens if max_tokens is not None else min(_or(defaults.max_tokens, room), room)
     if req.min_tokens > resolved_max:
         raise InvalidParam("min_tokens must not exceed max_tokens", "min_tokens")
     return SamplingParams(
         max_tokens=resolved_max,
-        temperature=_or(req.temperature, 1.0),
-        top_p=_or(req.top_p, 1.0),
-        top_k=max(_or(req.top_k, 0), 0),  # -1 (vLLM) and 0 both disable top-k
-        min_p=_or(req.min_p, 0.0),
+        temperature=_or(req.temperature, _or(defaults.temperature, 1.0)),
+        top_p=_or(req.top_p, _or(defaults.top_p, 1.0)),
+        top_k=max(_or(req.top_k, _or(defaults.top_k, 0)), 0),  # -1 (vLLM) and 0 both disable top-k
+        min_p=_or(req.min_p, _or(defaults.min_p, 0.0)),
         seed=req.seed,
         presence_penalty=_or(req.presence_penalty, 0.0),
         frequency_penalty=_or(req.frequency_penalty, 0.0),
-        repetition_penalty=_or(req.repetition_penalty, 1.0),
+        repetition_penalty=_or(req.repetition_penalty, _or(defaults.repetition_penalty, 1.0)),
         stop_token_ids=stop_token_ids,
         ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens,

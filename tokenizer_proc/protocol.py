@@ -39,6 +39,11 @@ class InvalidParam(ValueError):
 
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
+# the sampling fields' bounds, shared with the defaults of `--generation-config` (generation_defaults.py)
+Temperature = Annotated[float, Field(ge=0.0, le=100.0)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+TopK = Annotated[StrictInt, Field(ge=-1)]
+RepetitionPenalty = Annotated[float, Field(gt=0.0, le=100.0)]
 
 
 class StreamOptions(BaseModel):
@@ -60,14 +65,14 @@ class SamplingFields(BaseModel):
 
     model: str
     max_tokens: PositiveInt | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=100.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
     min_p: Probability | None = None
     seed: Annotated[StrictInt, Field(ge=MIN_SEED, le=MAX_SEED)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=100.0)] | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     stop: str | list[str] | None = None
     stop_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = (
         None
@@ -116,8 +121,12 @@ class SamplingFields(BaseModel):
                 "prompt_logprobs",
             )
 
+    def num_choices(self) -> int:
+        """The engine requests this request becomes."""
+        return self.n
+
     def check_n(self, max_n: int) -> None:
-        if self.n > max_n:
+        if self.num_choices() > max_n:
             raise InvalidParam(f"n must be at most {max_n}", "n")
 
 
@@ -131,19 +140,29 @@ class CompletionRequest(SamplingFields):
 
     def check(self) -> None:
         super().check()
-        prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) and len(prompt) != 1:
-            raise InvalidParam("only one prompt per request is supported", "prompt")
-        if self.single_prompt() in ("", []):
+        if any(prompt in ("", []) for prompt in self.prompts()):
             raise InvalidParam("prompt must not be empty", "prompt")
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidParam("best_of must equal n (ranking choices is not supported)", "best_of")
 
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: a list of strings or of token-id lists holds several (`[]`: one, empty)."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            return prompt[0]  # type: ignore[return-value]
-        return prompt  # type: ignore[return-value]
+            return list(prompt)
+        return [prompt]  # type: ignore[list-item]
+
+    def num_choices(self) -> int:
+        """n choices for each prompt: prompt i's choice j is choice i * n + j, as in OpenAI's API."""
+        return self.n * len(self.prompts())
+
+    def check_n(self, max_n: int) -> None:
+        num_prompts = len(self.prompts())
+        if num_prompts > 1 and self.num_choices() > max_n:
+            raise InvalidParam(
+                f"n times the number of prompts ({self.n} x {num_prompts}) must be at most {max_n}", "prompt"
+            )
+        super().check_n(max_n)
 
 
 NON_TEXT_PARTS = {  # content part type -> what it carries
@@ -212,3 +231,41 @@ class ChatCompletionRequest(SamplingFields):
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeFields(BaseModel):
+    """vLLM's /tokenize and /detokenize bodies: `model` may be left out, or name the base model or
+    an adapter (they share the tokenizer). Undeclared fields are refused as in SamplingFields."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": False})
+
+    model: str | None = None
+
+    def check(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            if (message := refusal(name, value)) is not None:
+                raise InvalidParam(message, shown_name(name))
+
+
+class TokenizeCompletionRequest(TokenizeFields):
+    prompt: str
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class TokenizeChatRequest(TokenizeFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool = False  # the template writes the special tokens
+    return_token_strs: StrictBool = False
+    chat_template: str | None = None  # request-supplied templates are refused
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        super().check()
+        if self.chat_template is not None:
+            raise InvalidParam("request-supplied chat templates are not allowed", "chat_template")
+
+
+class DetokenizeRequest(TokenizeFields):
+    tokens: TokenIds

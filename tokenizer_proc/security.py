@@ -17,6 +17,7 @@ from ledgerserve.shared import env
 from ledgerserve.tokenizer_proc.errors import error_body
 
 PROTECTED_PREFIX = "/v1"
+PROTECTED_PATHS = ("/tokenize", "/detokenize")  # they run the tokenizer and template, as /v1 does
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -66,7 +67,8 @@ def key_matches(authorization: bytes | None, key: bytes) -> bool:
 
 
 class ApiKeyMiddleware:
-    """401 for any `/v1` request without the right Bearer key; other paths stay open."""
+    """401 for any `/v1`, `/tokenize` or `/detokenize` request without the right Bearer key;
+    other paths stay open."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -86,7 +88,7 @@ class ApiKeyMiddleware:
 
 
 def _is_protected(path: str) -> bool:
-    return path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/")
+    return path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/") or path in PROTECTED_PATHS
 
 
 class BodyLimitMiddleware:

@@ -1,6 +1,7 @@
 """Server-sent event streams for completions and chat completions. Prompt logprobs go in each
-choice's first chunk (completions) or on the first chunk of the stream (chat): choice 0 computes
-them, so the other choices' chunks wait for its first delta (fanout.merged)."""
+choice's first chunk (completions: its prompt's) or on the first chunk of the stream (chat): a
+prompt's choice 0 computes them, so its other choices' chunks wait for that first delta
+(fanout.merged)."""
 
 from __future__ import annotations
 
@@ -42,16 +43,21 @@ def _worth_sending(delta: Delta, return_token_ids: bool) -> bool:
 async def completion_stream(
     req_id: str, runs: Sequence[RequestRun], req: CompletionRequest, tokenizer: Any
 ) -> AsyncIterator[str]:
+    """Choice i * n + j is prompt i's choice j; each choice's first chunk carries its prompt's
+    prompt logprobs (computed by the prompt's choice 0, whose first chunk goes out first)."""
     created = int(time.time())
     include_usage = req.include_usage()
     text_offsets = [0] * len(runs)
     first = [True] * len(runs)
-    prompt: PromptLogprobsBody | None = None
+    prompts: dict[int, PromptLogprobsBody] = {}  # prompt index -> its prompt logprobs
     try:
-        first_of_choice_0 = req.prompt_logprobs is not None  # prompt logprobs go out in choice 0's first chunk
-        async with aclosing(merged(runs, choice_0_first=first_of_choice_0)) as deltas:  # closed however the loop ends
+        group_size = req.n if req.prompt_logprobs is not None else 0
+        async with aclosing(merged(runs, group_size)) as deltas:  # closed however the loop ends
             async for index, delta in deltas:
-                prompt = _prompt_body(prompt, delta, runs, tokenizer)
+                prompt_index = index // req.n
+                if (body := _prompt_body(delta, runs[index], tokenizer)) is not None:
+                    prompts.setdefault(prompt_index, body)
+                prompt = prompts.get(prompt_index)
                 if not _worth_sending(delta, req.return_token_ids) and not (first[index] and prompt is not None):
                     continue
                 logprobs = completion_logprobs(tokenizer, delta.token_ids, delta.logprobs, text_offsets[index])
@@ -64,19 +70,17 @@ async def completion_stream(
                 first[index] = False
                 yield sse(envelope(req_id, "text_completion", created, req.model, [choice], None, include_usage))
         if include_usage:
-            yield sse(envelope(req_id, "text_completion", created, req.model, [], total_usage(runs)))
+            yield sse(envelope(req_id, "text_completion", created, req.model, [], total_usage(runs, req.n)))
     except EngineError as exc:
         yield sse(error_body(exc.status_code, exc.message, exc.param, exc.error_type))
     yield DONE
 
 
-def _prompt_body(
-    prompt: PromptLogprobsBody | None, delta: Delta, runs: Sequence[RequestRun], tokenizer: Any
-) -> PromptLogprobsBody | None:
-    """The stream's prompt logprobs: built from choice 0's first delta (the first to go out)."""
-    if prompt is not None or delta.prompt_logprobs is None:
-        return prompt
-    return prompt_logprobs_body(tokenizer, runs[0].arrived.prompt_token_ids, delta.prompt_logprobs)
+def _prompt_body(delta: Delta, run: RequestRun, tokenizer: Any) -> PromptLogprobsBody | None:
+    """The prompt logprobs a delta carries (a prompt's choice 0, its first delta), as sent."""
+    if delta.prompt_logprobs is None:
+        return None
+    return prompt_logprobs_body(tokenizer, run.arrived.prompt_token_ids, delta.prompt_logprobs)
 
 
 def _role_chunks(
@@ -102,11 +106,11 @@ async def chat_stream(
     obj = "chat.completion.chunk"
     try:
         first_delta = True
-        first_of_choice_0 = req.prompt_logprobs is not None  # prompt logprobs go out in choice 0's first chunk
-        async with aclosing(merged(runs, choice_0_first=first_of_choice_0)) as deltas:  # closed however the loop ends
+        group_size = req.n if req.prompt_logprobs is not None else 0  # prompt logprobs: choice 0's first chunk
+        async with aclosing(merged(runs, group_size)) as deltas:  # closed however the loop ends
             async for index, delta in deltas:
                 if first_delta:  # after the engine accepted the request
-                    for chunk in _role_chunks(req_id, created, req, runs, _prompt_body(None, delta, runs, tokenizer)):
+                    for chunk in _role_chunks(req_id, created, req, runs, _prompt_body(delta, runs[0], tokenizer)):
                         yield chunk
                     first_delta = False
                 if not _worth_sending(delta, req.return_token_ids):
@@ -115,7 +119,7 @@ async def chat_stream(
                 choice = chat_choice(delta, logprobs, req.return_token_ids, stream=True, index=index)
                 yield sse(envelope(req_id, obj, created, req.model, [choice], None, include_usage))
         if include_usage:
-            yield sse(envelope(req_id, obj, created, req.model, [], total_usage(runs)))
+            yield sse(envelope(req_id, obj, created, req.model, [], total_usage(runs, req.n)))
     except EngineError as exc:
         yield sse(error_body(exc.status_code, exc.message, exc.param, exc.error_type))
     yield DONE

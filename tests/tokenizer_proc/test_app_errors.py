@@ -53,7 +53,8 @@ def _assert_error(r: httpx.Response, status: int, param: str | None) -> dict:
         ({"logprobs": 50}, "logprobs"),
         ({"stop_token_ids": [99999]}, "stop_token_ids"),
         ({"prompt": [1, 99999]}, "prompt"),
-        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": ["a", ""]}, "prompt"),  # every prompt of a list must hold something
+        ({"prompt": ["a", "b"], "n": 9}, "prompt"),  # 2 prompts x 9 choices: past config.max_n (16)
         ({"prompt": ""}, "prompt"),
         ({"prompt": list(range(64))}, "prompt"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),

@@ -5,8 +5,9 @@ ending in [DONE]).
 1. Schemathesis against the app's own OpenAPI schema: valid and invalid bodies for every
    POST route. Cases come from schemathesis's hypothesis strategies, driven by plain
    hypothesis (not its pytest plugin, which reaches into pytest internals that change between
-   releases). Each POST route gets EXAMPLES positive and EXAMPLES negative cases,
-   derandomized, so CI runs are reproducible: 4 routes x 2 modes x 75 = 600 cases.
+   releases). Each POST route gets EXAMPLES positive and EXAMPLES negative cases (the
+   tokenizer-only routes TOKENIZE_EXAMPLES), derandomized, so CI runs are reproducible:
+   4 routes x 2 modes x 75 + 2 x 2 x 25 = 700 cases.
 2. Unicode edge cases in every text field (EDGE_EXAMPLES each, derandomized): lone
    surrogates, NUL, U+2028/2029, U+0085, combining and right-to-left marks, emoji and other
    astral characters, long strings; streamed and not.
@@ -34,8 +35,17 @@ from ledgerserve.tokenizer_proc.app import build_app
 from tests.tokenizer_proc.fake_engine import FakeEngine
 
 EXAMPLES = 75
+TOKENIZE_EXAMPLES = 25  # /tokenize and /detokenize: no engine, few code paths
+TOKENIZE_BODIES = ({"count", "max_model_len", "tokens", "token_strs"}, {"prompt"})  # /tokenize, /detokenize
 MAX_STREAM_EVENTS = 10_000  # schemathesis stops reading a stream after 20 events by default
-POST_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+POST_ROUTES = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+    "/tokenize",
+    "/detokenize",
+)
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +67,10 @@ def post_operations(tokenizer, demo_model_dir: str, tmp_path_factory: pytest.Tem
 
 
 def _fuzz(operation, mode: GenerationMode, cases: Counter, statuses: Counter) -> None:
+    examples = TOKENIZE_EXAMPLES if operation.path in ("/tokenize", "/detokenize") else EXAMPLES
+
     @settings(
-        max_examples=EXAMPLES, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+        max_examples=examples, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
     )
     @given(case=operation.as_strategy(generation_mode=mode))
     def run(case: schemathesis.Case) -> None:
@@ -98,7 +110,8 @@ def assert_answer(status: int, content_type: str, text: str, request: str) -> No
             body = _strict_json(event)
             assert "choices" in body or set(body["error"]) == {"message", "type", "param", "code"}, event
     elif content_type.startswith("application/json"):
-        assert _strict_json(text)["object"] in ("text_completion", "chat.completion"), text[:500]
+        body = _strict_json(text)
+        assert set(body) in TOKENIZE_BODIES or body["object"] in ("text_completion", "chat.completion"), text[:500]
     else:
         assert text.startswith("Success: LoRA adapter"), text[:500]
 
