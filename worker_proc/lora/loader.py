@@ -11,7 +11,9 @@ command order: the same machinery, synchronous.
 
 A load from disk reports source_tier "disk" and the bytes read; one from the CPU tier "cpu"
 and the bytes copied to the device; duration_ms runs from the command's arrival on this
-worker to the observed end of the load, and end_time_s is the wall clock there.
+worker to the observed end of the load, and end_time_s is the wall clock there. Each read
+from disk shows its progress and logs "loaded adapter NAME (N MiB) in X s" when it ends
+(shared/progress.py).
 """
 
 from __future__ import annotations

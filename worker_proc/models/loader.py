@@ -1,4 +1,5 @@
-"""Build a model from a HF checkpoint directory: safetensors weights, or dummy random ones."""
+"""Build a model from a HF checkpoint directory: safetensors weights, or dummy random ones. A
+checkpoint load shows its progress over the files' tensor bytes and logs its end (shared/progress.py)."""
 
 from __future__ import annotations
 
