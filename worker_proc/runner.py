@@ -74,7 +74,7 @@ class ModelRunner(AdapterCommands):
             raise ValueError(f"sliding-window attention ({window}) is not supported; use max_model_len <= {window}")
         self.eos_token_ids = load_eos_token_ids(config.model_dir)
         self.model = build_model(
-            self.model_cfg, config.model_dir, config.load_format, self.dtype, self.device, config.seed
+            self.model_cfg, config.model_dir, config.load_format, self.dtype, self.device, config.seed, rank
         )
         self.lora = self._build_lora() if config.enable_lora else None  # before KV sizing: its buffers count
         num_blocks = num_kv_blocks(config, self.model_cfg, self.dtype, self.device)

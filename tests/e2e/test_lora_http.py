@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import httpx
 import openai
@@ -122,6 +123,16 @@ def test_models_lists_base_and_adapters(client, adapter_root, demo_model_dir):
     assert set(cards) == {base, *ADAPTERS}
     for name in ADAPTERS:
         assert cards[name]["parent"] == base and cards[name]["root"] == os.path.join(adapter_root, name)
+
+
+def test_start_up_logs_the_weights_and_each_adapter_loaded(server) -> None:
+    """The worker logs its checkpoint load before it is ready, and each start-up adapter's read
+    into the CPU tier once it ends (staged at registration, beside serving)."""
+    assert "loaded weights: " in server.output()
+    deadline = time.monotonic() + 10.0
+    while not all(f"loaded adapter {name} (" in server.output() for name in ADAPTERS):
+        assert time.monotonic() < deadline, server.output()
+        time.sleep(0.1)
 
 
 def test_mixed_batch_matches_peft_with_two_slots(server, client, hf, demo_model_dir, adapter_root):

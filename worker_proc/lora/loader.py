@@ -11,11 +11,14 @@ command order: the same machinery, synchronous.
 
 A load from disk reports source_tier "disk" and the bytes read; one from the CPU tier "cpu"
 and the bytes copied to the device; duration_ms runs from the command's arrival on this
-worker to the observed end of the load, and end_time_s is the wall clock there.
+worker to the observed end of the load, and end_time_s is the wall clock there. Each read
+from disk shows its progress and logs "loaded adapter NAME (N MiB) in X s" when it ends
+(shared/progress.py).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 
 from ledgerserve.shared.adapter_types import AdapterError
 from ledgerserve.shared.events import AdapterLoadCompleted, AdapterLoadFailed
+from ledgerserve.shared.progress import Progress, adapter_end_line
 from ledgerserve.worker_proc.lora.cpu_tier import CpuEntry, CpuTier
 from ledgerserve.worker_proc.lora.fences import SlotFences
 from ledgerserve.worker_proc.lora.file_image import ImageLayout
@@ -34,6 +38,7 @@ from ledgerserve.worker_proc.lora.slot_copy import Scatter, SlotCopier, launch_e
 
 NUM_LOADER_THREADS = 2
 Reply = AdapterLoadCompleted | AdapterLoadFailed
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -228,11 +233,22 @@ class AdapterLoader:
             )
 
     def _read(self, version_id: int, path: str, content_digest: int) -> LoadResult:
-        return LoadResult(read_image(self.spec, self.pool, version_id, path, content_digest), None)
+        return LoadResult(self._read_image(version_id, path, content_digest), None)
 
     def _read_and_scatter(self, slot: int, version_id: int, path: str, content_digest: int) -> LoadResult:
-        image = read_image(self.spec, self.pool, version_id, path, content_digest)
+        image = self._read_image(version_id, path, content_digest)
         return LoadResult(image, self.copier.scatter(slot, image.layout))
+
+    def _read_image(self, version_id: int, path: str, content_digest: int) -> FileImage:
+        """read_image from disk, its progress shown and its end logged (shared/progress.py)."""
+        name = _dir_name(path)
+        progress = Progress(f"adapter {name}", None, self.rank, logger)
+        try:
+            image = read_image(self.spec, self.pool, version_id, path, content_digest, progress)
+        finally:
+            elapsed_s = progress.close()
+        logger.info("%s", adapter_end_line(name, image.num_file_bytes, elapsed_s))
+        return image
 
     def _scatter(self, slot: int, layout: ImageLayout) -> LoadResult:
         return LoadResult(None, self.copier.scatter(slot, layout))
@@ -250,7 +266,7 @@ class AdapterLoader:
 
     @staticmethod
     def _message(path: str, reason: str) -> str:
-        name = os.path.basename(os.path.normpath(path)) or path
+        name = _dir_name(path)
         return f"adapter {name} {reason}" if reason.startswith(CHANGED) else f"adapter {name}: {reason}"
 
 
@@ -261,6 +277,11 @@ def _reason(e: Exception) -> str:
     if isinstance(e, ChangedOnDisk):
         return e.message
     return e.message if isinstance(e, AdapterError) else str(e)
+
+
+def _dir_name(path: str) -> str:
+    """How the worker names an adapter: its directory's name (events carry the path, not the name)."""
+    return os.path.basename(os.path.normpath(path)) or path
 
 
 def _ms_since(start_s: float) -> float:

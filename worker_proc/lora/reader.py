@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,7 @@ import torch
 from ledgerserve.shared.adapter_digest import ContentDigest
 from ledgerserve.shared.adapter_files import read_at
 from ledgerserve.shared.adapter_format import WEIGHTS_FILE, AdapterError, BaseShapes, LoraModule, read_manifest
+from ledgerserve.shared.progress import Progress
 from ledgerserve.shared.safetensors_header import Header, value_problem
 from ledgerserve.worker_proc.lora.file_image import FileTensor, ImageBytes, ImageLayout, SlotLayout, write_tables
 from ledgerserve.worker_proc.lora.pinned_pool import Extent, PinnedPool, PoolFull
@@ -58,10 +60,12 @@ class FileImage:
     num_file_bytes: int  # bytes read from disk
 
 
-def read_image(spec: ReadSpec, pool: PinnedPool, version_id: int, path: str, content_digest: int) -> FileImage:
+def read_image(
+    spec: ReadSpec, pool: PinnedPool, version_id: int, path: str, content_digest: int, progress: Progress | None = None
+) -> FileImage:
     """The file image of the adapter at `path`, in pages of `pool`; AdapterError on any refusal,
-    with nothing left allocated."""
-    read = _ImageRead(spec, pool)
+    with nothing left allocated. `progress` counts the weights file's bytes as they are read."""
+    read = _ImageRead(spec, pool, progress)
     try:
         manifest = read_manifest(path, spec.base, spec.max_lora_rank, spec.allowed_dirs, read_weights=read)
         if content_digest and manifest.content_digest != content_digest:
@@ -80,8 +84,8 @@ def read_image(spec: ReadSpec, pool: PinnedPool, version_id: int, path: str, con
 class _ImageRead:
     """read_manifest's weights reader: plans the image, takes its pages and reads the file into them."""
 
-    def __init__(self, spec: ReadSpec, pool: PinnedPool) -> None:
-        self.spec, self.pool = spec, pool
+    def __init__(self, spec: ReadSpec, pool: PinnedPool, progress: Progress | None) -> None:
+        self.spec, self.pool, self.progress = spec, pool, progress
         self.extents: list[Extent] = []
         self.layout: ImageLayout
         self.image: ImageBytes
@@ -98,7 +102,13 @@ class _ImageRead:
         self.image = ImageBytes([self.pool.view(e) for e in self.extents])
         write_tables(self.image, self.layout)
         digest.update(read_at(fd, 0, header.data_offset, WEIGHTS_FILE))  # the header (bounded by read_header)
-        _read_data(fd, header.data_offset, num_bytes - header.data_offset, self.layout, self.image, digest)
+        on_bytes = _ignore_bytes
+        if self.progress is not None:
+            self.progress.set_total(num_bytes)
+            self.progress.advance(header.data_offset)
+            on_bytes = self.progress.advance
+        data = (header.data_offset, num_bytes - header.data_offset)
+        _read_data(fd, *data, self.layout, self.image, digest, on_bytes)
         self.num_file_bytes = digest.num_bytes
 
     def free(self) -> None:
@@ -107,12 +117,23 @@ class _ImageRead:
             self.pool.free(extents)
 
 
+def _ignore_bytes(num_bytes: int) -> None:
+    """No progress to count."""
+
+
 def _read_data(
-    fd: int, data_offset: int, num_data: int, layout: ImageLayout, image: ImageBytes, digest: ContentDigest
+    fd: int,
+    data_offset: int,
+    num_data: int,
+    layout: ImageLayout,
+    image: ImageBytes,
+    digest: ContentDigest,
+    on_bytes: Callable[[int], None],
 ) -> None:
     """Read the data region front to back: each run into its pages, the bytes between runs into
-    scratch; every chunk is hashed on a helper thread while the next one is read."""
-    hasher = _Hasher(digest)
+    scratch; every chunk is hashed on a helper thread while the next one is read, and counted
+    by `on_bytes` once read."""
+    hasher = _Hasher(digest, on_bytes)
     try:
         done = 0
         for run in layout.runs:
@@ -172,7 +193,8 @@ def _finite(image: ImageBytes, tensor: FileTensor, model_dtype: str) -> bool:
 class _Hasher:
     """Feeds chunks, in order, to a digest on its own thread (xxhash releases the GIL)."""
 
-    def __init__(self, digest: ContentDigest) -> None:
+    def __init__(self, digest: ContentDigest, on_bytes: Callable[[int], None]) -> None:
+        self.on_bytes = on_bytes  # each chunk's length, as it is fed
         self.chunks: queue.SimpleQueue = queue.SimpleQueue()
         self.num_fed = 0
         self.num_hashed = 0
@@ -185,6 +207,7 @@ class _Hasher:
     def feed(self, chunk: memoryview) -> None:
         self.chunks.put(chunk)
         self.num_fed += 1
+        self.on_bytes(len(chunk))
 
     def scratch(self, num_bytes: int) -> memoryview:
         """A buffer of `num_bytes` (<= READ_CHUNK_BYTES) to read into, then feed: this thread's

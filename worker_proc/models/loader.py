@@ -1,14 +1,18 @@
-"""Build a model from a HF checkpoint directory: safetensors weights, or dummy random ones."""
+"""Build a model from a HF checkpoint directory: safetensors weights, or dummy random ones. A
+checkpoint load shows its progress over the files' tensor bytes and logs its end (shared/progress.py)."""
 
 from __future__ import annotations
 
 import glob
+import logging
 import os
+import time
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
+from ledgerserve.shared.progress import Progress, format_bytes, format_seconds, weights_end_line
 from ledgerserve.worker_proc.models.config import ModelConfig
 from ledgerserve.worker_proc.models.layers import RMSNorm, SlotLinear
 from ledgerserve.worker_proc.models.llama import LlamaForCausalLM
@@ -22,20 +26,34 @@ _FUSED = {
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+logger = logging.getLogger(__name__)
 
 WeightKey = tuple[str, str, int]  # (module name, 'weight' | 'bias', shard)
 
 
 def build_model(
-    cfg: ModelConfig, model_dir: str, load_format: str, dtype: torch.dtype, device: torch.device, seed: int
+    cfg: ModelConfig,
+    model_dir: str,
+    load_format: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    rank: int = 0,
 ) -> LlamaForCausalLM:
+    """`rank`: the worker rank this model is for; its progress is shown as shared/progress.py says."""
     with torch.device(device):
         model = LlamaForCausalLM(cfg)
     model.to(dtype=dtype)
     if load_format == "dummy":
+        start_s = time.monotonic()
         init_dummy_weights(model, seed)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the draws are queued: time them to their end
+        num_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        elapsed_s = time.monotonic() - start_s
+        logger.info("initialized dummy weights: %s in %s", format_bytes(num_bytes), format_seconds(elapsed_s))
     elif load_format in ("auto", "safetensors"):
-        load_safetensors(model, model_dir)
+        load_safetensors(model, model_dir, rank)
     else:
         raise ValueError(f"unknown load format {load_format!r}")
     return model.eval()
@@ -55,21 +73,41 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
             module.weight.data.copy_(w)
 
 
-def load_safetensors(model: LlamaForCausalLM, model_dir: str) -> None:
+def load_safetensors(model: LlamaForCausalLM, model_dir: str, rank: int = 0) -> None:
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir!r}")
     modules = dict(model.named_modules())
     loaded: set[WeightKey] = set()
-    for path in files:
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                key = _load_one(model, modules, name, f.get_tensor(name))
-                if key is not None:
-                    loaded.add(key)
+    total_bytes = checkpoint_bytes(files)
+    progress = Progress("weights", total_bytes, rank, logger)
+    progress.announce(f"{format_bytes(total_bytes)} in {len(files)} file{'s' if len(files) > 1 else ''}")
+    try:
+        for path in files:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    tensor = f.get_tensor(name)
+                    key = _load_one(model, modules, name, tensor)
+                    if key is not None:
+                        loaded.add(key)
+                    progress.advance(tensor.numel() * tensor.element_size())
+    finally:
+        elapsed_s = progress.close()
     missing = sorted(expected_weight_keys(model) - loaded)
     if missing:
         raise ValueError(f"checkpoint in {model_dir!r} lacks weights: {missing[:8]}")
+    logger.info("%s", weights_end_line(progress.done, elapsed_s))
+
+
+def checkpoint_bytes(paths: list[str]) -> int:
+    """Bytes of tensor data in the safetensors files: each file less its 8-byte length and header."""
+    total = 0
+    for path in paths:
+        with open(path, "rb") as f:
+            head = f.read(8)
+        header_len = int.from_bytes(head, "little") if len(head) == 8 else 0
+        total += max(0, os.path.getsize(path) - 8 - header_len)
+    return total
 
 
 def _load_one(
