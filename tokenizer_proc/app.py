@@ -28,6 +28,7 @@ from ledgerserve.tokenizer_proc.lora_resolver import LoraResolver
 from ledgerserve.tokenizer_proc.metrics import CONTENT_TYPE_LATEST, Metrics
 from ledgerserve.tokenizer_proc.security import ApiKeyMiddleware, BodyLimitMiddleware, api_key_from_env
 from ledgerserve.tokenizer_proc.text_check import TextCheckedRoute
+from ledgerserve.tokenizer_proc.vllm_metrics import served_model_label
 
 VERSION = "0.1.0"
 logger = logging.getLogger(__name__)
@@ -70,10 +71,11 @@ def _served(
     """What the routes serve with, listening to the engine's finishes, loads and adapter registry."""
     registry = adapters.AdapterRegistry()
     resolver = LoraResolver(engine, config, registry, base)
-    metrics = Metrics(engine, config.max_loras)
+    metrics = Metrics(engine, config.max_loras, served_model_label(config.served_model_name), config.max_model_len)
     served = Served(engine, tokenizer, config, template, len(tokenizer), int(time.time()), metrics, registry, resolver)
     engine.finished_listeners.append(metrics.on_finished)
     engine.load_listeners.append(metrics.on_load)
+    engine.request_observer = metrics.vllm
 
     def on_adapters(infos: list[AdapterInfo]) -> None:  # the core's registry, after every adapter op
         registry.refresh(infos)
