@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -77,12 +78,17 @@ def adapter_dir(demo_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -
 
 
 @pytest.fixture
-async def oai(engine, tokenizer, demo_model_dir: str, adapter_dir: Path) -> AsyncIterator[openai.AsyncOpenAI]:
+async def http(engine, tokenizer, demo_model_dir: str, adapter_dir: Path) -> AsyncIterator[httpx.AsyncClient]:
     async with app_client(
         engine, tokenizer, demo_model_dir, enable_lora=True, lora_allowed_dirs=(str(adapter_dir),)
     ) as c:
-        async with openai.AsyncOpenAI(base_url="http://test/v1", api_key="x", http_client=c, max_retries=0) as client:
-            yield client
+        yield c
+
+
+@pytest.fixture
+async def oai(http: httpx.AsyncClient) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url="http://test/v1", api_key="x", http_client=http, max_retries=0) as client:
+        yield client
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -98,13 +104,15 @@ def _value(samples: dict, name: str, **labels: str) -> float:
     return samples[(name, tuple(sorted({"model_name": MODEL, **labels}.items())))]
 
 
-async def _scrape(client: openai.AsyncOpenAI) -> dict:
-    response = await client._client.get("http://test/metrics")
+async def _scrape(http: httpx.AsyncClient) -> dict:
+    response = await http.get("/metrics")
     assert response.status_code == 200
     return _samples(response.text)
 
 
-async def _workload(client: openai.AsyncOpenAI, engine: FakeEngine, tokenizer, adapter_dir: Path) -> list:
+async def _workload(
+    client: openai.AsyncOpenAI, http: httpx.AsyncClient, engine: FakeEngine, tokenizer, adapter_dir: Path
+) -> list:
     """The requests that end; returns (usage, finish_reason) of each."""
     done = []
     plain = await client.completions.create(model=MODEL, prompt="The river", max_tokens=3)
@@ -120,9 +128,7 @@ async def _workload(client: openai.AsyncOpenAI, engine: FakeEngine, tokenizer, a
     stopped = await client.completions.create(model=MODEL, prompt="x", max_tokens=20, stop=["gamma"])
     done.append((stopped.usage, stopped.choices[0].finish_reason))
     engine.script = None
-    loaded = await client._client.post(
-        "http://test/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(adapter_dir / "sql")}
-    )
+    loaded = await http.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(adapter_dir / "sql")})
     assert loaded.status_code == 200, loaded.text
     on_adapter = await client.completions.create(model="sql", prompt="select", max_tokens=4)
     done.append((on_adapter.usage, on_adapter.choices[0].finish_reason))
@@ -138,7 +144,7 @@ async def _streamed(create, **kwargs) -> tuple:
     return usage, reasons[-1]
 
 
-async def _abort_held(client: openai.AsyncOpenAI, engine: FakeEngine) -> tuple[int, dict]:
+async def _abort_held(client: openai.AsyncOpenAI, http: httpx.AsyncClient, engine: FakeEngine) -> tuple[int, dict]:
     """A request the engine holds (admitted, no token yet) whose client goes away: returns its
     prompt length and the scrape taken while it was in the engine, with the core's gauges."""
     engine.hold = asyncio.Event()
@@ -148,7 +154,7 @@ async def _abort_held(client: openai.AsyncOpenAI, engine: FakeEngine) -> tuple[i
         await asyncio.sleep(0.001)
     stats = engine_stats(core)
     engine._dispatch(stats)  # what the scheduler's shell publishes after each input
-    held = await _scrape(client)
+    held = await _scrape(http)
     blocks = core.scheduler.block_manager
     assert _value(held, "vllm:num_requests_running") == len(core.scheduler.running) == stats.num_running
     assert _value(held, "vllm:num_requests_waiting") == len(core.scheduler.waiting) == stats.num_waiting
@@ -164,10 +170,10 @@ async def _abort_held(client: openai.AsyncOpenAI, engine: FakeEngine) -> tuple[i
     return len(engine.arrivals[-1].prompt_token_ids), held
 
 
-async def test_vllm_series_equal_what_the_requests_did(oai, engine, tokenizer, adapter_dir: Path) -> None:
-    done = await _workload(oai, engine, tokenizer, adapter_dir)
-    num_aborted_prompt_tokens, held = await _abort_held(oai, engine)
-    samples = await _scrape(oai)
+async def test_vllm_series_equal_what_the_requests_did(oai, http, engine, tokenizer, adapter_dir: Path) -> None:
+    done = await _workload(oai, http, engine, tokenizer, adapter_dir)
+    num_aborted_prompt_tokens, held = await _abort_held(oai, http, engine)
+    samples = await _scrape(http)
     names = {name for name, _ in samples}
     assert [name for name in DASHBOARD_NAMES + NEWER_NAMES if name not in names] == []
     for (name, labels), _ in samples.items():  # every vllm: series is labelled by the served model (vLLM's
@@ -203,8 +209,8 @@ async def test_vllm_series_equal_what_the_requests_did(oai, engine, tokenizer, a
     assert _value(held, "vllm:request_success_total", finished_reason="abort") == 0.0
 
 
-async def test_counts_start_at_zero_and_buckets_follow_vllm(oai) -> None:
-    samples = await _scrape(oai)
+async def test_counts_start_at_zero_and_buckets_follow_vllm(http) -> None:
+    samples = await _scrape(http)
     for reason in ("stop", "length", "abort", "error"):
         assert _value(samples, "vllm:request_success_total", finished_reason=reason) == 0.0
     ttft = sorted(
@@ -215,3 +221,24 @@ async def test_counts_start_at_zero_and_buckets_follow_vllm(oai) -> None:
         float(dict(labels)["le"]) for name, labels in samples if name == "vllm:request_prompt_tokens_bucket"
     )
     assert prompt == [1.0, 2.0, 5.0, 10.0, 20.0, 50.0, float("inf")]  # vLLM's 1-2-5 up to max_model_len (64)
+
+
+async def test_a_refused_request_is_not_counted_and_a_failed_one_is_an_error(oai, http, engine, adapter_dir) -> None:
+    loaded = await http.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(adapter_dir / "sql")})
+    assert loaded.status_code == 200, loaded.text
+    engine.unload_unheard("sql")  # the core refuses the next request for it (404): it never runs
+    with pytest.raises(openai.NotFoundError):
+        await oai.completions.create(model="sql", prompt="select", max_tokens=2)
+    engine.hold = asyncio.Event()
+    task = asyncio.ensure_future(oai.completions.create(model=MODEL, prompt="a b", max_tokens=4))
+    while not engine.arrivals or engine.arrivals[-1].lora_name is not None:
+        await asyncio.sleep(0.001)
+    engine.fail("rank 0 failed")  # the engine fails while the request is in it: 503
+    with pytest.raises(openai.APIStatusError) as failed:
+        await task
+    assert failed.value.status_code == 503
+    samples = await _scrape(http)
+    for reason, num in (("stop", 0), ("length", 0), ("abort", 0), ("error", 1)):
+        assert _value(samples, "vllm:request_success_total", finished_reason=reason) == num, reason
+    assert _value(samples, "vllm:e2e_request_latency_seconds_count") == 1
+    assert _value(samples, "vllm:prompt_tokens_total") == _value(samples, "vllm:generation_tokens_total") == 0
