@@ -144,6 +144,7 @@ class EngineStats(Event):
     adapter_rows: list[AdapterRow] = []  # the registered adapters whose row changed since the last EngineStats
     num_used_slots: int = 0  # adapter slots holding a version (loading, loaded or pinned)
     lora_wait_ms: float = 0.0  # cumulative: adapter requests' waits for their adapter's load, where timed
+    num_available_blocks: int = 0  # free blocks plus cached blocks no request holds (reclaimable)
 
 
 class AdapterRow(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):

@@ -31,6 +31,7 @@ from ledgerserve.tokenizer_proc.metrics import CONTENT_TYPE_LATEST, Metrics
 from ledgerserve.tokenizer_proc.security import ApiKeyMiddleware, BodyLimitMiddleware, api_key_from_env
 from ledgerserve.tokenizer_proc.text_check import TextCheckedRoute
 from ledgerserve.tokenizer_proc.tokenize_routes import add_tokenize_routes
+from ledgerserve.tokenizer_proc.vllm_metrics import served_model_label
 
 VERSION = "0.1.0"
 logger = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ def _served(
     """What the routes serve with, listening to the engine's finishes, loads and adapter registry."""
     registry = adapters.AdapterRegistry()
     resolver = LoraResolver(engine, config, registry, base)
-    metrics = Metrics(engine, config.max_loras)
+    metrics = Metrics(engine, config.max_loras, served_model_label(config.served_model_name), config.max_model_len)
     defaults = load_defaults(config.generation_config, config.model_dir, len(tokenizer))
     log_defaults(defaults, config.generation_config)
     served = Served(
@@ -83,6 +84,7 @@ def _served(
     )
     engine.finished_listeners.append(metrics.on_finished)
     engine.load_listeners.append(metrics.on_load)
+    engine.request_observer = metrics.vllm
 
     def on_adapters(infos: list[AdapterInfo]) -> None:  # the core's registry, after every adapter op
         registry.refresh(infos)

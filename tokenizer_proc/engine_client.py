@@ -34,6 +34,7 @@ from ledgerserve.shared.events import (
     RequestRejected,
     TokensEmitted,
 )
+from ledgerserve.tokenizer_proc.request_trace import RequestObserver
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class EngineClientBase(abc.ABC):
         self.adapter_rows: dict[str, AdapterRow] = {}  # registered adapter -> its latest row (EngineStats)
         self.load_listeners: list[Callable[[AdapterLoadObserved], None]] = []
         self.finished_listeners: list[Callable[[RequestArrived, TokensEmitted], None]] = []
+        self.request_observer: RequestObserver | None = None  # sees each request's tokens and end (vLLM's metrics)
         self.failure_message: str | None = None
         self.num_bad_frames = 0
         self._ops: dict[str, asyncio.Future[AdapterOpReplied]] = {}

@@ -8,7 +8,8 @@ from typing import Any
 
 from ledgerserve.shared.events import PromptLogprobs, RequestArrived, TokenLogprobs
 from ledgerserve.tokenizer_proc.detokenizer import IncrementalDetokenizer
-from ledgerserve.tokenizer_proc.engine_client import EngineClientBase
+from ledgerserve.tokenizer_proc.engine_client import EngineClientBase, EngineError
+from ledgerserve.tokenizer_proc.request_trace import RequestTrace
 
 
 @dataclass
@@ -62,6 +63,7 @@ class RequestRun:
             self.tokenizer, self.arrived.prompt_token_ids, self.stop, self.skip_special_tokens
         )
         prompt: list[PromptLogprobs] | None = [] if self.arrived.sampling.prompt_logprobs is not None else None
+        trace = RequestTrace(self.arrived, self.engine.request_observer)
         try:
             async for out in self.engine.generate(self.arrived):
                 self.usage.num_cached_tokens = max(self.usage.num_cached_tokens, out.num_cached_tokens)
@@ -74,19 +76,27 @@ class RequestRun:
                 text = detok.push(out.new_token_ids, finished)
                 num_taken = len(detok.output_token_ids) - num_before
                 self.usage.num_output_tokens += num_taken
+                trace.on_tokens(num_taken, self.usage.num_cached_tokens)
                 logprobs = out.logprobs[:num_taken] if out.logprobs is not None else None
                 token_ids = list(out.new_token_ids[:num_taken])
                 if detok.stopped:
+                    trace.finish("stop")
                     if not finished:
                         await self.engine.abort(self.req_id, "stop")
                     yield Delta(text, token_ids, logprobs, "stop", detok.stop_matched, prompt)
                     return
+                if finished:
+                    trace.finish(out.finish_reason)
                 yield Delta(text, token_ids, logprobs, out.finish_reason, out.stop_token_id, prompt)
                 prompt = None
                 if finished:
                     return
+        except EngineError as exc:
+            trace.fail(exc.status_code)
+            raise
         finally:
             self.engine.release(self.req_id)
+            trace.finish("abort")  # left early (client gone, cancelled); nothing once it ended
 
 
 async def collect(run: RequestRun) -> Delta:

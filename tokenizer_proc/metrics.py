@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from ledgerserve.shared.events import AdapterInfo, AdapterLoadObserved, RequestArrived, TokensEmitted
 from ledgerserve.tokenizer_proc.adapter_metrics import AdapterRowsCollector, LoadMetrics
+from ledgerserve.tokenizer_proc.vllm_metrics import VllmGaugesCollector, VllmRequestMetrics
 
 if TYPE_CHECKING:
     from ledgerserve.tokenizer_proc.engine_client import EngineClientBase
@@ -24,9 +25,13 @@ BASE_LABEL = "base"  # the `namespace` label of base-model requests
 
 
 class Metrics:
-    def __init__(self, engine: EngineClientBase | None = None, max_loras: int = 0) -> None:
-        """`engine`: whose adapter rows and stats the adapter series read at each scrape."""
+    def __init__(
+        self, engine: EngineClientBase | None = None, max_loras: int = 0, model_name: str = "", max_model_len: int = 1
+    ) -> None:
+        """`engine`: whose adapter rows and stats the adapter and vLLM gauges read at each scrape;
+        `model_name`: the `model_name` label of the `vllm:` series (the first served model name)."""
         self.registry = CollectorRegistry()
+        self.vllm = VllmRequestMetrics(self.registry, model_name, max_model_len)  # observes every engine request
         gauge = lambda name, doc: Gauge(name, doc, registry=self.registry)  # noqa: E731
         self.running = gauge("ledgerserve_num_requests_running", "requests the scheduler is running")
         self.waiting = gauge("ledgerserve_num_requests_waiting", "requests waiting in the scheduler")
@@ -50,6 +55,7 @@ class Metrics:
         self.adapter_loads = LoadMetrics(self.registry)
         if engine is not None:
             self.registry.register(AdapterRowsCollector(engine, max_loras))
+            self.registry.register(VllmGaugesCollector(engine, model_name))
 
     def on_adapters(self, adapters: list[AdapterInfo]) -> None:
         """The core's registry after an adapter op: drop the series of adapters not in it."""

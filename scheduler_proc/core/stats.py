@@ -35,4 +35,5 @@ def engine_stats(
         adapter_rows=adapter_rows if adapter_rows is not None else [],
         num_used_slots=adapters.slots.num_used,
         lora_wait_ms=lora_wait_ms,
+        num_available_blocks=blocks.num_available_blocks if blocks is not None else 0,
     )

@@ -193,6 +193,26 @@ def test_replay_shows_the_same_figures(server: Server, usage: dict[str, Counter]
     assert figures["engine"]["lora_wait_ms"] > 0  # the log times the misses' waits
 
 
+def test_vllm_series_equal_the_clients_usage(server: Server, usage: dict[str, Counter]) -> None:
+    """vLLM's names through the process group: every series labelled by the served model (adapter
+    requests included), the counters equal to the usage the clients got, an idle engine's gauges at 0."""
+    families = _wait_quiet(server)
+    model_name = httpx.get(server.base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    totals = sum(usage.values(), Counter())
+
+    def value(name: str, **labels: str) -> float:
+        (found,) = [s.value for s in families[name] if s.labels == {"model_name": model_name, **labels}]
+        return found
+
+    assert value("vllm:prompt_tokens") == totals["prompt"]
+    assert value("vllm:generation_tokens") == totals["generated"]
+    assert value("vllm:request_success", finished_reason="length") == totals["requests"]
+    assert value("vllm:e2e_request_latency_seconds", le="+Inf") == totals["requests"]
+    assert value("vllm:request_generation_tokens", le="+Inf") == totals["requests"]
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+        assert value(name) == 0.0, name  # idle: cached blocks no request holds count as free
+
+
 def _requests_info(server: Server) -> tuple[str, str, str]:
     """vLLM's gauge (one series), checked against the per-adapter gauges of the same scrape."""
     families = _families(server)
