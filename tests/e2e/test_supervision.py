@@ -230,7 +230,9 @@ def test_a_child_failing_at_start_leaves_no_run_directory(demo_model_dir, tmp_pa
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_drains_in_flight_request_then_exits_clean(sig, tmp_path):
-    server = Server(None, str(tmp_path), ["--max-model-len", "2048"]).start()  # the demo model, by default
+    # the drain is what is tested, not --shutdown-timeout (the next test): on a loaded CI machine 1000 tokens
+    # may take longer than the default 30 s
+    server = Server(None, str(tmp_path), ["--max-model-len", "2048", "--shutdown-timeout", "300"]).start()
     assert "RANDOM" in server.output()
     pids = [p.pid for p in server.children()]
     run_dirs = server.run_dirs()
