@@ -1,0 +1,61 @@
+"""Tensor parallelism's process group: one torch.distributed group over the worker ranks, NCCL on
+CUDA and gloo on the CPU. The ranks meet through a FileStore in the run's private directory (no
+port to pick or leak); the transports bind to loopback (the launcher sets GLOO_SOCKET_IFNAME /
+NCCL_SOCKET_IFNAME for the workers). With one rank there is no group and every collective is the
+identity, so the single-GPU path runs no torch.distributed code at all."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+RENDEZVOUS_FILE = "tp-rendezvous"
+
+
+@dataclass(frozen=True)
+class TpGroup:
+    """This rank's place in the group: which shard it holds of every sharded weight."""
+
+    rank: int = 0
+    size: int = 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of x over the ranks, in place (x must be contiguous); x itself with one rank."""
+        if self.size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., n] on every rank -> [..., size * n]: the ranks' x side by side along the last dim."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
+
+
+def init_group(rank: int, size: int, run_dir: str, device: torch.device, timeout_s: float) -> TpGroup:
+    """Join the group of `size` ranks (blocks until all have joined, at most `timeout_s`); a
+    collective that waits longer than `timeout_s` for a stalled rank raises."""
+    if size == 1:
+        return TpGroup()
+    store = dist.FileStore(os.path.join(run_dir, RENDEZVOUS_FILE), size)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=size,
+        timeout=timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+    return TpGroup(rank, size)
+
+
+def close_group(group: TpGroup) -> None:
+    if group.size > 1 and dist.is_initialized():
+        dist.destroy_process_group()
