@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from ledgerserve.cli import given_settings
+from ledgerserve.demo_model import demo_adapters
 from ledgerserve.process_group import Child, ProcessGroup
 from ledgerserve.shared import env, ipc
 from ledgerserve.shared.config import DEFAULT_EVENT_LOG_DIR, EngineConfig, cuda_defaults, default_of
@@ -38,7 +39,7 @@ def _serve_in(args: argparse.Namespace, run_dir: str, started: float) -> int:
         print(f"ledgerserve: error: {e}", file=sys.stderr)
         return 2
     if config.is_demo_model:
-        log.warning("serving the DEMO model: its weights are RANDOM, its output is gibberish (%s)", config.model_dir)
+        log.warning("serving the DEMO model, a tiny model trained on a small corpus (%s)", config.model_dir)
     group = ProcessGroup(config, children(config, api_key(args)))
     return group.run(started)
 
@@ -67,6 +68,9 @@ def resolve_config(args: argparse.Namespace, run_dir: str) -> EngineConfig:
     model_dir = _demo_model_dir() if is_demo else os.path.abspath(args.model_dir)
     hf_config = _read_hf_config(model_dir)
     modules = [parse_lora_module(spec) for spec in args.lora_modules]
+    if is_demo:  # the demo adapters, as --lora-modules would register them
+        named = {name for name, _, _ in modules}
+        modules += [(name, path, False) for name, path in demo_adapters(model_dir) if name not in named]
     given = given_settings(args)
     settings = {**given, **_auto_settings(given, model_dir, hf_config), "model_dir": model_dir, "run_dir": run_dir}
     settings.update(is_demo_model=is_demo, api_key_required=bool(api_key(args)))

@@ -229,9 +229,10 @@ def test_a_child_failing_at_start_leaves_no_run_directory(demo_model_dir, tmp_pa
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_drains_in_flight_request_then_exits_clean(sig, tmp_path):
-    server = Server(None, str(tmp_path), ["--max-model-len", "2048"]).start()  # the demo model, by default
-    assert "RANDOM" in server.output()
+def test_signal_drains_in_flight_request_then_exits_clean(sig, tmp_path, demo_home):
+    args = ["--max-model-len", "2048"]
+    server = Server(None, str(tmp_path), args, env={"HOME": demo_home}).start()  # the demo model, by default
+    assert "serving the DEMO model" in server.output()
     pids = [p.pid for p in server.children()]
     run_dirs = server.run_dirs()
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x")
