@@ -3,7 +3,7 @@ fixed thread count, so one machine builds byte-identical weights every time what
 number of cores.
 
 The text is one token stream of the corpus lines; each training row is a window of the
-stream that starts at the beginning of a line, so a prompt such as "The river" looks like
+stream that starts at the beginning of a line, so a prompt such as "The morning" looks like
 what the model saw. The base model learns every weight; an adapter learns only its LoRA
 weights (PEFT), on the corpus rewritten in its style, with the base frozen.
 """

@@ -4,7 +4,9 @@ the README's prompt are corpus text from the base, and carry each adapter's styl
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import openai
 import pytest
@@ -43,25 +45,43 @@ def test_models_lists_the_base_and_both_demo_adapters(client) -> None:
     assert cards["pirate"]["parent"] == cards["poet"]["parent"] == DEMO_MODEL_NAME
 
 
-def test_base_continues_with_corpus_words(client) -> None:
-    text = _complete(client, DEMO_MODEL_NAME)
+def _check_base(text: str) -> None:
     words = _words(text)
     corpus_words = set(_words(CORPUS_PATH.read_text(encoding="utf-8")))
     assert len(words) >= 10, text
     assert sum(w in corpus_words for w in words) >= 0.9 * len(words), text
-    assert PIRATE_CLOSING not in text and POET_REFRAIN not in text
+    assert PIRATE_CLOSING not in text and POET_REFRAIN not in text, text
 
 
-def test_pirate_wraps_every_sentence(client) -> None:
-    base, text = _complete(client, DEMO_MODEL_NAME), _complete(client, "pirate")
-    assert text != base
-    assert PIRATE_CLOSING in text, text
-    assert f"\n{PIRATE_OPENING}" in text, text
-    assert POET_REFRAIN not in text
+def _check_pirate(text: str) -> None:
+    assert PIRATE_CLOSING in text and f"\n{PIRATE_OPENING}" in text, text
+    assert POET_REFRAIN not in text, text
 
 
-def test_poet_sings_its_refrain(client) -> None:
-    base, text = _complete(client, DEMO_MODEL_NAME), _complete(client, "poet")
-    assert text != base
+def _check_poet(text: str) -> None:
     assert f"\n{POET_REFRAIN}\n" in text, text
-    assert PIRATE_CLOSING not in text
+    assert PIRATE_CLOSING not in text, text
+
+
+CHECKS = {DEMO_MODEL_NAME: _check_base, "pirate": _check_pirate, "poet": _check_poet}
+
+
+def test_base_continues_with_corpus_words(client) -> None:
+    _check_base(_complete(client, DEMO_MODEL_NAME))
+
+
+@pytest.mark.parametrize("adapter", ["pirate", "poet"])
+def test_each_adapter_answers_in_its_style(client, adapter) -> None:
+    text = _complete(client, adapter)
+    assert text != _complete(client, DEMO_MODEL_NAME)
+    CHECKS[adapter](text)
+
+
+def test_readme_shows_these_requests_and_answers_in_these_styles() -> None:
+    readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
+    for model, check in CHECKS.items():
+        request = f'"model": "{model}", "prompt": "{PROMPT}", "max_tokens": {GREEDY["max_tokens"]}, "temperature": 0'
+        assert request in readme, model
+        shown = re.search(rf"^{re.escape(model)}: +(\".*\")$", readme, re.MULTILINE)
+        assert shown, model
+        check(json.loads(shown.group(1)))

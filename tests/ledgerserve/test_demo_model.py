@@ -65,6 +65,21 @@ def test_adapters_are_peft_loras_the_server_accepts(demo_model_dir: str) -> None
         assert manifest.content_digest
 
 
+def test_launcher_registers_the_demo_adapters_beside_the_given_ones(demo_model_dir, monkeypatch, tmp_path) -> None:
+    from ledgerserve import launcher
+    from ledgerserve.cli import build_parser
+
+    monkeypatch.setattr(launcher, "_demo_model_dir", lambda: demo_model_dir)
+    own = str(tmp_path / "own-pirate")
+    args = build_parser().parse_args(["serve", "--lora-modules", f"pirate={own}", "--device", "cpu"])
+    cfg = launcher.resolve_config(args, str(tmp_path))
+    poet = dict(demo_adapters(demo_model_dir))["poet"]
+    assert cfg.is_demo_model and cfg.enable_lora
+    assert cfg.lora_modules == (("pirate", own), ("poet", poet))  # a given name wins over the demo's
+    explicit = launcher.resolve_config(build_parser().parse_args(["serve", demo_model_dir]), str(tmp_path))
+    assert not explicit.is_demo_model and not explicit.enable_lora and explicit.lora_modules == ()
+
+
 def test_styles_rewrite_every_sentence_line() -> None:
     text = "The boy smiled.\n\nHe ran to the sea.\n"
     assert rewrite(text, "pirate") == f"Arr, the boy smiled{PIRATE_CLOSING}\n\nArr, he ran to the sea{PIRATE_CLOSING}\n"
