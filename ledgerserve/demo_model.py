@@ -1,25 +1,33 @@
-"""A tiny deterministic demo checkpoint: Qwen3 architecture with RANDOM weights.
+"""The demo model: a tiny Qwen3 TRAINED on a small corpus, with two demo LoRA adapters.
 
-`ensure_demo_model()` builds it once under `~/.cache/ledgerserve/demo-model-v1` (or the
-given directory): a byte-level BPE tokenizer trained on `ledgerserve/data/demo_corpus.txt`,
-a ChatML chat template, and seeded random weights saved as safetensors. The model
-produces gibberish; it exists so the whole server can run on any machine. Building twice
-gives byte-identical files.
+`ensure_demo_model()` builds it once under `~/.cache/ledgerserve/demo-<recipe>/demo-model`
+(or the given directory): a byte-level BPE tokenizer trained on
+`ledgerserve/data/demo_corpus.txt`, a ChatML chat template, weights trained on that corpus
+(`demo_train`), and under `adapters/` one PEFT LoRA adapter per style of `demo_styles`,
+each trained on the corpus rewritten in its style with the base frozen. `<recipe>` is a
+digest of the corpus and of the code that builds it, so a changed recipe never reuses an
+old build. Building twice on one machine gives byte-identical files.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
-DEMO_MODEL_NAME = "demo-model-v1"
+from ledgerserve.demo_styles import STYLES
+
+DEMO_MODEL_NAME = "demo-model"
+ADAPTERS_DIR = "adapters"
 SEED = 1234
 VOCAB_SIZE = 1536
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS_PATH = Path(__file__).parent / "data" / "demo_corpus.txt"
+RECIPE_MODULES = ("demo_model.py", "demo_train.py", "demo_styles.py")
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -28,25 +36,48 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-README = """# ledgerserve demo model (demo-model-v1)
+README = """# ledgerserve demo model
 
-THE WEIGHTS OF THIS MODEL ARE RANDOM. It generates meaningless text.
+A tiny Qwen3 (hidden size 128, 2 layers, 4 query heads, 2 KV heads, tied embeddings)
+TRAINED for about half a minute of one CPU core on a small English corpus, with a byte-level BPE tokenizer
+trained on the same corpus. Its greedy output continues a prompt with corpus-like
+sentences; it knows nothing else. It exists so that ledgerserve can be run and tested end
+to end on any machine, without downloading a real model.
 
-It has the Qwen3 architecture (hidden size 128, 2 layers, 4 query heads, 2 KV heads,
-tied embeddings) with weights drawn from a seeded normal distribution, and a byte-level
-BPE tokenizer trained on a small English corpus. It exists so that ledgerserve can be run
-and tested end to end on any machine, without downloading a real model.
+`adapters/` holds two PEFT LoRA adapters of it, each trained on the corpus rewritten in
+one style: `pirate` (every sentence opens with "Arr," and ends with ", matey!") and `poet`
+(every sentence broken into lines of three words).
 """
 
 
+def recipe_digest() -> str:
+    """12 hex digits of the corpus and of the source of the modules that build the model."""
+    digest = hashlib.sha256(CORPUS_PATH.read_bytes())
+    for name in RECIPE_MODULES:
+        digest.update((Path(__file__).parent / name).read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def default_cache_dir() -> str:
-    return os.path.join(os.path.expanduser("~"), ".cache", "ledgerserve", DEMO_MODEL_NAME)
+    root = os.path.join(os.path.expanduser("~"), ".cache", "ledgerserve")
+    return os.path.join(root, f"demo-{recipe_digest()}", DEMO_MODEL_NAME)
+
+
+def demo_adapters(model_dir: str) -> list[tuple[str, str]]:
+    """(name, directory) of every demo adapter of the demo model in `model_dir`."""
+    return [(name, os.path.join(model_dir, ADAPTERS_DIR, name)) for name in STYLES]
+
+
+def _is_built(target: Path) -> bool:
+    files = [target / "model.safetensors", target / "tokenizer.json"]
+    files += [Path(path) / "adapter_model.safetensors" for _, path in demo_adapters(str(target))]
+    return all(f.exists() for f in files)
 
 
 def ensure_demo_model(cache_dir: str | None = None) -> str:
     """Return the directory of the demo model, building it first if it is missing."""
     target = Path(cache_dir or default_cache_dir())
-    if (target / "model.safetensors").exists() and (target / "tokenizer.json").exists():
+    if _is_built(target):
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
@@ -55,7 +86,7 @@ def ensure_demo_model(cache_dir: str | None = None) -> str:
         write_demo_model(tmp)
         os.replace(tmp, target)  # atomic; fails if a concurrent builder won the race
     except OSError:
-        if not (target / "model.safetensors").exists():
+        if not _is_built(target):
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -69,7 +100,7 @@ def write_demo_model(out: Path) -> None:
     _write_json(out / "tokenizer_config.json", _tokenizer_config())
     _write_json(out / "special_tokens_map.json", _special_tokens_map())
     _write_json(out / "generation_config.json", _generation_config(ids))
-    _write_weights(out, tokenizer.get_vocab_size(), ids)
+    _write_weights(out, tokenizer, ids)
     (out / "README.md").write_text(README, encoding="utf-8")
 
 
@@ -147,40 +178,73 @@ def _model_config(vocab_size: int, ids: dict[str, int]):  # -> transformers.Qwen
     )
 
 
-def _write_weights(out: Path, vocab_size: int, ids: dict[str, int]) -> None:
+def _corpus_lines(tokenizer, style: str | None = None) -> list[list[int]]:
+    """The token ids of every corpus line (its newline included), rewritten in `style` if given."""
+    from ledgerserve.demo_styles import rewrite
+
+    text = CORPUS_PATH.read_text(encoding="utf-8")
+    lines = (rewrite(text, style) if style else text).splitlines(keepends=True)
+    return [enc.ids for enc in tokenizer.encode_batch(lines)]
+
+
+def _write_weights(out: Path, tokenizer, ids: dict[str, int]) -> None:
+    """Train the base, save it, then train and save each demo adapter on top of it."""
+    import copy
+
+    import torch
     from safetensors.torch import save_file
 
-    config = _model_config(vocab_size, ids)
+    from ledgerserve import demo_train
+
+    config = _model_config(tokenizer.get_vocab_size(), ids)
     config.save_pretrained(str(out))
-    _mark_random_weights(out / "config.json")
-    save_file(_random_state_dict(config), str(out / "model.safetensors"), metadata={"format": "pt"})
+    _mark_trained_weights(out / "config.json")
+    with demo_train.fixed_cpu_state(SEED):
+        model = _initial_model(config)
+        demo_train.train(model, _corpus_lines(tokenizer), demo_train.BASE_SCHEDULE)
+        weights = {name: p.detach().contiguous() for name, p in model.named_parameters()}  # tied: no lm_head
+        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+        for index, (style, path) in enumerate(demo_adapters(str(out))):
+            torch.manual_seed(SEED + 1 + index)  # the LoRA A init; fixed_cpu_state restores the RNG
+            adapter = demo_train.lora_model(copy.deepcopy(model))
+            demo_train.train(adapter, _corpus_lines(tokenizer, style), demo_train.ADAPTER_SCHEDULE)
+            _save_adapter(adapter, Path(path))
 
 
-def _random_state_dict(config) -> dict:
-    """Seeded weights with the exact names and shapes of Qwen3ForCausalLM.
+def _save_adapter(adapter, path: Path) -> None:
+    """adapter_config.json + adapter_model.safetensors, as PEFT writes them (no model card)."""
+    with warnings.catch_warnings():  # PEFT calls a transformers API that transformers deprecates
+        warnings.simplefilter("ignore", FutureWarning)
+        adapter.save_pretrained(str(path), safe_serialization=True)
+    (path / "README.md").unlink(missing_ok=True)
+    config = json.loads((path / "adapter_config.json").read_text(encoding="utf-8"))
+    config["base_model_name_or_path"] = None
+    config.pop("peft_version", None)  # keep the files identical across versions
+    _write_json(path / "adapter_config.json", config)
 
-    Parameters are filled in sorted-name order from one generator, so the result does not
-    depend on how transformers happens to initialise modules."""
+
+def _initial_model(config):  # -> transformers.Qwen3ForCausalLM
+    """The model with seeded initial weights, filled in sorted-name order from one generator,
+    so the result does not depend on how transformers happens to initialise modules."""
     import torch
     from transformers import Qwen3ForCausalLM
 
-    with torch.device("meta"):
-        model = Qwen3ForCausalLM(config)
-    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}  # tied: no lm_head
+    model = Qwen3ForCausalLM(config)
     generator = torch.Generator().manual_seed(SEED)
-    state: dict[str, torch.Tensor] = {}
-    for name in sorted(shapes):
-        if name.endswith("norm.weight"):
-            state[name] = torch.ones(shapes[name], dtype=torch.float32)
-        else:
-            state[name] = torch.randn(shapes[name], generator=generator, dtype=torch.float32) * 0.02
-    return state
+    params = dict(model.named_parameters())  # tied: no lm_head
+    with torch.no_grad():
+        for name in sorted(params):
+            if name.endswith("norm.weight"):
+                params[name].fill_(1.0)
+            else:
+                params[name].copy_(torch.randn(params[name].shape, generator=generator) * 0.02)
+    return model
 
 
-def _mark_random_weights(path: Path) -> None:
+def _mark_trained_weights(path: Path) -> None:
     config = json.loads(path.read_text(encoding="utf-8"))
     config["architectures"] = ["Qwen3ForCausalLM"]
-    config["ledgerserve_note"] = "demo model: the weights are random; outputs are meaningless"
+    config["ledgerserve_note"] = "demo model: trained briefly on a small corpus; it only continues text like it"
     config.pop("transformers_version", None)  # keep the files identical across versions
     _write_json(path, config)
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from ledgerserve import model_source
 from ledgerserve.cli import given_settings, vllm_flag_notices
+from ledgerserve.demo_model import demo_adapters
 from ledgerserve.process_group import Child, ProcessGroup
 from ledgerserve.shared import env, ipc
 from ledgerserve.shared.config import DEFAULT_EVENT_LOG_DIR, EngineConfig, cuda_defaults, default_of
@@ -39,7 +40,7 @@ def _serve_in(args: argparse.Namespace, run_dir: str, started: float) -> int:
         print(f"ledgerserve: error: {e}", file=sys.stderr)
         return 2
     if config.is_demo_model:
-        log.warning("serving the DEMO model: its weights are RANDOM, its output is gibberish (%s)", config.model_dir)
+        log.warning("serving the DEMO model, a tiny model trained on a small corpus (%s)", config.model_dir)
     group = ProcessGroup(config, children(config, api_key(args)))
     return group.run(started)
 
@@ -71,6 +72,9 @@ def resolve_config(args: argparse.Namespace, run_dir: str) -> EngineConfig:
     model_dir = _demo_model_dir() if spec is None else _model_dir(spec, given)
     hf_config = _read_hf_config(model_dir)
     modules = [parse_lora_module(entry) for entry in args.lora_modules]
+    if spec is None:  # the demo adapters, as --lora-modules would register them
+        named = {name for name, _, _ in modules}
+        modules += [(name, path, False) for name, path in demo_adapters(model_dir) if name not in named]
     auto = _auto_settings(given, spec or model_dir, hf_config)
     settings = {**given, **auto, **_resolved_paths(given, model_dir), "model_dir": model_dir, "run_dir": run_dir}
     settings.update(is_demo_model=spec is None, api_key_required=bool(api_key(args)))

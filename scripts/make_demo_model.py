@@ -1,4 +1,4 @@
-"""Build the demo model (random weights, tiny Qwen3) and print its directory.
+"""Build the demo model (a tiny Qwen3 trained on the demo corpus, and its demo adapters) and print its directory.
 
 Usage: python scripts/make_demo_model.py [--out DIR]
 """
@@ -16,7 +16,9 @@ from ledgerserve.demo_model import ensure_demo_model  # noqa: E402
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None, help="target directory (default: ~/.cache/ledgerserve/demo-model-v1)")
+    parser.add_argument(
+        "--out", default=None, help="target directory (default: ~/.cache/ledgerserve/demo-RECIPE/demo-model)"
+    )
     args = parser.parse_args(argv)
     print(ensure_demo_model(args.out))
     return 0

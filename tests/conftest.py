@@ -26,6 +26,19 @@ def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
+def demo_home(demo_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A HOME whose demo-model cache is `demo_model_dir`: a server started there with no
+    MODEL_DIR serves the session's demo build instead of building its own."""
+    from ledgerserve.demo_model import default_cache_dir
+
+    home = tmp_path_factory.mktemp("home")
+    cached = home / Path(default_cache_dir()).relative_to(Path.home())
+    cached.parent.mkdir(parents=True)
+    cached.symlink_to(demo_model_dir, target_is_directory=True)
+    return str(home)
+
+
+@pytest.fixture(scope="session")
 def base_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A tiny random llama checkpoint, for tests of adapter files against a base (read only)."""
     return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("base") / "llama")

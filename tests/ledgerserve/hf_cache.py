@@ -30,7 +30,7 @@ def add_snapshot(cache_dir: Path, repo_id: str, ref: str, files: dict[str, bytes
 
 def checkpoint_files(model_dir: str, **config: object) -> dict[str, bytes]:
     """A checkpoint's files read from `model_dir`, `config` merged into its config.json."""
-    files = {name: Path(model_dir, name).read_bytes() for name in os.listdir(model_dir)}
+    files = {p.name: p.read_bytes() for p in Path(model_dir).iterdir() if p.is_file()}  # a checkpoint: its top files
     if config:
         files["config.json"] = json.dumps({**json.loads(files["config.json"]), **config}).encode()
     return files

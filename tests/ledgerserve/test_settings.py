@@ -23,6 +23,7 @@ from ledgerserve.cli import (
     flagged_fields,
     shown_default,
 )
+from ledgerserve.demo_model import demo_adapters
 from ledgerserve.launcher import resolve_config
 from ledgerserve.scheduler_proc.core import CoreConfig
 from ledgerserve.shared.config import EngineConfig, setting
@@ -132,8 +133,10 @@ def test_bare_serve_resolves_to_the_dataclass_defaults(model_dir, monkeypatch, o
         "tokenizer",
     }
     for name, f in FIELDS.items():
-        if name not in auto | {"model_dir", "run_dir", "is_demo_model"}:
+        if name not in auto | {"model_dir", "run_dir", "is_demo_model", "enable_lora", "lora_modules"}:
             assert getattr(cfg, name) == f.default, name
+    # the demo model comes with its demo adapters, registered as --lora-modules would
+    assert cfg.enable_lora and cfg.lora_modules == tuple(demo_adapters(model_dir))
     # on the CPU the auto settings the dataclass has a default for resolve to it
     assert (cfg.device, cfg.dtype, cfg.max_num_seqs, cfg.max_cpu_loras, cfg.num_kv_blocks) == (
         "cpu",

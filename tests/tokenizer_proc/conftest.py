@@ -2,13 +2,6 @@ from __future__ import annotations
 
 import pytest
 
-from ledgerserve.demo_model import ensure_demo_model
-
-
-@pytest.fixture(scope="session")
-def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return ensure_demo_model(str(tmp_path_factory.mktemp("demo") / "demo-model-v1"))
-
 
 @pytest.fixture(scope="session")
 def tokenizer(demo_model_dir: str):
