@@ -37,6 +37,7 @@ from ledgerserve.worker_proc.cuda_graphs import DecodeGraphs
 from ledgerserve.worker_proc.kv_cache import KVCache, num_kv_blocks
 from ledgerserve.worker_proc.lora.manager import LoraManager
 from ledgerserve.worker_proc.models import build_model, load_eos_token_ids, load_model_config
+from ledgerserve.worker_proc.parallel import TpGroup
 from ledgerserve.worker_proc.placeholders import SampledRows, mark_placeholder
 from ledgerserve.worker_proc.sampler import PendingSample, Sampler, SamplingReq
 from ledgerserve.worker_proc.step_inputs import PinnedStaging, build_step_inputs
@@ -62,9 +63,12 @@ class InFlightStep:
 
 
 class ModelRunner(AdapterCommands):
-    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, group: TpGroup | None = None) -> None:
+        """`group`: the tensor-parallel group (worker_proc/parallel.py), made by the worker process
+        before the runner; the model, KV cache and LoRA slots hold its rank's shard. None: one rank."""
         self.config = config
         self.rank = rank
+        self.group = group or TpGroup()
         self.device = torch.device(f"cuda:{rank}" if config.device == "cuda" else "cpu")
         self.dtype = DTYPES[config.dtype]
         torch.manual_seed(config.seed)
@@ -74,13 +78,13 @@ class ModelRunner(AdapterCommands):
             raise ValueError(f"sliding-window attention ({window}) is not supported; use max_model_len <= {window}")
         self.eos_token_ids = load_eos_token_ids(config.model_dir)
         self.model = build_model(
-            self.model_cfg, config.model_dir, config.load_format, self.dtype, self.device, config.seed, rank
+            self.model_cfg, config.model_dir, config.load_format, self.dtype, self.device, config.seed, rank, self.group
         )
         self.lora = self._build_lora() if config.enable_lora else None  # before KV sizing: its buffers count
-        num_blocks = num_kv_blocks(config, self.model_cfg, self.dtype, self.device)
+        num_blocks = num_kv_blocks(config, self.model.cfg, self.dtype, self.device)  # of this rank's KV heads
         use_graphs = self.device.type == "cuda" and not config.enforce_eager and self.dtype in ops.TRITON_DTYPES
         self.kv_cache = KVCache(
-            self.model_cfg,
+            self.model.cfg,
             num_blocks,
             config.block_size,
             self.dtype,
@@ -160,7 +164,8 @@ class ModelRunner(AdapterCommands):
         if logits is not None:
             pending = self.sampler.launch(logits, [_sampling_req(r) for r in sampling])
         self.prev_sampled = SampledRows.of(pending.token_ids, sampling) if pending is not None else SampledRows()
-        prompt = self._launch_prompt_logprobs(scheduled, hidden) if self.rank == 0 else None
+        # every rank joins lm_head's gather of the prompt rows; rank 0 returns them
+        prompt = self._launch_prompt_logprobs(scheduled, hidden) if self.rank == 0 or self.group.size > 1 else None
         if self.lora is not None:  # a write into these slots now waits for this step
             self.lora.note_step(lora_slots)
         digest = RankDigest(plan.step, self.rank, self.digest())  # on the host while the device runs the step
@@ -174,7 +179,7 @@ class ModelRunner(AdapterCommands):
                 SampledToken(req_id, s.token_id, s.logprobs)
                 for req_id, s in zip(step.sampling_req_ids, self.sampler.finish(step.pending))
             ]
-        prompt, failed = prompt_logprobs.finish(step.prompt) if step.prompt is not None else ([], [])
+        prompt, failed = prompt_logprobs.finish(step.prompt) if step.prompt is not None and self.rank == 0 else ([], [])
         completed = StepCompleted(step.step, self.rank, sampled if self.rank == 0 else [], step.failed + failed, prompt)
         return completed, step.digest
 
