@@ -6,10 +6,11 @@ putting exactly those parts of the safetensors into the rank's model. No collect
 from __future__ import annotations
 
 import dataclasses
+import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from ledgerserve.worker_proc.models import build_model, load_model_config
 from ledgerserve.worker_proc.models.shard import down_shard, o_shard, qkv_shard, vocab_shard
@@ -83,3 +84,16 @@ def test_dummy_weights_have_the_shard_shapes(llama_dir: str) -> None:
     for (name, a), (_, b) in zip(dummy.named_parameters(), real.named_parameters()):
         assert a.shape == b.shape, name
     assert real.model.layers[0].self_attn.qkv_proj.weight.shape == (32 + 16 + 16, 64)  # 2 q heads, 1 KV head
+
+
+def test_a_checkpoint_tensor_of_another_shape_is_refused(llama_dir: str, tmp_path) -> None:
+    """A tensor whose rows hold a rank's slice and more (here an up_proj twice as tall) is refused,
+    not quietly cut to the slice."""
+    shutil.copy(f"{llama_dir}/config.json", tmp_path / "config.json")
+    tensors = load_file(f"{llama_dir}/model.safetensors")
+    up = tensors["model.layers.0.mlp.up_proj.weight"]  # [128, 64]
+    tensors["model.layers.0.mlp.up_proj.weight"] = torch.cat([up, up])
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    cfg = load_model_config(str(tmp_path))
+    with pytest.raises(ValueError, match=r"up_proj.weight' \(256, 64\) does not fit the model's \(128, 64\)"):
+        build_model(cfg, str(tmp_path), "auto", torch.float32, torch.device("cpu"), 0, 0, TpGroup(0, 2))

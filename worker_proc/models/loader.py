@@ -30,6 +30,7 @@ _FUSED = {
 }
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _ITEMSIZE = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_ITEMSIZE |= {"F8_E4M3": 1, "F8_E5M2": 1}  # of safetensors dtype names, for the load's progress
 logger = logging.getLogger(__name__)
 
 WeightKey = tuple[str, str, int]  # (module name, 'weight' | 'bias', shard)
@@ -145,9 +146,13 @@ def _load_one(model: LlamaForCausalLM, modules: dict[str, nn.Module], name: str,
     if module is None:
         raise ValueError(f"unexpected checkpoint tensor {name!r}")
     if isinstance(module, (SlotLinear, VocabEmbedding)):
+        view = f.get_slice(name)
+        want = module.shard.checkpoint_shape(attr, shard)
+        if tuple(view.get_shape()) != want:
+            raise ValueError(f"checkpoint tensor {name!r} {tuple(view.get_shape())} does not fit the model's {want}")
         index = module.shard.checkpoint_index(attr, shard)  # None: this rank keeps zeros there
         if index is not None:
-            _load_part(module, attr, shard, f.get_slice(name)[index])
+            _load_part(module, attr, shard, view[index])
         return (module_name, attr, shard)
     tensor = f.get_tensor(name)
     param = getattr(module, attr, None)

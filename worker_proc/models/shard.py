@@ -25,6 +25,10 @@ class LayerShard:
     reduce: bool = False  # row-parallel: the output is this rank's partial sum
     rank: int = 0
 
+    def checkpoint_shape(self, attr: str, s: int) -> tuple[int, ...]:
+        """The shape slice `s`'s checkpoint tensor `attr` must have, whatever part of it this rank holds."""
+        return (self.out_full[s],) if attr == "bias" else (self.out_full[s], self.in_full)
+
     def checkpoint_index(self, attr: str, s: int) -> tuple[slice, ...] | None:
         """This rank's part of slice `s`'s checkpoint tensor `attr` ('weight' [out, in] or 'bias'
         [out]); None: the rank holds zeros in its place (a row-parallel bias on ranks past 0)."""
