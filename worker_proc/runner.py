@@ -164,8 +164,7 @@ class ModelRunner(AdapterCommands):
         if logits is not None:
             pending = self.sampler.launch(logits, [_sampling_req(r) for r in sampling])
         self.prev_sampled = SampledRows.of(pending.token_ids, sampling) if pending is not None else SampledRows()
-        # every rank joins lm_head's gather of the prompt rows; rank 0 returns them
-        prompt = self._launch_prompt_logprobs(scheduled, hidden) if self.rank == 0 or self.group.size > 1 else None
+        prompt = self._launch_prompt_logprobs(scheduled, hidden)
         if self.lora is not None:  # a write into these slots now waits for this step
             self.lora.note_step(lora_slots)
         digest = RankDigest(plan.step, self.rank, self.digest())  # on the host while the device runs the step
@@ -179,7 +178,7 @@ class ModelRunner(AdapterCommands):
                 SampledToken(req_id, s.token_id, s.logprobs)
                 for req_id, s in zip(step.sampling_req_ids, self.sampler.finish(step.pending))
             ]
-        prompt, failed = prompt_logprobs.finish(step.prompt) if step.prompt is not None and self.rank == 0 else ([], [])
+        prompt, failed = prompt_logprobs.finish(step.prompt) if step.prompt is not None else ([], [])
         completed = StepCompleted(step.step, self.rank, sampled if self.rank == 0 else [], step.failed + failed, prompt)
         return completed, step.digest
 
@@ -260,11 +259,17 @@ class ModelRunner(AdapterCommands):
     def _launch_prompt_logprobs(
         self, scheduled: list[ReqState], hidden: torch.Tensor | None
     ) -> prompt_logprobs.PendingPromptLogprobs | None:
+        """Rank 0's prompt logprobs; the other ranks of a group run lm_head with it (its gather)."""
+        if self.rank != 0 and self.group.size == 1:  # a replica: rank 0 alone scores them
+            return None
         rows = prompt_logprobs.prompt_rows(scheduled)
         if not rows.spans:
             return None
         if hidden is None:
             raise RuntimeError("prompt rows in a step run by a CUDA graph, which holds pure decode steps only")
+        if self.rank != 0:
+            prompt_logprobs.join(self.model, hidden, rows)
+            return None
         return prompt_logprobs.launch(self.model, hidden, rows, self.model_cfg.vocab_size)
 
 

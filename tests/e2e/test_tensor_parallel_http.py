@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.adapter_factory import make_peft_adapter
 from tests.e2e.server import Server
+from tests.prompt_logprobs_ref import check_entries, entries_from_json, prompt_logprobs_reference
 from tests.reference import assert_greedy_matches, greedy_reference
 
 pytestmark = pytest.mark.slow
@@ -97,3 +98,25 @@ def test_two_ranks_match_transformers_and_peft(server, demo_model_dir, adapter_r
     assert all(len(tokens) == NUM_TOKENS for tokens in results.values())
     print("near ties accepted:", assert_greedy_matches(results, _refs(demo_model_dir, adapter_root, base)) or "none")
     assert all(results[f"{n}|{PROMPTS[0]}"] != results[f"{base}|{PROMPTS[0]}"] for n in ADAPTERS)
+
+
+def test_prompt_logprobs_of_two_ranks_match(server, demo_model_dir, adapter_root) -> None:
+    """Prompt logprobs (lm_head over prompt rows, which every rank runs for its vocabulary gather)
+    of a prompt prefilled in chunks, for the base model and an adapter on lm_head, against
+    transformers and PEFT."""
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    base = next(m.id for m in client.models.list().data if m.model_extra.get("parent") is None)
+    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+    prompt_ids = tok(PROMPTS[0])["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32).eval()
+    peft = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32),
+        os.path.join(adapter_root, "all-head-r4"),
+    ).eval()
+    for name, ref_model in ((base, model), ("all-head-r4", peft)):
+        scored = client.completions.create(
+            model=name, prompt=PROMPTS[0], max_tokens=1, temperature=0.0, extra_body={"prompt_logprobs": 3}
+        )
+        body = scored.choices[0].model_extra["prompt_logprobs"]
+        ref = prompt_logprobs_reference(ref_model, prompt_ids)
+        check_entries(ref, prompt_ids, entries_from_json(body, prompt_ids, 3), 3)
