@@ -41,9 +41,11 @@ def _run_ranks(size: int, spec_path: str, run_dir: str) -> None:
         assert proc.returncode == 0, f"rank {rank} of {size} failed:\n{err[-4000:]}"
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # GQA with 2 KV heads; per-head q/k norm, tied embeddings
-def test_two_ranks_give_the_unsharded_logits(arch: str, tmp_path) -> None:
-    base_dir = make_tiny_checkpoint(arch, tmp_path / "base")
+# llama: GQA with 2 KV heads; qwen3: per-head q/k norm, tied embeddings, and a vocabulary of 251 that
+# pads to 252 (rank 1 holds 125 rows of the embedding, lm_head and its adapters' B, and a zero row)
+@pytest.mark.parametrize("arch, vocab_size", [("llama", 256), ("qwen3", 251)])
+def test_two_ranks_give_the_unsharded_logits(arch: str, vocab_size: int, tmp_path) -> None:
+    base_dir = make_tiny_checkpoint(arch, tmp_path / "base", vocab_size=vocab_size)
     adapter_dirs = [make_peft_adapter(base_dir, tmp_path / f"adapter{i}", **kw) for i, kw in enumerate(ADAPTERS)]
     spec_path = str(tmp_path / "spec.json")
     with open(spec_path, "w", encoding="utf-8") as f:
@@ -57,17 +59,21 @@ def test_two_ranks_give_the_unsharded_logits(arch: str, tmp_path) -> None:
     for step in ("prefill", "mixed", "decode"):
         torch.testing.assert_close(ranks[0][step], want[step], atol=2e-5, rtol=1e-5, msg=f"{arch} {step}")
         assert torch.equal(ranks[0][step], ranks[1][step]), f"{arch} {step}: the ranks' logits differ"
-    _check_held_bytes(tmp_path, load_model_config(base_dir).num_kv_heads)
+    assert want["decode"].shape[1] == vocab_size
+    cfg = load_model_config(base_dir)
+    _check_held_bytes(tmp_path, cfg.num_kv_heads, (vocab_size % 2) * cfg.hidden_size * 4)
 
 
-def _check_held_bytes(out_dir, num_kv_heads: int) -> None:
-    """Each rank holds half of every sharded weight and all of the replicated norms, and half the KV heads."""
+def _check_held_bytes(out_dir, num_kv_heads: int, padding_bytes: int) -> None:
+    """Each rank holds half of every sharded weight (with the padded vocabulary's zero row) and all
+    of the replicated norms, and half the KV heads."""
     with open(out_dir / "tp1-rank0.json", encoding="utf-8") as f:
         whole = json.load(f)
     assert whole["num_kv_heads"] == num_kv_heads
+    sharded_bytes = whole["weight_bytes"] - whole["norm_bytes"] + padding_bytes
     for rank in range(2):
         with open(out_dir / f"tp2-rank{rank}.json", encoding="utf-8") as f:
             held = json.load(f)
         assert held["norm_bytes"] == whole["norm_bytes"] > 0
-        assert held["weight_bytes"] == (whole["weight_bytes"] - whole["norm_bytes"]) // 2 + whole["norm_bytes"]
+        assert held["weight_bytes"] == sharded_bytes // 2 + whole["norm_bytes"]
         assert held["num_kv_heads"] == num_kv_heads // 2

@@ -34,7 +34,7 @@ REQS = [("base", -1, 11, 7), ("a0", 0, 9, 9), ("a1", 1, 13, 5), ("a2", 2, 6, 6),
 
 def _req(index: int, name: str, slot: int, prompt_len: int) -> ReqState:
     gen = torch.Generator().manual_seed(100 + index)
-    prompt = torch.randint(3, 256, (prompt_len,), generator=gen).tolist()
+    prompt = torch.randint(3, 250, (prompt_len,), generator=gen).tolist()  # within every test vocabulary
     blocks = list(range(index * BLOCKS_PER_REQ, (index + 1) * BLOCKS_PER_REQ))
     return ReqState(name, prompt, prompt_len, SamplingParams(max_tokens=4), blocks, 0, 0, slot)
 
