@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from ledgerserve.worker_proc.kv_cache import KVCache, bytes_per_block
 from ledgerserve.worker_proc.models import build_model, load_model_config
 from ledgerserve.worker_proc.models.shard import down_shard, o_shard, qkv_shard, vocab_shard
 from ledgerserve.worker_proc.parallel import TpGroup
@@ -97,3 +98,15 @@ def test_a_checkpoint_tensor_of_another_shape_is_refused(llama_dir: str, tmp_pat
     cfg = load_model_config(str(tmp_path))
     with pytest.raises(ValueError, match=r"up_proj.weight' \(256, 64\) does not fit the model's \(128, 64\)"):
         build_model(cfg, str(tmp_path), "auto", torch.float32, torch.device("cpu"), 0, 0, TpGroup(0, 2))
+
+
+def test_a_rank_caches_only_its_kv_heads(llama_dir: str) -> None:
+    """A KV block of a rank's cache holds its KV heads: half of them with 2 ranks, and still one
+    (the replicated head its q heads use) with 4 ranks over 2 KV heads; so a memory budget holds
+    more blocks per rank."""
+    cfg = load_model_config(llama_dir)
+    whole = bytes_per_block(cfg, 16, torch.float32)
+    assert bytes_per_block(cfg.shard(1, 2), 16, torch.float32) * 2 == whole
+    assert bytes_per_block(cfg.shard(3, 4), 16, torch.float32) * 2 == whole
+    cache = KVCache(cfg.shard(1, 2), 3, 16, torch.float32, torch.device("cpu"))
+    assert cache.layers[0][0].shape == (3, 16, 1, cfg.head_dim)
