@@ -6,9 +6,12 @@ few large host -> device copies (pinned memory on CUDA); then each tensor is cop
 staging view (file dtype, file layout) into its slot view (model dtype; B's is the transposed
 view of the B^T storage), the copy kernels casting and transposing, in `torch._foreach_copy_`
 calls (one C++ loop that releases the GIL; tensors whose dtype and layout already match in
-one call, which takes the fused path); then one fused zeroing clears every row past the
-adapter's rank (and every slice it does not target), and one indexed write each sets the
-slot's ranks and scalings (every module's tables are views into one flat buffer). The staging
+one call, which takes the fused path). A tensor-parallel rank copies its part of each tensor
+only (`SliceSpec.rows` of B on column-parallel layers, `.cols` of A on row-parallel ones): the
+image holds the whole file, as every rank reads and checks it whole. Then one fused zeroing
+clears every row past the adapter's rank (and every slice it does not target), and one indexed
+write each sets the slot's ranks and scalings (every module's tables are views into one flat
+buffer). The staging
 buffer holds the largest image `max_lora_rank` allows in F32 up to MAX_STAGING_BYTES; a larger
 image streams through it in chunks of whole tensors. It is allocated at start-up, before the
 KV cache is sized.
