@@ -45,12 +45,16 @@ def tiny_config(arch: str) -> Any:
     raise ValueError(f"unknown arch {arch!r}; known: {ARCHS}")
 
 
-def make_tiny_checkpoint(arch: str, path: str | os.PathLike[str], seed: int = 0) -> str:
-    """Write a tiny random `arch` checkpoint (config.json + model.safetensors) to `path`."""
+def make_tiny_checkpoint(arch: str, path: str | os.PathLike[str], seed: int = 0, **overrides: Any) -> str:
+    """Write a tiny random `arch` checkpoint (config.json + model.safetensors) to `path`;
+    `overrides` replace fields of its config (e.g. vocab_size)."""
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
+    config = tiny_config(arch)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _spread_weights(model, seed)
     model.save_pretrained(str(path), safe_serialization=True)
     return str(path)

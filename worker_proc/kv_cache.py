@@ -1,4 +1,6 @@
-"""Paged KV cache: per layer one k and one v tensor of `[num_blocks, block_size, num_kv_heads, head_dim]`."""
+"""Paged KV cache: per layer one k and one v tensor of `[num_blocks, block_size, num_kv_heads, head_dim]`,
+of this rank's KV heads (`ModelConfig.num_local_kv_heads` of the rank's view): a rank of N holds 1/N of
+them (one when they are replicated), so the blocks a memory budget holds grow with N."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ class KVCache:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_blocks + scratch_blocks, block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
+        shape = (num_blocks + scratch_blocks, block_size, model_cfg.num_local_kv_heads, model_cfg.head_dim)
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(model_cfg.num_layers)
@@ -35,7 +37,7 @@ class KVCache:
 
 def bytes_per_block(model_cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     elem_bytes = torch.empty((), dtype=dtype).element_size()
-    return 2 * model_cfg.num_layers * block_size * model_cfg.num_kv_heads * model_cfg.head_dim * elem_bytes
+    return 2 * model_cfg.num_layers * block_size * model_cfg.num_local_kv_heads * model_cfg.head_dim * elem_bytes
 
 
 def num_kv_blocks(config: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:

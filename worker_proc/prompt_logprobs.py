@@ -12,7 +12,7 @@ the step (`finish`): there -inf becomes -9999.0 (as vLLM reports it) and a NaN f
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -79,19 +79,29 @@ def prompt_rows(reqs: Sequence[ReqState]) -> PromptRows:
 
 def launch(model: torch.nn.Module, hidden: torch.Tensor, rows: PromptRows, vocab_size: int) -> PendingPromptLogprobs:
     """Queue the rows' logprobs; hidden: [num_tokens, hidden], the step's final hidden states."""
-    device = hidden.device
     num_top = min(rows.num_top, vocab_size)
-    parts = []
+    parts = [score(logits, targets, num_top) for logits, targets in _logits(model, hidden, rows)]
+    chosen, ranks, top_values, top_ids = (torch.cat(column) for column in zip(*parts))
+    return PendingPromptLogprobs(rows.spans, HostCopy.of(chosen, ranks, top_values, top_ids))
+
+
+def join(model: torch.nn.Module, hidden: torch.Tensor, rows: PromptRows) -> None:
+    """A tensor-parallel rank past 0: run lm_head over the rows rank 0's `launch` runs, for the
+    gather of its vocabulary shard there; nothing is scored or returned."""
+    for _ in _logits(model, hidden, rows):
+        pass
+
+
+def _logits(model: torch.nn.Module, hidden: torch.Tensor, rows: PromptRows) -> Iterator[tuple[torch.Tensor, ...]]:
+    """The rows' logits [m, vocab] float32 and target ids [m], MAX_ROWS rows at a time."""
+    device = hidden.device
     for a in range(0, len(rows.indices), MAX_ROWS):
         b = a + MAX_ROWS
         index = to_device(rows.indices[a:b], torch.long, device)  # [m]
         targets = to_device(rows.target_ids[a:b], torch.long, device)  # [m]
         lora_slots = rows.lora_slots[a:b]
         lora = LoraMapping.from_host(lora_slots, to_device(lora_slots, torch.long, device))
-        logits = model.compute_logits(hidden.index_select(0, index), lora=lora)  # [m, vocab] float32
-        parts.append(score(logits, targets, num_top))
-    chosen, ranks, top_values, top_ids = (torch.cat(column) for column in zip(*parts))
-    return PendingPromptLogprobs(rows.spans, HostCopy.of(chosen, ranks, top_values, top_ids))
+        yield model.compute_logits(hidden.index_select(0, index), lora=lora), targets
 
 
 def score(logits: torch.Tensor, targets: torch.Tensor, num_top: int) -> tuple[torch.Tensor, ...]:

@@ -37,6 +37,7 @@ from ledgerserve.worker_proc.cuda_graphs import DecodeGraphs
 from ledgerserve.worker_proc.kv_cache import KVCache, num_kv_blocks
 from ledgerserve.worker_proc.lora.manager import LoraManager
 from ledgerserve.worker_proc.models import build_model, load_eos_token_ids, load_model_config
+from ledgerserve.worker_proc.parallel import TpGroup
 from ledgerserve.worker_proc.placeholders import SampledRows, mark_placeholder
 from ledgerserve.worker_proc.sampler import PendingSample, Sampler, SamplingReq
 from ledgerserve.worker_proc.step_inputs import PinnedStaging, build_step_inputs
@@ -62,9 +63,12 @@ class InFlightStep:
 
 
 class ModelRunner(AdapterCommands):
-    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, group: TpGroup | None = None) -> None:
+        """`group`: the tensor-parallel group (worker_proc/parallel.py), made by the worker process
+        before the runner; the model, KV cache and LoRA slots hold its rank's shard. None: one rank."""
         self.config = config
         self.rank = rank
+        self.group = group or TpGroup()
         self.device = torch.device(f"cuda:{rank}" if config.device == "cuda" else "cpu")
         self.dtype = DTYPES[config.dtype]
         torch.manual_seed(config.seed)
@@ -74,13 +78,13 @@ class ModelRunner(AdapterCommands):
             raise ValueError(f"sliding-window attention ({window}) is not supported; use max_model_len <= {window}")
         self.eos_token_ids = load_eos_token_ids(config.model_dir)
         self.model = build_model(
-            self.model_cfg, config.model_dir, config.load_format, self.dtype, self.device, config.seed, rank
+            self.model_cfg, config.model_dir, config.load_format, self.dtype, self.device, config.seed, rank, self.group
         )
         self.lora = self._build_lora() if config.enable_lora else None  # before KV sizing: its buffers count
-        num_blocks = num_kv_blocks(config, self.model_cfg, self.dtype, self.device)
+        num_blocks = num_kv_blocks(config, self.model.cfg, self.dtype, self.device)  # of this rank's KV heads
         use_graphs = self.device.type == "cuda" and not config.enforce_eager and self.dtype in ops.TRITON_DTYPES
         self.kv_cache = KVCache(
-            self.model_cfg,
+            self.model.cfg,
             num_blocks,
             config.block_size,
             self.dtype,
@@ -160,7 +164,7 @@ class ModelRunner(AdapterCommands):
         if logits is not None:
             pending = self.sampler.launch(logits, [_sampling_req(r) for r in sampling])
         self.prev_sampled = SampledRows.of(pending.token_ids, sampling) if pending is not None else SampledRows()
-        prompt = self._launch_prompt_logprobs(scheduled, hidden) if self.rank == 0 else None
+        prompt = self._launch_prompt_logprobs(scheduled, hidden)
         if self.lora is not None:  # a write into these slots now waits for this step
             self.lora.note_step(lora_slots)
         digest = RankDigest(plan.step, self.rank, self.digest())  # on the host while the device runs the step
@@ -255,11 +259,17 @@ class ModelRunner(AdapterCommands):
     def _launch_prompt_logprobs(
         self, scheduled: list[ReqState], hidden: torch.Tensor | None
     ) -> prompt_logprobs.PendingPromptLogprobs | None:
+        """Rank 0's prompt logprobs; the other ranks of a group run lm_head with it (its gather)."""
+        if self.rank != 0 and self.group.size == 1:  # a replica: rank 0 alone scores them
+            return None
         rows = prompt_logprobs.prompt_rows(scheduled)
         if not rows.spans:
             return None
         if hidden is None:
             raise RuntimeError("prompt rows in a step run by a CUDA graph, which holds pure decode steps only")
+        if self.rank != 0:
+            prompt_logprobs.join(self.model, hidden, rows)
+            return None
         return prompt_logprobs.launch(self.model, hidden, rows, self.model_cfg.vocab_size)
 
 

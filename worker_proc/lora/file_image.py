@@ -54,9 +54,11 @@ def _align(n: int) -> int:
 class SliceSpec:
     module: str
     index: int  # slice of the module
-    in_features: int
-    out_features: int
+    in_features: int  # of the adapter's A [rank, in] as the file holds it
+    out_features: int  # of the adapter's B [out, rank] as the file holds it
     max_out: int  # row length of B^T in the slot buffers
+    rows: tuple[int, int]  # the rows [start, stop) of B this rank's slots hold (its shard of the output)
+    cols: tuple[int, int]  # the columns [start, stop) of A this rank's slots hold (its shard of the input)
 
 
 @dataclass(frozen=True)
@@ -124,15 +126,23 @@ class ImageLayout:
 
 
 class SlotLayout:
-    """The global slice order of the slot buffers, and image layouts against it."""
+    """The global slice order of the slot buffers, and image layouts against it. An image holds the
+    adapter's whole tensors; a tensor-parallel rank's slots take its shard of them (`SliceSpec.rows`,
+    `.cols`: sharded B rows on column-parallel layers, sharded A columns on row-parallel ones)."""
 
     def __init__(self, weights: dict[str, LoraWeights]) -> None:
         self.slices: list[SliceSpec] = []
         self.index: dict[tuple[str, int], int] = {}
         for name, w in weights.items():
+            num_in = w.a.shape[3]
             for s, out in enumerate(w.output_sizes):
                 self.index[(name, s)] = len(self.slices)
-                self.slices.append(SliceSpec(name, s, w.a.shape[3], out, w.b.shape[2]))
+                if w.shard is None:
+                    spec = SliceSpec(name, s, num_in, out, w.b.shape[2], (0, out), (0, num_in))
+                else:
+                    shard = w.shard
+                    spec = SliceSpec(name, s, shard.in_full, shard.out_full[s], w.b.shape[2], shard.rows[s], shard.cols)
+                self.slices.append(spec)
 
     def plan(self, modules: Iterable[LoraModule], header: Header) -> ImageLayout:
         """Where the tensors of these modules go in the image; ValueError if the model lacks a module."""

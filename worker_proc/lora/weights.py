@@ -2,10 +2,30 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from ledgerserve.kernels import ops
 from ledgerserve.kernels.lora_types import LoraLayout, SlotWeights
+
+
+class LayerShard(Protocol):
+    """The part of a base layer's checkpoint tensors a tensor-parallel rank holds
+    (worker_proc/models/shard.LayerShard): its slots hold the same part of each adapter tensor."""
+
+    @property
+    def rows(self) -> tuple[tuple[int, int], ...]: ...  # per output slice: rows [start, stop) held
+
+    @property
+    def cols(self) -> tuple[int, int]: ...  # input columns [start, stop) held
+
+    @property
+    def in_full(self) -> int: ...
+
+    @property
+    def out_full(self) -> tuple[int, ...]: ...
+
 
 SliceWeights = tuple[torch.Tensor, torch.Tensor, float]  # A [rank, in], B [out_slice, rank], scaling
 
@@ -23,8 +43,11 @@ class LoraWeights(SlotWeights):
         dtype: torch.dtype,
         device: torch.device,
         a: torch.Tensor | None = None,
+        shard: LayerShard | None = None,
     ) -> None:
-        """`a`: zeroed storage for A that the caller owns (a view stacked under the base weight), or None."""
+        """`a`: zeroed storage for A that the caller owns (a view stacked under the base weight), or None.
+        `shard`: the part of the base layer this rank holds (models/shard.py), which decides the part
+        of each adapter tensor the slots hold; None: the whole layer."""
         num_slices = len(output_sizes)
         a_shape = (max_loras, num_slices, max_rank, in_features)
         if a is not None and (tuple(a.shape) != a_shape or not a.is_contiguous()):
@@ -39,6 +62,7 @@ class LoraWeights(SlotWeights):
             [[0] * num_slices for _ in range(max_loras)],
             [[0.0] * num_slices for _ in range(max_loras)],
         )
+        self.shard = shard
 
     @property
     def max_rank(self) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
@@ -40,6 +40,52 @@ class ModelConfig:
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
     sliding_window: int | None  # None: full attention
     max_position_embeddings: int
+    tp_rank: int = 0  # which shard of the tensor-parallel group this view describes (shard())
+    tp_size: int = 1
+
+    def shard(self, rank: int, size: int) -> ModelConfig:
+        """The view of tensor-parallel rank `rank` of `size`: the modules built from it hold that
+        rank's heads, MLP columns and vocabulary rows. ValueError names a size that does not divide."""
+        if not 0 <= rank < size:
+            raise ValueError(f"tensor-parallel rank {rank} is outside [0, {size})")
+        if self.num_heads % size:
+            raise ValueError(f"num_attention_heads {self.num_heads} is not divisible by tensor_parallel_size {size}")
+        if self.num_kv_heads % size and size % self.num_kv_heads:
+            raise ValueError(
+                f"num_key_value_heads {self.num_kv_heads} and tensor_parallel_size {size}: neither divides the other"
+            )
+        if self.intermediate_size % size:
+            raise ValueError(
+                f"intermediate_size {self.intermediate_size} is not divisible by tensor_parallel_size {size}"
+            )
+        return replace(self, tp_rank=rank, tp_size=size)
+
+    @property
+    def num_local_heads(self) -> int:
+        return self.num_heads // self.tp_size
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads of this rank: replicated (one per rank) when the ranks outnumber them."""
+        return max(1, self.num_kv_heads // self.tp_size)
+
+    @property
+    def first_kv_head(self) -> int:
+        """The first KV head this rank holds: the one its q heads use when KV heads are replicated."""
+        return self.tp_rank * self.num_kv_heads // self.tp_size
+
+    @property
+    def local_intermediate_size(self) -> int:
+        return self.intermediate_size // self.tp_size
+
+    @property
+    def local_vocab_size(self) -> int:
+        """Vocabulary rows per rank: the vocabulary padded to a multiple of tp_size, split."""
+        return -(-self.vocab_size // self.tp_size)
+
+    @property
+    def first_vocab_row(self) -> int:
+        return self.tp_rank * self.local_vocab_size
 
 
 def load_model_config(model_dir: str) -> ModelConfig:

@@ -15,6 +15,9 @@ from ledgerserve.kernels.lora_types import LoraDelta, LoraLayout
 from ledgerserve.worker_proc.lora import layout as lora_layout
 from ledgerserve.worker_proc.lora.mapping import LoraMapping
 from ledgerserve.worker_proc.lora.weights import LoraWeights
+from ledgerserve.worker_proc.models.config import ModelConfig
+from ledgerserve.worker_proc.models.shard import LayerShard, down_shard, gate_up_shard, vocab_shard, whole
+from ledgerserve.worker_proc.parallel import TpGroup
 
 
 class SlotLinear(nn.Module):
@@ -26,13 +29,25 @@ class SlotLinear(nn.Module):
     returns the base output and every slot's shrink; only the expand runs after it.
     """
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        bias: bool,
+        shard: LayerShard | None = None,
+        group: TpGroup | None = None,
+    ) -> None:
+        """`shard`: the part of the checkpoint's tensors this rank holds (models/shard.py; default:
+        all of them); a row-parallel shard all-reduces its output over `group`."""
         super().__init__()
         self.in_features = in_features
         self.output_sizes = list(output_sizes)
+        self.shard = shard or whole(in_features, self.output_sizes)
+        self.group = group or TpGroup()
         out_features = sum(output_sizes)
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        # zeros: rows past the vocabulary (padding) and a row-parallel bias off rank 0 stay zero
+        self.weight = nn.Parameter(torch.zeros(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.lora: LoraWeights | None = None  # set by attach_lora when LoRA is enabled
         # [out + max_loras * num_slices * max_rank, in] and its zero-padded bias; `weight` views its top rows
         self.stacked: tuple[torch.Tensor, torch.Tensor | None] | None = None
@@ -58,15 +73,27 @@ class SlotLinear(nn.Module):
 
     def _forward(self, x: torch.Tensor, plan: lora_layout.Stacked | LoraLayout | None) -> torch.Tensor:
         if plan is None:
-            return ops.linear(x, self.weight, self.bias)
+            return self._reduce(ops.linear(x, self.weight, self.bias))
         assert self.lora is not None
         if isinstance(plan, lora_layout.Stacked):
             y, h = self._stacked_gemm(x, plan.num_slots)
             ops.lora_expand_stacked(y, h, self.lora, plan.tiles)
             return y
         y = ops.linear(x, self.weight, self.bias)
-        self.lora.apply(x, y, plan)
+        if not self.shard.reduce:
+            self.lora.apply(x, y, plan)
+            return y
+        # row-parallel: the base output and the [num_slices, num_tokens, max_rank] shrink are partial sums
+        buf = ops.lora_shrink(x, self.lora, plan)
+        y = self._reduce(y)
+        ops.lora_expand(y, self._reduce(buf), self.lora, plan)
         return y
+
+    def _reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """A row-parallel layer's partial output summed over the group (in place); y otherwise."""
+        if not self.shard.reduce or self.group.size == 1:
+            return y
+        return self.group.all_reduce(y.contiguous())
 
     def _stacked_gemm(self, x: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Base output y [num_tokens, out] (rows strided) and h [num_tokens, num_slots, num_slices,
@@ -81,6 +108,7 @@ class SlotLinear(nn.Module):
         # slots' columns of h are never read, so the step's output cannot change.
         weight, bias = self.stacked
         out = ops.linear(x, weight[:rows], None if bias is None else bias[:rows])  # [num_tokens, rows]
+        out = self._reduce(out)  # row-parallel: base output and every h in one all-reduce
         return out[:, :num_out], out[:, num_out:].unflatten(1, (num_slots, num_slices, max_rank))
 
     def attach_lora(self, max_loras: int, max_rank: int, stack: bool) -> LoraWeights:
@@ -98,7 +126,7 @@ class SlotLinear(nn.Module):
             self.stacked = (stacked, bias)
             a = stacked[weight.shape[0] :].view(max_loras, len(self.output_sizes), max_rank, self.in_features)
         self.lora = LoraWeights(
-            max_loras, max_rank, self.in_features, self.output_sizes, weight.dtype, weight.device, a
+            max_loras, max_rank, self.in_features, self.output_sizes, weight.dtype, weight.device, a, self.shard
         )
         return self.lora
 
@@ -109,6 +137,8 @@ class SlotLinear(nn.Module):
             raise ValueError(f"checkpoint has a {name} this layer does not")
         start = sum(self.output_sizes[:shard])
         rows = param.data[start : start + self.output_sizes[shard]]
+        lo, hi = self.shard.rows[shard]  # fewer rows than the slice holds at the vocabulary's padded end
+        rows = rows[: hi - lo]
         if rows.shape != tensor.shape:
             raise ValueError(f"shape mismatch for {name} shard {shard}: {tuple(tensor.shape)} vs {tuple(rows.shape)}")
         rows.copy_(tensor)
@@ -125,12 +155,35 @@ class RMSNorm(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+    def __init__(self, cfg: ModelConfig, group: TpGroup) -> None:
+        """This rank's MLP columns: gate/up column-parallel, down row-parallel."""
         super().__init__()
-        self.gate_up_proj = SlotLinear(hidden_size, [intermediate_size, intermediate_size], bias)
-        self.down_proj = SlotLinear(intermediate_size, [hidden_size], bias)
+        hidden, local = cfg.hidden_size, cfg.local_intermediate_size
+        self.gate_up_proj = SlotLinear(hidden, [local, local], cfg.mlp_bias, gate_up_shard(cfg), group)
+        self.down_proj = SlotLinear(local, [hidden], cfg.mlp_bias, down_shard(cfg), group)
 
     def forward(self, x: torch.Tensor, lora: LoraMapping | None) -> tuple[torch.Tensor, LoraDelta | None]:
         """[num_tokens, hidden] and its pending LoRA delta (for the next residual-add norm)."""
         gate_up, delta = self.gate_up_proj.forward_deferred(x, lora)  # [num_tokens, 2 * intermediate]
         return self.down_proj.forward_deferred(ops.silu_and_mul(gate_up, delta), lora)
+
+
+class VocabEmbedding(nn.Module):
+    """This rank's rows of the embedding table (models/shard.vocab_shard): an id outside them gives
+    zeros, and the group's all-reduce sums the one rank that holds it."""
+
+    def __init__(self, cfg: ModelConfig, group: TpGroup) -> None:
+        super().__init__()
+        self.shard = vocab_shard(cfg)
+        self.group = group
+        self.first_row = cfg.first_vocab_row
+        self.weight = nn.Parameter(torch.zeros(cfg.local_vocab_size, cfg.hidden_size), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
+        if self.group.size == 1:
+            return nn.functional.embedding(ids, self.weight)
+        local = ids - self.first_row  # [num_tokens]
+        held = (local >= 0) & (local < self.weight.shape[0])
+        h = nn.functional.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)  # [num_tokens, hidden]
+        h = h * held.unsqueeze(1).to(h.dtype)
+        return self.group.all_reduce(h)

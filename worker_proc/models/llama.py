@@ -20,20 +20,23 @@ from ledgerserve.kernels import ops
 from ledgerserve.kernels.lora_types import LoraDelta
 from ledgerserve.worker_proc.lora.mapping import LoraMapping
 from ledgerserve.worker_proc.models.config import ModelConfig
-from ledgerserve.worker_proc.models.layers import GatedMLP, RMSNorm, SlotLinear
+from ledgerserve.worker_proc.models.layers import GatedMLP, RMSNorm, SlotLinear, VocabEmbedding
 from ledgerserve.worker_proc.models.rope import RotaryEmbedding
+from ledgerserve.worker_proc.models.shard import o_shard, qkv_shard, vocab_shard
+from ledgerserve.worker_proc.parallel import TpGroup
 from ledgerserve.worker_proc.step_inputs import StepInputs
 
 KVCacheLayer = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, block_size, num_kv_heads, head_dim]
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, group: TpGroup) -> None:
+        """This rank's heads: q/k/v column-parallel, o row-parallel."""
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = SlotLinear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.qkv_bias)
-        self.o_proj = SlotLinear(q_size, [cfg.hidden_size], cfg.o_bias)
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_local_heads, cfg.num_local_kv_heads, cfg.head_dim
+        q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
+        self.qkv_proj = SlotLinear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.qkv_bias, qkv_shard(cfg), group)
+        self.o_proj = SlotLinear(q_size, [cfg.hidden_size], cfg.o_bias, o_shard(cfg), group)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
@@ -82,12 +85,12 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, group: TpGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, group)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.mlp = GatedMLP(cfg, group)
 
     def forward(
         self,
@@ -109,23 +112,28 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, group: TpGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.embed_tokens = VocabEmbedding(cfg, group)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, group) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
 
 
 class LlamaForCausalLM(nn.Module):
-    """The decoder plus lm_head. Parameter names follow HF except the fused qkv/gate_up."""
+    """The decoder plus lm_head. Parameter names follow HF except the fused qkv/gate_up. Built from
+    a rank's view (`cfg.shard(group.rank, group.size)`), it holds that rank's shard of every weight."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, group: TpGroup | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = LlamaModel(cfg)
-        self.lm_head = SlotLinear(cfg.hidden_size, [cfg.vocab_size], bias=False)
+        self.group = group or TpGroup()
+        if (cfg.tp_rank, cfg.tp_size) != (self.group.rank, self.group.size):
+            raise ValueError(
+                f"model view of rank {cfg.tp_rank}/{cfg.tp_size} for group rank {self.group.rank}/{self.group.size}"
+            )
+        self.model = LlamaModel(cfg, self.group)
+        self.lm_head = SlotLinear(cfg.hidden_size, [cfg.local_vocab_size], False, vocab_shard(cfg), self.group)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -150,4 +158,7 @@ class LlamaForCausalLM(nn.Module):
         hidden: torch.Tensor,  # [num_sampled, hidden]
         lora: LoraMapping | None = None,  # of the rows of `hidden`
     ) -> torch.Tensor:  # [num_sampled, vocab] float32
-        return self.lm_head(hidden, lora).float()
+        logits = self.lm_head(hidden, lora)  # [num_sampled, local_vocab]: this rank's vocabulary rows
+        if self.group.size > 1:
+            logits = self.group.all_gather(logits)[:, : self.cfg.vocab_size]  # [num_sampled, vocab]
+        return logits.float()

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import glob
 import logging
+import math
 import os
 import time
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -14,8 +16,9 @@ from torch import nn
 
 from ledgerserve.shared.progress import Progress, format_bytes, format_seconds, weights_end_line
 from ledgerserve.worker_proc.models.config import ModelConfig
-from ledgerserve.worker_proc.models.layers import RMSNorm, SlotLinear
+from ledgerserve.worker_proc.models.layers import RMSNorm, SlotLinear, VocabEmbedding
 from ledgerserve.worker_proc.models.llama import LlamaForCausalLM
+from ledgerserve.worker_proc.parallel import TpGroup
 
 # HF module name suffix -> (our fused module suffix, shard index)
 _FUSED = {
@@ -26,6 +29,8 @@ _FUSED = {
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_ITEMSIZE = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_ITEMSIZE |= {"F8_E4M3": 1, "F8_E5M2": 1}  # of safetensors dtype names, for the load's progress
 logger = logging.getLogger(__name__)
 
 WeightKey = tuple[str, str, int]  # (module name, 'weight' | 'bias', shard)
@@ -39,10 +44,13 @@ def build_model(
     device: torch.device,
     seed: int,
     rank: int = 0,
+    group: TpGroup | None = None,
 ) -> LlamaForCausalLM:
-    """`rank`: the worker rank this model is for; its progress is shown as shared/progress.py says."""
+    """`rank`: the worker rank this model is for; its progress is shown as shared/progress.py says.
+    `group`: the tensor-parallel group; the model holds the shard of rank `group.rank` (models/shard.py)."""
+    group = group or TpGroup()
     with torch.device(device):
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(cfg.shard(group.rank, group.size), group)
     model.to(dtype=dtype)
     if load_format == "dummy":
         start_s = time.monotonic()
@@ -60,17 +68,29 @@ def build_model(
 
 
 def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
-    """Random weights of the checkpoint's shapes: N(0, 0.02) matrices, unit norms, zero bias."""
+    """Random weights of the shard's shapes: N(0, 0.02) matrices, unit norms, zero bias. Every rank
+    draws the same sequence (its shapes are the same), so the replicated parts agree; rows past the
+    vocabulary stay zero."""
     device = next(model.parameters()).device  # CUDA draws on the GPU: seconds, not minutes, for 8B
     gen = torch.Generator(device=device).manual_seed(seed)
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.weight.data.fill_(1.0)
-        elif isinstance(module, (SlotLinear, nn.Embedding)):
+        elif isinstance(module, (SlotLinear, VocabEmbedding)):
             if isinstance(module, SlotLinear) and module.bias is not None:
                 module.bias.data.zero_()
             w = torch.randn(module.weight.shape, generator=gen, device=device) * 0.02
             module.weight.data.copy_(w)
+            _zero_padding(module)
+
+
+def _zero_padding(module: SlotLinear | VocabEmbedding) -> None:
+    """Zero the rows of each output slice past those the checkpoint has (the padded vocabulary)."""
+    sizes = module.output_sizes if isinstance(module, SlotLinear) else [module.weight.shape[0]]
+    start = 0
+    for (lo, hi), size in zip(module.shard.rows, sizes):
+        module.weight.data[start + hi - lo : start + size].zero_()
+        start += size
 
 
 def load_safetensors(model: LlamaForCausalLM, model_dir: str, rank: int = 0) -> None:
@@ -86,11 +106,10 @@ def load_safetensors(model: LlamaForCausalLM, model_dir: str, rank: int = 0) -> 
         for path in files:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():
-                    tensor = f.get_tensor(name)
-                    key = _load_one(model, modules, name, tensor)
+                    key = _load_one(model, modules, name, f)
                     if key is not None:
                         loaded.add(key)
-                    progress.advance(tensor.numel() * tensor.element_size())
+                    progress.advance(_num_bytes(f.get_slice(name)))
     finally:
         elapsed_s = progress.close()
     missing = sorted(expected_weight_keys(model) - loaded)
@@ -110,9 +129,13 @@ def checkpoint_bytes(paths: list[str]) -> int:
     return total
 
 
-def _load_one(
-    model: LlamaForCausalLM, modules: dict[str, nn.Module], name: str, tensor: torch.Tensor
-) -> WeightKey | None:
+def _num_bytes(view: Any) -> int:
+    """The bytes of a checkpoint tensor (a safetensors slice view), read or not."""
+    return math.prod(view.get_shape()) * _ITEMSIZE.get(view.get_dtype(), 4)
+
+
+def _load_one(model: LlamaForCausalLM, modules: dict[str, nn.Module], name: str, f: Any) -> WeightKey | None:
+    """Read this rank's part of checkpoint tensor `name` from the open file `f` into the model."""
     if name.endswith(_IGNORED_SUFFIXES):
         return None
     if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
@@ -122,14 +145,31 @@ def _load_one(
     module = modules.get(module_name)
     if module is None:
         raise ValueError(f"unexpected checkpoint tensor {name!r}")
-    if isinstance(module, SlotLinear):
-        module.load_shard(attr, shard, tensor)
+    if isinstance(module, (SlotLinear, VocabEmbedding)):
+        view = f.get_slice(name)
+        want = module.shard.checkpoint_shape(attr, shard)
+        if tuple(view.get_shape()) != want:
+            raise ValueError(f"checkpoint tensor {name!r} {tuple(view.get_shape())} does not fit the model's {want}")
+        index = module.shard.checkpoint_index(attr, shard)  # None: this rank keeps zeros there
+        if index is not None:
+            _load_part(module, attr, shard, view[index])
         return (module_name, attr, shard)
+    tensor = f.get_tensor(name)
     param = getattr(module, attr, None)
     if not isinstance(param, torch.Tensor) or param.shape != tensor.shape:
         raise ValueError(f"checkpoint tensor {name!r} {tuple(tensor.shape)} does not fit the model")
     param.data.copy_(tensor)
     return (module_name, attr, 0)
+
+
+def _load_part(module: SlotLinear | VocabEmbedding, attr: str, shard: int, tensor: torch.Tensor) -> None:
+    if isinstance(module, SlotLinear):
+        module.load_shard(attr, shard, tensor)
+        return
+    rows = module.weight.data[: tensor.shape[0]]  # short of the table at the vocabulary's padded end
+    if attr != "weight" or rows.shape != tensor.shape:
+        raise ValueError(f"checkpoint embedding {attr} {tuple(tensor.shape)} does not fit {tuple(rows.shape)}")
+    rows.copy_(tensor)
 
 
 def _map_module(module_name: str) -> tuple[str, int]:

@@ -1,0 +1,122 @@
+"""Tensor parallelism through the real process group: `--tensor-parallel-size 2` serves the base
+model and three PEFT adapters (ranks 4 to 32, every projection and lm_head among them) at once,
+prompts longer than the chunked-prefill budget, and every greedy output equals transformers' or
+PEFT's for 32 new tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import openai
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.adapter_factory import make_peft_adapter
+from tests.e2e.server import Server
+from tests.prompt_logprobs_ref import check_entries, entries_from_json, prompt_logprobs_reference
+from tests.reference import assert_greedy_matches, greedy_reference
+
+pytestmark = pytest.mark.slow
+
+NUM_TOKENS = 32
+BUDGET_TOKENS = 16  # --max-num-batched-tokens: the longer prompts take several steps
+PROMPTS = [
+    "The river ran past the mill, under the old stone bridge, and out into the fields where",
+    "A small bakery on the corner",
+]
+ALL_SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAPTERS = {  # name: make_peft_adapter kwargs
+    "all-head-r4": dict(r=4, alpha=8, targets=[*ALL_SEVEN, "lm_head"], seed=21),
+    "attn-r16-rs": dict(r=16, alpha=16, targets=["q_proj", "k_proj", "v_proj", "o_proj"], use_rslora=True, seed=22),
+    "mlp-r32": dict(r=32, alpha=48, targets=["gate_proj", "up_proj", "down_proj"], seed=23),
+}
+GREEDY = {"temperature": 0.0, "max_tokens": NUM_TOKENS, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
+
+
+@pytest.fixture(scope="module")
+def adapter_root(demo_model_dir, tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("tp-adapters")
+    for name, kwargs in ADAPTERS.items():
+        make_peft_adapter(demo_model_dir, str(root / name), **kwargs)
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def server(demo_model_dir, adapter_root, tmp_path_factory):
+    args = [
+        "--tensor-parallel-size",
+        "2",
+        "--enable-lora",
+        "--max-loras",
+        "3",
+        "--max-lora-rank",
+        "32",
+        "--lora-allowed-dir",
+        adapter_root,
+        "--max-model-len",
+        "256",
+        "--num-kv-blocks",
+        "128",
+        "--max-num-batched-tokens",
+        str(BUDGET_TOKENS),
+        "--async-scheduling",
+        "--lora-modules",
+        *[f"{name}={os.path.join(adapter_root, name)}" for name in ADAPTERS],
+    ]
+    srv = Server(demo_model_dir, str(tmp_path_factory.mktemp("tp-events")), args).start()
+    yield srv
+    srv.stop()
+
+
+def _refs(demo_model_dir: str, adapter_root: str, base: str) -> dict[str, object]:
+    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+    ids = [tok(p)["input_ids"] for p in PROMPTS]
+    assert max(len(i) for i in ids) > BUDGET_TOKENS, "a prompt should need several prefill chunks"
+    model = AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32).eval()
+    refs = {f"{base}|{p}": greedy_reference(model, i, NUM_TOKENS) for p, i in zip(PROMPTS, ids)}
+    for name in ADAPTERS:
+        base_model = AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32)
+        peft = PeftModel.from_pretrained(base_model, os.path.join(adapter_root, name)).eval()
+        refs.update({f"{name}|{p}": greedy_reference(peft, i, NUM_TOKENS) for p, i in zip(PROMPTS, ids)})
+    return refs
+
+
+def test_two_ranks_match_transformers_and_peft(server, demo_model_dir, adapter_root) -> None:
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    base = next(m.id for m in client.models.list().data if m.model_extra.get("parent") is None)
+    jobs = [(m, p) for m in [base, *ADAPTERS] for p in PROMPTS]  # base and every adapter in the same steps
+
+    async def all_at_once():
+        async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as aclient:
+            return await asyncio.gather(*[aclient.completions.create(model=m, prompt=p, **GREEDY) for m, p in jobs])
+
+    responses = asyncio.run(all_at_once())
+    results = {f"{m}|{p}": r.choices[0].model_extra["token_ids"] for (m, p), r in zip(jobs, responses)}
+    assert all(len(tokens) == NUM_TOKENS for tokens in results.values())
+    print("near ties accepted:", assert_greedy_matches(results, _refs(demo_model_dir, adapter_root, base)) or "none")
+    assert all(results[f"{n}|{PROMPTS[0]}"] != results[f"{base}|{PROMPTS[0]}"] for n in ADAPTERS)
+
+
+def test_prompt_logprobs_of_two_ranks_match(server, demo_model_dir, adapter_root) -> None:
+    """Prompt logprobs (lm_head over prompt rows, which every rank runs for its vocabulary gather)
+    of a prompt prefilled in chunks, for the base model and an adapter on lm_head, against
+    transformers and PEFT."""
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    base = next(m.id for m in client.models.list().data if m.model_extra.get("parent") is None)
+    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+    prompt_ids = tok(PROMPTS[0])["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32).eval()
+    peft = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32),
+        os.path.join(adapter_root, "all-head-r4"),
+    ).eval()
+    for name, ref_model in ((base, model), ("all-head-r4", peft)):
+        scored = client.completions.create(
+            model=name, prompt=PROMPTS[0], max_tokens=1, temperature=0.0, extra_body={"prompt_logprobs": 3}
+        )
+        body = scored.choices[0].model_extra["prompt_logprobs"]
+        ref = prompt_logprobs_reference(ref_model, prompt_ids)
+        check_entries(ref, prompt_ids, entries_from_json(body, prompt_ids, 3), 3)
