@@ -19,9 +19,10 @@ import zmq
 
 from ledgerserve.shared import codec, env, events, ipc
 from ledgerserve.shared.proc import child_args, exit_with_parent, load_config, send_ready, setup_logging
+from ledgerserve.worker_proc.parallel import TpGroup, close_group, init_group, rank_device
 from ledgerserve.worker_proc.runner import InFlightStep, ModelRunner
 
-# Test-only fault switch: this rank reports a wrong digest from this step on.
+STALL_S = 3600.0  # test-only fault: how long a stalled rank sleeps (the engine stops it long before)
 # While a step runs and adapter loads are under way, each turn of the spin sleeps this long
 # (0.17 ms with the timer's slack on Linux, against 1.1 ms for a 1 ms zmq poll): that much may be
 # added to noticing the step's end; with async scheduling the next step is already queued.
@@ -37,20 +38,34 @@ def main(argv: list[str] | None = None) -> int:
     ctx = zmq.Context.instance()
     to_scheduler = ipc.connect(ctx, zmq.PUSH, config.run_dir, ipc.SCHED_FROM_WORKERS)
     from_scheduler = ipc.connect(ctx, zmq.PULL, config.run_dir, ipc.to_worker(args.rank))
+    group = TpGroup()
     try:
-        runner = ModelRunner(config, args.rank)
+        device = rank_device(config.device, args.rank)
+        group = init_group(
+            args.rank, config.tensor_parallel_size, config.run_dir, device, config.tp_collective_timeout_s
+        )
+        runner = ModelRunner(config, args.rank, group)
         ready = runner.ready()
     except Exception as e:
         log.exception("start-up failed")
         to_scheduler.send(codec.encode(events.WorkerFailed(args.rank, f"start-up failed: {e}")))
+        close_group(group)
         return 1
-    log.info("ready: %d KV blocks on %s (%s)", ready.num_kv_blocks, ready.device, ready.dtype)
+    log.info(
+        "ready: %d KV blocks on %s (%s), rank %d of %d",
+        ready.num_kv_blocks,
+        ready.device,
+        ready.dtype,
+        group.rank,
+        group.size,
+    )
     to_scheduler.send(codec.encode(ready))
     send_ready(config.run_dir, f"worker-{args.rank}")
     try:
         return serve(runner, args.rank, from_scheduler, to_scheduler, log, config.lora_overlap_loading)
     finally:
         runner.close()
+        close_group(group)
 
 
 def serve(
@@ -174,10 +189,13 @@ class StepReplies:
 
     def launch(self, plan: events.StepPlan) -> bool:
         """Queue `plan` on the device, then complete the step launched before it, if any."""
+        if env.fault_tp_stall(self.rank, plan.step):  # test-only switch: alive, but stuck before the collectives
+            self.log.warning("stalling before step %d (test fault)", plan.step)
+            time.sleep(STALL_S)
         try:
             launched = self.runner.launch(plan)
         except Exception as e:
-            self.fail("StepPlan", e)
+            self.fail(f"step {plan.step}", e)
             return False
         done = self.flush()
         self.in_flight = launched
@@ -191,7 +209,7 @@ class StepReplies:
         try:
             completed, digest = self.runner.complete(in_flight)
         except Exception as e:
-            self.fail("StepPlan", e)
+            self.fail(f"step {in_flight.step}", e)
             return False
         digest = _maybe_fault(digest)
         for reply in [completed, digest] if self.rank == 0 else [digest]:

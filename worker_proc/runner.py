@@ -37,6 +37,7 @@ from ledgerserve.worker_proc.cuda_graphs import DecodeGraphs
 from ledgerserve.worker_proc.kv_cache import KVCache, num_kv_blocks
 from ledgerserve.worker_proc.lora.manager import LoraManager
 from ledgerserve.worker_proc.models import build_model, load_eos_token_ids, load_model_config
+from ledgerserve.worker_proc.parallel import TpGroup
 from ledgerserve.worker_proc.placeholders import SampledRows, mark_placeholder
 from ledgerserve.worker_proc.sampler import PendingSample, Sampler, SamplingReq
 from ledgerserve.worker_proc.step_inputs import PinnedStaging, build_step_inputs
@@ -62,9 +63,10 @@ class InFlightStep:
 
 
 class ModelRunner(AdapterCommands):
-    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, group: TpGroup | None = None) -> None:
         self.config = config
         self.rank = rank
+        self.group = group if group is not None else TpGroup()
         self.device = torch.device(f"cuda:{rank}" if config.device == "cuda" else "cpu")
         self.dtype = DTYPES[config.dtype]
         torch.manual_seed(config.seed)

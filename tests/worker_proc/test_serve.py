@@ -249,7 +249,7 @@ def test_a_fault_while_reading_a_step_back_fails_the_worker() -> None:
     code, trace, outbox = _serve([(0, _plan(0)), (0, _plan(1)), (0, _plan(2))], fail_complete_at=1)
     assert code == 1
     assert trace[-2:] == ["complete 1", "send WorkerFailed"]
-    assert outbox.sent[-1] == events.WorkerFailed(0, "StepPlan failed: device fault")
+    assert outbox.sent[-1] == events.WorkerFailed(0, "step 1 failed: device fault")
 
 
 class AheadScheduler:
