@@ -1,0 +1,57 @@
+"""The tensor-parallel group in the real process group (two ranks on the CPU, gloo): its
+transport listens on loopback only, its rendezvous file lives in the private run directory and
+goes with it, its log records the shard layout and replays."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import subprocess
+import sys
+
+import httpx
+import psutil
+import pytest
+
+from ledgerserve.shared.config import EngineConfig
+from ledgerserve.shared.eventlog import newest_log, parse_header
+from ledgerserve.shared.eventlog.format import read_header_bytes
+from ledgerserve.worker_proc.parallel import RENDEZVOUS_FILE
+from tests.e2e.server import Server, assert_all_gone
+
+pytestmark = pytest.mark.slow
+
+TP2 = ["--tensor-parallel-size", "2", "--max-model-len", "256"]
+WORKER = "ledgerserve.worker_proc.main"
+
+
+def _body(model_dir: str, max_tokens: int) -> dict:
+    return {"model": os.path.basename(model_dir), "prompt": "The river", "max_tokens": max_tokens, "ignore_eos": True}
+
+
+def _inet_sockets(pid: int) -> list[tuple[str, str]]:
+    """(local ip, status) of every TCP and UDP socket of the process."""
+    return [(c.laddr.ip, c.status) for c in psutil.Process(pid).net_connections(kind="inet") if c.laddr]
+
+
+def test_two_ranks_stay_on_loopback_and_their_log_replays(demo_model_dir, tmp_path):
+    server = Server(demo_model_dir, str(tmp_path), TP2).start()
+    pids, run_dirs = [p.pid for p in server.children()], server.run_dirs()
+    resp = httpx.post(server.base_url + "/v1/completions", json=_body(demo_model_dir, 8), timeout=60)
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 8
+    workers = [p for p in server.children() if WORKER in p.cmdline()]
+    assert len(workers) == 2
+    sockets = [s for w in workers for s in _inet_sockets(w.pid)]
+    assert any(status == psutil.CONN_LISTEN for _, status in sockets), sockets  # gloo's listener is seen
+    assert all(ipaddress.ip_address(ip.split("%")[0]).is_loopback for ip, _ in sockets), sockets
+    assert [d for d in run_dirs if os.path.exists(os.path.join(d, RENDEZVOUS_FILE))] == run_dirs
+    assert server.stop() == 0
+    assert_all_gone(pids, run_dirs)
+    log_path = newest_log(str(tmp_path))
+    config = EngineConfig.from_json(parse_header(read_header_bytes(log_path)).config_json)
+    assert config.tensor_parallel_size == 2 and config.tp_layout.startswith("tp=2 megatron")
+    assert "kv heads 2 -> 1/rank (split)" in config.tp_layout
+    verify = [sys.executable, "-m", "ledgerserve", "replay", "--verify", "--json", log_path]
+    proc = subprocess.run(verify, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and json.loads(proc.stdout)["status"] == "ok", proc.stdout + proc.stderr
