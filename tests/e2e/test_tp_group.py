@@ -1,6 +1,8 @@
 """The tensor-parallel group in the real process group (two ranks on the CPU, gloo): its
 transport listens on loopback only, its rendezvous file lives in the private run directory and
-goes with it, its log records the shard layout and replays."""
+goes with it, its log records the shard layout and replays; a rank that stalls inside a step
+(alive, stuck) fails the waiting rank's collective after --tp-collective-timeout, and the
+engine stops, naming the step, leaving nothing behind."""
 
 from __future__ import annotations
 
@@ -14,8 +16,9 @@ import httpx
 import psutil
 import pytest
 
+from ledgerserve.shared import events
 from ledgerserve.shared.config import EngineConfig
-from ledgerserve.shared.eventlog import newest_log, parse_header
+from ledgerserve.shared.eventlog import EventLogReader, newest_log, parse_header
 from ledgerserve.shared.eventlog.format import read_header_bytes
 from ledgerserve.worker_proc.parallel import RENDEZVOUS_FILE
 from tests.e2e.server import Server, assert_all_gone
@@ -55,3 +58,22 @@ def test_two_ranks_stay_on_loopback_and_their_log_replays(demo_model_dir, tmp_pa
     verify = [sys.executable, "-m", "ledgerserve", "replay", "--verify", "--json", log_path]
     proc = subprocess.run(verify, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and json.loads(proc.stdout)["status"] == "ok", proc.stdout + proc.stderr
+
+
+def test_a_stalled_rank_times_out_the_collective_and_stops_the_engine(demo_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("LEDGERSERVE_TEST_FAULT_TP_STALL_RANK", "1")
+    monkeypatch.setenv("LEDGERSERVE_TEST_FAULT_TP_STALL_STEP", "3")
+    server = Server(demo_model_dir, str(tmp_path), [*TP2, "--tp-collective-timeout", "3"]).start()
+    pids, run_dirs = [p.pid for p in server.children()], server.run_dirs()
+    try:
+        resp = httpx.post(server.base_url + "/v1/completions", json=_body(demo_model_dir, 32), timeout=60)
+        assert resp.status_code >= 500 and "collective" in resp.json()["error"]["message"]
+    except httpx.HTTPError:
+        pass  # the group may be gone before the response is written
+    assert server.proc.wait(timeout=60) != 0
+    out = server.output()
+    want = "worker rank 0 failed: step 3 failed: tensor-parallel collective all_reduce timed out after 3 s"
+    assert want in out and "stalling before step 3" in out, out[-3000:]
+    assert_all_gone(pids, run_dirs)
+    last = list(EventLogReader(newest_log(str(tmp_path))))[-1][1]
+    assert isinstance(last, events.LogClosed) and want in last.reason
