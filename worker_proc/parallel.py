@@ -7,8 +7,9 @@ identity, so the single-GPU path runs no torch.distributed code at all.
 A collective that fails raises CollectiveFailed, saying whether it timed out (a rank stalled:
 gloo raises once `timeout_s` passed) or lost a peer (a rank died). Nothing here waits on the
 device: on CUDA the collectives are queued on the current stream and can be captured in a CUDA
-graph; a stalled NCCL collective is ended by NCCL's watchdog after `timeout_s`, which aborts the
-waiting rank's process (the launcher then names it)."""
+graph. A stalled NCCL collective never raises here: NCCL's watchdog aborts the waiting rank's
+process after `timeout_s` where it sees the collective, and the worker fails a step still running
+`timeout_s` after its launch (worker_proc/main.py), which covers collectives replayed in a graph."""
 
 from __future__ import annotations
 
@@ -27,12 +28,12 @@ class CollectiveFailed(RuntimeError):
 
     def __init__(self, name: str, timeout_s: float, cause: Exception) -> None:
         text = str(cause)
-        if "timed out" in text.lower():
+        self.timed_out = "timed out" in text.lower()  # gloo's words when timeout_s passed
+        if self.timed_out:
             what = f"timed out after {timeout_s:g} s waiting for another rank (a rank stalled)"
         else:
             what = f"failed (a rank is gone?): {text.splitlines()[0] if text else type(cause).__name__}"
         super().__init__(f"tensor-parallel collective {name} {what}")
-        self.timed_out = "timed out" in text.lower()
 
 
 @dataclass(frozen=True)
