@@ -18,6 +18,7 @@ from ledgerserve.demo_model import demo_adapters
 from ledgerserve.process_group import Child, ProcessGroup
 from ledgerserve.shared import env, ipc
 from ledgerserve.shared.config import DEFAULT_EVENT_LOG_DIR, EngineConfig, cuda_defaults, default_of
+from ledgerserve.shared.tp_layout import tp_layout
 
 log = logging.getLogger("launcher")
 
@@ -56,7 +57,7 @@ def children(config: EngineConfig, key: str = "") -> list[Child]:
     procs = [Child("scheduler", [py, "-m", "ledgerserve.scheduler_proc.main", "--config", cfg_path], keyless)]
     for rank in range(config.tensor_parallel_size):
         argv = [py, "-m", "ledgerserve.worker_proc.main", "--config", cfg_path, "--rank", str(rank)]
-        procs.append(Child(f"worker-{rank}", argv, keyless))
+        procs.append(Child(f"worker-{rank}", argv, {**keyless, **env.TP_LOOPBACK}))
     tokenizer_env = {**keyless, env.API_KEY: key} if key else keyless
     procs.append(Child("tokenizer", [py, "-m", "ledgerserve.tokenizer_proc.main", "--config", cfg_path], tokenizer_env))
     return procs
@@ -78,6 +79,7 @@ def resolve_config(args: argparse.Namespace, run_dir: str) -> EngineConfig:
     auto = _auto_settings(given, spec or model_dir, hf_config)
     settings = {**given, **auto, **_resolved_paths(given, model_dir), "model_dir": model_dir, "run_dir": run_dir}
     settings.update(is_demo_model=spec is None, api_key_required=bool(api_key(args)))
+    settings["tp_layout"] = tp_layout(hf_config, given.get("tensor_parallel_size", 1))
     if modules:  # they imply --enable-lora
         settings.update(enable_lora=True, lora_modules=tuple((name, path) for name, path, _ in modules))
         settings["pinned_lora_modules"] = tuple(name for name, _, pinned in modules if pinned)

@@ -76,10 +76,11 @@ class ProcessGroup:
         self._stop_signal = signum
 
     def _dead_child(self) -> Child | None:
-        for child in self.children:
-            if child.exit_code() is not None:
-                return child
-        return None
+        """A child that exited, one killed by a signal first: when a rank is killed, the ranks left
+        in its group fail their collective and exit too, maybe before the next poll, and the
+        one to name is the one that died first."""
+        dead = [child for child in self.children if child.exit_code() is not None]
+        return min(dead, key=lambda child: child.exit_code() >= 0) if dead else None
 
     def _wait_ready(self, control: zmq.Socket, started_s: float) -> int | None:
         pending = {child.name for child in self.children}

@@ -86,13 +86,13 @@ def prepare(args: argparse.Namespace, work_dir: str) -> Bench:
         "device": _device(),
         "modes": {},
     }
-    model_args = [model_dir, *flags.split(), "--async-scheduling"]
+    report["tensor_parallel_size"] = args.tensor_parallel_size
     bench = Bench(
         settings,
         args.seed,
         work_dir,
         model_dir,
-        model_args,
+        model_args(args, model_dir, flags),
         read_model_config(demo_dir),
         report,
         args.out,
@@ -105,6 +105,11 @@ def prepare(args: argparse.Namespace, work_dir: str) -> Bench:
         "page_cache_read_gbps": _round(io_bandwidth.page_cache_read_gbps(work_dir, settings.read_bandwidth_bytes)),
     }
     return bench
+
+
+def model_args(args: argparse.Namespace, model_dir: str, flags: str) -> list[str]:
+    """The server flags that depend on the device, the model and the rank count."""
+    return [model_dir, *flags.split(), "--async-scheduling", "--tensor-parallel-size", str(args.tensor_parallel_size)]
 
 
 def check_groups(args: argparse.Namespace, groups: Sequence[ServerGroup]) -> None:
@@ -200,6 +205,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="adapter_churn.json")
     p.add_argument("--plot", default="adapter_churn.png")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="the servers' worker ranks (-tp)")
     p.add_argument(
         "--groups",
         type=lambda text: tuple(int(g) for g in text.split(",")),

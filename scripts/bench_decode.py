@@ -11,10 +11,14 @@ runner as the engine does with that flag: each step's plan is launched before th
 of it is read back, its requests fed the tokens that step samples on the device.
 `--e2e` instead runs bench_peft.py's workload end to end (one request per adapter, prefill
 `--prompt-len` then `--gen-len` greedy tokens, wall time over it all).
+`--tensor-parallel-size N` runs the sweep with the model split over N rank processes
+(scripts/bench_decode_tp.py; `--compare-tp1`: TP 1 in the same run), beside each step the
+all-reduce time and the bandwidth floor of one rank's shard.
 
     python scripts/bench_decode.py --out bench.json
     python scripts/bench_decode.py --e2e --batch-sizes 32 --adapters 32 --out ours.json  # 128 + 128 tokens
     python -m scripts.bench_decode --batch-sizes 32 --adapters 4 --churn-slots 2 --async-scheduling
+    python -m scripts.bench_decode --tensor-parallel-size 2 --compare-tp1 --batch-sizes 1,32 --adapters 0,4
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 
@@ -76,9 +81,10 @@ class Bench:
     def start(self, batch: int, num_adapters: int) -> dict[str, int]:
         """Prefill `batch` fresh requests (slot i % num_adapters, or base); req_id -> last token."""
         gen = torch.Generator().manual_seed(batch * 100 + num_adapters)
+        high = min(100000, self.runner.model_cfg.vocab_size)  # Llama-3's ids 1000..99999, or a small model's
         new = []
         for i in range(batch):
-            prompt = torch.randint(1000, 100000, (self.prompt_len,), generator=gen).tolist()
+            prompt = torch.randint(min(1000, high // 2), high, (self.prompt_len,), generator=gen).tolist()
             blocks = list(range(i * self.blocks_per_req, (i + 1) * self.blocks_per_req))
             slot = i % num_adapters if num_adapters else -1
             new.append(
@@ -228,7 +234,7 @@ def end_to_end(
     )
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch-sizes", default="1,2,4,8,16,32,64,128,256")
     ap.add_argument("--adapters", default="0,1,4,32")
@@ -252,7 +258,13 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--e2e", action="store_true", help="end to end: batch and adapters from the lists' largest")
     ap.add_argument("--gen-len", type=int, default=128, help="--e2e output tokens per request")
     ap.add_argument("--out", default="")
-    args = ap.parse_args()
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="rank processes the model is split over")
+    ap.add_argument("--compare-tp1", action="store_true", help="with --tensor-parallel-size: TP 1 in the same run")
+    ap.add_argument(
+        "--device", default="cuda", choices=("cuda", "cpu"), help="cpu: float32 (with --tensor-parallel-size)"
+    )
+    ap.add_argument("--model-dir", default="", help="a checkpoint's shapes, dummy weights (default: Llama-3-8B's)")
+    args = ap.parse_args(argv)
     args.batches = [int(b) for b in args.batch_sizes.split(",")]
     args.adapter_counts = [int(a) for a in args.adapters.split(",")]
     if args.e2e:
@@ -270,8 +282,8 @@ def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         model_dir=model_dir,
         served_model_name="bench",
         max_model_len=args.prompt_len + max(64, gen + 16),
-        dtype="bfloat16",
-        device="cuda",
+        dtype="bfloat16" if args.device == "cuda" else "float32",
+        device=args.device,
         max_num_seqs=max(args.batches),
         block_size=BLOCK,
         load_format="dummy",
@@ -335,6 +347,11 @@ def _row(
 
 def main() -> None:
     args = parse_args()
+    if args.tensor_parallel_size > 1:
+        from scripts.bench_decode_tp import compare
+
+        _report(compare(args, sys.argv[1:]), args.out)
+        return
     root = tempfile.mkdtemp(prefix="bench_decode_")
     base = BaseShapes.from_hf_config(LLAMA3_8B)
     t0 = time.perf_counter()

@@ -177,6 +177,12 @@ class EngineConfig:
         "sampling defaults: auto (the model's generation_config.json), vllm (none) or a DIR holding one",
         parse=_generation_config_source,
     )
+    tp_collective_timeout_s: float = setting(
+        60.0,
+        "seconds a tensor-parallel rank waits in a collective for the others before it fails the engine",
+        name="--tp-collective-timeout",
+    )
+    tp_layout: str = unflagged("", set_by="the launcher: how the model is split over the ranks (shared/tp_layout.py)")
 
     @property
     def served_model_names(self) -> tuple[str, ...]:
@@ -219,6 +225,7 @@ def _validate(cfg: EngineConfig) -> None:
         (0.0 < cfg.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]"),
         (cfg.shutdown_timeout_s >= 0, "shutdown_timeout must be >= 0"),
         (cfg.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
+        (cfg.tp_collective_timeout_s > 0, f"tp_collective_timeout must be > 0, got {cfg.tp_collective_timeout_s}"),
         (cfg.max_loras >= 1, "max_loras must be >= 1"),
         (cfg.max_lora_rank >= 1, "max_lora_rank must be >= 1"),
         (cfg.max_cpu_loras >= cfg.max_loras, "max_cpu_loras must be >= max_loras"),

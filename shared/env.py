@@ -17,6 +17,10 @@ GEMM_TUNING = "LEDGERSERVE_GEMM_TUNING"  # "0": no start-up GEMM algorithm tunin
 FAULT_DIGEST_RANK = "LEDGERSERVE_TEST_FAULT_DIGEST_RANK"  # test: this rank reports a wrong state digest ...
 FAULT_DIGEST_STEP = "LEDGERSERVE_TEST_FAULT_DIGEST_STEP"  # ... from this step on (default 1)
 FAULT_TOKEN_ID = "LEDGERSERVE_TEST_FAULT_TOKEN_ID"  # test: a step that feeds this token id fails
+FAULT_TP_STALL_RANK = "LEDGERSERVE_TEST_FAULT_TP_STALL_RANK"  # test: this rank stalls (alive) before ...
+FAULT_TP_STALL_STEP = "LEDGERSERVE_TEST_FAULT_TP_STALL_STEP"  # ... the collectives of this step (default 1)
+# Set by the launcher for the workers: gloo and NCCL bind their sockets to loopback only.
+TP_LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
 
 
 def log_level() -> str:
@@ -52,6 +56,11 @@ def gemm_tuning_wanted() -> bool:
 def fault_digest(rank: int, step: int) -> bool:
     """Test switch: whether `rank` reports a wrong digest for `step`."""
     return os.environ.get(FAULT_DIGEST_RANK) == str(rank) and step >= int(os.environ.get(FAULT_DIGEST_STEP, "1"))
+
+
+def fault_tp_stall(rank: int, step: int) -> bool:
+    """Test switch: whether `rank` stalls before the collectives of `step`."""
+    return os.environ.get(FAULT_TP_STALL_RANK) == str(rank) and step == int(os.environ.get(FAULT_TP_STALL_STEP, "1"))
 
 
 def fault_token_id() -> int | None:

@@ -19,9 +19,10 @@ import zmq
 
 from ledgerserve.shared import codec, env, events, ipc
 from ledgerserve.shared.proc import child_args, exit_with_parent, load_config, send_ready, setup_logging
+from ledgerserve.worker_proc.parallel import TpGroup, close_group, init_group, rank_device
 from ledgerserve.worker_proc.runner import InFlightStep, ModelRunner
 
-# Test-only fault switch: this rank reports a wrong digest from this step on.
+STALL_S = 3600.0  # test-only fault: how long a stalled rank sleeps (the engine stops it long before)
 # While a step runs and adapter loads are under way, each turn of the spin sleeps this long
 # (0.17 ms with the timer's slack on Linux, against 1.1 ms for a 1 ms zmq poll): that much may be
 # added to noticing the step's end; with async scheduling the next step is already queued.
@@ -37,20 +38,35 @@ def main(argv: list[str] | None = None) -> int:
     ctx = zmq.Context.instance()
     to_scheduler = ipc.connect(ctx, zmq.PUSH, config.run_dir, ipc.SCHED_FROM_WORKERS)
     from_scheduler = ipc.connect(ctx, zmq.PULL, config.run_dir, ipc.to_worker(args.rank))
+    group = TpGroup()
     try:
-        runner = ModelRunner(config, args.rank)
+        device = rank_device(config.device, args.rank)
+        group = init_group(
+            args.rank, config.tensor_parallel_size, config.run_dir, device, config.tp_collective_timeout_s
+        )
+        runner = ModelRunner(config, args.rank, group)
         ready = runner.ready()
     except Exception as e:
         log.exception("start-up failed")
         to_scheduler.send(codec.encode(events.WorkerFailed(args.rank, f"start-up failed: {e}")))
+        close_group(group)
         return 1
-    log.info("ready: %d KV blocks on %s (%s)", ready.num_kv_blocks, ready.device, ready.dtype)
+    log.info(
+        "ready: %d KV blocks on %s (%s), rank %d of %d",
+        ready.num_kv_blocks,
+        ready.device,
+        ready.dtype,
+        group.rank,
+        group.size,
+    )
     to_scheduler.send(codec.encode(ready))
     send_ready(config.run_dir, f"worker-{args.rank}")
     try:
-        return serve(runner, args.rank, from_scheduler, to_scheduler, log, config.lora_overlap_loading)
+        stall_s = config.tp_collective_timeout_s if group.size > 1 else None
+        return serve(runner, args.rank, from_scheduler, to_scheduler, log, config.lora_overlap_loading, stall_s)
     finally:
         runner.close()
+        close_group(group)
 
 
 def serve(
@@ -60,16 +76,19 @@ def serve(
     outbox: zmq.Socket,
     log: logging.Logger,
     overlap_loading: bool = False,
+    stall_s: float | None = None,
 ) -> int:
     """Apply the commands in order and send their replies. A StepPlan is launched as it arrives
     and completed (its replies sent) once the next plan is launched, once the device finished it
     with no command waiting, or before any other command (with `overlap_loading`, before a
     Shutdown only): step replies keep command order, and a scheduler that plans a step ahead gets
     it queued on the device while the step before runs. Adapter loads that end are reported
-    between steps, as they end."""
+    between steps, as they end. `stall_s` (tensor parallelism): a step still running that long
+    after its launch fails the worker (a rank stalled in a collective the host cannot time out,
+    e.g. one captured in a CUDA graph)."""
     decoder = codec.to_worker_decoder()
     num_dropped_frames = 0
-    steps = StepReplies(runner, rank, outbox, log)
+    steps = StepReplies(runner, rank, outbox, log, stall_s)
     loads = LoadReplies(runner, outbox)
     while True:
         if not wait_turn(inbox, steps, loads):
@@ -96,7 +115,7 @@ def wait_turn(inbox: zmq.Socket, steps: StepReplies, loads: LoadReplies) -> bool
     finished it first, and load replies go out meanwhile. False after a fault (reported): a device
     fault seen while a step or an adapter load ran."""
     try:
-        if steps.in_flight is not None and not wait_for_command(inbox, steps.in_flight, loads):
+        if steps.in_flight is not None and not wait_for_command(inbox, steps.in_flight, loads, steps.deadline_s()):
             if not steps.flush():  # the step is done and nothing is waiting: send its replies now
                 return False
         if steps.in_flight is None:
@@ -124,14 +143,17 @@ def run_command(cmd: events.ToWorker, arrival_s: float, steps: StepReplies, over
     return True
 
 
-def wait_for_command(inbox: zmq.Socket, step: InFlightStep, loads: LoadReplies) -> bool:
-    """Spin until a command is waiting (True) or the device finished `step` (False). A plan that
+def wait_for_command(
+    inbox: zmq.Socket, step: InFlightStep, loads: LoadReplies, deadline_s: float | None = None
+) -> bool:
+    """Spin until a command is waiting (True) or the device finished `step` or it is past
+    `deadline_s` (False: time to complete it, or to find it stalled). A plan that
     arrives while the step runs is launched behind it, so the device never waits for the host.
     While loads run, their replies go out as they end, and each turn really sleeps a little,
     without the GIL: a spin that only yields it (sleep(0)) takes it straight back, and each of
     the loader threads' many acquisitions then waits out the switch interval."""
     while not inbox.poll(0):
-        if step.is_done():
+        if step.is_done() or (deadline_s is not None and time.monotonic() > deadline_s):
             return bool(inbox.poll(0))
         if loads.busy():
             loads.send_due()
@@ -168,30 +190,43 @@ class StepReplies:
     """Launches StepPlans and sends each step's replies when it completes, with at most one step
     in flight. A fault in either is reported (WorkerFailed) and the method returns False."""
 
-    def __init__(self, runner: ModelRunner, rank: int, outbox: zmq.Socket, log: logging.Logger) -> None:
+    def __init__(
+        self, runner: ModelRunner, rank: int, outbox: zmq.Socket, log: logging.Logger, stall_s: float | None = None
+    ) -> None:
         self.runner, self.rank, self.outbox, self.log = runner, rank, outbox, log
+        self.stall_s = stall_s  # a step running this long after its launch fails the worker (None: no bound)
         self.in_flight: InFlightStep | None = None
+        self.in_flight_since_s = 0.0
+
+    def deadline_s(self) -> float | None:
+        """When the step in flight is to be found stalled (monotonic seconds), or None."""
+        return None if self.stall_s is None else self.in_flight_since_s + self.stall_s
 
     def launch(self, plan: events.StepPlan) -> bool:
         """Queue `plan` on the device, then complete the step launched before it, if any."""
+        if env.fault_tp_stall(self.rank, plan.step):  # test-only switch: alive, but stuck before the collectives
+            self.log.warning("stalling before step %d (test fault)", plan.step)
+            time.sleep(STALL_S)
         try:
             launched = self.runner.launch(plan)
         except Exception as e:
-            self.fail("StepPlan", e)
+            self.fail(f"step {plan.step}", e)
             return False
+        launched_s = time.monotonic()
         done = self.flush()
-        self.in_flight = launched
+        self.in_flight, self.in_flight_since_s = launched, launched_s
         return done
 
     def flush(self) -> bool:
         """Complete the step in flight, if any, and send its replies: StepCompleted (rank 0), then RankDigest."""
         if self.in_flight is None:
             return True
-        in_flight, self.in_flight = self.in_flight, None
+        deadline_s, (in_flight, self.in_flight) = self.deadline_s(), (self.in_flight, None)
         try:
+            _wait_done(in_flight, deadline_s, self.stall_s)
             completed, digest = self.runner.complete(in_flight)
         except Exception as e:
-            self.fail("StepPlan", e)
+            self.fail(f"step {in_flight.step}", e)
             return False
         digest = _maybe_fault(digest)
         for reply in [completed, digest] if self.rank == 0 else [digest]:
@@ -202,6 +237,19 @@ class StepReplies:
         """Report a fault while handling `what` (call from its except block: the traceback is logged)."""
         self.log.exception("%s failed", what)
         self.outbox.send(codec.encode(events.WorkerFailed(self.rank, f"{what} failed: {e}")))
+
+
+class StepStalled(RuntimeError):
+    """A step did not finish within the collective timeout: a tensor-parallel rank stalled."""
+
+
+def _wait_done(step: InFlightStep, deadline_s: float | None, stall_s: float | None) -> None:
+    """Return once the device finished `step`; StepStalled past `deadline_s` (None: no bound, return at once)."""
+    if deadline_s is None:
+        return
+    while not step.is_done():
+        if time.monotonic() > deadline_s:
+            raise StepStalled(f"still running {stall_s:g} s after its launch (tensor-parallel collective timeout)")
 
 
 def _maybe_fault(digest: events.RankDigest) -> events.RankDigest:

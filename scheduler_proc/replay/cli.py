@@ -103,6 +103,7 @@ def _replay(args: argparse.Namespace, names: list[str]) -> int:
             f"step {result.core.step}, {len(result.segments)} segment(s), last seq {result.last_seq}{tail}"
         )
         print(describe_closed(result.closed))
+        print(f"tensor parallel: {result.core.config.tensor_parallel_size} rank(s) {result.tp_layout}".rstrip())
     return code
 
 
@@ -130,6 +131,8 @@ def _result_json(result: ReplayResult, verify: bool, state: dict[str, Any], code
         "torn_tail": list(result.torn_tail) if result.torn_tail else None,
         "divergence": result.divergence.to_json() if result.divergence else None,
         "closed": _closed_json(result.closed),
+        "tensor_parallel_size": result.core.config.tensor_parallel_size,
+        "tp_layout": result.tp_layout,
         "state": state,
     }
 

@@ -137,6 +137,7 @@ class ReplayResult:
     torn_tail: tuple[str, int] | None = None  # a dropped torn record: (segment, offset)
     closed: ev.LogClosed | None = None  # the log's closing record, if the replay reached one
     adapter_stats: AdapterStats | None = None  # the logged records taken in, folded (with_adapter_stats)
+    tp_layout: str = ""  # how the run's model was split over its ranks (the header's config; "": one rank)
 
     @property
     def ok(self) -> bool:
@@ -160,6 +161,7 @@ def replay(
     config = core_config(scanner)
     core = Core(config)
     result = ReplayResult(scanner.path, core, scanner.segments)
+    result.tp_layout = EngineConfig.from_json(scanner.config_json).tp_layout
     if with_adapter_stats:
         result.adapter_stats = AdapterStats(config.tensor_parallel_size, config.lora_overlap_loading, keep_waits=True)
     _run(scanner, result, verify, until_seq, until_step)

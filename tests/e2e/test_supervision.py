@@ -32,12 +32,17 @@ pytestmark = pytest.mark.slow
 MODULE_OF = {
     "scheduler": "ledgerserve.scheduler_proc.main",
     "worker-0": "ledgerserve.worker_proc.main",
+    "worker-1": "ledgerserve.worker_proc.main",
     "tokenizer": "ledgerserve.tokenizer_proc.main",
 }
 
 
-def _child(server: Server, module: str):
-    return next(p for p in server.children() if module in p.cmdline())
+def _child(server: Server, name: str):
+    """The child process `name` (a worker's rank is the last argument of its command line)."""
+    rank = name.partition("-")[2] if name.startswith("worker-") else None
+    return next(
+        p for p in server.children() if MODULE_OF[name] in p.cmdline() and (rank is None or p.cmdline()[-1] == rank)
+    )
 
 
 LONG = {"prompt": "The river", "max_tokens": 1000, "ignore_eos": True, "temperature": 0.0}
@@ -79,9 +84,12 @@ def _last_record(log_dir: str) -> events.Event:
     return list(EventLogReader(newest_log(log_dir)))[-1][1]
 
 
-@pytest.mark.parametrize("name", ["scheduler", "worker-0", "tokenizer"])
-def test_kill9_of_any_child_stops_the_group(name, demo_model_dir, tmp_path):
-    server = Server(demo_model_dir, str(tmp_path), ["--max-model-len", "2048"]).start()
+@pytest.mark.parametrize(("name", "num_ranks"), [("scheduler", 1), ("worker-0", 1), ("tokenizer", 1), ("worker-1", 2)])
+def test_kill9_of_any_child_stops_the_group(name, num_ranks, demo_model_dir, tmp_path):
+    """With two ranks, rank 1 is killed mid-stream: rank 0 is left alone in the group, and the
+    launcher names the rank that died."""
+    flags = ["--max-model-len", "2048", "--tensor-parallel-size", str(num_ranks)]
+    server = Server(demo_model_dir, str(tmp_path), flags).start()
     pids = [p.pid for p in server.children()]
     run_dirs = server.run_dirs()
     model = httpx.get(server.base_url + "/v1/models").json()["data"][0]["id"]
@@ -96,7 +104,7 @@ def test_kill9_of_any_child_stops_the_group(name, demo_model_dir, tmp_path):
         t.start()
     assert first.wait(30)
     time.sleep(0.3)  # the non-streaming request is in flight too
-    victim = _child(server, MODULE_OF[name])
+    victim = _child(server, name)
     killed_at = time.monotonic()
     victim.send_signal(signal.SIGKILL)
     if name != "tokenizer":

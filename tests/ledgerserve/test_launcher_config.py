@@ -147,3 +147,23 @@ def test_a_refused_flag_leaves_no_run_directory(model_dir, tmp_path, monkeypatch
     assert cli_main(["serve", model_dir, "--device", "cpu", *flags]) == 2
     assert capsys.readouterr().err.startswith("ledgerserve: error: ")
     assert list(runs.iterdir()) == []
+
+
+def test_the_shard_layout_is_in_the_config_and_a_bad_split_refused(tmp_path):
+    heads = {"max_position_embeddings": 4096, "num_attention_heads": 4, "num_key_value_heads": 2}
+    (tmp_path / "config.json").write_text(json.dumps({**heads, "intermediate_size": 64}))
+    cfg = resolve_config(_args(str(tmp_path), "--device", "cpu", "-tp", "2"), str(tmp_path))
+    assert cfg.tp_layout.startswith("tp=2 megatron") and "kv heads 2 -> 1/rank (split)" in cfg.tp_layout
+    assert EngineConfig.from_json(cfg.to_json()) == cfg
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 3 does not divide .* num_attention_heads \(4\)"):
+        resolve_config(_args(str(tmp_path), "--device", "cpu", "-tp", "3"), str(tmp_path))
+
+
+def test_workers_alone_get_the_loopback_transport_env(model_dir, tmp_path, monkeypatch):
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.delenv(name, raising=False)
+    cfg = resolve_config(_args(model_dir, "--device", "cpu"), str(tmp_path))
+    for child in children(cfg):
+        on_loopback = child.env is not None and child.env.get("GLOO_SOCKET_IFNAME") == "lo"
+        assert on_loopback == child.name.startswith("worker-"), child.name
+        assert on_loopback == (child.env.get("NCCL_SOCKET_IFNAME") == "lo"), child.name

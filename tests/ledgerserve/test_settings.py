@@ -38,6 +38,7 @@ SET_BY_LAUNCHER = {
     "lora_modules",
     "pinned_lora_modules",
     "served_model_aliases",
+    "tp_layout",
 }
 OTHER_ARGS = {"model_dir", "--model", "--api-key", "--lora-modules"}  # declared by hand in cli.py, not one field each
 VLLM_ONLY = {vf.flag for vf in VLLM_FLAGS}  # accepted with a notice or refused: no field

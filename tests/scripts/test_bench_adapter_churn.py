@@ -128,3 +128,15 @@ def test_quick_run_measures_every_workload(tmp_path) -> None:
     assert len(os.listdir(zipf_dir)) == QUICK.zipf_adapters
     linked = zipf_dir / f"adapter-{QUICK.zipf_adapters - 1}" / "adapter_model.safetensors"
     assert os.stat(linked).st_nlink > 1  # the weights are shared; each directory is its own version
+
+
+def test_the_servers_get_the_rank_count() -> None:
+    from ledgerserve.cli import build_parser
+    from scripts.bench_adapter_churn import QUICK_FLAGS, model_args, parse_args
+
+    argv = model_args(parse_args(["--quick", "--tensor-parallel-size", "2"]), "/m", QUICK_FLAGS)
+    served = build_parser().parse_args(["serve", *argv])
+    assert (served.tensor_parallel_size, served.model_dir, served.async_scheduling) == (2, "/m", True)
+    assert (
+        build_parser().parse_args(["serve", *model_args(parse_args([]), "/m", QUICK_FLAGS)]).tensor_parallel_size == 1
+    )

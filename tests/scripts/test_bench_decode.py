@@ -63,3 +63,32 @@ def test_load_churn_keeps_spare_slots_loading_from_both_tiers(tmp_path) -> None:
         assert not churn.held and all(slot not in runner.lora.assigned for slot in (1, 2))
     finally:
         runner.close()
+
+
+def test_tensor_parallel_sweep_runs_two_ranks_beside_one(demo_model_dir, tmp_path) -> None:
+    """--tensor-parallel-size 2 --compare-tp1 on the CPU: two rank processes (gloo) and one, each
+    row with its step time, all-reduce time (none with one rank) and shard floor."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "tp.json"
+    argv = ["--tensor-parallel-size", "2", "--compare-tp1", "--device", "cpu", "--model-dir", demo_model_dir]
+    argv += ["--batch-sizes", "2", "--adapters", "1", "--rank", "4", "--prompt-len", "8", "--warmup", "1"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "scripts.bench_decode", *argv, "--steps", "2", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    tp1, tp2 = report["tp1"], report["tp2"]
+    assert (tp1["tensor_parallel_size"], tp2["tensor_parallel_size"]) == (1, 2)
+    assert tp1["tp_layout"] == "" and "kv heads 2 -> 1/rank (split)" in tp2["tp_layout"]
+    for run in (tp1, tp2):
+        [row] = run["results"]
+        assert (row["batch"], row["adapters"]) == (2, 1) and row["step_ms"] > 0 and row["shard_floor_ms"] > 0
+    assert tp1["results"][0]["all_reduce_ms"] == 0 and tp2["results"][0]["all_reduce_ms"] > 0
+    want = round(tp1["results"][0]["step_ms"] / tp2["results"][0]["step_ms"], 2)
+    assert report["speedup"] == [want]

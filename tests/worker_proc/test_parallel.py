@@ -45,3 +45,53 @@ def test_two_gloo_ranks_reduce_and_gather(tmp_path):
     want_gathered = [0.0, 1.0, 2.0, 0.0, 2.0, 4.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0]  # rows side by side
     for out in outputs:
         assert out.strip() == f"{want_reduced} {want_gathered}"
+
+
+FAULT_SCRIPT = """
+import os, sys, time, torch
+from ledgerserve.worker_proc.parallel import CollectiveFailed, init_group, close_group
+rank, run_dir, fault = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+group = init_group(rank, 2, run_dir, torch.device("cpu"), timeout_s=2)
+group.all_reduce(torch.ones(4))  # a first collective that both ranks reach
+if rank == 1:
+    if fault == "stall":
+        time.sleep(60)  # alive, but never reaches the next collective
+    os._exit(0)  # gone without a word
+started = time.monotonic()
+try:
+    group.all_reduce(torch.ones(4))
+except CollectiveFailed as e:
+    print(f"{e.timed_out} {time.monotonic() - started:.1f} {e}")
+close_group(group)  # as the worker does: without it, the process aborts at exit after a timeout
+"""
+
+
+def _rank_zero_against(fault: str, run_dir: str) -> str:
+    """What rank 0 prints after its second all_reduce, rank 1 having stalled or exited; rank 0 exits cleanly."""
+    env = os.environ | {"GLOO_SOCKET_IFNAME": "lo"}
+    argv = [sys.executable, "-c", FAULT_SCRIPT]
+    procs = [
+        subprocess.Popen([*argv, str(r), run_dir, fault], stdout=subprocess.PIPE, text=True, env=env) for r in (0, 1)
+    ]
+    try:
+        out = procs[0].communicate(timeout=120)[0]
+        assert procs[0].returncode == 0
+        return out.strip()
+    finally:
+        procs[1].kill()
+        procs[1].wait()
+
+
+def test_a_stalled_rank_makes_the_waiting_rank_raise_after_the_timeout(tmp_path):
+    timed_out, waited_s, message = _rank_zero_against("stall", str(tmp_path)).split(" ", 2)
+    assert timed_out == "True" and 1.5 <= float(waited_s) < 30
+    assert (
+        message == "tensor-parallel collective all_reduce timed out after 2 s waiting for another rank (a rank stalled)"
+    )
+
+
+def test_a_dead_rank_makes_the_waiting_rank_raise_at_once(tmp_path):
+    out = _rank_zero_against("exit", str(tmp_path))
+    timed_out, waited_s, _ = out.split(" ", 2)
+    assert timed_out == "False" and float(waited_s) < 2, out
+    assert "tensor-parallel collective all_reduce failed" in out, out

@@ -249,7 +249,29 @@ def test_a_fault_while_reading_a_step_back_fails_the_worker() -> None:
     code, trace, outbox = _serve([(0, _plan(0)), (0, _plan(1)), (0, _plan(2))], fail_complete_at=1)
     assert code == 1
     assert trace[-2:] == ["complete 1", "send WorkerFailed"]
-    assert outbox.sent[-1] == events.WorkerFailed(0, "StepPlan failed: device fault")
+    assert outbox.sent[-1] == events.WorkerFailed(0, "step 1 failed: device fault")
+
+
+def test_a_step_still_running_past_the_collective_timeout_fails_the_worker() -> None:
+    """With tensor parallelism a step the device never finishes (a rank stalled in a collective the
+    host cannot time out) is reported, naming the step, once it ran `stall_s`; the steps before it
+    complete as usual."""
+    trace: list[str] = []
+    outbox = Outbox(trace)
+    script = [(0, _plan(0)), (2, _plan(1)), (4, events.Shutdown("done"))]
+    code = serve(StallingRunner(trace), 0, ScriptedInbox(outbox, script), outbox, LOG, stall_s=0.05)  # type: ignore[arg-type]
+    assert code == 1
+    assert trace[-2:] == ["launch 1", "send WorkerFailed"] and _replies(0)[0] in trace
+    message = "step 1 failed: still running 0.05 s after its launch (tensor-parallel collective timeout)"
+    assert outbox.sent[-1] == events.WorkerFailed(0, message)
+
+
+class StallingRunner(TraceRunner):
+    """Step 1 never finishes on the device; the others do at once."""
+
+    def launch(self, plan: events.StepPlan) -> InFlightStep:
+        self.num_busy_queries = 10**9 if plan.step == 1 else 0
+        return super().launch(plan)
 
 
 class AheadScheduler:

@@ -1,0 +1,213 @@
+"""bench_decode's sweep with the model split over N tensor-parallel ranks: one process per rank,
+started with subprocess (never multiprocessing), each joining the group through a private run
+directory and building its ModelRunner for it; every rank runs the same plans (a forward's
+collectives need them all), and rank 0 times the steps and writes the rows. Beside each step
+time: the all-reduce time of one step (the Megatron split's 2 per layer plus the embedding's,
+of a [batch, hidden] activation, timed alone) and the bandwidth floor of one rank (its own
+weights, and its share of the adapters and the KV cache, over the copy bandwidth).
+
+    python scripts/bench_decode.py --tensor-parallel-size 2 --compare-tp1 --batch-sizes 1,32 --adapters 0,4
+    python -m scripts.bench_decode --tensor-parallel-size 2 --device cpu --model-dir DIR --batch-sizes 2 --adapters 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from ledgerserve.shared import env
+from ledgerserve.shared.adapter_format import BaseShapes
+from ledgerserve.shared.events import AdapterSlotAssigned
+from ledgerserve.shared.tp_layout import tp_layout
+from ledgerserve.worker_proc.parallel import TpGroup, close_group, init_group, rank_device
+from ledgerserve.worker_proc.runner import ModelRunner
+from scripts.bench_decode import Bench, engine_config, parse_args
+from scripts.bench_fixtures import adapter_bytes, copy_bandwidth, kv_bytes, weight_bytes, write_adapter, write_model_dir
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULT_FILE = "result.json"
+GROUP_TIMEOUT_S = 600.0  # a rank building a large model waits this long for the others
+POLL_S = 0.2
+NUM_TIMED_ALL_REDUCES = 20
+
+
+class NoClock:
+    """Bench's step clock, unused here (the GPU-idle share is bench_decode's own figure)."""
+
+    def begin(self) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+
+def compare(args: argparse.Namespace, argv: list[str]) -> dict:
+    """The sweep at TP N (and at TP 1 first, with --compare-tp1), each in its own rank processes;
+    `argv`: bench_decode's command line, passed on to every rank."""
+    sizes = [1, args.tensor_parallel_size] if args.compare_tp1 else [args.tensor_parallel_size]
+    runs = {f"tp{n}": run_ranks([*argv, "--tensor-parallel-size", str(n)], n) for n in sizes}
+    report: dict = dict(torch=torch.__version__, **runs)
+    if args.compare_tp1:
+        tp1, tpn = runs["tp1"]["results"], runs[f"tp{args.tensor_parallel_size}"]["results"]
+        report["speedup"] = [round(a["step_ms"] / b["step_ms"], 2) for a, b in zip(tp1, tpn, strict=True)]
+    return report
+
+
+def run_ranks(argv: list[str], num_ranks: int) -> dict:
+    """Start the ranks, wait for all of them (one failing stops the others), return rank 0's report."""
+    run_dir = tempfile.mkdtemp(prefix="bench_tp_")
+    os.chmod(run_dir, 0o700)
+    child_env = {
+        **os.environ,
+        **env.TP_LOOPBACK,
+        "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+    }
+    cmd = [sys.executable, "-m", "scripts.bench_decode_tp", "--run-dir", run_dir]
+    procs = [subprocess.Popen([*cmd, "--tp-rank", str(r), *argv], cwd=ROOT, env=child_env) for r in range(num_ranks)]
+    try:
+        _wait_all(procs)
+        with open(os.path.join(run_dir, RESULT_FILE), encoding="utf-8") as f:
+            return json.load(f)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _wait_all(procs: list[subprocess.Popen]) -> None:
+    while any(proc.poll() is None for proc in procs):
+        failed = [(rank, proc.returncode) for rank, proc in enumerate(procs) if proc.poll() not in (None, 0)]
+        if failed:
+            raise RuntimeError(f"bench rank {failed[0][0]} exited with code {failed[0][1]}")
+        time.sleep(POLL_S)
+    failed = [(rank, proc.returncode) for rank, proc in enumerate(procs) if proc.returncode != 0]
+    if failed:
+        raise RuntimeError(f"bench rank {failed[0][0]} exited with code {failed[0][1]}")
+
+
+def rank_main() -> None:
+    """One rank: `--run-dir D --tp-rank R` then bench_decode's own flags."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--tp-rank", type=int, required=True)
+    own, rest = ap.parse_known_args()
+    args = parse_args(rest)
+    device = rank_device(args.device, own.tp_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    group = init_group(own.tp_rank, args.tensor_parallel_size, own.run_dir, device, GROUP_TIMEOUT_S)
+    try:
+        report = sweep_rank(args, group, device, os.path.join(own.run_dir, f"rank{own.tp_rank}"))
+    finally:
+        close_group(group)
+    if own.tp_rank == 0:
+        with open(os.path.join(own.run_dir, RESULT_FILE), "w", encoding="utf-8") as f:
+            json.dump(report, f)
+
+
+def sweep_rank(args: argparse.Namespace, group: TpGroup, device: torch.device, root: str) -> dict:
+    """Build this rank's runner and adapters (in its own `root`), then time every row."""
+    os.makedirs(root, exist_ok=True)
+    model_dir = args.model_dir or write_model_dir(root)
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        hf_config = json.load(f)
+    base = BaseShapes.from_hf_config(hf_config)
+    config = engine_config(args, model_dir)
+    layout = tp_layout(hf_config, group.size)
+    config = dataclasses.replace(config, load_format="dummy", tensor_parallel_size=group.size, tp_layout=layout)
+    runner = ModelRunner(config, group.rank, group)
+    try:
+        for i in range(max(args.adapter_counts)):
+            runner.load_adapter(AdapterSlotAssigned(i, i, write_adapter(root, i, base, args.rank, args.device)))
+        bw = copy_bandwidth(device) if device.type == "cuda" else host_copy_bandwidth()
+        bench = Bench(runner, args.prompt_len, args.warmup, args.steps)
+        bench.clock = NoClock()
+        rows = [_row(bench, group, base, args, bw, b, n) for n in args.adapter_counts for b in args.batches]
+    finally:
+        runner.close()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return dict(
+        device=name, tensor_parallel_size=group.size, tp_layout=layout, copy_bw_GBps=round(bw / 1e9, 1), results=rows
+    )
+
+
+def _row(
+    bench: Bench, group: TpGroup, base: BaseShapes, args: argparse.Namespace, bw: float, batch: int, num_adapters: int
+) -> dict:
+    last = share_tokens(group, bench, bench.start(batch, num_adapters))
+    walls = []
+    for i in range(args.warmup + args.steps):
+        sampled, wall = bench.decode(last)
+        last = share_tokens(group, bench, sampled)  # after the timed step, as the scheduler's next plan would
+        if i >= args.warmup:
+            walls.append(wall)
+    step_ms = statistics.median(walls) * 1e3
+    runner = bench.runner
+    elem_bytes = runner.dtype.itemsize
+    distinct = min(num_adapters, batch)
+    lens = [round(statistics.mean(bench.lengths.values()))] * batch
+    shared = distinct * adapter_bytes(base, args.rank, elem_bytes) + kv_bytes(base, base.num_layers, lens, elem_bytes)
+    floor_ms = (weight_bytes(runner.model, batch) + shared / group.size) / bw * 1e3
+    all_reduce_ms = all_reduce_step_ms(group, batch, base, runner.dtype, runner.device)
+    row = dict(batch=batch, adapters=distinct, step_ms=round(step_ms, 3), tok_s=round(batch / step_ms * 1e3, 1))
+    row.update(shard_floor_ms=round(floor_ms, 3), all_reduce_ms=round(all_reduce_ms, 3))
+    if group.rank == 0:
+        print(json.dumps({"tp": group.size, **row}), flush=True)
+    return row
+
+
+def share_tokens(group: TpGroup, bench: Bench, sampled: dict[str, int]) -> dict[str, int]:
+    """Rank 0's sampled tokens on every rank (only rank 0 samples; the engine's scheduler sends
+    them to all ranks in the next plan): summed over the ranks, the others adding zeros."""
+    req_ids = bench.live
+    ids = torch.tensor([sampled.get(r, 0) for r in req_ids], dtype=torch.int64, device=bench.runner.device)  # [batch]
+    return dict(zip(req_ids, group.all_reduce(ids).tolist(), strict=True))
+
+
+def all_reduce_step_ms(group: TpGroup, batch: int, base: BaseShapes, dtype: torch.dtype, device: torch.device) -> float:
+    """One decode step's all-reduces (2 per layer and the embedding's) of a [batch, hidden] activation,
+    timed alone; 0 with one rank."""
+    if group.size == 1:
+        return 0.0
+    x = torch.ones(batch, base.hidden_size, dtype=dtype, device=device)  # [batch, hidden]
+    for _ in range(3):
+        group.all_reduce(x)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(NUM_TIMED_ALL_REDUCES):
+        group.all_reduce(x)
+    _sync(device)
+    per_call_s = (time.perf_counter() - t0) / NUM_TIMED_ALL_REDUCES
+    return per_call_s * (2 * base.num_layers + 1) * 1e3
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def host_copy_bandwidth(num_bytes: int = 64 << 20, iters: int = 5) -> float:
+    """CPU memory copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        dst.copy_(src)
+    return 2 * num_bytes * iters / (time.perf_counter() - t0)
+
+
+if __name__ == "__main__":
+    rank_main()
