@@ -1,7 +1,7 @@
 """Tensor parallelism through the real process group: `--tensor-parallel-size 2` serves the base
 model and three PEFT adapters (ranks 4 to 32, every projection and lm_head among them) at once,
-prompts longer than the chunked-prefill budget, and every greedy output equals transformers' or
-PEFT's for 32 new tokens."""
+prompts longer than the chunked-prefill budget, a KV pool small enough that requests are preempted,
+and every greedy output equals transformers' or PEFT's for 32 new tokens."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from ledgerserve.shared import events
+from ledgerserve.shared.eventlog import EventLogReader, newest_log
 from tests.adapter_factory import make_peft_adapter
 from tests.e2e.server import Server
 from tests.prompt_logprobs_ref import check_entries, entries_from_json, prompt_logprobs_reference
@@ -33,6 +35,7 @@ ADAPTERS = {  # name: make_peft_adapter kwargs
     "attn-r16-rs": dict(r=16, alpha=16, targets=["q_proj", "k_proj", "v_proj", "o_proj"], use_rslora=True, seed=22),
     "mlp-r32": dict(r=32, alpha=48, targets=["gate_proj", "up_proj", "down_proj"], seed=23),
 }
+KV_BLOCKS = 20  # 8 requests of ~52 tokens need ~32 blocks of 16: some are preempted and recomputed
 GREEDY = {"temperature": 0.0, "max_tokens": NUM_TOKENS, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
 
 
@@ -59,7 +62,7 @@ def server(demo_model_dir, adapter_root, tmp_path_factory):
         "--max-model-len",
         "256",
         "--num-kv-blocks",
-        "128",
+        str(KV_BLOCKS),
         "--max-num-batched-tokens",
         str(BUDGET_TOKENS),
         "--async-scheduling",
@@ -98,6 +101,8 @@ def test_two_ranks_match_transformers_and_peft(server, demo_model_dir, adapter_r
     assert all(len(tokens) == NUM_TOKENS for tokens in results.values())
     print("near ties accepted:", assert_greedy_matches(results, _refs(demo_model_dir, adapter_root, base)) or "none")
     assert all(results[f"{n}|{PROMPTS[0]}"] != results[f"{base}|{PROMPTS[0]}"] for n in ADAPTERS)
+    logged = [event for _, event in EventLogReader(newest_log(server.log_dir), repair=False)]
+    assert any(isinstance(event, events.RequestPreempted) for event in logged), "the run should preempt"
 
 
 def test_prompt_logprobs_of_two_ranks_match(server, demo_model_dir, adapter_root) -> None:
