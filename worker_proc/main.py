@@ -19,8 +19,10 @@ import zmq
 
 from ledgerserve.shared import codec, env, events, ipc
 from ledgerserve.shared.proc import child_args, exit_with_parent, load_config, send_ready, setup_logging
-from ledgerserve.worker_proc.parallel import TpGroup, close_group, init_group, rank_device
+from ledgerserve.worker_proc.parallel import CollectiveFailed, TpGroup, close_group, init_group, rank_device
 from ledgerserve.worker_proc.runner import InFlightStep, ModelRunner
+
+PEER_GONE_GRACE_S = 5.0  # how long a rank whose collective lost a peer waits for the launcher
 
 STALL_S = 3600.0  # test-only fault: how long a stalled rank sleeps (the engine stops it long before)
 # While a step runs and adapter loads are under way, each turn of the spin sleeps this long
@@ -234,8 +236,12 @@ class StepReplies:
         return True
 
     def fail(self, what: str, e: Exception) -> None:
-        """Report a fault while handling `what` (call from its except block: the traceback is logged)."""
+        """Report a fault while handling `what` (call from its except block: the traceback is logged).
+        A collective that lost a rank waits first: that rank's death is the launcher's to name, and it
+        stops the group well within PEER_GONE_GRACE_S; past it (no launcher noticed), this rank reports."""
         self.log.exception("%s failed", what)
+        if isinstance(e, CollectiveFailed) and not e.timed_out:
+            time.sleep(PEER_GONE_GRACE_S)
         self.outbox.send(codec.encode(events.WorkerFailed(self.rank, f"{what} failed: {e}")))
 
 

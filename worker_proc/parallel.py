@@ -70,6 +70,15 @@ def rank_device(device: str, rank: int) -> torch.device:
     return torch.device(f"cuda:{rank}" if device == "cuda" else "cpu")
 
 
+def use_rank_device(device: str, rank: int) -> torch.device:
+    """rank_device, made the calling thread's current CUDA device, so the kernels it launches
+    (Triton's included) run on the rank's own GPU."""
+    own = rank_device(device, rank)
+    if own.type == "cuda":
+        torch.cuda.set_device(own)
+    return own
+
+
 def init_group(rank: int, size: int, run_dir: str, device: torch.device, timeout_s: float) -> TpGroup:
     """Join the group of `size` ranks (blocks until all have joined, at most `timeout_s`); a
     collective that waits longer than `timeout_s` for a stalled rank raises."""

@@ -37,7 +37,7 @@ from ledgerserve.worker_proc.cuda_graphs import DecodeGraphs
 from ledgerserve.worker_proc.kv_cache import KVCache, num_kv_blocks
 from ledgerserve.worker_proc.lora.manager import LoraManager
 from ledgerserve.worker_proc.models import build_model, load_eos_token_ids, load_model_config
-from ledgerserve.worker_proc.parallel import TpGroup, rank_device
+from ledgerserve.worker_proc.parallel import TpGroup, use_rank_device
 from ledgerserve.worker_proc.placeholders import SampledRows, mark_placeholder
 from ledgerserve.worker_proc.sampler import PendingSample, Sampler, SamplingReq
 from ledgerserve.worker_proc.step_inputs import PinnedStaging, build_step_inputs
@@ -69,9 +69,7 @@ class ModelRunner(AdapterCommands):
         self.config = config
         self.rank = rank
         self.group = group or TpGroup()
-        self.device = rank_device(config.device, rank)
-        if self.device.type == "cuda":  # kernels launched from this thread (Triton's too) go to the rank's own GPU
-            torch.cuda.set_device(self.device)
+        self.device = use_rank_device(config.device, rank)
         self.dtype = DTYPES[config.dtype]
         torch.manual_seed(config.seed)
         self.model_cfg = load_model_config(config.model_dir)
