@@ -17,7 +17,7 @@ from collections import deque
 from typing import Protocol
 
 from ledgerserve.scheduler_proc.core import Core, CoreConfig
-from ledgerserve.scheduler_proc.loop import TO_WORKER_TYPES
+from ledgerserve.scheduler_proc.loop import TO_WORKER_TYPES, apply_logged
 from ledgerserve.shared import events
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.eventlog import EventLogWriter
@@ -68,13 +68,10 @@ class Engine:
     def apply(self, event: events.Event) -> list[events.Event]:
         """Log the input, apply it, log the decisions and commit, as the scheduler's shell does; the
         worker's commands among them queue for step(). Returns the decisions."""
-        if self.log is not None:
-            self.log.append(event)
-        decisions = self.core.apply(event)
-        if self.log is not None:
-            for decision in decisions:
-                self.log.append(decision)
-            self.log.commit(step_planned=any(isinstance(d, events.StepPlan) for d in decisions))
+        if self.log is None:
+            decisions = self.core.apply(event)
+        else:
+            decisions = [decision for decision, _ in apply_logged(self.core, self.log, event)]
         self.commands.extend(d for d in decisions if isinstance(d, TO_WORKER_TYPES))
         return decisions
 

@@ -1,6 +1,6 @@
 """Start, supervise and stop the launcher's children.
 
-Children run in their own sessions so a terminal's Ctrl-C reaches only the launcher,
+Children run in their own process sessions (setsid) so a terminal's Ctrl-C reaches only the launcher,
 which then stops them in order: tokenizer first (it drains in-flight requests), then the
 scheduler (it closes the event log and tells workers to exit), then the workers.
 """

@@ -38,6 +38,18 @@ TO_WORKER_TYPES = (
 )
 
 
+def apply_logged(core: Core, log: EventLogWriter, event: events.Event) -> list[tuple[events.Event, bytes]]:
+    """Log the input, apply it, log the decisions, commit (fsync per policy): the order replay
+    relies on, for the scheduler process and the in-process engine alike. Each decision is
+    encoded once: the same bytes go to the log and to the socket."""
+    log.append(event)
+    decisions = [(d, codec.encode(d)) for d in core.apply(event)]
+    for decision, frame in decisions:
+        log.append(decision, frame)
+    log.commit(step_planned=any(isinstance(d, events.StepPlan) for d, _ in decisions))
+    return decisions
+
+
 class SchedulerShell:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -109,7 +121,7 @@ class SchedulerShell:
         if self.failed:
             return
         try:
-            decisions = self._log_and_apply(event)
+            decisions = apply_logged(self.core, self.log, event)
         except LogWriteError as exc:
             self._stop_unlogged(exc)
             return
@@ -119,16 +131,6 @@ class SchedulerShell:
         if isinstance(event, events.WorkerReady) and self.core.scheduler.is_ready:
             self._on_engine_ready(event)  # the last rank's WorkerReady made the core ready
         self._send_stats()
-
-    def _log_and_apply(self, event: events.Event) -> list[tuple[events.Event, bytes]]:
-        """Log the input, apply it, log the decisions, commit (fsync per policy). Each
-        decision is encoded once: the same bytes go to the log and to the socket."""
-        self.log.append(event)
-        decisions = [(d, codec.encode(d)) for d in self.core.apply(event)]
-        for decision, frame in decisions:
-            self.log.append(decision, frame)
-        self.log.commit(step_planned=any(isinstance(d, events.StepPlan) for d, _ in decisions))
-        return decisions
 
     def _fold_adapter_stats(self, event: events.Event, decisions: list[events.Event]) -> None:
         """Per-adapter figures from what was just logged, in log order; each slot load that
