@@ -57,7 +57,7 @@ def children(config: EngineConfig, key: str = "") -> list[Child]:
     procs = [Child("scheduler", [py, "-m", "ledgerserve.scheduler_proc.main", "--config", cfg_path], keyless)]
     for rank in range(config.tensor_parallel_size):
         argv = [py, "-m", "ledgerserve.worker_proc.main", "--config", cfg_path, "--rank", str(rank)]
-        procs.append(Child(f"worker-{rank}", argv, {**keyless, **env.TP_LOOPBACK}))
+        procs.append(Child(f"worker-{rank}", argv, {**keyless, **env.TP_WORKER_ENV}))
     tokenizer_env = {**keyless, env.API_KEY: key} if key else keyless
     procs.append(Child("tokenizer", [py, "-m", "ledgerserve.tokenizer_proc.main", "--config", cfg_path], tokenizer_env))
     return procs

@@ -182,6 +182,10 @@ class EngineConfig:
         "seconds a tensor-parallel rank waits in a collective for the others before it fails the engine",
         name="--tp-collective-timeout",
     )
+    disable_custom_all_reduce: bool = setting(
+        False,
+        "tensor parallel on CUDA: send every all-reduce through NCCL, none through the one-shot symmetric-memory path",
+    )
     tp_layout: str = unflagged("", set_by="the launcher: how the model is split over the ranks (shared/tp_layout.py)")
 
     @property

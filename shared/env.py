@@ -19,8 +19,10 @@ FAULT_DIGEST_STEP = "LEDGERSERVE_TEST_FAULT_DIGEST_STEP"  # ... from this step o
 FAULT_TOKEN_ID = "LEDGERSERVE_TEST_FAULT_TOKEN_ID"  # test: a step that feeds this token id fails
 FAULT_TP_STALL_RANK = "LEDGERSERVE_TEST_FAULT_TP_STALL_RANK"  # test: this rank stalls (alive) before ...
 FAULT_TP_STALL_STEP = "LEDGERSERVE_TEST_FAULT_TP_STALL_STEP"  # ... the collectives of this step (default 1)
-# Set by the launcher for the workers: gloo and NCCL bind their sockets to loopback only.
-TP_LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+# Set by the launcher for the workers: gloo and NCCL bind their sockets to loopback only, and the
+# symmetric memory of the one-shot all-reduce (worker_proc/parallel.py) maps peers' buffers without
+# creating an NVLink multicast object (the one-shot path reads peers directly; it never needs one).
+TP_WORKER_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 
 def log_level() -> str:

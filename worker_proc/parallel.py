@@ -9,18 +9,32 @@ gloo raises once `timeout_s` passed) or lost a peer (a rank died). Nothing here 
 device: on CUDA the collectives are queued on the current stream and can be captured in a CUDA
 graph. A stalled NCCL collective never raises here: NCCL's watchdog aborts the waiting rank's
 process after `timeout_s` where it sees the collective, and the worker fails a step still running
-`timeout_s` after its launch (worker_proc/main.py), which covers collectives replayed in a graph."""
+`timeout_s` after its launch (worker_proc/main.py), which covers collectives replayed in a graph.
+
+On CUDA the small all-reduces of decode (a [batch, hidden] activation, twice a layer) are
+latency-bound: NCCL spends more time per call than moving the bytes takes. With_one_shot gives the
+group a one-shot all-reduce over CUDA symmetric memory (torch.distributed._symmetric_memory): each
+rank copies its input into its own buffer, and after a barrier every rank reads all the ranks'
+buffers over NVLink and sums them, in one kernel. It takes every all-reduce of the model's dtype up
+to ONE_SHOT_MAX_BYTES; larger ones (prefill) and other dtypes go to NCCL."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 RENDEZVOUS_FILE = "tp-rendezvous"
+# Above this NCCL's ring is as fast as one-shot (each rank reads every peer's whole input), and a
+# larger buffer would cost memory on every rank: decode steps and short prefill chunks fit.
+ONE_SHOT_MAX_BYTES = 1 << 20
+ONE_SHOT_ALIGN_BYTES = 16  # the input's address must be as aligned as the buffer's for the kernel
+log = logging.getLogger(__name__)
 
 
 class CollectiveFailed(RuntimeError):
@@ -37,20 +51,47 @@ class CollectiveFailed(RuntimeError):
 
 
 @dataclass(frozen=True)
+class OneShotAllReduce:
+    """A one-shot all-reduce through a buffer in symmetric memory (see the module's docstring)."""
+
+    buffer: torch.Tensor  # [ONE_SHOT_MAX_BYTES // itemsize] of the model's dtype, mapped by every rank
+    group_name: str
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return (
+            x.dtype == self.buffer.dtype
+            and x.is_contiguous()
+            and x.numel() <= self.buffer.numel()
+            and x.data_ptr() % ONE_SHOT_ALIGN_BYTES == 0
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of x over the ranks, in a new tensor (x is only read)."""
+        out = torch.empty_like(x)
+        symm = self.buffer[: x.numel()].view_as(x)
+        return torch.ops.symm_mem.one_shot_all_reduce_copy_out(symm, x, "sum", self.group_name, out)
+
+
+@dataclass(frozen=True)
 class TpGroup:
     """This rank's place in the group: which shard it holds of every sharded weight."""
 
     rank: int = 0
     size: int = 1
     timeout_s: float = 0.0  # how long a collective waits for the other ranks (what init_group was given)
+    one_shot: OneShotAllReduce | None = field(default=None, compare=False)  # see with_one_shot
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of x over the ranks, in place (x must be contiguous); x itself with one rank."""
-        if self.size > 1:
-            try:
-                dist.all_reduce(x)
-            except RuntimeError as e:
-                raise CollectiveFailed("all_reduce", self.timeout_s, e) from e
+        """The sum of x over the ranks (x must be contiguous): x itself, summed in place, or a new
+        tensor on the one-shot path; use the returned tensor. x itself with one rank."""
+        if self.size == 1:
+            return x
+        if self.one_shot is not None and self.one_shot.fits(x):
+            return self.one_shot(x)
+        try:
+            dist.all_reduce(x)
+        except RuntimeError as e:
+            raise CollectiveFailed("all_reduce", self.timeout_s, e) from e
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -95,6 +136,38 @@ def init_group(rank: int, size: int, run_dir: str, device: torch.device, timeout
         device_id=device if device.type == "cuda" else None,
     )
     return TpGroup(rank, size, timeout_s)
+
+
+def with_one_shot(group: TpGroup, dtype: torch.dtype, device: torch.device, enabled: bool = True) -> TpGroup:
+    """`group` whose all-reduces of `dtype` up to ONE_SHOT_MAX_BYTES run one-shot (`enabled`, CUDA,
+    more than one rank, and every rank could map the others' buffers); `group` itself otherwise.
+    Collective: every rank calls it at the same point, and they agree on the outcome."""
+    if not enabled or group.size == 1 or device.type != "cuda":
+        return group
+    one_shot, error = _map_one_shot_buffer(dtype, device)
+    everyone = torch.tensor([int(one_shot is not None)], dtype=torch.int32, device=device)
+    dist.all_reduce(everyone, op=dist.ReduceOp.MIN)
+    if not everyone.item():
+        log.warning("one-shot all-reduce unavailable (%s); every all-reduce goes through NCCL", error or "a peer")
+        return group
+    return dataclasses.replace(group, one_shot=one_shot)
+
+
+def _map_one_shot_buffer(dtype: torch.dtype, device: torch.device) -> tuple[OneShotAllReduce | None, str]:
+    """The buffer, mapped by every rank and tried once on a small sum; None and why where it fails."""
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        buffer = symm_mem.empty(ONE_SHOT_MAX_BYTES // dtype.itemsize, dtype=dtype, device=device)
+        group_name = dist.group.WORLD.group_name
+        symm_mem.rendezvous(buffer, group_name)
+        one_shot = OneShotAllReduce(buffer, group_name)
+        probe = one_shot(torch.ones(8, dtype=dtype, device=device))  # [8]
+        if not bool((probe == dist.get_world_size()).all()):
+            return None, f"a trial sum gave {probe.tolist()}"
+        return one_shot, ""
+    except Exception as e:  # no peer access, a torch without these ops: NCCL does it all
+        return None, f"{type(e).__name__}: {e}"
 
 
 def close_group(group: TpGroup) -> None:

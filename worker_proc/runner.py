@@ -37,7 +37,7 @@ from ledgerserve.worker_proc.cuda_graphs import DecodeGraphs
 from ledgerserve.worker_proc.kv_cache import KVCache, num_kv_blocks
 from ledgerserve.worker_proc.lora.manager import LoraManager
 from ledgerserve.worker_proc.models import build_model, load_eos_token_ids, load_model_config
-from ledgerserve.worker_proc.parallel import TpGroup, use_rank_device
+from ledgerserve.worker_proc.parallel import TpGroup, use_rank_device, with_one_shot
 from ledgerserve.worker_proc.placeholders import SampledRows, mark_placeholder
 from ledgerserve.worker_proc.sampler import PendingSample, Sampler, SamplingReq
 from ledgerserve.worker_proc.step_inputs import PinnedStaging, build_step_inputs
@@ -68,9 +68,9 @@ class ModelRunner(AdapterCommands):
         before the runner; the model, KV cache and LoRA slots hold its rank's shard. None: one rank."""
         self.config = config
         self.rank = rank
-        self.group = group or TpGroup()
         self.device = use_rank_device(config.device, rank)
         self.dtype = DTYPES[config.dtype]
+        self.group = with_one_shot(group or TpGroup(), self.dtype, self.device, not config.disable_custom_all_reduce)
         torch.manual_seed(config.seed)
         self.model_cfg = load_model_config(config.model_dir)
         window = self.model_cfg.sliding_window

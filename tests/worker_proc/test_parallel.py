@@ -9,13 +9,14 @@ import sys
 
 import torch
 
-from ledgerserve.worker_proc.parallel import TpGroup
+from ledgerserve.worker_proc.parallel import OneShotAllReduce, TpGroup, with_one_shot
 
 RANK_SCRIPT = """
 import sys, torch
-from ledgerserve.worker_proc.parallel import init_group, close_group
+from ledgerserve.worker_proc.parallel import init_group, close_group, with_one_shot
 rank, run_dir = int(sys.argv[1]), sys.argv[2]
 group = init_group(rank, 2, run_dir, torch.device("cpu"), timeout_s=60)
+assert with_one_shot(group, torch.float32, torch.device("cpu")) is group  # one-shot is CUDA's only
 x = torch.arange(6, dtype=torch.float32).view(2, 3) * (rank + 1)
 reduced = group.all_reduce(x.clone())
 gathered = group.all_gather(x)
@@ -28,6 +29,17 @@ def test_one_rank_needs_no_group():
     x = torch.ones(2, 3)
     group = TpGroup()
     assert group.all_reduce(x) is x and group.all_gather(x) is x
+
+
+def test_one_shot_takes_contiguous_aligned_tensors_of_its_dtype_that_fit_its_buffer():
+    one_shot = OneShotAllReduce(torch.empty(64, dtype=torch.bfloat16), "group")
+    assert with_one_shot(TpGroup(), torch.bfloat16, torch.device("cpu")) == TpGroup()
+    x = torch.ones(4, 16, dtype=torch.bfloat16)
+    assert one_shot.fits(x)
+    assert not one_shot.fits(torch.ones(5, 16, dtype=torch.bfloat16))  # past the buffer: NCCL's
+    assert not one_shot.fits(x.float())  # another dtype (the sampler's ids, float32 scores)
+    assert not one_shot.fits(x.t())  # not contiguous
+    assert not one_shot.fits(torch.ones(65, dtype=torch.bfloat16)[1:])  # 2 bytes past an aligned address
 
 
 def test_two_gloo_ranks_reduce_and_gather(tmp_path):
