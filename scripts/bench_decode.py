@@ -261,6 +261,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="rank processes the model is split over")
     ap.add_argument("--compare-tp1", action="store_true", help="with --tensor-parallel-size: TP 1 in the same run")
     ap.add_argument(
+        "--disable-custom-all-reduce", action="store_true", help="with --tensor-parallel-size: every all-reduce by NCCL"
+    )
+    ap.add_argument(
         "--device", default="cuda", choices=("cuda", "cpu"), help="cpu: float32 (with --tensor-parallel-size)"
     )
     ap.add_argument("--model-dir", default="", help="a checkpoint's shapes, dummy weights (default: Llama-3-8B's)")
@@ -294,6 +297,7 @@ def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         max_cpu_loras=args.max_loras + 2 * args.churn_slots,
         enforce_eager=args.eager,
         lora_overlap_loading=True,
+        disable_custom_all_reduce=args.disable_custom_all_reduce,
     )
 
 

@@ -38,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT_FILE = "result.json"
 GROUP_TIMEOUT_S = 600.0  # a rank building a large model waits this long for the others
 POLL_S = 0.2
-NUM_TIMED_ALL_REDUCES = 20
+NUM_TIMED_ALL_REDUCE_STEPS = 20
 
 
 class NoClock:
@@ -69,7 +69,7 @@ def run_ranks(argv: list[str], num_ranks: int) -> dict:
     os.chmod(run_dir, 0o700)
     child_env = {
         **os.environ,
-        **env.TP_LOOPBACK,
+        **env.TP_WORKER_ENV,
         "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
     }
     cmd = [sys.executable, "-m", "scripts.bench_decode_tp", "--run-dir", run_dir]
@@ -160,7 +160,7 @@ def _row(
     lens = [round(statistics.mean(bench.lengths.values()))] * batch
     shared = distinct * adapter_bytes(base, args.rank, elem_bytes) + kv_bytes(base, base.num_layers, lens, elem_bytes)
     floor_ms = (weight_bytes(runner.model, batch) + shared / group.size) / bw * 1e3
-    all_reduce_ms = all_reduce_step_ms(group, batch, base, runner.dtype, runner.device)
+    all_reduce_ms = all_reduce_step_ms(runner.group, batch, base, runner.dtype, runner.device)
     row = dict(batch=batch, adapters=distinct, step_ms=round(step_ms, 3), tok_s=round(batch / step_ms * 1e3, 1))
     row.update(shard_floor_ms=round(floor_ms, 3), all_reduce_ms=round(all_reduce_ms, 3))
     if group.rank == 0:
@@ -178,19 +178,38 @@ def share_tokens(group: TpGroup, bench: Bench, sampled: dict[str, int]) -> dict[
 
 def all_reduce_step_ms(group: TpGroup, batch: int, base: BaseShapes, dtype: torch.dtype, device: torch.device) -> float:
     """One decode step's all-reduces (2 per layer and the embedding's) of a [batch, hidden] activation,
-    timed alone; 0 with one rank."""
+    timed alone, through the path the model takes (one-shot or NCCL), on CUDA replayed from one
+    CUDA graph as in the decode graphs; 0 with one rank."""
     if group.size == 1:
         return 0.0
+    num_calls = 2 * base.num_layers + 1
     x = torch.ones(batch, base.hidden_size, dtype=dtype, device=device)  # [batch, hidden]
+    step = _graphed_step(group, x, num_calls) if device.type == "cuda" else lambda: _reduce_n(group, x, num_calls)
     for _ in range(3):
-        group.all_reduce(x)
+        step()
     _sync(device)
     t0 = time.perf_counter()
-    for _ in range(NUM_TIMED_ALL_REDUCES):
-        group.all_reduce(x)
+    for _ in range(NUM_TIMED_ALL_REDUCE_STEPS):
+        step()
     _sync(device)
-    per_call_s = (time.perf_counter() - t0) / NUM_TIMED_ALL_REDUCES
-    return per_call_s * (2 * base.num_layers + 1) * 1e3
+    return (time.perf_counter() - t0) / NUM_TIMED_ALL_REDUCE_STEPS * 1e3
+
+
+def _reduce_n(group: TpGroup, x: torch.Tensor, num_calls: int) -> None:
+    for _ in range(num_calls):
+        x = group.all_reduce(x)  # the values grow (to inf): only the time is read
+
+
+def _graphed_step(group: TpGroup, x: torch.Tensor, num_calls: int):
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _reduce_n(group, x, num_calls)  # warm-up outside the capture (NCCL's first call sets up)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _reduce_n(group, x, num_calls)
+    return graph.replay
 
 
 def _sync(device: torch.device) -> None:
