@@ -51,7 +51,7 @@ from ledgerserve.demo_model import ensure_demo_model
 from ledgerserve.shared.adapter_format import BaseShapes
 from scripts import churn_report, io_bandwidth
 from scripts.bench_fixtures import link_adapter, write_adapter, write_served_model_dir
-from scripts.churn_plan import FULL, QUICK, ServerGroup, check_settings, server_groups
+from scripts.churn_plan import ARRIVALS, FULL, QUICK, ServerGroup, check_settings, server_groups
 from scripts.churn_workloads import Bench, serve_group
 from scripts.plot import write_png
 from scripts.server_process import Server
@@ -98,6 +98,7 @@ def prepare(args: argparse.Namespace, work_dir: str) -> Bench:
         args.out,
         args.groups,
         args.capacity_rps,
+        args.arrivals,
     )
     write_adapters(bench, BaseShapes.from_hf_config(read_model_config(model_dir)))
     report["bandwidth"] = {
@@ -214,12 +215,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "to split a run over several calls",
     )
     p.add_argument(
+        "--arrivals",
+        type=_arrivals,
+        default=ARRIVALS,
+        help="the serving table's arrival patterns, comma-separated (default: burst,poisson)",
+    )
+    p.add_argument(
         "--capacity-rps",
         type=float,
         default=None,
         help="the single-adapter burst's requests/s from an earlier run, when group 0 does not run",
     )
     return p.parse_args(argv)
+
+
+def _arrivals(text: str) -> tuple[str, ...]:
+    chosen = tuple(text.split(","))
+    if not chosen or not set(chosen) <= set(ARRIVALS):
+        raise argparse.ArgumentTypeError(f"arrivals must be among {', '.join(ARRIVALS)}")
+    return chosen
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -35,6 +35,7 @@ class Bench:
     out: str
     groups: tuple[int, ...] | None  # the server groups to run (None: all)
     capacity_rps: float | None  # the single-adapter capacity, when group 0 does not run here
+    arrivals: tuple[str, ...] = ARRIVALS  # the table's arrival patterns to run
 
     def dir(self, name: str) -> str:
         return os.path.join(self.work_dir, "adapters", name)
@@ -57,7 +58,7 @@ async def serve_group(bench: Bench, group: ServerGroup, server: Server, mode: di
             )
             _check_idle(server, mode, "probe")
         for setup in group.setups:
-            for arrival in ARRIVALS:
+            for arrival in bench.arrivals:
                 row = await table_workload(bench, client, base_model, setup, group, arrival, len(mode["table"]))
                 mode["table"].append({**row, "mode": overlap})
                 _check_idle(server, mode, row["workload"])
