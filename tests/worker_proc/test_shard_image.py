@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import pytest
 import torch
@@ -117,6 +118,7 @@ def test_each_rank_keeps_its_shard_and_hashes_the_whole_file(
     direct, chunk = READS[read]
     monkeypatch.setattr(reader, "DIRECT_READ_BYTES", direct)
     monkeypatch.setattr(reader, "READ_CHUNK_BYTES", chunk)
+    monkeypatch.setattr(reader, "_local", threading.local())  # scratch buffers of that size, for this test only
     base_dir, base = bases[arch], _base(bases[arch])
     kw = dict(r=8, targets=EVERYTHING, dtype=file_dtype, rank_pattern={"k_proj": 3}, saved_embeddings=saved)
     path = write_adapter(str(tmp_path / "adapter"), base, seed=7, **kw)
