@@ -3,7 +3,7 @@ A and the rank's rows of B on column-parallel layers (the fused q/k/v with KV he
 gate/up, and lm_head over a padded vocabulary), the rank's columns of A and all of B on row-parallel
 ones (o, down); byte for byte what safetensors reads for those parts, the ranks' parts together
 covering every tensor, while every rank still hashes the whole file (the registered content
-digest). Read with every kept range through scratch and with every run read straight into its
+digest; a change in bytes a rank does not keep fails its read too). Read with every kept range through scratch and with every run read straight into its
 pages, over scratch chunks that cut the ranges anywhere. Then a rank's slot, loaded from disk and
 again from its CPU tier, holds the same parts in the model dtype, and the pool's bound holds the
 largest shard image. No collective runs here; tests/worker_proc/test_tensor_parallel.py checks the
@@ -20,8 +20,9 @@ import torch
 from safetensors import safe_open
 
 from ledgerserve.shared.adapter_digest import content_digest
-from ledgerserve.shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, BaseShapes, read_manifest
+from ledgerserve.shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, BaseShapes, max_tensors, read_manifest
 from ledgerserve.shared.events import AdapterLoadCompleted
+from ledgerserve.shared.safetensors_header import read_header
 from ledgerserve.worker_proc.lora import reader
 from ledgerserve.worker_proc.lora.file_image import ImageBytes, ImageLayout, SliceSpec, module_path
 from ledgerserve.worker_proc.lora.manager import LoraManager
@@ -181,4 +182,31 @@ def test_the_pool_bound_holds_the_largest_shard_image(bases: dict[str, str], tmp
         bound = manager.layout.max_image_bytes(MAX_RANK)
         image = reader.read_image(manager.loader.spec, manager.pool, 1, path, 0)
         assert image.layout.num_bytes <= bound < whole
+        manager.close()
+
+
+def test_every_rank_refuses_a_change_in_bytes_it_does_not_keep(bases: dict[str, str], tmp_path) -> None:
+    """A byte of lm_head's B in the last vocabulary row (rank 1's) changed after registration: rank 0,
+    which keeps none of that row, still hashes it and refuses the version, leaving no page taken."""
+    base_dir, base = bases["qwen3"], _base(bases["qwen3"])
+    path = write_adapter(str(tmp_path / "a"), base, r=4, targets=EVERYTHING, seed=5)
+    digest = _registered(path)
+    weights = os.path.join(path, WEIGHTS_FILE)
+    fd = os.open(weights, os.O_RDONLY)
+    try:
+        header = read_header(fd, os.fstat(fd).st_size, max_tensors(base))
+    finally:
+        os.close(fd)
+    entry = header.tensors["base_model.model.lm_head.lora_B.weight"]  # [251, 4] F32
+    with open(weights, "r+b") as f:
+        f.seek(header.data_offset + entry.stop - 1)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x40]))
+    for rank in range(2):
+        manager = _manager(base_dir, rank, 2)
+        assert manager.layout.slices[manager.layout.index[("lm_head", 0)]].rows[1] == (126 if rank == 0 else 251)
+        with pytest.raises(reader.ChangedOnDisk, match="changed on disk since it was registered"):
+            reader.read_image(manager.loader.spec, manager.pool, 1, path, digest)
+        assert manager.pool.num_used_pages == 0
         manager.close()
