@@ -3,8 +3,9 @@ A and the rank's rows of B on column-parallel layers (the fused q/k/v with KV he
 gate/up, and lm_head over a padded vocabulary), the rank's columns of A and all of B on row-parallel
 ones (o, down); byte for byte what safetensors reads for those parts, the ranks' parts together
 covering every tensor, while every rank still hashes the whole file (the registered content
-digest; a change in bytes a rank does not keep fails its read too). Read with every kept range through scratch and with every run read straight into its
-pages, over scratch chunks that cut the ranges anywhere. Then a rank's slot, loaded from disk and
+digest; a change in bytes a rank does not keep fails its read too). Read with every kept range
+through scratch and with every run read straight into its pages, over scratch chunks that cut the
+ranges anywhere. Then a rank's slot, loaded from disk and
 again from its CPU tier, holds the same parts in the model dtype, and the pool's bound holds the
 largest shard image. No collective runs here; tests/worker_proc/test_tensor_parallel.py checks the
 sharded adapters' logits against one rank's."""
