@@ -1,6 +1,7 @@
 """Tensor parallelism on the CPU (gloo, fp32): two real rank processes, each holding its shard of a
-tiny checkpoint and of three LoRA adapters, give the logits of the unsharded model (one rank) for
-a batch of base and adapter requests mixed over chunked prefill and decode (tests/worker_proc/tp_rank.py
+tiny checkpoint and of three LoRA adapters (read from disk into its CPU tier, which keeps only its
+shard, then copied into its slots), give the logits of the unsharded model (one rank) for a batch
+of base and adapter requests mixed over chunked prefill and decode (tests/worker_proc/tp_rank.py
 runs each rank); each rank holds half of the weights and of the KV heads."""
 
 from __future__ import annotations
@@ -66,14 +67,20 @@ def test_two_ranks_give_the_unsharded_logits(arch: str, vocab_size: int, tmp_pat
 
 def _check_held_bytes(out_dir, num_kv_heads: int, padding_bytes: int) -> None:
     """Each rank holds half of every sharded weight (with the padded vocabulary's zero row) and all
-    of the replicated norms, and half the KV heads."""
+    of the replicated norms, and half the KV heads; its CPU tier keeps its shard of each adapter,
+    less than the whole, the two shards together at least the whole."""
     with open(out_dir / "tp1-rank0.json", encoding="utf-8") as f:
         whole = json.load(f)
     assert whole["num_kv_heads"] == num_kv_heads
     sharded_bytes = whole["weight_bytes"] - whole["norm_bytes"] + padding_bytes
+    num_shard_bytes = 0
     for rank in range(2):
         with open(out_dir / f"tp2-rank{rank}.json", encoding="utf-8") as f:
             held = json.load(f)
         assert held["norm_bytes"] == whole["norm_bytes"] > 0
         assert held["weight_bytes"] == sharded_bytes // 2 + whole["norm_bytes"]
         assert held["num_kv_heads"] == num_kv_heads // 2
+        assert held["num_adapters"] == whole["num_adapters"] == len(ADAPTERS)
+        assert 0 < held["adapter_bytes"] < whole["adapter_bytes"]
+        num_shard_bytes += held["adapter_bytes"]
+    assert num_shard_bytes >= whole["adapter_bytes"]

@@ -3,7 +3,7 @@
 ModelRunner for it, loads the spec's adapters into slots 0.., runs three steps through the model
 (chunked prefill; prefill chunks beside decode rows; decode on the stacked-A path the decode graphs
 take) with base and adapter requests mixed, and writes every row's logits (safetensors) and what it
-holds (JSON) to the spec's output directory."""
+holds (JSON: model weights, KV heads, the adapter bytes its CPU tier keeps) to the spec's output directory."""
 
 from __future__ import annotations
 
@@ -79,10 +79,13 @@ def held_bytes(runner: ModelRunner) -> dict[str, int]:
     model = runner.model
     norms = [m.weight for m in model.modules() if isinstance(m, RMSNorm)]
     k_cache = runner.kv_cache.layers[0][0]  # [num_blocks, block_size, num_kv_heads, head_dim]
+    images = [entry.image for entry in runner.lora.loader.cpu.entries.values()]
     return {
         "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "norm_bytes": sum(p.numel() * p.element_size() for p in norms),
         "num_kv_heads": k_cache.shape[2],
+        "adapter_bytes": sum(run.stop - run.start for image in images for run in image.layout.runs),
+        "num_adapters": len(images),
     }
 
 

@@ -1,15 +1,20 @@
-"""An adapter version's CPU copy, its "file image": the data region of its safetensors file as
-read, in file dtype and file layout (A [rank, in], B [out, rank]), after a table of every slot
+"""An adapter version's CPU copy, its "file image": this rank's shard of each tensor the adapter
+uses, in file dtype and file layout (A [rank, cols], B [rows, rank]), after a table of every slot
 slice's rank (int64) and scaling (float32).
 
-Every (module, slice) of the slot buffers has a fixed global index (`SlotLayout`). The image
-keeps the tensors the adapter uses, in runs of consecutive tensors of the data region (the
-tensors it does not use, PEFT's saved copies of the embedding and lm_head, are read for the
-content digest only). Each run sits at an image offset congruent to its data-region offset
-modulo ALIGN_BYTES, so a tensor aligned in the file is aligned in the image. Casting to the
-model dtype and transposing B into the slot buffers is the device's work
-(worker_proc/lora/slot_copy.py). The image lives in pool pages (worker_proc/lora/pinned_pool.py):
-a few extents, each contiguous; a tensor may straddle two of them.
+Every (module, slice) of the slot buffers has a fixed global index (`SlotLayout`), and holds a
+part of each adapter tensor fixed by the base layer's shard (worker_proc/models/shard.py): all of
+A and its rows of B on column-parallel layers, its columns of A and all of B on row-parallel ones
+(the whole tensors with one rank). That part is a set of byte ranges of the data region: one for
+B (whole rows), one per row of A (one when it holds all the columns). The image keeps those
+ranges, in runs: ranges that follow each other in the file merge; a tensor's ranges sit back to
+back, so each kept tensor is contiguous in the image; a tensor's first run sits at an image offset
+congruent to its data-region offset modulo ALIGN_BYTES, so a tensor aligned in the file is aligned
+in the image. The bytes the image leaves out (the other ranks' parts, and PEFT's saved copies of
+the embedding and lm_head) are read for the content digest only. Casting to the model dtype and
+transposing B into the slot buffers is the device's work (worker_proc/lora/slot_copy.py). The
+image lives in pool pages (worker_proc/lora/pinned_pool.py): a few extents, each contiguous; a
+tensor may straddle two of them.
 """
 
 from __future__ import annotations
@@ -50,6 +55,9 @@ def _align(n: int) -> int:
     return -(-n // ALIGN_BYTES) * ALIGN_BYTES
 
 
+Span = tuple[int, int]  # [start, stop)
+
+
 @dataclass(frozen=True)
 class SliceSpec:
     module: str
@@ -57,13 +65,23 @@ class SliceSpec:
     in_features: int  # of the adapter's A [rank, in] as the file holds it
     out_features: int  # of the adapter's B [out, rank] as the file holds it
     max_out: int  # row length of B^T in the slot buffers
-    rows: tuple[int, int]  # the rows [start, stop) of B this rank's slots hold (its shard of the output)
-    cols: tuple[int, int]  # the columns [start, stop) of A this rank's slots hold (its shard of the input)
+    rows: Span  # the rows [start, stop) of B this rank's slots hold (its shard of the output)
+    cols: Span  # the columns [start, stop) of A this rank's slots hold (its shard of the input)
+
+    def a_ranges(self, entry: TensorEntry, rank: int) -> list[Span]:
+        """This rank's columns of A [rank, in]: one data-region byte range per row."""
+        size, (lo, hi), row = FILE_DTYPES[entry.dtype].itemsize, self.cols, entry.shape[1]
+        return [(entry.start + (r * row + lo) * size, entry.start + (r * row + hi) * size) for r in range(rank)]
+
+    def b_ranges(self, entry: TensorEntry, rank: int) -> list[Span]:
+        """This rank's rows of B [out, rank]: one data-region byte range."""
+        size, (lo, hi) = FILE_DTYPES[entry.dtype].itemsize, self.rows
+        return [(entry.start + lo * rank * size, entry.start + hi * rank * size)]
 
 
 @dataclass(frozen=True)
 class FileTensor:
-    """One tensor of the image, as the file holds it."""
+    """One tensor of the image: this rank's part of a file tensor, in file dtype, contiguous."""
 
     offset: int  # bytes into the image
     dtype: str  # safetensors dtype name
@@ -83,8 +101,8 @@ class Piece:
     slice: int  # global slice index
     rank: int
     scaling: float
-    a: FileTensor  # [rank, in]
-    b: FileTensor  # [out, rank]
+    a: FileTensor  # [rank, cols]
+    b: FileTensor  # [rows, rank]
 
 
 @dataclass(frozen=True)
@@ -126,8 +144,8 @@ class ImageLayout:
 
 
 class SlotLayout:
-    """The global slice order of the slot buffers, and image layouts against it. An image holds the
-    adapter's whole tensors; a tensor-parallel rank's slots take its shard of them (`SliceSpec.rows`,
+    """The global slice order of the slot buffers, and image layouts against it. A tensor-parallel
+    rank's slots, and so its images, hold its shard of each adapter tensor (`SliceSpec.rows`,
     `.cols`: sharded B rows on column-parallel layers, sharded A columns on row-parallel ones)."""
 
     def __init__(self, weights: dict[str, LoraWeights]) -> None:
@@ -145,29 +163,37 @@ class SlotLayout:
                 self.slices.append(spec)
 
     def plan(self, modules: Iterable[LoraModule], header: Header) -> ImageLayout:
-        """Where the tensors of these modules go in the image; ValueError if the model lacks a module."""
-        modules = list(modules)
-        used = {key: header.tensors[key] for m in modules for key in (m.a_key, m.b_key)}
-        runs = _runs(used.values(), _align(12 * len(self.slices)))
+        """Where this rank's part of the tensors of these modules goes in the image; ValueError if
+        the model lacks a module."""
+        parts: list[tuple[int, LoraModule, list[Span], list[Span]]] = []
+        for m in modules:
+            g = self._slice_of(m.layer, m.kind)
+            spec = self.slices[g]
+            a, b = header.tensors[m.a_key], header.tensors[m.b_key]
+            parts.append((g, m, spec.a_ranges(a, m.rank), spec.b_ranges(b, m.rank)))
+        runs, offsets, num_bytes = _runs([ranges for *_, a, b in parts for ranges in (a, b)], self._table_end)
         pieces = []
-        for m in sorted(modules, key=lambda m: self._slice_of(m.layer, m.kind)):
-            spec = self.slices[self._slice_of(m.layer, m.kind)]
-            a = _place(used[m.a_key], runs, (m.rank, spec.in_features))
-            b = _place(used[m.b_key], runs, (spec.out_features, m.rank))
-            pieces.append(Piece(self._slice_of(m.layer, m.kind), m.rank, m.scaling, a, b))
-        num_bytes = runs[-1].offset + runs[-1].stop - runs[-1].start
+        for t, (g, m, _, _) in sorted(enumerate(parts), key=lambda part: part[1][0]):
+            spec = self.slices[g]
+            a = FileTensor(offsets[2 * t], header.tensors[m.a_key].dtype, (m.rank, _length(spec.cols)))
+            b = FileTensor(offsets[2 * t + 1], header.tensors[m.b_key].dtype, (_length(spec.rows), m.rank))
+            pieces.append(Piece(g, m.rank, m.scaling, a, b))
         return ImageLayout(tuple(pieces), tuple(runs), len(self.slices), num_bytes)
 
     def max_image_bytes(self, max_rank: int) -> int:
         """The largest image of a file in at most F32: every slice targeted at `max_rank`, each
         tensor a run of its own (the alignment of each run)."""
-        return _align(12 * len(self.slices)) + sum(
-            max_rank * (s.in_features + s.out_features) * MAX_FILE_ITEMSIZE + 4 * ALIGN_BYTES for s in self.slices
+        return self._table_end + sum(
+            max_rank * (_length(s.cols) + _length(s.rows)) * MAX_FILE_ITEMSIZE + 4 * ALIGN_BYTES for s in self.slices
         )
 
     def max_tensor_bytes(self, max_rank: int) -> int:
-        """The largest single tensor an adapter may hold (in F64, the widest dtype a file may use)."""
-        return max(max_rank * max(s.in_features, s.out_features) for s in self.slices) * 8
+        """The largest single tensor an image may hold (in F64, the widest dtype a file may use)."""
+        return max(max_rank * max(_length(s.cols), _length(s.rows)) for s in self.slices) * 8
+
+    @property
+    def _table_end(self) -> int:
+        return _align(12 * len(self.slices))
 
     def _slice_of(self, layer: int, kind: str) -> int:
         name, s = module_path(layer, kind)
@@ -177,26 +203,33 @@ class SlotLayout:
         return g
 
 
-def _runs(entries: Iterable[TensorEntry], first_offset: int) -> list[Run]:
-    """Consecutive entries merged into runs, each placed after the last at the first offset
-    congruent to its start modulo ALIGN_BYTES."""
-    spans: list[list[int]] = []
-    for entry in sorted(entries, key=lambda e: e.start):
-        if spans and spans[-1][1] == entry.start:
-            spans[-1][1] = entry.stop
-        else:
-            spans.append([entry.start, entry.stop])
-    runs, offset = [], first_offset
-    for start, stop in spans:
-        offset = _align(offset) + start % ALIGN_BYTES
-        runs.append(Run(start, stop, offset))
-        offset += stop - start
-    return runs
+def _length(span: Span) -> int:
+    return span[1] - span[0]
 
 
-def _place(entry: TensorEntry, runs: list[Run], shape: tuple[int, int]) -> FileTensor:
-    run = next(r for r in runs if r.start <= entry.start and entry.stop <= r.stop)
-    return FileTensor(run.offset + entry.start - run.start, entry.dtype, shape)
+def _runs(tensors: list[list[Span]], first_offset: int) -> tuple[list[Run], list[int], int]:
+    """Each tensor's kept ranges (in file order within it) placed in the image: the runs in file
+    order, each tensor's image offset and the image's end. Ranges that follow each other in the
+    file merge into one run; a tensor's first range starts at the first offset past the last
+    congruent to its start modulo ALIGN_BYTES, its other ranges follow it back to back."""
+    runs: list[Run] = []
+    offsets = [first_offset] * len(tensors)
+    offset = first_offset  # the image's end so far
+    for t in sorted(range(len(tensors)), key=lambda t: tensors[t][0][0]):
+        first = True
+        for start, stop in tensors[t]:
+            if start == stop:
+                continue
+            if runs and runs[-1].stop == start:
+                runs[-1] = Run(runs[-1].start, stop, runs[-1].offset)
+            else:
+                if first:
+                    offset = _align(offset) + start % ALIGN_BYTES
+                runs.append(Run(start, stop, offset))
+            if first:
+                offsets[t], first = offset, False
+            offset += stop - start
+    return runs, offsets, offset
 
 
 class ImageBytes:
@@ -223,6 +256,20 @@ class ImageBytes:
         for view in self.ranges(offset, offset + data.numel()):
             view.copy_(data[done : done + view.numel()])
             done += view.numel()
+
+    def put(self, offset: int, data: memoryview) -> None:
+        """Copy host bytes `data` into the image at `offset`, across extents (a plain memory copy)."""
+        stop, done = offset + len(data), 0
+        for i, memory in enumerate(self.memory):
+            lo, hi = max(offset, self.starts[i]), min(stop, self.starts[i + 1])
+            if lo < hi:
+                memory[lo - self.starts[i] : hi - self.starts[i]] = data[done : done + hi - lo]
+                done += hi - lo
+
+    @cached_property
+    def memory(self) -> list[memoryview]:
+        """The extents' bytes as host memory."""
+        return [memoryview(view.numpy()) for view in self.views]
 
 
 def write_tables(image: ImageBytes, layout: ImageLayout) -> None:

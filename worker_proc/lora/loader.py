@@ -9,11 +9,12 @@ Loader threads only read files and build images and scatter views; every other s
 happens on the main thread. Without a thread pool (`overlap` off) every job runs inline, in
 command order: the same machinery, synchronous.
 
-A load from disk reports source_tier "disk" and the bytes read; one from the CPU tier "cpu"
-and the bytes copied to the device; duration_ms runs from the command's arrival on this
-worker to the observed end of the load, and end_time_s is the wall clock there. Each read
-from disk shows its progress and logs "loaded adapter NAME (N MiB) in X s" when it ends
-(shared/progress.py).
+A load from disk reports source_tier "disk" and the bytes read (the whole files: every rank
+reads and hashes them); one from the CPU tier "cpu" and the bytes copied to the device (the
+rank's image: its shard of the adapter, with the table and alignment); duration_ms runs from
+the command's arrival on this worker to the observed end of the load, and end_time_s is the
+wall clock there. Each read from disk shows its progress and logs "loaded adapter NAME
+(N MiB) in X s" when it ends (shared/progress.py).
 """
 
 from __future__ import annotations

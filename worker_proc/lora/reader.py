@@ -1,16 +1,18 @@
 """Disk -> CPU tier: one adapter version read, checked and kept as its file image
-(worker_proc/lora/file_image.py).
+(worker_proc/lora/file_image.py): this rank's shard of each tensor the adapter uses.
 
 The bounded reader (`read_manifest`: containment, config, header, shapes) opens and checks the
 files, and hands the open weights file to `_ImageRead`, which reads it front to back with
-positional reads straight into the image's pool pages (nothing converted on the host, nothing
-unpickled) while a helper thread hashes it after the config's bytes. Tensors the adapter does
-not use are read into a small scratch buffer, for the hash only. A version registered with a
-content digest must hash the same, or the load fails: bytes that hash the same are the bytes
-the HTTP process checked at registration (finite, and finite in the model dtype), so they are
-not checked again. A read without a registered digest (0) checks its values here. Runs on a
-loader thread: the reads and the hash release the GIL, and a load takes it a few times per
-chunk read.
+positional reads (nothing converted on the host, nothing unpickled) while a helper thread hashes
+every byte of it after the config's: each rank reads and hashes the whole file, so each checks
+the version's content digest, but keeps only its shard. A long run of kept bytes (a whole tensor
+or more, with one rank) is read straight into the image's pool pages; everything else is read
+through a small scratch buffer, and the kept ranges in it (a shard's rows of B, the rows of its
+columns of A) are copied into the pages. A version registered with a content digest must hash
+the same, or the load fails: bytes that hash the same are the bytes the HTTP process checked at
+registration (finite, and finite in the model dtype), so they are not checked again. A read
+without a registered digest (0) checks the values it keeps here. Runs on a loader thread: the
+reads and the hash release the GIL, and a load takes it a few times per chunk read.
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ from ledgerserve.shared.adapter_files import read_at
 from ledgerserve.shared.adapter_format import WEIGHTS_FILE, AdapterError, BaseShapes, LoraModule, read_manifest
 from ledgerserve.shared.progress import Progress
 from ledgerserve.shared.safetensors_header import Header, value_problem
-from ledgerserve.worker_proc.lora.file_image import FileTensor, ImageBytes, ImageLayout, SlotLayout, write_tables
+from ledgerserve.worker_proc.lora.file_image import FileTensor, ImageBytes, ImageLayout, Run, SlotLayout, write_tables
 from ledgerserve.worker_proc.lora.pinned_pool import Extent, PinnedPool, PoolFull
 
 READ_CHUNK_BYTES = 16 << 20  # one positional read; the hash of a chunk runs beside the next read
+DIRECT_READ_BYTES = 1 << 20  # a run this long is read straight into its pages, a shorter one through scratch
 CHECK_CHUNK_BYTES = 4 << 20  # an unverified read's value check looks at this much at a time
 _local = threading.local()  # each loader thread's scratch buffers
 
@@ -130,33 +133,61 @@ def _read_data(
     digest: ContentDigest,
     on_bytes: Callable[[int], None],
 ) -> None:
-    """Read the data region front to back: each run into its pages, the bytes between runs into
-    scratch; every chunk is hashed on a helper thread while the next one is read, and counted
-    by `on_bytes` once read."""
+    """Read the data region front to back: each long run straight into its pages; the rest (short
+    runs, and the bytes the image does not keep) into scratch, from which the short runs are
+    copied into their pages. Every chunk is hashed on a helper thread while the next one is read,
+    and counted by `on_bytes` once read."""
     hasher = _Hasher(digest, on_bytes)
     try:
-        done = 0
+        done, short = 0, []
         for run in layout.runs:
-            done = _skip(fd, data_offset, done, run.start, hasher)
-            for view in image.ranges(run.offset, run.offset + run.stop - run.start):
-                for chunk in view.split(READ_CHUNK_BYTES):
-                    pages = memoryview(chunk.numpy())
-                    _read_exact(fd, pages, data_offset + done)
-                    hasher.feed(pages)
-                    done += len(pages)
-        _skip(fd, data_offset, done, num_data, hasher)
+            if run.stop - run.start < DIRECT_READ_BYTES:
+                short.append(run)
+                continue
+            _read_through(fd, data_offset, (done, run.start), short, image, hasher)
+            _read_into(fd, data_offset, run, image, hasher)
+            done, short = run.stop, []
+        _read_through(fd, data_offset, (done, num_data), short, image, hasher)
     finally:
         hasher.finish()
 
 
-def _skip(fd: int, data_offset: int, start: int, stop: int, hasher: _Hasher) -> int:
-    """Read and hash data bytes [start, stop), which the image does not keep; returns `stop`."""
+def _read_into(fd: int, data_offset: int, run: Run, image: ImageBytes, hasher: _Hasher) -> None:
+    """Read the run's bytes straight into its pages."""
+    done = run.start
+    for view in image.ranges(run.offset, run.offset + run.stop - run.start):
+        for chunk in view.split(READ_CHUNK_BYTES):
+            pages = memoryview(chunk.numpy())
+            _read_exact(fd, pages, data_offset + done)
+            hasher.feed(pages)
+            done += len(pages)
+
+
+def _read_through(
+    fd: int, data_offset: int, span: tuple[int, int], runs: list[Run], image: ImageBytes, hasher: _Hasher
+) -> None:
+    """Read data bytes [start, stop) into scratch, copying the runs inside them into their pages."""
+    (start, stop), first = span, 0
     while start < stop:
         buffer = hasher.scratch(min(stop - start, READ_CHUNK_BYTES))
         _read_exact(fd, buffer, data_offset + start)
         hasher.feed(buffer)
+        first = _keep(image, runs, first, start, buffer)
         start += len(buffer)
-    return stop
+
+
+def _keep(image: ImageBytes, runs: list[Run], first: int, start: int, buffer: memoryview) -> int:
+    """Copy the parts of runs[first:] within data bytes [start, start + len(buffer)), which `buffer`
+    holds, into the image; returns the first run that goes on past them."""
+    stop = start + len(buffer)
+    while first < len(runs) and runs[first].start < stop:
+        run = runs[first]
+        lo, hi = max(run.start, start), min(run.stop, stop)
+        image.put(run.offset + lo - run.start, buffer[lo - start : hi - start])
+        if run.stop > stop:
+            break
+        first += 1
+    return first
 
 
 def _read_exact(fd: int, view: memoryview, offset: int) -> None:

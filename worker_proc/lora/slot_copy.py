@@ -6,9 +6,9 @@ few large host -> device copies (pinned memory on CUDA); then each tensor is cop
 staging view (file dtype, file layout) into its slot view (model dtype; B's is the transposed
 view of the B^T storage), the copy kernels casting and transposing, in `torch._foreach_copy_`
 calls (one C++ loop that releases the GIL; tensors whose dtype and layout already match in
-one call, which takes the fused path). A tensor-parallel rank copies its part of each tensor
-only (`SliceSpec.rows` of B on column-parallel layers, `.cols` of A on row-parallel ones): the
-image holds the whole file, as every rank reads and checks it whole. Then one fused zeroing
+one call, which takes the fused path). A tensor-parallel rank's image holds its shard of each
+tensor already (its rows of B on column-parallel layers, its columns of A on row-parallel ones),
+shaped as its slot views: nothing is sliced here. Then one fused zeroing
 clears every row past the adapter's rank (and every slice it does not target), and one indexed
 write each sets the slot's ranks and scalings (every module's tables are views into one flat
 buffer). The staging
@@ -39,7 +39,6 @@ from ledgerserve.worker_proc.lora.reader import FileImage
 from ledgerserve.worker_proc.lora.weights import LoraWeights
 
 MAX_STAGING_BYTES = 256 << 20
-Index = tuple[slice, slice]  # the part of a file tensor a rank's slot holds (rows, columns)
 
 
 class DoneEvent:
@@ -101,10 +100,8 @@ class Chunk:
     cast: tuple[list[torch.Tensor], list[torch.Tensor]] = field(
         default_factory=lambda: ([], [])
     )  # cast and/or transpose
-    # (dst, its bytes in staging, file dtype, shape, part): tensors at a file offset off their item size
-    unaligned: list[tuple[torch.Tensor, torch.Tensor, torch.dtype, tuple[int, int], Index]] = field(
-        default_factory=list
-    )
+    # (dst, its bytes in staging, file dtype, shape): tensors at a file offset off their item size
+    unaligned: list[tuple[torch.Tensor, torch.Tensor, torch.dtype, tuple[int, int]]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -153,20 +150,17 @@ class SlotCopier:
     def scatter(self, slot: int, layout: ImageLayout) -> Scatter:
         """The views of one load (pure metadata: a loader thread builds it)."""
         targeted = {p.slice: p for p in layout.pieces}
-        pairs: list[tuple[FileTensor, Index, torch.Tensor]] = []
+        pairs: list[tuple[FileTensor, torch.Tensor]] = []
         zeros: list[torch.Tensor] = []
         for g, (a, b_t) in enumerate(self.views[slot]):
             p = targeted.get(g)
             if p is None:
                 zeros += [a, b_t]
                 continue
-            spec = self.layout.slices[g]
-            (lo, hi), cols = spec.rows, slice(*spec.cols)
-            out = hi - lo  # this rank's rows of B
-            pairs += [
-                (p.a, (slice(None), cols), a[: p.rank]),  # [rank, in]: this rank's columns of A
-                (p.b, (slice(lo, hi), slice(None)), b_t[: p.rank, :out].t()),  # [out, rank]: its rows of B
-            ]
+            out = p.b.shape[0]  # this rank's rows of B
+            pairs.append((p.a, a[: p.rank]))  # [rank, in]: this rank's columns of A
+            if out:
+                pairs.append((p.b, b_t[: p.rank, :out].t()))  # [out, rank]: its rows of B
             if p.rank < a.shape[0]:
                 zeros += [a[p.rank :], b_t[p.rank :]]
             if out < b_t.shape[1]:
@@ -218,19 +212,19 @@ class SlotCopier:
             for dsts, srcs in (chunk.same, chunk.cast):
                 if dsts:
                     torch._foreach_copy_(dsts, srcs)
-            for dst, raw, dtype, shape, index in chunk.unaligned:  # aligned by a device-side copy first
-                dst.copy_(raw.clone().view(dtype).view(shape)[index])
+            for dst, raw, dtype, shape in chunk.unaligned:  # aligned by a device-side copy first
+                dst.copy_(raw.clone().view(dtype).view(shape))
         if scatter.zeros:
             torch._foreach_zero_(scatter.zeros)
         index = self.slot_index[scatter.slot]
         self.ranks.index_put_((index,), self.tables[: 8 * num_slices].view(torch.int64))
         self.scalings.index_put_((index,), self.tables[8 * num_slices :].view(torch.float32))
 
-    def _chunks(self, pairs: list[tuple[FileTensor, Index, torch.Tensor]]) -> list[Chunk]:
+    def _chunks(self, pairs: list[tuple[FileTensor, torch.Tensor]]) -> list[Chunk]:
         """The tensors in image order, in chunks of whole tensors that fit the staging buffer; each
-        copies its part `index` into its slot view."""
+        copies into its slot view."""
         chunks: list[Chunk] = []
-        for tensor, index, dst in sorted(pairs, key=lambda pair: pair[0].offset):
+        for tensor, dst in sorted(pairs, key=lambda pair: pair[0].offset):
             stop = tensor.offset + tensor.num_bytes
             if not chunks or stop - chunks[-1].start > self.staging.numel():
                 start = tensor.offset - tensor.offset % ALIGN_BYTES
@@ -243,9 +237,9 @@ class SlotCopier:
             raw = self.staging[at : at + tensor.num_bytes]  # [num_bytes] uint8
             dtype = tensor.torch_dtype
             if at % dtype.itemsize:
-                chunk.unaligned.append((dst, raw, dtype, tensor.shape, index))
+                chunk.unaligned.append((dst, raw, dtype, tensor.shape))
                 continue
-            src = raw.view(dtype).view(tensor.shape)[index]
+            src = raw.view(dtype).view(tensor.shape)
             same = src.dtype == dst.dtype and dst.is_contiguous() and src.is_contiguous()
             group = chunk.same if same else chunk.cast
             group[0].append(dst)
