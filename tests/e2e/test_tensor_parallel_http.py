@@ -1,7 +1,9 @@
 """Tensor parallelism through the real process group: `--tensor-parallel-size 2` serves the base
 model and three PEFT adapters (ranks 4 to 32, every projection and lm_head among them) at once,
 prompts longer than the chunked-prefill budget, a KV pool small enough that requests are preempted,
-and every greedy output equals transformers' or PEFT's for 32 new tokens."""
+and every greedy output equals transformers' or PEFT's for 32 new tokens. The module runs once per
+model, one server each: the demo model (Qwen3: per-head q/k norm, tied embeddings) and a tiny
+random Llama (GQA with 2 KV heads, llama3 rope scaling, untied lm_head)."""
 
 from __future__ import annotations
 
@@ -37,18 +39,24 @@ ADAPTERS = {  # name: make_peft_adapter kwargs
 }
 KV_BLOCKS = 20  # 8 requests of ~52 tokens need ~32 blocks of 16: some are preempted and recomputed
 GREEDY = {"temperature": 0.0, "max_tokens": NUM_TOKENS, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
+MODELS = {"demo": "demo_model_dir", "llama": "tiny_llama_dir"}  # name: the session fixture of its directory
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model_dir(request) -> str:
+    return request.getfixturevalue(MODELS[request.param])
 
 
 @pytest.fixture(scope="module")
-def adapter_root(demo_model_dir, tmp_path_factory) -> str:
+def adapter_root(model_dir, tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("tp-adapters")
     for name, kwargs in ADAPTERS.items():
-        make_peft_adapter(demo_model_dir, str(root / name), **kwargs)
+        make_peft_adapter(model_dir, str(root / name), **kwargs)
     return str(root)
 
 
 @pytest.fixture(scope="module")
-def server(demo_model_dir, adapter_root, tmp_path_factory):
+def server(model_dir, adapter_root, tmp_path_factory):
     args = [
         "--tensor-parallel-size",
         "2",
@@ -69,25 +77,25 @@ def server(demo_model_dir, adapter_root, tmp_path_factory):
         "--lora-modules",
         *[f"{name}={os.path.join(adapter_root, name)}" for name in ADAPTERS],
     ]
-    srv = Server(demo_model_dir, str(tmp_path_factory.mktemp("tp-events")), args).start()
+    srv = Server(model_dir, str(tmp_path_factory.mktemp("tp-events")), args).start()
     yield srv
     srv.stop()
 
 
-def _refs(demo_model_dir: str, adapter_root: str, base: str) -> dict[str, object]:
-    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+def _refs(model_dir: str, adapter_root: str, base: str) -> dict[str, object]:
+    tok = AutoTokenizer.from_pretrained(model_dir)
     ids = [tok(p)["input_ids"] for p in PROMPTS]
     assert max(len(i) for i in ids) > BUDGET_TOKENS, "a prompt should need several prefill chunks"
-    model = AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     refs = {f"{base}|{p}": greedy_reference(model, i, NUM_TOKENS) for p, i in zip(PROMPTS, ids)}
     for name in ADAPTERS:
-        base_model = AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32)
+        base_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         peft = PeftModel.from_pretrained(base_model, os.path.join(adapter_root, name)).eval()
         refs.update({f"{name}|{p}": greedy_reference(peft, i, NUM_TOKENS) for p, i in zip(PROMPTS, ids)})
     return refs
 
 
-def test_two_ranks_match_transformers_and_peft(server, demo_model_dir, adapter_root) -> None:
+def test_two_ranks_match_transformers_and_peft(server, model_dir, adapter_root) -> None:
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
     base = next(m.id for m in client.models.list().data if m.model_extra.get("parent") is None)
     jobs = [(m, p) for m in [base, *ADAPTERS] for p in PROMPTS]  # base and every adapter in the same steps
@@ -99,24 +107,23 @@ def test_two_ranks_match_transformers_and_peft(server, demo_model_dir, adapter_r
     responses = asyncio.run(all_at_once())
     results = {f"{m}|{p}": r.choices[0].model_extra["token_ids"] for (m, p), r in zip(jobs, responses)}
     assert all(len(tokens) == NUM_TOKENS for tokens in results.values())
-    print("near ties accepted:", assert_greedy_matches(results, _refs(demo_model_dir, adapter_root, base)) or "none")
+    print("near ties accepted:", assert_greedy_matches(results, _refs(model_dir, adapter_root, base)) or "none")
     assert all(results[f"{n}|{PROMPTS[0]}"] != results[f"{base}|{PROMPTS[0]}"] for n in ADAPTERS)
     logged = [event for _, event in EventLogReader(newest_log(server.log_dir), repair=False)]
     assert any(isinstance(event, events.RequestPreempted) for event in logged), "the run should preempt"
 
 
-def test_prompt_logprobs_of_two_ranks_match(server, demo_model_dir, adapter_root) -> None:
+def test_prompt_logprobs_of_two_ranks_match(server, model_dir, adapter_root) -> None:
     """Prompt logprobs (lm_head over prompt rows, which every rank runs for its vocabulary gather)
     of a prompt prefilled in chunks, for the base model and an adapter on lm_head, against
     transformers and PEFT."""
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
     base = next(m.id for m in client.models.list().data if m.model_extra.get("parent") is None)
-    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
     prompt_ids = tok(PROMPTS[0])["input_ids"]
-    model = AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     peft = PeftModel.from_pretrained(
-        AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32),
-        os.path.join(adapter_root, "all-head-r4"),
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), os.path.join(adapter_root, "all-head-r4")
     ).eval()
     for name, ref_model in ((base, model), ("all-head-r4", peft)):
         scored = client.completions.create(
