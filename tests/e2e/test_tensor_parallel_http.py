@@ -8,16 +8,24 @@ random Llama (GQA with 2 KV heads, llama3 rope scaling, untied lm_head)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import glob
+import json
+import math
 import os
 
 import openai
 import pytest
 import torch
 from peft import PeftModel
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ledgerserve.shared import events
+from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.eventlog import EventLogReader, newest_log
+from ledgerserve.shared.progress import ready_line
+from ledgerserve.worker_proc.runner import ModelRunner
 from tests.adapter_factory import make_peft_adapter
 from tests.e2e.server import Server
 from tests.prompt_logprobs_ref import check_entries, entries_from_json, prompt_logprobs_reference
@@ -132,3 +140,62 @@ def test_prompt_logprobs_of_two_ranks_match(server, model_dir, adapter_root) -> 
         body = scored.choices[0].model_extra["prompt_logprobs"]
         ref = prompt_logprobs_reference(ref_model, prompt_ids)
         check_entries(ref, prompt_ids, entries_from_json(body, prompt_ids, 3), 3)
+
+
+@pytest.fixture(scope="module")
+def tp1_runner(server):
+    """A worker rank of the server's engine at TP 1, in this process: the server's logged config, one rank."""
+    config = EngineConfig.from_json(EventLogReader(newest_log(server.log_dir), repair=False).config_json)
+    runner = ModelRunner(dataclasses.replace(config, tensor_parallel_size=1, tp_layout=""))
+    yield runner
+    runner.close()
+
+
+def test_each_rank_reports_its_share_of_the_weights(server, model_dir, tp1_runner) -> None:
+    """Each rank's WorkerReady in the log reports 1/2 of the sharded weights (the vocabulary padded to
+    an even row count) plus the whole replicated norms, figured from the checkpoint's tensor shapes;
+    a rank of the same engine at TP 1 reports the checkpoint's bytes in the model dtype."""
+    logged = EventLogReader(newest_log(server.log_dir), repair=False)
+    ready = {event.rank: event for _, event in logged if isinstance(event, events.WorkerReady)}
+    assert sorted(ready) == [0, 1]
+    itemsize = torch.finfo(getattr(torch, ready[0].dtype)).bits // 8
+    for rank in (0, 1):
+        assert ready[rank].num_weight_bytes == _checkpoint_rank_bytes(model_dir, 2, itemsize), f"rank {rank}"
+    tp1 = tp1_runner.ready()
+    assert tp1.dtype == ready[0].dtype
+    assert (
+        tp1.num_weight_bytes == _checkpoint_rank_bytes(model_dir, 1, itemsize) == _checkpoint_bytes(model_dir, itemsize)
+    )
+    out = server.output()  # the scheduler's start-up line shows every rank's figure
+    assert all(f"rank {rank}: {ready_line(ready[rank])}" in out for rank in ready), out[-3000:]
+
+
+def _checkpoint_bytes(model_dir: str, itemsize: int) -> int:
+    """Every tensor of the checkpoint, in a dtype of `itemsize` bytes."""
+    return sum(math.prod(shape) * itemsize for _, shape in _checkpoint_shapes(model_dir))
+
+
+def _checkpoint_rank_bytes(model_dir: str, num_ranks: int, itemsize: int) -> int:
+    """One rank's share of the checkpoint (Megatron-style, KV heads split): norms whole; the
+    embedding and lm_head 1/N of the vocabulary rows padded to a multiple of N; every other
+    tensor (q/k/v/o, gate/up/down) 1/N."""
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        assert json.load(f)["num_key_value_heads"] % num_ranks == 0, "KV heads replicated: not figured here"
+    num_elements = 0
+    for name, shape in _checkpoint_shapes(model_dir):
+        if name.endswith("norm.weight"):
+            num_elements += math.prod(shape)
+        elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            num_elements += -(-shape[0] // num_ranks) * shape[1]
+        else:
+            assert math.prod(shape) % num_ranks == 0, name
+            num_elements += math.prod(shape) // num_ranks
+    return num_elements * itemsize
+
+
+def _checkpoint_shapes(model_dir: str) -> list[tuple[str, list[int]]]:
+    shapes = []
+    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        with safe_open(path, framework="pt") as f:
+            shapes += [(name, f.get_slice(name).get_shape()) for name in f.keys()]
+    return shapes
