@@ -18,6 +18,7 @@ from ledgerserve.shared import codec, events, ipc
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.eventlog import EventLogWriter, LogWriteError, enforce_retention
 from ledgerserve.shared.proc import send_ready
+from ledgerserve.shared.progress import ready_line
 
 log = logging.getLogger("scheduler")
 
@@ -209,6 +210,9 @@ class SchedulerShell:
     def _on_engine_ready(self, ready: events.WorkerReady) -> None:
         """Capacity as the core uses it: the smallest pool over the ranks."""
         num_total_blocks = self.core.scheduler.block_manager.num_total_blocks
+        ranks = [self.core.ready[rank] for rank in sorted(self.core.ready)]
+        facts = "; ".join(f"rank {r.rank}: {ready_line(r)}" for r in ranks)
+        log.info("engine ready: %d KV blocks (the smallest pool of the ranks); %s", num_total_blocks, facts)
         self._send(self.to_tokenizer, codec.encode(events.EngineReady(num_total_blocks, ready.vocab_size)))
         send_ready(self.config.run_dir, "scheduler")
 

@@ -264,6 +264,7 @@ class WorkerReady(Event):
     eos_token_ids: list[int]
     device: str
     dtype: str
+    num_weight_bytes: int = 0  # the weights this rank holds (worker_proc/runner.num_weight_bytes); 0: not reported
 
 
 class AdapterLoadCompleted(Event):

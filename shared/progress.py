@@ -19,7 +19,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from ledgerserve.shared.events import WorkerReady
 
 BAR_INTERVAL_S = 0.1  # at most ten redraws a second
 LOG_INTERVAL_S = 2.0
@@ -112,6 +115,13 @@ def weights_end_line(num_bytes: int, elapsed_s: float) -> str:
     return (
         f"loaded weights: {format_bytes(num_bytes)} in {format_seconds(elapsed_s)}, {format_rate(num_bytes, elapsed_s)}"
     )
+
+
+def ready_line(ready: WorkerReady) -> str:
+    """A worker rank's start-up facts, as the worker, the scheduler and replay show them; 0 weight
+    bytes: not reported (a log written before ranks reported them)."""
+    weights = f", {format_bytes(ready.num_weight_bytes)} of weights" if ready.num_weight_bytes else ""
+    return f"{ready.num_kv_blocks} KV blocks{weights} on {ready.device} ({ready.dtype})"
 
 
 def adapter_end_line(name: str, num_bytes: int, elapsed_s: float) -> str:

@@ -19,6 +19,7 @@ import zmq
 
 from ledgerserve.shared import codec, env, events, ipc
 from ledgerserve.shared.proc import child_args, exit_with_parent, load_config, send_ready, setup_logging
+from ledgerserve.shared.progress import ready_line
 from ledgerserve.worker_proc.parallel import CollectiveFailed, TpGroup, close_group, init_group, rank_device
 from ledgerserve.worker_proc.runner import InFlightStep, ModelRunner
 
@@ -53,14 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         to_scheduler.send(codec.encode(events.WorkerFailed(args.rank, f"start-up failed: {e}")))
         close_group(group)
         return 1
-    log.info(
-        "ready: %d KV blocks on %s (%s), rank %d of %d",
-        ready.num_kv_blocks,
-        ready.device,
-        ready.dtype,
-        group.rank,
-        group.size,
-    )
+    log.info("ready: %s, rank %d of %d", ready_line(ready), group.rank, group.size)
     to_scheduler.send(codec.encode(ready))
     send_ready(config.run_dir, f"worker-{args.rank}")
     try:

@@ -144,6 +144,7 @@ class ModelRunner(AdapterCommands):
             eos_token_ids=list(self.eos_token_ids),
             device=str(self.device),
             dtype=self.config.dtype,
+            num_weight_bytes=num_weight_bytes(self.model),
         )
 
     def execute(self, plan: StepPlan) -> tuple[StepCompleted, RankDigest]:
@@ -271,6 +272,15 @@ class ModelRunner(AdapterCommands):
             prompt_logprobs.join(self.model, hidden, rows)
             return None
         return prompt_logprobs.launch(self.model, hidden, rows, self.model_cfg.vocab_size)
+
+
+def num_weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes of the weights a rank holds: every parameter of its model, by element (projections,
+    biases, norms, embedding; a tied lm_head once; padded vocabulary rows and a row-parallel bias held
+    as zeros included). The loader fills each parameter from the checkpoint, and the model registers
+    no buffers. Not weights: the KV cache and LoRA slot buffers (outside the parameters; a stacked
+    layer's weight views only its own rows of the tensor it shares with LoRA A) and the rotary cache."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def _sampling_req(req: ReqState) -> SamplingReq:

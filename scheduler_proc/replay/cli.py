@@ -27,7 +27,8 @@ from ledgerserve.scheduler_proc.replay.figures import FIGURE_SECTIONS, figure_se
 from ledgerserve.scheduler_proc.replay.state import SECTIONS, parse_sections, render, sections
 from ledgerserve.scheduler_proc.replay.verify import Divergence, HistoryTrimmed, ReplayResult, replay
 from ledgerserve.shared.eventlog import LogCorruption
-from ledgerserve.shared.events import LogClosed
+from ledgerserve.shared.events import LogClosed, WorkerReady
+from ledgerserve.shared.progress import ready_line
 
 __all__ = ["Divergence", "HistoryTrimmed", "ReplayResult", "main", "replay"]
 
@@ -104,7 +105,14 @@ def _replay(args: argparse.Namespace, names: list[str]) -> int:
         )
         print(describe_closed(result.closed))
         print(f"tensor parallel: {result.core.config.tensor_parallel_size} rank(s) {result.tp_layout}".rstrip())
+        for ready in _ready_ranks(result):
+            print(f"  rank {ready.rank}: {ready_line(ready)}")
     return code
+
+
+def _ready_ranks(result: ReplayResult) -> list[WorkerReady]:
+    """Each rank's WorkerReady that the replay took in, by rank."""
+    return [result.core.ready[rank] for rank in sorted(result.core.ready)]
 
 
 def describe_closed(closed: LogClosed | None) -> str:
@@ -133,6 +141,10 @@ def _result_json(result: ReplayResult, verify: bool, state: dict[str, Any], code
         "closed": _closed_json(result.closed),
         "tensor_parallel_size": result.core.config.tensor_parallel_size,
         "tp_layout": result.tp_layout,
+        "ranks": [
+            {"rank": r.rank, "num_kv_blocks": r.num_kv_blocks, "num_weight_bytes": r.num_weight_bytes}
+            for r in _ready_ranks(result)
+        ],
         "state": state,
     }
 

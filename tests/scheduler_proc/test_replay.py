@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import msgspec
+
 from ledgerserve.scheduler_proc.replay import main, replay
 from ledgerserve.shared import events as ev
 from ledgerserve.shared.config import EngineConfig
@@ -112,3 +114,22 @@ def test_script_entry_point(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("OK")
+
+
+def test_a_verified_replay_shows_each_ranks_ready_report(tmp_path, capsys):
+    """The weight bytes a rank reported in its WorkerReady (an input, so the run still verifies) are
+    printed with its KV blocks; a log from before ranks reported them prints no figure."""
+    path = _record(tmp_path / "a")
+
+    def with_weights(seq, event):
+        return msgspec.structs.replace(event, num_weight_bytes=3 << 20) if isinstance(event, ev.WorkerReady) else event
+
+    reported = _rewrite(path, tmp_path / "b", with_weights)
+    assert main([reported, "--verify"]) == 0
+    assert "  rank 0: 10 KV blocks, 3.0 MiB of weights on cpu (float32)\n" in capsys.readouterr().out
+    assert main([reported, "--verify", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ranks"] == [
+        {"rank": 0, "num_kv_blocks": 10, "num_weight_bytes": 3 << 20}
+    ]
+    assert main([path, "--verify"]) == 0
+    assert "  rank 0: 10 KV blocks on cpu (float32)\n" in capsys.readouterr().out
