@@ -84,8 +84,8 @@ def serve(
     e.g. one captured in a CUDA graph)."""
     decoder = codec.to_worker_decoder()
     num_dropped_frames = 0
-    steps = StepReplies(runner, rank, outbox, log, stall_s)
     loads = LoadReplies(runner, outbox)
+    steps = StepReplies(runner, rank, outbox, log, loads, stall_s)
     while True:
         if not wait_turn(inbox, steps, loads):
             return 1
@@ -144,13 +144,19 @@ def wait_for_command(
 ) -> bool:
     """Spin until a command is waiting (True) or the device finished `step` or it is past
     `deadline_s` (False: time to complete it, or to find it stalled). A plan that
-    arrives while the step runs is launched behind it, so the device never waits for the host.
-    While loads run, their replies go out as they end, and each turn really sleeps a little,
-    without the GIL: a spin that only yields it (sleep(0)) takes it straight back, and each of
-    the loader threads' many acquisitions then waits out the switch interval."""
-    while not inbox.poll(0):
+    arrives while the step runs is launched behind it, so the device never waits for the host."""
+    return spin(step, loads, deadline_s, inbox)
+
+
+def spin(step: InFlightStep, loads: LoadReplies, deadline_s: float | None, inbox: zmq.Socket | None = None) -> bool:
+    """Turn until a command is waiting in `inbox`, if given (True), or the device finished `step`
+    or it is past `deadline_s` (False). While loads run, their replies go out as they end, and
+    each turn really sleeps a little, without the GIL: a spin that only yields it (sleep(0)) takes
+    it straight back, and each of the loader threads' many acquisitions then waits out the switch
+    interval."""
+    while inbox is None or not inbox.poll(0):
         if step.is_done() or (deadline_s is not None and time.monotonic() > deadline_s):
-            return bool(inbox.poll(0))
+            return inbox is not None and bool(inbox.poll(0))
         if loads.busy():
             loads.send_due()
             time.sleep(LOAD_TURN_S)
@@ -187,9 +193,15 @@ class StepReplies:
     in flight. A fault in either is reported (WorkerFailed) and the method returns False."""
 
     def __init__(
-        self, runner: ModelRunner, rank: int, outbox: zmq.Socket, log: logging.Logger, stall_s: float | None = None
+        self,
+        runner: ModelRunner,
+        rank: int,
+        outbox: zmq.Socket,
+        log: logging.Logger,
+        loads: LoadReplies,
+        stall_s: float | None = None,
     ) -> None:
-        self.runner, self.rank, self.outbox, self.log = runner, rank, outbox, log
+        self.runner, self.rank, self.outbox, self.log, self.loads = runner, rank, outbox, log, loads
         self.stall_s = stall_s  # a step running this long after its launch fails the worker (None: no bound)
         self.in_flight: InFlightStep | None = None
         self.in_flight_since_s = 0.0
@@ -219,7 +231,7 @@ class StepReplies:
             return True
         deadline_s, (in_flight, self.in_flight) = self.deadline_s(), (self.in_flight, None)
         try:
-            _wait_done(in_flight, deadline_s, self.stall_s)
+            _wait_done(in_flight, self.loads, deadline_s, self.stall_s)
             completed, digest = self.runner.complete(in_flight)
         except Exception as e:
             self.fail(f"step {in_flight.step}", e)
@@ -243,13 +255,16 @@ class StepStalled(RuntimeError):
     """A step did not finish within the collective timeout: a tensor-parallel rank stalled."""
 
 
-def _wait_done(step: InFlightStep, deadline_s: float | None, stall_s: float | None) -> None:
-    """Return once the device finished `step`; StepStalled past `deadline_s` (None: no bound, return at once)."""
+def _wait_done(step: InFlightStep, loads: LoadReplies, deadline_s: float | None, stall_s: float | None) -> None:
+    """Return once the device finished `step`; StepStalled past `deadline_s` (None: no bound, return
+    at once, for the read-back to wait on the device without the GIL). Loads go on meanwhile, as in
+    wait_for_command: a tensor-parallel rank waits here for most of every step it launches behind
+    another."""
     if deadline_s is None:
         return
-    while not step.is_done():
-        if time.monotonic() > deadline_s:
-            raise StepStalled(f"still running {stall_s:g} s after its launch (tensor-parallel collective timeout)")
+    spin(step, loads, deadline_s)
+    if not step.is_done():
+        raise StepStalled(f"still running {stall_s:g} s after its launch (tensor-parallel collective timeout)")
 
 
 def _maybe_fault(digest: events.RankDigest) -> events.RankDigest:

@@ -1,6 +1,7 @@
 """The worker's serve loop with overlapped adapter loading: an adapter command neither drains
 the step in flight nor holds up the steps after it, the load's reply goes out between steps
-as soon as it ends, and the loader threads make progress while the loop spins on a step."""
+as soon as it ends, and the loader threads make progress while the loop spins on a step, or
+while a tensor-parallel rank waits for the step it completes behind the next."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 from ledgerserve.shared import codec, events
 from ledgerserve.worker_proc.lora import loader
-from ledgerserve.worker_proc.main import LoadReplies, serve, wait_for_command
+from ledgerserve.worker_proc.main import LoadReplies, StepReplies, serve, wait_for_command
 from ledgerserve.worker_proc.runner import InFlightStep, ModelRunner
 from ledgerserve.worker_proc.sampler import HostCopy, PendingSample
 from tests.reference import assert_greedy_matches
@@ -143,3 +144,30 @@ def test_loader_threads_progress_while_the_loop_spins_on_a_step(lora_setup: Lora
     assert not wait_for_command(Silent(), step, LoadReplies(runner, outbox))  # type: ignore[arg-type]
     assert [(type(r).__name__, r.slot) for r in outbox.sent] == [("AdapterLoadCompleted", 0)]
     print(f"load alone {alone_ms:.1f} ms; beside a spinning step {outbox.sent[0].duration_ms:.1f} ms")
+
+
+class BusyUntilSynced(BusyUntil):
+    """BusyUntil whose synchronize spins on it: the read-back of a step that is done returns at once."""
+
+    def synchronize(self) -> None:
+        while not self.query():
+            pass
+
+
+def test_a_rank_waiting_out_its_step_lets_loads_end_and_reports_them(lora_setup: LoraSetup) -> None:
+    """With tensor parallelism a rank completes step s right after launching s + 1, waiting for the
+    device to finish s within the collective timeout: most of every step. Loads must go on meanwhile
+    and their replies go out as they end, as in the loop's own spin: here the step runs until the
+    load's reply was sent, so waiting without letting the loader threads run or without sending
+    replies would read the step back (after 5 M queries) with the load still unreported."""
+    runner = ModelRunner(lora_config(lora_setup.base_dir, lora_overlap_loading=True, max_lora_rank=32))
+    outbox = Collect()
+    runner.adapter_command(events.AdapterSlotAssigned(0, 2, lora_setup.adapter_dirs["all"]), time.monotonic())
+    steps = StepReplies(runner, 0, outbox, LOG, LoadReplies(runner, outbox), stall_s=600.0)  # type: ignore[arg-type]
+    host = HostCopy((torch.zeros(1, dtype=torch.long),), BusyUntilSynced(outbox, 5_000_000))  # type: ignore[arg-type]
+    pending = PendingSample(torch.zeros(1, dtype=torch.long), host, [])
+    steps.in_flight = InFlightStep(7, [], pending, [], events.RankDigest(7, 0, 0))
+    steps.in_flight_since_s = time.monotonic()
+    assert steps.flush()
+    sent = [(type(r).__name__, getattr(r, "slot", getattr(r, "step", None))) for r in outbox.sent]
+    assert sent == [("AdapterLoadCompleted", 0), ("StepCompleted", 7), ("RankDigest", 7)]
