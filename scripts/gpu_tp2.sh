@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# On a host with two CUDA GPUs: tensor parallel 2 against one GPU, one stage a call (each fits in
+# ten minutes), its reports and logs written under OUT_DIR.
+#   bash scripts/gpu_tp2.sh tests OUT_DIR    the gpu-marked tests: one GPU's and TP 2's (sharded Triton and graph paths, PEFT parity)
+#   bash scripts/gpu_tp2.sh servers OUT_DIR  scripts/tp_smoke.py at TP 2: the demo model and a Llama-3-8B-shaped dummy
+#   bash scripts/gpu_tp2.sh decode OUT_DIR   bench_decode.py: TP 2 against TP 1 in one run, then TP 2 with NCCL alone
+#   bash scripts/gpu_tp2.sh serving OUT_DIR  bench_adapter_churn.py (64 adapters in 64 slots, Poisson) at TP 1 and TP 2
+set -uo pipefail
+stage=${1:?usage: gpu_tp2.sh tests|servers|decode|serving OUT_DIR}
+out=${2:?usage: gpu_tp2.sh tests|servers|decode|serving OUT_DIR}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpus.txt"
+decode="python3 scripts/bench_decode.py --tensor-parallel-size 2 --batch-sizes 1,32 --adapters 0,32 --steps 30 --warmup 5 --async-scheduling"
+case "$stage" in
+  tests)
+    python3 -m pytest -q -m gpu tests/kernels tests/worker_proc tests/engine 2>&1 | tee "$out/gpu_tests.log" | tail -15 ;;
+  servers)
+    python3 -m scripts.tp_smoke --tensor-parallel-size 2 --out "$out/tp2_demo.json"
+    python3 -m scripts.tp_smoke --tensor-parallel-size 2 --llama3-8b-dummy --out "$out/tp2_8b_dummy.json" ;;
+  decode)
+    $decode --compare-tp1 --out "$out/tp2_decode.json"
+    $decode --disable-custom-all-reduce --out "$out/tp2_decode_nccl.json" ;;
+  serving)
+    for n in 1 2; do
+      python3 -m scripts.bench_adapter_churn --groups 1 --arrivals poisson --tensor-parallel-size $n \
+        --out "$out/tp2_serving_tp$n.json" --plot "$out/tp2_serving_tp$n.png" 2>&1 | tail -4
+    done ;;
+  *) echo "unknown stage $stage" >&2; exit 2 ;;
+esac
