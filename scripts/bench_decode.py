@@ -267,6 +267,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--device", default="cuda", choices=("cuda", "cpu"), help="cpu: float32 (with --tensor-parallel-size)"
     )
     ap.add_argument("--model-dir", default="", help="a checkpoint's shapes, dummy weights (default: Llama-3-8B's)")
+    ap.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="with --tensor-parallel-size: after each row, this many more steps under torch.profiler on rank 0, "
+        "whose per-kernel table (on the CPU, per op) goes into the row; PDL is off for the run",
+    )
     args = ap.parse_args(argv)
     args.batches = [int(b) for b in args.batch_sizes.split(",")]
     args.adapter_counts = [int(a) for a in args.adapters.split(",")]
@@ -279,7 +286,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
-    gen = args.gen_len if args.e2e else args.warmup + args.steps
+    gen = args.gen_len if args.e2e else args.warmup + args.steps + args.profile_steps
     blocks_per_req = -(-(args.prompt_len + gen + 2) // BLOCK)
     return EngineConfig(
         model_dir=model_dir,

@@ -4,15 +4,19 @@ directory and building its ModelRunner for it; every rank runs the same plans (a
 collectives need them all), and rank 0 times the steps and writes the rows. Beside each step
 time: the all-reduce time of one step (the Megatron split's 2 per layer plus the embedding's,
 of a [batch, hidden] activation, timed alone) and the bandwidth floor of one rank (its own
-weights, and its share of the adapters and the KV cache, over the copy bandwidth).
+weights, and its share of the adapters and the KV cache, over the copy bandwidth). With
+--profile-steps K, each row also holds rank 0's per-kernel table of K more steps (kernel, calls
+and µs a step; PDL off, so kernel times add up), TP 1 beside TP N with --compare-tp1.
 
     python scripts/bench_decode.py --tensor-parallel-size 2 --compare-tp1 --batch-sizes 1,32 --adapters 0,4
+    python scripts/bench_decode.py --tensor-parallel-size 2 --compare-tp1 --batch-sizes 1 --adapters 0 --profile-steps 9
     python -m scripts.bench_decode --tensor-parallel-size 2 --device cpu --model-dir DIR --batch-sizes 2 --adapters 1
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -24,6 +28,7 @@ import tempfile
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from ledgerserve.shared import env
 from ledgerserve.shared.adapter_format import BaseShapes
@@ -33,12 +38,14 @@ from ledgerserve.worker_proc.parallel import TpGroup, close_group, init_group, r
 from ledgerserve.worker_proc.runner import ModelRunner
 from scripts.bench_decode import Bench, engine_config, parse_args
 from scripts.bench_fixtures import adapter_bytes, copy_bandwidth, kv_bytes, weight_bytes, write_adapter, write_model_dir
+from scripts.profile_decode import kernel_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT_FILE = "result.json"
 GROUP_TIMEOUT_S = 600.0  # a rank building a large model waits this long for the others
 POLL_S = 0.2
 NUM_TIMED_ALL_REDUCE_STEPS = 20
+PRINTED_KERNELS = 12  # of each --profile-steps table, on rank 0's output
 
 
 class NoClock:
@@ -55,7 +62,8 @@ def compare(args: argparse.Namespace, argv: list[str]) -> dict:
     """The sweep at TP N (and at TP 1 first, with --compare-tp1), each in its own rank processes;
     `argv`: bench_decode's command line, passed on to every rank."""
     sizes = [1, args.tensor_parallel_size] if args.compare_tp1 else [args.tensor_parallel_size]
-    runs = {f"tp{n}": run_ranks([*argv, "--tensor-parallel-size", str(n)], n) for n in sizes}
+    run_env = {env.PDL: "0"} if args.profile_steps else {}  # a kernel's profiled time then excludes its wait
+    runs = {f"tp{n}": run_ranks([*argv, "--tensor-parallel-size", str(n)], n, run_env) for n in sizes}
     report: dict = dict(torch=torch.__version__, **runs)
     if args.compare_tp1:
         tp1, tpn = runs["tp1"]["results"], runs[f"tp{args.tensor_parallel_size}"]["results"]
@@ -63,13 +71,15 @@ def compare(args: argparse.Namespace, argv: list[str]) -> dict:
     return report
 
 
-def run_ranks(argv: list[str], num_ranks: int) -> dict:
-    """Start the ranks, wait for all of them (one failing stops the others), return rank 0's report."""
+def run_ranks(argv: list[str], num_ranks: int, run_env: dict[str, str] | None = None) -> dict:
+    """Start the ranks (with `run_env` added to their environment), wait for all of them (one
+    failing stops the others), return rank 0's report."""
     run_dir = tempfile.mkdtemp(prefix="bench_tp_")
     os.chmod(run_dir, 0o700)
     child_env = {
         **os.environ,
         **env.TP_WORKER_ENV,
+        **(run_env or {}),
         "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
     }
     cmd = [sys.executable, "-m", "scripts.bench_decode_tp", "--run-dir", run_dir]
@@ -132,7 +142,7 @@ def sweep_rank(args: argparse.Namespace, group: TpGroup, device: torch.device, r
         for i in range(max(args.adapter_counts)):
             runner.load_adapter(AdapterSlotAssigned(i, i, write_adapter(root, i, base, args.rank, args.device)))
         bw = copy_bandwidth(device) if device.type == "cuda" else host_copy_bandwidth()
-        bench = Bench(runner, args.prompt_len, args.warmup, args.steps)
+        bench = Bench(runner, args.prompt_len, args.warmup, args.steps + args.profile_steps)  # blocks for them all
         bench.clock = NoClock()
         rows = [_row(bench, group, base, args, bw, b, n) for n in args.adapter_counts for b in args.batches]
     finally:
@@ -165,7 +175,29 @@ def _row(
     row.update(shard_floor_ms=round(floor_ms, 3), all_reduce_ms=round(all_reduce_ms, 3))
     if group.rank == 0:
         print(json.dumps({"tp": group.size, **row}), flush=True)
+    if args.profile_steps:
+        row["kernels"] = profile_steps(bench, group, last, args.profile_steps)
     return row
+
+
+def profile_steps(bench: Bench, group: TpGroup, last: dict[str, int], num_steps: int) -> list[dict]:
+    """`num_steps` more decode steps, every rank running them (they share collectives), under
+    torch.profiler on rank 0: its per-kernel table (scripts/profile_decode.py), [] on the others."""
+    device = bench.runner.device
+    activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
+    _sync(device)
+    with profile(activities=[activity]) if group.rank == 0 else contextlib.nullcontext() as prof:
+        for _ in range(num_steps):
+            sampled, _ = bench.decode(last)
+            last = share_tokens(group, bench, sampled)
+        _sync(device)
+    if group.rank != 0:
+        return []
+    table = kernel_table(prof, num_steps, device.type)
+    print(f"tp {group.size}: {sum(k['us'] for k in table):.1f} us of kernels a step, the largest:", flush=True)
+    for k in table[:PRINTED_KERNELS]:
+        print(f"{k['us']:9.1f} us {k['calls']:6.1f}x  {k['kernel']}", flush=True)
+    return table
 
 
 def share_tokens(group: TpGroup, bench: Bench, sampled: dict[str, int]) -> dict[str, int]:

@@ -4,10 +4,11 @@
 #   bash scripts/gpu_tp2.sh tests OUT_DIR    the gpu-marked tests: one GPU's and TP 2's (sharded Triton and graph paths, PEFT parity)
 #   bash scripts/gpu_tp2.sh servers OUT_DIR  scripts/tp_smoke.py at TP 2: the demo model and a Llama-3-8B-shaped dummy
 #   bash scripts/gpu_tp2.sh decode OUT_DIR   bench_decode.py: TP 2 against TP 1 in one run, then TP 2 with NCCL alone
+#   bash scripts/gpu_tp2.sh profile OUT_DIR  the same rows' per-kernel tables at TP 1 and TP 2 (PDL off)
 #   bash scripts/gpu_tp2.sh serving OUT_DIR  bench_adapter_churn.py (64 adapters in 64 slots, Poisson) at TP 1 and TP 2
 set -uo pipefail
-stage=${1:?usage: gpu_tp2.sh tests|servers|decode|serving OUT_DIR}
-out=${2:?usage: gpu_tp2.sh tests|servers|decode|serving OUT_DIR}
+stage=${1:?usage: gpu_tp2.sh tests|servers|decode|profile|serving OUT_DIR}
+out=${2:?usage: gpu_tp2.sh tests|servers|decode|profile|serving OUT_DIR}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpus.txt"
@@ -21,6 +22,8 @@ case "$stage" in
   decode)
     $decode --compare-tp1 --out "$out/tp2_decode.json"
     $decode --disable-custom-all-reduce --out "$out/tp2_decode_nccl.json" ;;
+  profile)
+    $decode --compare-tp1 --profile-steps 10 --out "$out/tp2_decode_profile.json" ;;
   serving)
     for n in 1 2; do
       python3 -m scripts.bench_adapter_churn --groups 1 --arrivals poisson --tensor-parallel-size $n \

@@ -59,13 +59,17 @@ def time_host_parts(totals: dict[str, float]) -> None:
         setattr(cls, name, timed)
 
 
-def kernel_table(prof, num_steps: int) -> list[dict]:
-    """Per kernel name: calls and GPU µs per step, largest first."""
+def kernel_table(prof, num_steps: int, device_type: str = "cuda") -> list[dict]:
+    """Per kernel name: calls and GPU µs per step, largest first; with device_type "cpu", per op
+    and its self time (ops nest on the CPU: self times add up to the step, totals would not)."""
     rows = collections.defaultdict(lambda: [0, 0.0])
     for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
+        if device_type == "cuda" and evt.device_type == torch.autograd.DeviceType.CUDA:
             rows[evt.name][0] += 1
             rows[evt.name][1] += evt.device_time_total
+        elif device_type == "cpu" and evt.device_type == torch.autograd.DeviceType.CPU:
+            rows[evt.name][0] += 1
+            rows[evt.name][1] += evt.self_cpu_time_total
     table = [
         dict(kernel=name[:90], calls=round(n / num_steps, 1), us=round(us / num_steps, 1))
         for name, (n, us) in rows.items()

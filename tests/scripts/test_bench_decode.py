@@ -67,7 +67,8 @@ def test_load_churn_keeps_spare_slots_loading_from_both_tiers(tmp_path) -> None:
 
 def test_tensor_parallel_sweep_runs_two_ranks_beside_one(demo_model_dir, tmp_path) -> None:
     """--tensor-parallel-size 2 --compare-tp1 on the CPU: two rank processes (gloo) and one, each
-    row with its step time, all-reduce time (none with one rank) and shard floor."""
+    row with its step time, all-reduce time (none with one rank), shard floor and, with
+    --profile-steps, rank 0's per-op table (the all-reduce among the ops only with two ranks)."""
     import json
     import subprocess
     import sys
@@ -76,7 +77,18 @@ def test_tensor_parallel_sweep_runs_two_ranks_beside_one(demo_model_dir, tmp_pat
     argv = ["--tensor-parallel-size", "2", "--compare-tp1", "--device", "cpu", "--model-dir", demo_model_dir]
     argv += ["--batch-sizes", "2", "--adapters", "1", "--rank", "4", "--prompt-len", "8", "--warmup", "1"]
     proc = subprocess.run(
-        [sys.executable, "-m", "scripts.bench_decode", *argv, "--steps", "2", "--out", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "scripts.bench_decode",
+            *argv,
+            "--steps",
+            "2",
+            "--profile-steps",
+            "2",
+            "--out",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -90,5 +102,8 @@ def test_tensor_parallel_sweep_runs_two_ranks_beside_one(demo_model_dir, tmp_pat
         [row] = run["results"]
         assert (row["batch"], row["adapters"]) == (2, 1) and row["step_ms"] > 0 and row["shard_floor_ms"] > 0
     assert tp1["results"][0]["all_reduce_ms"] == 0 and tp2["results"][0]["all_reduce_ms"] > 0
+    ops = {name: {k["kernel"]: k for k in run["results"][0]["kernels"]} for name, run in report.items() if "tp" in name}
+    assert ops["tp1"]["aten::mm"]["calls"] > 0 and ops["tp2"]["aten::mm"]["calls"] > 0
+    assert "c10d::allreduce_" not in ops["tp1"] and ops["tp2"]["c10d::allreduce_"]["calls"] > 0
     want = round(tp1["results"][0]["step_ms"] / tp2["results"][0]["step_ms"], 2)
     assert report["speedup"] == [want]
