@@ -34,7 +34,7 @@ from ledgerserve.shared import env
 from ledgerserve.shared.adapter_format import BaseShapes
 from ledgerserve.shared.events import AdapterSlotAssigned
 from ledgerserve.shared.tp_layout import tp_layout
-from ledgerserve.worker_proc.parallel import TpGroup, close_group, init_group, rank_device
+from ledgerserve.worker_proc.parallel import TpGroup, close_group, init_group, rank_device, share_cpu_cores
 from ledgerserve.worker_proc.runner import ModelRunner
 from scripts.bench_decode import Bench, engine_config, parse_args
 from scripts.bench_fixtures import adapter_bytes, copy_bandwidth, kv_bytes, weight_bytes, write_adapter, write_model_dir
@@ -118,6 +118,7 @@ def rank_main() -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     group = init_group(own.tp_rank, args.tensor_parallel_size, own.run_dir, device, GROUP_TIMEOUT_S)
+    share_cpu_cores(group, device)
     try:
         report = sweep_rank(args, group, device, os.path.join(own.run_dir, f"rank{own.tp_rank}"))
     finally:

@@ -25,6 +25,13 @@ FAULT_TP_STALL_STEP = "LEDGERSERVE_TEST_FAULT_TP_STALL_STEP"  # ... the collecti
 TP_WORKER_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 
+OMP_NUM_THREADS = "OMP_NUM_THREADS"  # given: a CPU rank keeps the threads it names (worker_proc/parallel.py)
+
+
+def omp_threads_given() -> bool:
+    return bool(os.environ.get(OMP_NUM_THREADS))
+
+
 def log_level() -> str:
     return os.environ.get(LOG_LEVEL, "INFO")
 

@@ -20,7 +20,14 @@ import zmq
 from ledgerserve.shared import codec, env, events, ipc
 from ledgerserve.shared.proc import child_args, exit_with_parent, load_config, send_ready, setup_logging
 from ledgerserve.shared.progress import ready_line
-from ledgerserve.worker_proc.parallel import CollectiveFailed, TpGroup, close_group, init_group, rank_device
+from ledgerserve.worker_proc.parallel import (
+    CollectiveFailed,
+    TpGroup,
+    close_group,
+    init_group,
+    rank_device,
+    share_cpu_cores,
+)
 from ledgerserve.worker_proc.runner import InFlightStep, ModelRunner
 
 PEER_GONE_GRACE_S = 5.0  # how long a rank whose collective lost a peer waits for the launcher
@@ -47,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
         group = init_group(
             args.rank, config.tensor_parallel_size, config.run_dir, device, config.tp_collective_timeout_s
         )
+        num_threads = share_cpu_cores(group, device)
+        if num_threads is not None:
+            log.info("%d CPU threads for this rank's ops (of %d ranks)", num_threads, group.size)
         runner = ModelRunner(config, args.rank, group)
         ready = runner.ready()
     except Exception as e:

@@ -29,6 +29,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ledgerserve.shared import env
+
 RENDEZVOUS_FILE = "tp-rendezvous"
 # Above this NCCL's ring is as fast as one-shot (each rank reads every peer's whole input), and a
 # larger buffer would cost memory on every rank: decode steps and short prefill chunks fit.
@@ -118,6 +120,23 @@ def use_rank_device(device: str, rank: int) -> torch.device:
     if own.type == "cuda":
         torch.cuda.set_device(own)
     return own
+
+
+def cpu_threads_of_rank(num_cores: int, num_ranks: int) -> int:
+    """Intra-op threads of one of `num_ranks` ranks on `num_cores` CPU cores: an even share, at least one."""
+    return max(1, num_cores // num_ranks)
+
+
+def share_cpu_cores(group: TpGroup, device: torch.device) -> int | None:
+    """On the CPU with several ranks, make this rank's torch intra-op threads its share of the cores
+    the process may run on (unless OMP_NUM_THREADS names them): ranks that each took every core
+    would oversubscribe them, their OpenMP threads spinning at a collective while another rank's
+    still compute. The threads set, or None where nothing changed (CUDA, one rank, OMP_NUM_THREADS)."""
+    if device.type != "cpu" or group.size == 1 or env.omp_threads_given():
+        return None
+    num_threads = cpu_threads_of_rank(len(os.sched_getaffinity(0)), group.size)
+    torch.set_num_threads(num_threads)
+    return num_threads
 
 
 def init_group(rank: int, size: int, run_dir: str, device: torch.device, timeout_s: float) -> TpGroup:

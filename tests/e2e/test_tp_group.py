@@ -18,7 +18,7 @@ import pytest
 
 from ledgerserve.shared import events
 from ledgerserve.shared.eventlog import EventLogReader, newest_log
-from ledgerserve.worker_proc.parallel import RENDEZVOUS_FILE
+from ledgerserve.worker_proc.parallel import RENDEZVOUS_FILE, cpu_threads_of_rank
 from tests.e2e.server import Server, assert_all_gone
 
 pytestmark = pytest.mark.slow
@@ -48,6 +48,9 @@ def test_two_ranks_stay_on_loopback_and_their_log_replays(demo_model_dir, tmp_pa
     assert all(ipaddress.ip_address(ip.split("%")[0]).is_loopback for ip, _ in sockets), sockets
     assert [d for d in run_dirs if os.path.exists(os.path.join(d, RENDEZVOUS_FILE))] == run_dirs
     assert server.stop() == 0
+    if not os.environ.get("OMP_NUM_THREADS"):  # each rank takes its share of the cores, not all of them
+        share = f"{cpu_threads_of_rank(len(os.sched_getaffinity(0)), 2)} CPU threads for this rank's ops (of 2 ranks)"
+        assert server.output().count(share) == 2, server.output()[-3000:]
     assert_all_gone(pids, run_dirs)
     verify = [sys.executable, "-m", "ledgerserve", "replay", "--verify", "--json", newest_log(str(tmp_path))]
     proc = subprocess.run(verify, capture_output=True, text=True, timeout=60)

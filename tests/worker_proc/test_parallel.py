@@ -9,7 +9,13 @@ import sys
 
 import torch
 
-from ledgerserve.worker_proc.parallel import OneShotAllReduce, TpGroup, with_one_shot
+from ledgerserve.worker_proc.parallel import (
+    OneShotAllReduce,
+    TpGroup,
+    cpu_threads_of_rank,
+    share_cpu_cores,
+    with_one_shot,
+)
 
 RANK_SCRIPT = """
 import sys, torch
@@ -29,6 +35,28 @@ def test_one_rank_needs_no_group():
     x = torch.ones(2, 3)
     group = TpGroup()
     assert group.all_reduce(x) is x and group.all_gather(x) is x
+
+
+def test_cpu_ranks_share_the_cores_evenly_at_least_one_thread_each():
+    assert [cpu_threads_of_rank(16, n) for n in (1, 2, 3, 4)] == [16, 8, 5, 4]
+    assert cpu_threads_of_rank(2, 4) == 1 and cpu_threads_of_rank(1, 1) == 1
+
+
+def test_a_cpu_rank_of_several_takes_its_share_unless_omp_num_threads_names_one(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    try:
+        assert share_cpu_cores(TpGroup(), torch.device("cpu")) is None  # one rank: every core
+        assert share_cpu_cores(TpGroup(0, 2), torch.device("cuda")) is None  # a GPU rank
+        assert torch.get_num_threads() == before
+        want = cpu_threads_of_rank(len(os.sched_getaffinity(0)), 64)
+        assert share_cpu_cores(TpGroup(3, 64), torch.device("cpu")) == want == torch.get_num_threads()
+        torch.set_num_threads(before)
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        assert share_cpu_cores(TpGroup(0, 2), torch.device("cpu")) is None
+        assert torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_one_shot_takes_contiguous_aligned_tensors_of_its_dtype_that_fit_its_buffer():

@@ -21,7 +21,7 @@ from ledgerserve.shared.sampling import SamplingParams
 from ledgerserve.worker_proc.batch import ReqState
 from ledgerserve.worker_proc.lora.mapping import LoraMapping
 from ledgerserve.worker_proc.models.layers import RMSNorm
-from ledgerserve.worker_proc.parallel import close_group, init_group
+from ledgerserve.worker_proc.parallel import close_group, init_group, share_cpu_cores
 from ledgerserve.worker_proc.runner import ModelRunner
 from ledgerserve.worker_proc.step_inputs import build_step_inputs
 from tests.worker_proc.lora_setup import BLOCK_SIZE, lora_config
@@ -94,6 +94,7 @@ def main() -> None:
     with open(spec_path, encoding="utf-8") as f:
         spec = json.load(f)
     group = init_group(rank, size, run_dir, torch.device("cpu"), timeout_s=120)
+    share_cpu_cores(group, torch.device("cpu"))  # as the worker does
     config = lora_config(spec["base_dir"], max_loras=MAX_LORAS, num_kv_blocks=len(REQS) * BLOCKS_PER_REQ)
     runner = ModelRunner(config, rank, group)
     for slot, path in enumerate(spec["adapter_dirs"]):
