@@ -27,6 +27,7 @@ class VllmFlag:
     reason: str
     takes_value: bool = False
     fine_values: tuple[str, ...] = ()
+    aliases: tuple[str, ...] = ()  # short forms, as vLLM's
 
 
 VLLM_FLAGS = (
@@ -55,7 +56,31 @@ VLLM_FLAGS = (
     VllmFlag(
         "--fully-sharded-loras",
         "notice",
-        "every rank computes the whole model and its adapters, so no LoRA is sharded; the flag has no effect",
+        "adapters are always sharded with the model (full A and this rank's rows of B on column-parallel layers, "
+        "this rank's columns of A and a small all-reduce on row-parallel ones); the flag changes nothing",
+    ),
+    VllmFlag(
+        "--pipeline-parallel-size",
+        "refuse",
+        "pipeline parallelism is not built: split the model with --tensor-parallel-size",
+        takes_value=True,
+        fine_values=("1",),
+        aliases=("-pp",),
+    ),
+    VllmFlag(
+        "--data-parallel-size",
+        "refuse",
+        "one engine serves one copy of the model: run several servers behind a router for data parallelism",
+        takes_value=True,
+        fine_values=("1",),
+        aliases=("-dp",),
+    ),
+    VllmFlag(
+        "--distributed-executor-backend",
+        "refuse",
+        "the launcher starts one worker process per tensor-parallel rank (vLLM's mp); no other executor is built",
+        takes_value=True,
+        fine_values=("mp",),
     ),
     VllmFlag(
         "--quantization", "refuse", "quantized checkpoints are not supported: weights load as --dtype", takes_value=True
@@ -147,7 +172,8 @@ def _add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("vLLM flags with no setting here (accepted with a notice, or refused)")
     for vf in VLLM_FLAGS:
         kind = {"metavar": "VALUE", "default": None} if vf.takes_value else {"action": "store_true"}
-        group.add_argument(vf.flag, dest=_vllm_dest(vf), help=f"{vf.action}: {vf.reason}".replace("%", "%%"), **kind)
+        help_text = f"{vf.action}: {vf.reason}".replace("%", "%%")
+        group.add_argument(vf.flag, *vf.aliases, dest=_vllm_dest(vf), help=help_text, **kind)
 
 
 def _vllm_dest(vf: VllmFlag) -> str:

@@ -76,10 +76,18 @@ LINES: list[tuple[str, dict[str, Any] | str]] = [
     (f"vllm serve {LLAMA} --chat-template ./missing.jinja", "error: is neither a file nor a template"),
     (f"vllm serve {LLAMA} --chat-template '{{% for %}}'", "error: --chat-template does not compile"),
     ("vllm serve meta-llama/Unknown-Model", "error: model 'meta-llama/Unknown-Model' (revision main) is not in"),
+    (
+        f"vllm serve {LLAMA} --tensor-parallel-size 2 --pipeline-parallel-size 1 -dp 1"
+        " --distributed-executor-backend mp",
+        {"tensor_parallel_size": 2},
+    ),
+    (f"vllm serve {LLAMA} -tp 2 -pp 2", "error: --pipeline-parallel-size 2 is refused: pipeline"),
+    (f"vllm serve {LLAMA} --data-parallel-size 2", "error: --data-parallel-size 2 is refused: one engine serves"),
+    (f"vllm serve {LLAMA} --distributed-executor-backend ray", "error: the launcher starts one worker process"),
 ]
 NOTICES = {
     0: ["--trust-remote-code: remote code is never run", "--disable-log-requests: request contents are never logged"],
-    7: ["--fully-sharded-loras: every rank computes the whole model and its adapters"],
+    7: ["--fully-sharded-loras: adapters are always sharded with the model"],
     9: ["--enable-prefix-caching: the prefix cache is always on"],
 }
 
@@ -138,6 +146,7 @@ def test_help_lists_every_vllm_flag(monkeypatch, capsys):
     --revision --download-dir --uvicorn-log-level --root-path --allowed-origins --allowed-methods
     --allowed-headers --allow-credentials --ssl-keyfile --ssl-certfile --dtype --max-model-len
     --served-model-name --max-lora-rank --max-loras --max-cpu-loras --enable-lora-bias --fully-sharded-loras
+    --pipeline-parallel-size -pp --data-parallel-size -dp --distributed-executor-backend
     --quantization --kv-cache-dtype --gpu-memory-utilization --seed --max-num-seqs --max-num-batched-tokens
     --model --enable-lora --lora-modules""".split()
     listed = {word.rstrip(",") for word in text.split() if word.startswith("-")}
