@@ -71,9 +71,12 @@ def compare(args: argparse.Namespace, argv: list[str]) -> dict:
     return report
 
 
-def run_ranks(argv: list[str], num_ranks: int, run_env: dict[str, str] | None = None) -> dict:
-    """Start the ranks (with `run_env` added to their environment), wait for all of them (one
-    failing stops the others), return rank 0's report."""
+def run_ranks(
+    argv: list[str], num_ranks: int, run_env: dict[str, str] | None = None, module: str = "scripts.bench_decode_tp"
+) -> dict:
+    """Start the ranks, `python -m module --run-dir D --tp-rank R *argv` (with `run_env` added to
+    their environment), wait for all of them (one failing stops the others), return the report
+    rank 0 wrote to D/RESULT_FILE."""
     run_dir = tempfile.mkdtemp(prefix="bench_tp_")
     os.chmod(run_dir, 0o700)
     child_env = {
@@ -82,7 +85,7 @@ def run_ranks(argv: list[str], num_ranks: int, run_env: dict[str, str] | None = 
         **(run_env or {}),
         "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
     }
-    cmd = [sys.executable, "-m", "scripts.bench_decode_tp", "--run-dir", run_dir]
+    cmd = [sys.executable, "-m", module, "--run-dir", run_dir]
     procs = [subprocess.Popen([*cmd, "--tp-rank", str(r), *argv], cwd=ROOT, env=child_env) for r in range(num_ranks)]
     try:
         _wait_all(procs)
@@ -215,8 +218,14 @@ def all_reduce_step_ms(group: TpGroup, batch: int, base: BaseShapes, dtype: torc
     CUDA graph as in the decode graphs; 0 with one rank."""
     if group.size == 1:
         return 0.0
-    num_calls = 2 * base.num_layers + 1
     x = torch.ones(batch, base.hidden_size, dtype=dtype, device=device)  # [batch, hidden]
+    return time_all_reduces(group, x, 2 * base.num_layers + 1) * 1e3
+
+
+def time_all_reduces(group: TpGroup, x: torch.Tensor, num_calls: int) -> float:
+    """Seconds for `num_calls` all-reduces of x back to back through `group`'s path, on CUDA
+    replayed from one CUDA graph: the mean of NUM_TIMED_ALL_REDUCE_STEPS runs after three untimed."""
+    device = x.device
     step = _graphed_step(group, x, num_calls) if device.type == "cuda" else lambda: _reduce_n(group, x, num_calls)
     for _ in range(3):
         step()
@@ -225,7 +234,7 @@ def all_reduce_step_ms(group: TpGroup, batch: int, base: BaseShapes, dtype: torc
     for _ in range(NUM_TIMED_ALL_REDUCE_STEPS):
         step()
     _sync(device)
-    return (time.perf_counter() - t0) / NUM_TIMED_ALL_REDUCE_STEPS * 1e3
+    return (time.perf_counter() - t0) / NUM_TIMED_ALL_REDUCE_STEPS
 
 
 def _reduce_n(group: TpGroup, x: torch.Tensor, num_calls: int) -> None:

@@ -4,7 +4,8 @@
 #   bash scripts/gpu_tp2.sh tests OUT_DIR    the gpu-marked tests: one GPU's and TP 2's (sharded Triton and graph paths, PEFT parity)
 #   bash scripts/gpu_tp2.sh servers OUT_DIR  scripts/tp_smoke.py at TP 2: the demo model and a Llama-3-8B-shaped dummy
 #   bash scripts/gpu_tp2.sh decode OUT_DIR   bench_decode.py: TP 2 against TP 1 in one run, then TP 2 with NCCL alone
-#   bash scripts/gpu_tp2.sh profile OUT_DIR  the same rows' per-kernel tables at TP 1 and TP 2 (PDL off)
+#   bash scripts/gpu_tp2.sh profile OUT_DIR  the same rows' per-kernel tables at TP 1 and TP 2 (PDL off), and
+#                                            bench_all_reduce.py: one-shot against NCCL from 16 KiB to 16 MiB
 #   bash scripts/gpu_tp2.sh serving OUT_DIR  bench_adapter_churn.py (64 adapters in 64 slots, Poisson) at TP 1 and TP 2
 set -uo pipefail
 stage=${1:?usage: gpu_tp2.sh tests|servers|decode|profile|serving OUT_DIR}
@@ -23,7 +24,8 @@ case "$stage" in
     $decode --compare-tp1 --out "$out/tp2_decode.json"
     $decode --disable-custom-all-reduce --out "$out/tp2_decode_nccl.json" ;;
   profile)
-    $decode --compare-tp1 --profile-steps 10 --out "$out/tp2_decode_profile.json" ;;
+    $decode --compare-tp1 --profile-steps 10 --out "$out/tp2_decode_profile.json"
+    python3 -m scripts.bench_all_reduce --tensor-parallel-size 2 --out "$out/tp2_all_reduce.json" ;;
   serving)
     for n in 1 2; do
       python3 -m scripts.bench_adapter_churn --groups 1 --arrivals poisson --tensor-parallel-size $n \

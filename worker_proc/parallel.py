@@ -157,13 +157,15 @@ def init_group(rank: int, size: int, run_dir: str, device: torch.device, timeout
     return TpGroup(rank, size, timeout_s)
 
 
-def with_one_shot(group: TpGroup, dtype: torch.dtype, device: torch.device, enabled: bool = True) -> TpGroup:
-    """`group` whose all-reduces of `dtype` up to ONE_SHOT_MAX_BYTES run one-shot (`enabled`, CUDA,
-    more than one rank, and every rank could map the others' buffers); `group` itself otherwise.
+def with_one_shot(
+    group: TpGroup, dtype: torch.dtype, device: torch.device, enabled: bool = True, max_bytes: int = ONE_SHOT_MAX_BYTES
+) -> TpGroup:
+    """`group` whose all-reduces of `dtype` up to `max_bytes` run one-shot (`enabled`, CUDA, more
+    than one rank, and every rank could map the others' buffers); `group` itself otherwise.
     Collective: every rank calls it at the same point, and they agree on the outcome."""
     if not enabled or group.size == 1 or device.type != "cuda":
         return group
-    one_shot, error = _map_one_shot_buffer(dtype, device)
+    one_shot, error = _map_one_shot_buffer(dtype, device, max_bytes)
     everyone = torch.tensor([int(one_shot is not None)], dtype=torch.int32, device=device)
     dist.all_reduce(everyone, op=dist.ReduceOp.MIN)
     if not everyone.item():
@@ -172,12 +174,14 @@ def with_one_shot(group: TpGroup, dtype: torch.dtype, device: torch.device, enab
     return dataclasses.replace(group, one_shot=one_shot)
 
 
-def _map_one_shot_buffer(dtype: torch.dtype, device: torch.device) -> tuple[OneShotAllReduce | None, str]:
+def _map_one_shot_buffer(
+    dtype: torch.dtype, device: torch.device, max_bytes: int
+) -> tuple[OneShotAllReduce | None, str]:
     """The buffer, mapped by every rank and tried once on a small sum; None and why where it fails."""
     try:
         from torch.distributed import _symmetric_memory as symm_mem
 
-        buffer = symm_mem.empty(ONE_SHOT_MAX_BYTES // dtype.itemsize, dtype=dtype, device=device)
+        buffer = symm_mem.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
         group_name = dist.group.WORLD.group_name
         symm_mem.rendezvous(buffer, group_name)
         one_shot = OneShotAllReduce(buffer, group_name)
