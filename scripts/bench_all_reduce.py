@@ -19,15 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ledgerserve.worker_proc.parallel import (
-    TpGroup,
-    close_group,
-    init_group,
-    rank_device,
-    share_cpu_cores,
-    with_one_shot,
-)
-from scripts.bench_decode_tp import GROUP_TIMEOUT_S, RESULT_FILE, run_ranks, time_all_reduces
+from ledgerserve.worker_proc.parallel import TpGroup, close_group, with_one_shot
+from scripts.bench_decode_tp import RESULT_FILE, run_ranks, start_rank, time_all_reduces
 
 DEFAULT_SIZES_KIB = "16,64,256,1024,2048,4096,8192,16384"
 NUM_CALLS = 65  # a Llama-3-8B step's: two a layer and the embedding's
@@ -49,16 +42,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def rank_main() -> None:
     """One rank: `--run-dir D --tp-rank R` then this script's own flags."""
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--run-dir", required=True)
-    ap.add_argument("--tp-rank", type=int, required=True)
-    own, rest = ap.parse_known_args()
-    args = parse_args(rest)
-    device = rank_device(args.device, own.tp_rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    group = init_group(own.tp_rank, args.tensor_parallel_size, own.run_dir, device, GROUP_TIMEOUT_S)
-    share_cpu_cores(group, device)
+    own, args, device, group = start_rank(parse_args)
     try:
         rows = sweep(group, device, getattr(torch, args.dtype), args.sizes)
     finally:

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -110,18 +111,28 @@ def _wait_all(procs: list[subprocess.Popen]) -> None:
         raise RuntimeError(f"bench rank {failed[0][0]} exited with code {failed[0][1]}")
 
 
-def rank_main() -> None:
-    """One rank: `--run-dir D --tp-rank R` then bench_decode's own flags."""
+def start_rank(
+    parse: Callable[[list[str]], argparse.Namespace],
+) -> tuple[argparse.Namespace, argparse.Namespace, torch.device, TpGroup]:
+    """A rank process started by run_ranks: `--run-dir D --tp-rank R` (own) then the script's flags
+    (args, by `parse`: they name the device and the tensor-parallel size); its device made current,
+    the group joined, its share of the CPU cores taken."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--tp-rank", type=int, required=True)
     own, rest = ap.parse_known_args()
-    args = parse_args(rest)
+    args = parse(rest)
     device = rank_device(args.device, own.tp_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     group = init_group(own.tp_rank, args.tensor_parallel_size, own.run_dir, device, GROUP_TIMEOUT_S)
     share_cpu_cores(group, device)
+    return own, args, device, group
+
+
+def rank_main() -> None:
+    """One rank: `--run-dir D --tp-rank R` then bench_decode's own flags."""
+    own, args, device, group = start_rank(parse_args)
     try:
         report = sweep_rank(args, group, device, os.path.join(own.run_dir, f"rank{own.tp_rank}"))
     finally:
