@@ -32,8 +32,9 @@ import torch.distributed as dist
 from ledgerserve.shared import env
 
 RENDEZVOUS_FILE = "tp-rendezvous"
-# Above this NCCL's ring is as fast as one-shot (each rank reads every peer's whole input), and a
-# larger buffer would cost memory on every rank: decode steps and short prefill chunks fit.
+# Decode steps and short prefill chunks fit; past some size NCCL's ring beats one-shot (each rank
+# reads every peer's whole input), and a larger buffer costs memory on every rank.
+# scripts/bench_all_reduce.py times both paths against size.
 ONE_SHOT_MAX_BYTES = 1 << 20
 ONE_SHOT_ALIGN_BYTES = 16  # the input's address must be as aligned as the buffer's for the kernel
 log = logging.getLogger(__name__)
