@@ -9,7 +9,7 @@ weights, and its share of the adapters and the KV cache, over the copy bandwidth
 and µs a step; PDL off, so kernel times add up), TP 1 beside TP N with --compare-tp1.
 
     python scripts/bench_decode.py --tensor-parallel-size 2 --compare-tp1 --batch-sizes 1,32 --adapters 0,4
-    python scripts/bench_decode.py --tensor-parallel-size 2 --compare-tp1 --batch-sizes 1 --adapters 0 --profile-steps 9
+    python scripts/bench_decode.py --tensor-parallel-size 2 --compare-tp1 --batch-sizes 1 --adapters 0 --profile-steps 8
     python -m scripts.bench_decode --tensor-parallel-size 2 --device cpu --model-dir DIR --batch-sizes 2 --adapters 1
 """
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import httpx
 import openai
+import torch
 
 from ledgerserve.demo_model import demo_adapters, ensure_demo_model
 from ledgerserve.shared.adapter_format import BaseShapes
@@ -57,7 +58,7 @@ class Target:
     same_as: str | None  # the served adapter whose text the loaded one must give, or None
 
 
-def demo_target(work_dir: str) -> Target:
+def demo_target() -> Target:
     adapters = dict(demo_adapters(ensure_demo_model()))
     copy_of = "pirate"
     return Target(None, ["--lora-allowed-dir", os.path.dirname(adapters[copy_of])], adapters[copy_of], copy_of)
@@ -165,7 +166,7 @@ def replay_check(log_dir: str) -> Check:
 
 
 def smoke(args: argparse.Namespace, work_dir: str) -> dict[str, Any]:
-    target = dummy_target(work_dir) if args.llama3_8b_dummy else demo_target(work_dir)
+    target = dummy_target(work_dir) if args.llama3_8b_dummy else demo_target()
     flags = ["--tensor-parallel-size", str(args.tensor_parallel_size), "--device", args.device, *target.args]
     log_dir = os.path.join(work_dir, "events")
     server = Server(target.model_dir, log_dir, [*flags, *args.server_args]).start()
@@ -181,17 +182,11 @@ def smoke(args: argparse.Namespace, work_dir: str) -> dict[str, Any]:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tensor-parallel-size", type=int, default=2)
-    p.add_argument("--device", default="cuda" if _has_cuda() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--llama3-8b-dummy", action="store_true", help="a Llama-3-8B-shaped dummy model, not the demo")
     p.add_argument("--out", default=None, help="write the report here (JSON)")
     p.add_argument("server_args", nargs="*", help="more `ledgerserve serve` flags, after --")
     return p.parse_args(argv)
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -41,7 +41,7 @@ def test_a_loaded_adapter_that_answers_otherwise_fails_its_check(demo_home, tmp_
     """The run-time copy of pirate is expected to answer as poet: its check fails, and the unload
     that depends on it is not tried."""
     monkeypatch.setenv("HOME", demo_home)
-    target = tp_smoke.demo_target(str(tmp_path))
+    target = tp_smoke.demo_target()
     target.same_as = "poet"
     server = Server(None, str(tmp_path / "events"), ["--device", "cpu", *target.args]).start()
     try:
