@@ -14,7 +14,7 @@ R_CHUNK = tl.constexpr(4)  # rank rows of B loaded at a time by lora_row_delta
 
 
 @triton.jit
-def _token_slot(slot, max_rank):
+def token_slot(slot, max_rank):
     """A token's slot clamped to a valid index (int64) and the ranks it reads: max_rank, or 0 for
     a base token (slot -1). Masks take `r < rank_on`, not `slot >= 0 & ...`: Triton's interpreter
     turns a scalar bool & a vector into int64, which it then refuses as a mask."""
@@ -30,7 +30,7 @@ def lora_row_delta(
     """One token's delta on columns `cols` [BLOCK] of slice s, float32; zeros when slot < 0.
     It reads all max_rank columns of h / rows of B, not the slot's rank: past its rank A and B
     are zero (LoraWeights keeps them so), and not loading the rank first saves a round trip."""
-    slot, rank_on = _token_slot(slot, max_rank)
+    slot, rank_on = token_slot(slot, max_rank)
     scale = tl.load(scalings_ptr + slot * num_slices + s)
     h_base = h_row_ptr + slot * stride_hl + s * stride_hs
     b_base = b_ptr + slot * stride_bl + s * stride_bs
@@ -56,7 +56,7 @@ def lora_b_tile(
     """Slice s of the B of one token's slot on columns `cols` [BLOCK]: [R_PAD, BLOCK] (zeros when
     slot < 0 or past max_rank) and its scaling. Weights only, so a PDL kernel may load it before
     gdc_wait; lora_tile_delta finishes the delta once h may be read."""
-    slot, rank_on = _token_slot(slot, max_rank)
+    slot, rank_on = token_slot(slot, max_rank)
     r = tl.arange(0, R_PAD)
     bt = tl.load(
         b_ptr + slot * stride_bl + s * stride_bs + r[:, None] * stride_br + cols[None, :] * stride_bo,
@@ -69,7 +69,7 @@ def lora_b_tile(
 @triton.jit
 def lora_tile_delta(h_row_ptr, slot, s, max_rank, bt, scale, stride_hl, stride_hs, R_PAD: tl.constexpr):
     """One token's delta [BLOCK] float32 from its shrink row h and a B tile from lora_b_tile."""
-    slot, rank_on = _token_slot(slot, max_rank)
+    slot, rank_on = token_slot(slot, max_rank)
     r = tl.arange(0, R_PAD)
     hv = tl.load(h_row_ptr + slot * stride_hl + s * stride_hs + r, mask=r < rank_on, other=0.0)
     return tl.sum(hv.to(tl.float32)[:, None] * bt.to(tl.float32), axis=0) * scale

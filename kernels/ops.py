@@ -22,11 +22,14 @@ from ledgerserve.kernels.fused_ref import (
     silu_and_mul_ref,
 )
 from ledgerserve.kernels.lora_types import LoraDelta, LoraLayout, Segments, SlotWeights, Tiles
+from ledgerserve.kernels.peer_buffers import PeerBuffers
 
 __all__ = [
+    "all_reduce_add_rms_norm",
     "apply_rope",
     "argmax",
     "fused_add_rms_norm",
+    "fuses_all_reduce_norm",
     "linear",
     "lora_expand",
     "lora_expand_stacked",
@@ -41,6 +44,7 @@ __all__ = [
 ]
 
 try:
+    from ledgerserve.kernels import all_reduce_norm as _all_reduce_norm
     from ledgerserve.kernels import argmax as _argmax
     from ledgerserve.kernels import fused as _fused
     from ledgerserve.kernels import gemv as _gemv
@@ -130,6 +134,26 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # normed, new_residual: [num_tokens, hidden]
     """`delta`: x's pending LoRA delta (kernels/lora_types.LoraDelta), added to x first."""
     return (_fused.fused_add_rms_norm if use_triton(x) else fused_add_rms_norm_ref)(x, residual, weight, eps, delta)
+
+
+def fuses_all_reduce_norm(x: torch.Tensor, delta: LoraDelta | None, peers: PeerBuffers | None) -> bool:
+    """Whether all_reduce_add_rms_norm takes this rank's partial x [num_tokens, hidden] (+ delta)."""
+    return peers is not None and use_triton(x) and _all_reduce_norm.fits(peers, x, delta)
+
+
+def all_reduce_add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    delta: LoraDelta | None,
+    peers: PeerBuffers,
+    half: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # normed, new_residual: [num_tokens, hidden]
+    """fused_add_rms_norm of x and its delta's h summed over the ranks, in one kernel that is the
+    all-reduce too (kernels/all_reduce_norm.py); only where fuses_all_reduce_norm holds. `half`:
+    which half of the peers' buffer; consecutive calls take different halves."""
+    return _all_reduce_norm.all_reduce_add_rms_norm(x, residual, weight, eps, delta, peers, half)
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
