@@ -13,6 +13,7 @@ LOG_LEVEL = "LEDGERSERVE_LOG_LEVEL"  # logging level of every process (default I
 API_KEY = "LEDGERSERVE_API_KEY"  # the Bearer key; only the HTTP process gets it
 LAUNCHER_PID = "LEDGERSERVE_LAUNCHER_PID"  # set by the launcher for each child it starts
 PDL = "LEDGERSERVE_PDL"  # "0": no programmatic dependent launch (Hopper kernels)
+FUSED_ALL_REDUCE_NORM = "LEDGERSERVE_FUSED_ALL_REDUCE_NORM"  # "0": TP all-reduces before a norm run alone
 GEMM_TUNING = "LEDGERSERVE_GEMM_TUNING"  # "0": no start-up GEMM algorithm tuning
 FAULT_DIGEST_RANK = "LEDGERSERVE_TEST_FAULT_DIGEST_RANK"  # test: this rank reports a wrong state digest ...
 FAULT_DIGEST_STEP = "LEDGERSERVE_TEST_FAULT_DIGEST_STEP"  # ... from this step on (default 1)
@@ -56,6 +57,10 @@ def pop_launcher_pid() -> str:
 
 def pdl_wanted() -> bool:
     return os.environ.get(PDL, "1") != "0"
+
+
+def fused_all_reduce_norm_wanted() -> bool:
+    return os.environ.get(FUSED_ALL_REDUCE_NORM, "1") != "0"
 
 
 def gemm_tuning_wanted() -> bool:

@@ -16,7 +16,11 @@ latency-bound: NCCL spends more time per call than moving the bytes takes. With_
 group a one-shot all-reduce over CUDA symmetric memory (torch.distributed._symmetric_memory): each
 rank copies its input into its own buffer, and after a barrier every rank reads all the ranks'
 buffers over NVLink and sums them, in one kernel. It takes every all-reduce of the model's dtype up
-to ONE_SHOT_MAX_BYTES; larger ones (prefill) and other dtypes go to NCCL."""
+to ONE_SHOT_MAX_BYTES; larger ones (prefill) and other dtypes go to NCCL.
+
+Beside it the group maps a second buffer (`peer_buffers`) for the all-reduce of a row-parallel
+projection's output, which the residual-add RMSNorm consuming it performs in the same kernel
+(kernels/all_reduce_norm.py; LEDGERSERVE_FUSED_ALL_REDUCE_NORM=0 turns that off)."""
 
 from __future__ import annotations
 
@@ -29,6 +33,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ledgerserve.kernels import ops
+from ledgerserve.kernels.peer_buffers import PeerBuffers
 from ledgerserve.shared import env
 
 RENDEZVOUS_FILE = "tp-rendezvous"
@@ -59,6 +65,7 @@ class OneShotAllReduce:
 
     buffer: torch.Tensor  # [ONE_SHOT_MAX_BYTES // itemsize] of the model's dtype, mapped by every rank
     group_name: str
+    norm: PeerBuffers | None = None  # the fused all-reduce + norm's buffers, where it is on
 
     def fits(self, x: torch.Tensor) -> bool:
         return (
@@ -96,6 +103,17 @@ class TpGroup:
         except RuntimeError as e:
             raise CollectiveFailed("all_reduce", self.timeout_s, e) from e
         return x
+
+    def all_reduce_(self, x: torch.Tensor) -> None:
+        """The sum of x over the ranks, in x (contiguous)."""
+        out = self.all_reduce(x)
+        if out is not x:
+            x.copy_(out)
+
+    @property
+    def peer_buffers(self) -> PeerBuffers | None:
+        """The buffers of ops.all_reduce_add_rms_norm; None where it is off (CPU, NCCL only)."""
+        return self.one_shot.norm if self.one_shot is not None else None
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[..., n] on every rank -> [..., size * n]: the ranks' x side by side along the last dim."""
@@ -161,18 +179,26 @@ def init_group(rank: int, size: int, run_dir: str, device: torch.device, timeout
 def with_one_shot(
     group: TpGroup, dtype: torch.dtype, device: torch.device, enabled: bool = True, max_bytes: int = ONE_SHOT_MAX_BYTES
 ) -> TpGroup:
-    """`group` whose all-reduces of `dtype` up to `max_bytes` run one-shot (`enabled`, CUDA, more
-    than one rank, and every rank could map the others' buffers); `group` itself otherwise.
+    """`group` whose all-reduces of `dtype` up to `max_bytes` run one-shot, and whose norms after a
+    row-parallel projection can be that all-reduce too (`enabled`, CUDA, more than one rank, and
+    every rank could map the others' buffers); `group` itself otherwise.
     Collective: every rank calls it at the same point, and they agree on the outcome."""
     if not enabled or group.size == 1 or device.type != "cuda":
         return group
     one_shot, error = _map_one_shot_buffer(dtype, device, max_bytes)
-    everyone = torch.tensor([int(one_shot is not None)], dtype=torch.int32, device=device)
-    dist.all_reduce(everyone, op=dist.ReduceOp.MIN)
-    if not everyone.item():
+    if not _everyone(one_shot is not None, device):
         log.warning("one-shot all-reduce unavailable (%s); every all-reduce goes through NCCL", error or "a peer")
         return group
-    return dataclasses.replace(group, one_shot=one_shot)
+    assert one_shot is not None
+    norm = _fused_norm_buffers(dtype, device, max_bytes) if env.fused_all_reduce_norm_wanted() else None
+    return dataclasses.replace(group, one_shot=dataclasses.replace(one_shot, norm=norm))
+
+
+def _everyone(ok: bool, device: torch.device) -> bool:
+    """Whether `ok` holds on every rank (collective)."""
+    flag = torch.tensor([int(ok)], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def _map_one_shot_buffer(
@@ -192,6 +218,59 @@ def _map_one_shot_buffer(
         return one_shot, ""
     except Exception as e:  # no peer access, a torch without these ops: NCCL does it all
         return None, f"{type(e).__name__}: {e}"
+
+
+def _fused_norm_buffers(dtype: torch.dtype, device: torch.device, half_bytes: int) -> PeerBuffers | None:
+    """The fused all-reduce + norm's buffers, once every rank mapped them and a trial through both
+    halves summed right on every rank; None (logged) otherwise. Collective."""
+    peers, error = _map_norm_buffers(dtype, device, half_bytes)
+    if _everyone(peers is not None, device):
+        assert peers is not None
+        error = _try_fused_norm(peers, device)
+        if _everyone(not error, device):
+            return peers
+    log.warning("all-reduce fused into the norm unavailable (%s); it runs as its own kernel", error or "a peer")
+    return None
+
+
+def _map_norm_buffers(dtype: torch.dtype, device: torch.device, half_bytes: int) -> tuple[PeerBuffers | None, str]:
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        half_numel = half_bytes // dtype.itemsize
+        buffer = symm_mem.empty(2 * half_numel, dtype=dtype, device=device)
+        handle = symm_mem.rendezvous(buffer, dist.group.WORLD.group_name)
+        handle.get_signal_pad(handle.rank).zero_()  # the barrier's flags start lowered
+        torch.cuda.synchronize(device)
+        peers = PeerBuffers(
+            buffer=buffer,
+            buffer_ptrs=torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device),
+            signal_pad_ptrs=torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device),
+            rank=handle.rank,
+            world_size=handle.world_size,
+            dtype=dtype,
+            half_numel=half_numel,
+            max_rows=handle.signal_pad_size // 4 // handle.world_size,
+        )
+        return peers, ""
+    except Exception as e:  # as _map_one_shot_buffer
+        return None, f"{type(e).__name__}: {e}"
+
+
+def _try_fused_norm(peers: PeerBuffers, device: torch.device) -> str:
+    """Why a trial of the fused kernel on every rank went wrong here; "" where it summed right."""
+    x = torch.ones(2, 64, dtype=peers.dtype, device=device)  # [2, 64]
+    weight = torch.ones(64, dtype=peers.dtype, device=device)
+    try:
+        for half in (0, 1):
+            if not ops.fuses_all_reduce_norm(x, None, peers):
+                return "the kernel does not take a trial row"
+            _, residual = ops.all_reduce_add_rms_norm(x, torch.zeros_like(x), weight, 1e-6, None, peers, half)
+            if not bool((residual == peers.world_size).all()):
+                return f"a trial sum gave {residual[0, :4].tolist()}"
+        return ""
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
 
 
 def close_group(group: TpGroup) -> None:

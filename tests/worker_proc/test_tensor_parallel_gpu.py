@@ -8,7 +8,8 @@ and NCCL's, against transformers and PEFT.
 - Greedy parity through the runner's own path (chunked prefill, decode graphs): every output equals
   PEFT's greedy tokens, except after a position where PEFT's top-2 gap is within twice the largest
   logit error measured above (a flip there is bf16 rounding, reported).
-- The decode graph replays the eager forward's logits; the all-reduce sums right on both paths."""
+- The decode graph replays the eager forward's logits; the all-reduce sums right on both paths, and
+  the all-reduce fused into the residual-add RMSNorm matches the all-reduce followed by the norm."""
 
 from __future__ import annotations
 
@@ -143,3 +144,5 @@ def test_graphs_replay_the_eager_forward_and_both_all_reduce_paths_sum_right(run
         "int64": False,
     }
     assert not any(nccl["one_shot"].values())
+    # the model's norms after o and down took the fused all-reduce where the one-shot path is on
+    assert graphs["fused_norm"] and eager["fused_norm"] and not nccl["fused_norm"]

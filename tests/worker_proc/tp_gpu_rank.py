@@ -1,7 +1,9 @@
 """One rank of tests/worker_proc/test_tensor_parallel_gpu.py, run as its own process on cuda:RANK
 in bfloat16: `python -m tests.worker_proc.tp_gpu_rank RANK SIZE RUN_DIR SPEC_JSON`. It
 1. checks the group's all-reduce (one-shot or NCCL, eager and captured in a CUDA graph) against
-   the sum it expects, for the sizes and dtypes a forward pass sends;
+   the sum it expects, for the sizes and dtypes a forward pass sends, and the all-reduce fused into
+   the residual-add RMSNorm (with and without a pending LoRA delta) against the all-reduce followed
+   by the norm;
 2. loads the spec's adapters into slots 0.. and runs every prompt with its reference continuation
    appended (teacher forcing) as one mixed prefill step: the logits of the continuation's positions;
 3. with decode graphs, runs one decode step through the graph and eagerly on the same inputs;
@@ -19,11 +21,14 @@ import sys
 import torch
 from safetensors.torch import save_file
 
+from ledgerserve.kernels import ops
+from ledgerserve.kernels.lora_types import LoraDelta
 from ledgerserve.shared.events import AdapterLoadCompleted, AdapterSlotAssigned, SampledToken, StepCompleted
 from ledgerserve.worker_proc.batch import ReqState
 from ledgerserve.worker_proc.parallel import TpGroup, init_group
 from ledgerserve.worker_proc.runner import ModelRunner
 from ledgerserve.worker_proc.step_inputs import build_step_inputs
+from tests.kernels.lora_delta_data import make_delta
 from tests.worker_proc.fake_scheduler import FakeScheduler
 from tests.worker_proc.lora_setup import BLOCK_SIZE, GREEDY, NUM_BLOCKS, lora_config
 
@@ -33,7 +38,7 @@ CHUNKS = {"base": 5, "head": 3, "attn": 7, "mlp": 4, "all": 6}
 ALL_REDUCES = [
     ("bf16-row", (1, 64), torch.bfloat16),
     ("bf16-decode", (32, 4096), torch.bfloat16),
-    ("bf16-prefill", (300, 4096), torch.bfloat16),  # past the one-shot buffer: NCCL
+    ("bf16-prefill", (600, 4096), torch.bfloat16),  # past the one-shot buffer: NCCL
     ("fp32", (8, 64), torch.float32),
     ("int64", (8,), torch.int64),
 ]
@@ -59,6 +64,41 @@ def check_all_reduce(group: TpGroup, device: torch.device) -> dict[str, bool]:
         torch.cuda.synchronize(device)
         assert torch.equal(out, want), f"{name}: graphed all-reduce is wrong"
     return one_shot
+
+
+def check_fused_norm(group: TpGroup, device: torch.device) -> bool:
+    """Whether the group fuses the all-reduce into the norm; where it does, the fused kernel, eager
+    and from a CUDA graph, against the all-reduce then fused_add_rms_norm, on rank-dependent partials."""
+    peers = group.peer_buffers
+    if peers is None:
+        return False
+    gen = torch.Generator().manual_seed(group.rank)
+    for lora in (False, True):
+        delta = make_delta([4096], torch.bfloat16, str(device), seed=group.rank) if lora else None
+        rows = len(delta.token_slots) if delta is not None else 32
+        x = torch.randn(rows, 4096, generator=gen).to(device, torch.bfloat16)  # this rank's partial
+        residual = torch.randn(rows, 4096, generator=torch.Generator().manual_seed(7)).to(device, torch.bfloat16)
+        weight = torch.rand(4096, generator=torch.Generator().manual_seed(8)).to(device, torch.bfloat16)
+        summed, summed_delta = group.all_reduce(x.clone()), None
+        if delta is not None:
+            h = group.all_reduce(delta.h.contiguous())
+            summed_delta = LoraDelta(h, delta.weights, delta.token_slots)
+        want = ops.fused_add_rms_norm(summed, residual, weight, 1e-5, summed_delta)
+        assert ops.fuses_all_reduce_norm(x, delta, peers), f"lora={lora}: not fused"
+        for half in (0, 1):
+            got = ops.all_reduce_add_rms_norm(x, residual, weight, 1e-5, delta, peers, half)
+            for g, w, what in zip(got, want, ("normed", "residual"), strict=True):
+                torch.testing.assert_close(g, w, atol=1e-2, rtol=1e-2, msg=f"lora={lora} half={half}: {what}")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = [ops.all_reduce_add_rms_norm(x, residual, weight, 1e-5, delta, peers, half) for half in (0, 1)]
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize(device)
+        for got in out:
+            for g, w in zip(got, want, strict=True):
+                torch.testing.assert_close(g, w, atol=1e-2, rtol=1e-2, msg=f"lora={lora}: graphed")
+    return True
 
 
 def teacher_forced_logits(runner: ModelRunner, spec: dict, slots: dict[str, int]) -> dict[str, torch.Tensor]:
@@ -130,6 +170,7 @@ def main() -> None:
     runner = ModelRunner(config, rank, group)
     print(f"rank {rank}: runner built", file=sys.stderr, flush=True)
     report: dict = {"one_shot": check_all_reduce(runner.group, device)}
+    report["fused_norm"] = check_fused_norm(runner.group, device)
     print(f"rank {rank}: all-reduce checked", file=sys.stderr, flush=True)
     slots = {}
     for slot, (name, path) in enumerate(spec["adapter_dirs"].items()):

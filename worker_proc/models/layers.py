@@ -7,6 +7,8 @@ from its stacked buffers (`self.lora`), for fused qkv, o, gate_up, down and lm_h
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -18,6 +20,18 @@ from ledgerserve.worker_proc.lora.weights import LoraWeights
 from ledgerserve.worker_proc.models.config import ModelConfig
 from ledgerserve.worker_proc.models.shard import LayerShard, down_shard, gate_up_shard, vocab_shard, whole
 from ledgerserve.worker_proc.parallel import TpGroup
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """A projection's output with what is still owed on it: its LoRA delta, which the kernel that
+    consumes it adds (kernels/lora_types.LoraDelta), and, from a row-parallel layer at tensor
+    parallel > 1, its all-reduce: `partial` is this rank's [num_tokens, columns] sum, and `y` and
+    `delta.h` are views of it (reduce_add_rms_norm settles both)."""
+
+    y: torch.Tensor  # [num_tokens, out_features]
+    delta: LoraDelta | None = None
+    partial: torch.Tensor | None = None
 
 
 class SlotLinear(nn.Module):
@@ -44,6 +58,7 @@ class SlotLinear(nn.Module):
         self.output_sizes = list(output_sizes)
         self.shard = shard or whole(in_features, self.output_sizes)
         self.group = group or TpGroup()
+        self.defers_reduce = self.shard.reduce and self.group.size > 1  # forward_deferred leaves the all-reduce
         out_features = sum(output_sizes)
         # zeros: rows past the vocabulary (padding) and a row-parallel bias off rank 0 stay zero
         self.weight = nn.Parameter(torch.zeros(out_features, in_features), requires_grad=False)
@@ -56,15 +71,21 @@ class SlotLinear(nn.Module):
         # x: [num_tokens, in_features] -> [num_tokens, out_features]
         return self._forward(x, self._lora_plan(x, lora))
 
-    def forward_deferred(self, x: torch.Tensor, lora: LoraMapping | None) -> tuple[torch.Tensor, LoraDelta | None]:
+    def forward_deferred(self, x: torch.Tensor, lora: LoraMapping | None) -> Deferred:
         """forward, except that on the stacked decode path the LoRA delta comes back unapplied, for
-        the kernel that consumes the output to add (kernels/lora_types.LoraDelta): one launch fewer."""
+        the kernel that consumes the output to add (one launch fewer), and that a row-parallel
+        layer's all-reduce is left to the consumer too (reduce_add_rms_norm), except on the
+        unstacked LoRA path, which reduces base output and shrink before its expand."""
         plan = self._lora_plan(x, lora)
+        if plan is None and self.defers_reduce:
+            y = ops.linear(x, self.weight, self.bias)  # [num_tokens, out]
+            return Deferred(y, None, y)
         if not isinstance(plan, lora_layout.Stacked):
-            return self._forward(x, plan), None
+            return Deferred(self._forward(x, plan))
         assert self.lora is not None
-        y, h = self._stacked_gemm(x, plan.num_slots)
-        return y, LoraDelta(h, self.lora, plan.token_slots)
+        out = self._stacked_gemm(x, plan.num_slots)
+        y, h = self._split_stacked(out, plan.num_slots)
+        return Deferred(y, LoraDelta(h, self.lora, plan.token_slots), out if self.defers_reduce else None)
 
     def _lora_plan(self, x: torch.Tensor, lora: LoraMapping | None) -> lora_layout.Stacked | LoraLayout | None:
         if self.lora is None or lora is None:
@@ -76,7 +97,7 @@ class SlotLinear(nn.Module):
             return self._reduce(ops.linear(x, self.weight, self.bias))
         assert self.lora is not None
         if isinstance(plan, lora_layout.Stacked):
-            y, h = self._stacked_gemm(x, plan.num_slots)
+            y, h = self._split_stacked(self._reduce(self._stacked_gemm(x, plan.num_slots)), plan.num_slots)
             ops.lora_expand_stacked(y, h, self.lora, plan.tiles)
             return y
         y = ops.linear(x, self.weight, self.bias)
@@ -95,21 +116,25 @@ class SlotLinear(nn.Module):
             return y
         return self.group.all_reduce(y.contiguous())
 
-    def _stacked_gemm(self, x: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Base output y [num_tokens, out] (rows strided) and h [num_tokens, num_slots, num_slices,
-        max_rank], x A^T of slots [0, num_slots) (0: all), from one GEMM."""
+    def _stacked_gemm(self, x: torch.Tensor, num_slots: int) -> torch.Tensor:
+        """[num_tokens, out + num_slots * num_slices * max_rank]: the base output and x A^T of
+        slots [0, num_slots) (0: all), from one GEMM; a row-parallel layer's is this rank's partial sum."""
         assert self.stacked is not None and self.lora is not None
         max_loras, num_slices, max_rank = self.lora.a.shape[:3]
-        num_slots = num_slots or max_loras
-        num_out = self.weight.shape[0]
-        rows = num_out + num_slots * num_slices * max_rank
+        rows = self.weight.shape[0] + (num_slots or max_loras) * num_slices * max_rank
         # A copy may write the A rows of a slot no token of this step uses while this GEMM runs
         # (worker_proc/lora/fences.py): each output column reads one weight row only, and those
         # slots' columns of h are never read, so the step's output cannot change.
         weight, bias = self.stacked
-        out = ops.linear(x, weight[:rows], None if bias is None else bias[:rows])  # [num_tokens, rows]
-        out = self._reduce(out)  # row-parallel: base output and every h in one all-reduce
-        return out[:, :num_out], out[:, num_out:].unflatten(1, (num_slots, num_slices, max_rank))
+        return ops.linear(x, weight[:rows], None if bias is None else bias[:rows])
+
+    def _split_stacked(self, out: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """_stacked_gemm's output as the base output y [num_tokens, out] (rows strided) and h
+        [num_tokens, num_slots, num_slices, max_rank]."""
+        assert self.lora is not None
+        max_loras, num_slices, max_rank = self.lora.a.shape[:3]
+        num_out = self.weight.shape[0]
+        return out[:, :num_out], out[:, num_out:].unflatten(1, (num_slots or max_loras, num_slices, max_rank))
 
     def attach_lora(self, max_loras: int, max_rank: int, stack: bool) -> LoraWeights:
         """Hang per-slot LoRA buffers on this layer; with `stack` (worker_proc/lora/layout.stacks_a),
@@ -154,6 +179,21 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps)
 
 
+def reduce_add_rms_norm(
+    group: TpGroup, x: Deferred, residual: torch.Tensor, norm: RMSNorm, half: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """normed, new_residual = norm(x + its LoRA delta + residual), x summed over the ranks first
+    where it is a partial sum: in the norm's kernel where the group and the shape allow
+    (ops.fuses_all_reduce_norm), else by the group's all-reduce. `half`: which half of the fused
+    kernel's buffer; the model's consecutive call sites alternate 0 and 1."""
+    if x.partial is not None:
+        peers = group.peer_buffers
+        if peers is not None and ops.fuses_all_reduce_norm(x.y, x.delta, peers):
+            return ops.all_reduce_add_rms_norm(x.y, residual, norm.weight, norm.eps, x.delta, peers, half)
+        group.all_reduce_(x.partial)
+    return ops.fused_add_rms_norm(x.y, residual, norm.weight, norm.eps, x.delta)
+
+
 class GatedMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, group: TpGroup) -> None:
         """This rank's MLP columns: gate/up column-parallel, down row-parallel."""
@@ -162,10 +202,10 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = SlotLinear(hidden, [local, local], cfg.mlp_bias, gate_up_shard(cfg), group)
         self.down_proj = SlotLinear(local, [hidden], cfg.mlp_bias, down_shard(cfg), group)
 
-    def forward(self, x: torch.Tensor, lora: LoraMapping | None) -> tuple[torch.Tensor, LoraDelta | None]:
-        """[num_tokens, hidden] and its pending LoRA delta (for the next residual-add norm)."""
-        gate_up, delta = self.gate_up_proj.forward_deferred(x, lora)  # [num_tokens, 2 * intermediate]
-        return self.down_proj.forward_deferred(ops.silu_and_mul(gate_up, delta), lora)
+    def forward(self, x: torch.Tensor, lora: LoraMapping | None) -> Deferred:
+        """[num_tokens, hidden], with what the next residual-add norm owes it (LoRA delta, all-reduce)."""
+        gate_up = self.gate_up_proj.forward_deferred(x, lora)  # [num_tokens, 2 * intermediate]
+        return self.down_proj.forward_deferred(ops.silu_and_mul(gate_up.y, gate_up.delta), lora)
 
 
 class VocabEmbedding(nn.Module):

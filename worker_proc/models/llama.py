@@ -8,7 +8,8 @@ lm_head included, receives the batch's `LoraMapping` and adds its slot's LoRA de
 Every op goes through `kernels.ops` (paged attention, fused residual-add + RMSNorm, in-place
 RoPE from a cos/sin cache with the KV write, SiLU-and-mul, linear): Triton on CUDA in
 bf16/fp16, the torch references otherwise. A projection's LoRA delta may come back unapplied
-(`SlotLinear.forward_deferred`), for the op that consumes the output to add.
+(`SlotLinear.forward_deferred`), for the op that consumes the output to add; so may a row-parallel
+projection's all-reduce, which the residual-add RMSNorm after it performs (`reduce_add_rms_norm`).
 """
 
 from __future__ import annotations
@@ -17,16 +18,25 @@ import torch
 from torch import nn
 
 from ledgerserve.kernels import ops
-from ledgerserve.kernels.lora_types import LoraDelta
 from ledgerserve.worker_proc.lora.mapping import LoraMapping
 from ledgerserve.worker_proc.models.config import ModelConfig
-from ledgerserve.worker_proc.models.layers import GatedMLP, RMSNorm, SlotLinear, VocabEmbedding
+from ledgerserve.worker_proc.models.layers import (
+    Deferred,
+    GatedMLP,
+    RMSNorm,
+    SlotLinear,
+    VocabEmbedding,
+    reduce_add_rms_norm,
+)
 from ledgerserve.worker_proc.models.rope import RotaryEmbedding
 from ledgerserve.worker_proc.models.shard import o_shard, qkv_shard, vocab_shard
 from ledgerserve.worker_proc.parallel import TpGroup
 from ledgerserve.worker_proc.step_inputs import StepInputs
 
 KVCacheLayer = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, block_size, num_kv_heads, head_dim]
+# reduce_add_rms_norm's call sites, each with its half of the fused all-reduce's buffer: the
+# post-attention norm, then the next layer's input norm (or the final norm), alternating
+AFTER_ATTENTION, AFTER_MLP = 0, 1
 
 
 class Attention(nn.Module):
@@ -61,7 +71,7 @@ class Attention(nn.Module):
         inputs: StepInputs,
         cos_sin_cache: torch.Tensor,  # [max_position, head_dim] float32
         kv_cache: KVCacheLayer,
-    ) -> tuple[torch.Tensor, LoraDelta | None]:  # [num_tokens, hidden] and its pending LoRA delta
+    ) -> Deferred:  # [num_tokens, hidden] and what the next norm owes it
         num_tokens = x.shape[0]
         q, k, v = self._project_qkv(x, inputs.lora)
         if self.q_norm is not None and self.k_norm is not None:
@@ -87,6 +97,7 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, group: TpGroup) -> None:
         super().__init__()
+        self.group = group
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, group)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -94,21 +105,20 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        h: torch.Tensor,  # [num_tokens, hidden]: this layer's input delta (embeddings for layer 0)
-        h_lora: LoraDelta | None,  # h's pending LoRA delta (the previous down_proj's)
+        h: Deferred,  # [num_tokens, hidden]: this layer's input delta (the previous down_proj's, or embeddings)
         residual: torch.Tensor | None,  # [num_tokens, hidden]; None for layer 0
         inputs: StepInputs,
         cos_sin_cache: torch.Tensor,
         kv_cache: KVCacheLayer,
-    ) -> tuple[torch.Tensor, LoraDelta | None, torch.Tensor]:  # mlp output, its LoRA delta, residual
+    ) -> tuple[Deferred, torch.Tensor]:  # mlp output, residual
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         if residual is None:
-            x, residual = norm1(h), h
+            x, residual = norm1(h.y), h.y
         else:
-            x, residual = ops.fused_add_rms_norm(h, residual, norm1.weight, norm1.eps, h_lora)
-        attn, attn_lora = self.self_attn(x, inputs, cos_sin_cache, kv_cache)
-        x, residual = ops.fused_add_rms_norm(attn, residual, norm2.weight, norm2.eps, attn_lora)
-        return *self.mlp(x, inputs.lora), residual
+            x, residual = reduce_add_rms_norm(self.group, h, residual, norm1, AFTER_MLP)
+        attn = self.self_attn(x, inputs, cos_sin_cache, kv_cache)
+        x, residual = reduce_add_rms_norm(self.group, attn, residual, norm2, AFTER_ATTENTION)
+        return self.mlp(x, inputs.lora), residual
 
 
 class LlamaModel(nn.Module):
@@ -142,15 +152,13 @@ class LlamaForCausalLM(nn.Module):
         """kv_caches: one per layer."""
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"{len(kv_caches)} KV cache layers for {len(self.model.layers)} model layers")
-        h = self.model.embed_tokens(inputs.input_ids)  # [num_tokens, hidden]
-        cos_sin_cache = self.model.rotary.cos_sin_cache(h.device)
+        h = Deferred(self.model.embed_tokens(inputs.input_ids))  # [num_tokens, hidden], summed
+        cos_sin_cache = self.model.rotary.cos_sin_cache(h.y.device)
         residual: torch.Tensor | None = None
-        h_lora: LoraDelta | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            h, h_lora, residual = layer(h, h_lora, residual, inputs, cos_sin_cache, kv_cache)
-        norm = self.model.norm
+            h, residual = layer(h, residual, inputs, cos_sin_cache, kv_cache)
         assert residual is not None
-        return ops.fused_add_rms_norm(h, residual, norm.weight, norm.eps, h_lora)[0]
+        return reduce_add_rms_norm(self.group, h, residual, self.model.norm, AFTER_MLP)[0]
 
     @torch.inference_mode()
     def compute_logits(
