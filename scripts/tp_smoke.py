@@ -114,7 +114,7 @@ def _completion(client: openai.OpenAI, model: str) -> tuple[str, str]:
     r = client.completions.create(model=model, prompt=PROMPT, **GREEDY)
     if r.usage is None or r.usage.completion_tokens != MAX_TOKENS or r.choices[0].finish_reason != "length":
         raise AssertionError(f"expected {MAX_TOKENS} tokens ending in 'length': {r}")
-    return r.choices[0].text, repr(r.choices[0].text)
+    return r.choices[0].text, f"{MAX_TOKENS} tokens, {r.choices[0].text!r}"
 
 
 def _chat(client: openai.OpenAI, model: str) -> tuple[str, str]:
@@ -124,15 +124,24 @@ def _chat(client: openai.OpenAI, model: str) -> tuple[str, str]:
     text = r.choices[0].message.content
     if not isinstance(text, str) or r.usage is None or not r.usage.completion_tokens:
         raise AssertionError(f"no answer: {r}")
-    return text, repr(text)
+    return text, f"{r.usage.completion_tokens} tokens, {text!r}"
 
 
 def _stream(client: openai.OpenAI, model: str, whole: str | None) -> tuple[str, str]:
-    chunks = [c.choices[0].text for c in client.completions.create(model=model, prompt=PROMPT, stream=True, **GREEDY)]
+    """The streamed text, which must equal `whole`, and its token count from the closing usage chunk
+    (the dummy model's random tokens may decode to no text at all)."""
+    stream = client.completions.create(
+        model=model, prompt=PROMPT, stream=True, stream_options={"include_usage": True}, **GREEDY
+    )
+    events = list(stream)
+    chunks = [c.choices[0].text for c in events if c.choices]
+    usage = events[-1].usage if events else None
     text = "".join(chunks)
+    if usage is None or usage.completion_tokens != MAX_TOKENS:
+        raise AssertionError(f"expected a closing usage of {MAX_TOKENS} tokens: {usage}")
     if whole is not None and text != whole:
         raise AssertionError(f"streamed {text!r}, not the completion's {whole!r}")
-    return text, f"{len(chunks)} chunks, {text!r}"
+    return text, f"{len(chunks)} chunks, {MAX_TOKENS} tokens, {text!r}"
 
 
 def _load(server: Server, client: openai.OpenAI, path: str, expected: str | None) -> tuple[str, str]:
@@ -144,7 +153,7 @@ def _load(server: Server, client: openai.OpenAI, path: str, expected: str | None
     text, _ = _completion(client, LOADED_NAME)
     if expected is not None and text != expected:
         raise AssertionError(f"the loaded copy answered {text!r}, its original {expected!r}")
-    return text, f"{path}: {text!r}"
+    return text, f"{path}: {MAX_TOKENS} tokens, {text!r}"
 
 
 def _unload(server: Server, client: openai.OpenAI) -> tuple[None, str]:
