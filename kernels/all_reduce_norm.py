@@ -109,11 +109,12 @@ def _all_reduce_rms_norm_kernel(
     acc = tl.zeros([BLOCK], tl.float32)
     if R_PAD > 0:
         h_acc = tl.zeros([R_PAD], tl.float32)
-    for peer in tl.static_range(WORLD):  # rank order: every rank sums alike
+    # rank order: every rank sums alike; .cg reads past L1, which keeps no copy of a peer's half
+    for peer in tl.static_range(WORLD):
         src = _rank_row(buf_table_ptr, peer, at, x.dtype)
-        acc += tl.load(src + cols, mask=mask, other=0.0, volatile=True).to(tl.float32)
+        acc += tl.load(src + cols, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
         if R_PAD > 0:
-            h_acc += tl.load(src + BLOCK + r, volatile=True).to(tl.float32)
+            h_acc += tl.load(src + BLOCK + r, cache_modifier=".cg").to(tl.float32)
     x = acc.to(x.dtype)  # rounded like the all-reduce's output
     if R_PAD > 0:
         h_sum = h_acc.to(x.dtype).to(tl.float32)  # rounded like the all-reduced h
