@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ledgerserve.kernels.fused import PREFETCH_B_ELEMS
+from ledgerserve.kernels.fused import PREFETCH_B_ELEMS, add_residual_and_norm
 from ledgerserve.kernels.lora_delta import delta_args, lora_b_tile, rank_pad, token_slot
 from ledgerserve.kernels.lora_types import LoraDelta
 from ledgerserve.kernels.pdl import enabled as pdl_enabled
@@ -120,13 +120,10 @@ def _all_reduce_rms_norm_kernel(
         h_sum = h_acc.to(x.dtype).to(tl.float32)  # rounded like the all-reduced h
         d = tl.sum(h_sum[:, None] * bt.to(tl.float32), axis=0) * scale
         x = (x.to(tl.float32) + d).to(x.dtype)
-    res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
-    x = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)  # rounded like `x + residual`
-    tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
-    x32 = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x32 * x32, axis=0) / n_cols + eps)
-    normed = (x32 * rstd).to(x.dtype).to(tl.float32)  # cast back before the weight, like HF
-    tl.store(out_ptr + row * stride_out + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    add_residual_and_norm(
+        x, w, row, cols, mask, n_cols, eps, res_ptr, res_out_ptr, out_ptr, stride_res, stride_res_out, stride_out,
+        True,
+    )  # fmt: skip
 
 
 def all_reduce_add_rms_norm(

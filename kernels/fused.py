@@ -51,6 +51,19 @@ def _rms_norm_kernel(
                 stride_hl, stride_hs, stride_bl, stride_bs, stride_bo, stride_br, BLOCK, R_PAD,
             )  # fmt: skip
         x = (x.to(tl.float32) + d).to(x.dtype)
+    add_residual_and_norm(
+        x, w, row, cols, mask, n_cols, eps, res_ptr, res_out_ptr, out_ptr, stride_res, stride_res_out, stride_out,
+        HAS_RESIDUAL,
+    )  # fmt: skip
+
+
+@triton.jit
+def add_residual_and_norm(
+    x, w, row, cols, mask, n_cols, eps, res_ptr, res_out_ptr, out_ptr, stride_res, stride_res_out, stride_out,
+    HAS_RESIDUAL: tl.constexpr,
+):  # fmt: skip
+    """The end of a norm program's row x [BLOCK] (its delta added): x + residual stored as the new
+    residual (HAS_RESIDUAL), then its RMSNorm times w [BLOCK] float32 stored, rounded as HF rounds."""
     if HAS_RESIDUAL:
         res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)  # rounded like `x + residual`
