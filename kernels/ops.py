@@ -136,9 +136,9 @@ def fused_add_rms_norm(
     return (_fused.fused_add_rms_norm if use_triton(x) else fused_add_rms_norm_ref)(x, residual, weight, eps, delta)
 
 
-def fuses_all_reduce_norm(x: torch.Tensor, delta: LoraDelta | None, peers: PeerBuffers | None) -> bool:
+def fuses_all_reduce_norm(x: torch.Tensor, delta: LoraDelta | None, peers: PeerBuffers) -> bool:
     """Whether all_reduce_add_rms_norm takes this rank's partial x [num_tokens, hidden] (+ delta)."""
-    return peers is not None and use_triton(x) and _all_reduce_norm.fits(peers, x, delta)
+    return use_triton(x) and _all_reduce_norm.fits(peers, x, delta)
 
 
 def all_reduce_add_rms_norm(
