@@ -286,7 +286,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
-    gen = args.gen_len if args.e2e else args.warmup + args.steps + args.profile_steps
+    gen = args.gen_len if args.e2e else args.warmup + args.steps + 2 * args.profile_steps  # host-timed, then profiled
     blocks_per_req = -(-(args.prompt_len + gen + 2) // BLOCK)
     return EngineConfig(
         model_dir=model_dir,

@@ -16,6 +16,7 @@ and µs a step; PDL off, so kernel times add up), TP 1 beside TP N with --compar
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import json
@@ -39,7 +40,7 @@ from ledgerserve.worker_proc.parallel import TpGroup, close_group, init_group, r
 from ledgerserve.worker_proc.runner import ModelRunner
 from scripts.bench_decode import Bench, engine_config, parse_args
 from scripts.bench_fixtures import adapter_bytes, copy_bandwidth, kv_bytes, weight_bytes, write_adapter, write_model_dir
-from scripts.profile_decode import kernel_table
+from scripts.profile_decode import kernel_table, timed_host_parts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT_FILE = "result.json"
@@ -157,7 +158,7 @@ def sweep_rank(args: argparse.Namespace, group: TpGroup, device: torch.device, r
         for i in range(max(args.adapter_counts)):
             runner.load_adapter(AdapterSlotAssigned(i, i, write_adapter(root, i, base, args.rank, args.device)))
         bw = copy_bandwidth(device) if device.type == "cuda" else host_copy_bandwidth()
-        bench = Bench(runner, args.prompt_len, args.warmup, args.steps + args.profile_steps)  # blocks for them all
+        bench = Bench(runner, args.prompt_len, args.warmup, args.steps + 2 * args.profile_steps)  # blocks for them all
         bench.clock = NoClock()
         rows = [_row(bench, group, base, args, bw, b, n) for n in args.adapter_counts for b in args.batches]
     finally:
@@ -187,18 +188,29 @@ def _row(
     floor_ms = (weight_bytes(runner.model, batch) + shared / group.size) / bw * 1e3
     all_reduce_ms = all_reduce_step_ms(runner.group, batch, base, runner.dtype, runner.device)
     row = dict(batch=batch, adapters=distinct, step_ms=round(step_ms, 3), tok_s=round(batch / step_ms * 1e3, 1))
+    if bench.runner.device.type == "cuda":  # every rank runs it: the step's collectives need them all
+        row["gpu_ms"] = round(bench.gpu_step()[0], 3)
     row.update(shard_floor_ms=round(floor_ms, 3), all_reduce_ms=round(all_reduce_ms, 3))
     if group.rank == 0:
         print(json.dumps({"tp": group.size, **row}), flush=True)
     if args.profile_steps:
-        row["kernels"] = profile_steps(bench, group, last, args.profile_steps)
+        row["host_ms"], row["kernels"] = profile_steps(bench, group, last, args.profile_steps)
     return row
 
 
-def profile_steps(bench: Bench, group: TpGroup, last: dict[str, int], num_steps: int) -> list[dict]:
-    """`num_steps` more decode steps, every rank running them (they share collectives), under
-    torch.profiler on rank 0: its per-kernel table (scripts/profile_decode.py), [] on the others."""
+def profile_steps(
+    bench: Bench, group: TpGroup, last: dict[str, int], num_steps: int
+) -> tuple[dict[str, float], list[dict]]:
+    """`num_steps` more decode steps, every rank running them (they share collectives): first
+    timing the host's parts of a step (scripts/profile_decode.py's HOST_PARTS, ms a step), then
+    under torch.profiler on rank 0 for its per-kernel table; ({}, []) on the other ranks."""
     device = bench.runner.device
+    host: dict[str, float] = collections.defaultdict(float)
+    with timed_host_parts(host):
+        for _ in range(num_steps):
+            sampled, _ = bench.decode(last)
+            last = share_tokens(group, bench, sampled)
+    host_ms = {name: round(s / num_steps * 1e3, 3) for name, s in host.items()}
     activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
     _sync(device)
     with profile(activities=[activity]) if group.rank == 0 else contextlib.nullcontext() as prof:
@@ -207,12 +219,13 @@ def profile_steps(bench: Bench, group: TpGroup, last: dict[str, int], num_steps:
             last = share_tokens(group, bench, sampled)
         _sync(device)
     if group.rank != 0:
-        return []
+        return {}, []
+    print(f"tp {group.size}: host ms a step {host_ms}", flush=True)
     table = kernel_table(prof, num_steps, device.type)
     print(f"tp {group.size}: {sum(k['us'] for k in table):.1f} us of kernels a step, the largest:", flush=True)
     for k in table[:PRINTED_KERNELS]:
         print(f"{k['us']:9.1f} us {k['calls']:6.1f}x  {k['kernel']}", flush=True)
-    return table
+    return host_ms, table
 
 
 def share_tokens(group: TpGroup, bench: Bench, sampled: dict[str, int]) -> dict[str, int]:

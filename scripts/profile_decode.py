@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import os
 import tempfile
 import time
+from collections.abc import Iterator
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -43,10 +45,11 @@ HOST_PARTS = [
 ]
 
 
-def time_host_parts(totals: dict[str, float]) -> None:
-    """Wrap HOST_PARTS so each call adds its wall seconds to totals[name]."""
-    for cls, name in HOST_PARTS:
-        fn = getattr(cls, name)
+@contextlib.contextmanager
+def timed_host_parts(totals: dict[str, float]) -> Iterator[None]:
+    """Within: each call of a HOST_PARTS method adds its wall seconds to totals[name]."""
+    originals = [(cls, name, getattr(cls, name)) for cls, name in HOST_PARTS]
+    for cls, name, fn in originals:
 
         @functools.wraps(fn)
         def timed(*args, _fn=fn, _name=f"{cls.__name__}.{name}", **kw):
@@ -57,6 +60,11 @@ def time_host_parts(totals: dict[str, float]) -> None:
                 totals[_name] += time.perf_counter() - t0
 
         setattr(cls, name, timed)
+    try:
+        yield
+    finally:
+        for cls, name, fn in originals:
+            setattr(cls, name, fn)
 
 
 def kernel_table(prof, num_steps: int, device_type: str = "cuda") -> list[dict]:
@@ -151,11 +159,11 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="profile_decode_")
     runner = build_runner(args, root, max(b for b, _ in points), max(a for _, a in points))
     host: dict[str, float] = collections.defaultdict(float)
-    time_host_parts(host)
     bench = Bench(runner, 128, 0, 8 * args.steps)
     report = []
     for batch, num_adapters in points:
-        row = profile_point(bench, batch, num_adapters, args.steps, host)
+        with timed_host_parts(host):
+            row = profile_point(bench, batch, num_adapters, args.steps, host)
         report.append(row)
         print(
             f"\n== batch {batch}, {num_adapters} adapters: step {row['step_ms']} ms, kernels "

@@ -68,7 +68,8 @@ def test_load_churn_keeps_spare_slots_loading_from_both_tiers(tmp_path) -> None:
 def test_tensor_parallel_sweep_runs_two_ranks_beside_one(demo_model_dir, tmp_path) -> None:
     """--tensor-parallel-size 2 --compare-tp1 on the CPU: two rank processes (gloo) and one, each
     row with its step time, all-reduce time (none with one rank), shard floor and, with
-    --profile-steps, rank 0's per-op table (the all-reduce among the ops only with two ranks)."""
+    --profile-steps, rank 0's host parts of a step and per-op table (the all-reduce among the ops only
+    with two ranks)."""
     import json
     import subprocess
     import sys
@@ -105,5 +106,9 @@ def test_tensor_parallel_sweep_runs_two_ranks_beside_one(demo_model_dir, tmp_pat
     ops = {name: {k["kernel"]: k for k in run["results"][0]["kernels"]} for name, run in report.items() if "tp" in name}
     assert ops["tp1"]["aten::mm"]["calls"] > 0 and ops["tp2"]["aten::mm"]["calls"] > 0
     assert "c10d::allreduce_" not in ops["tp1"] and ops["tp2"]["c10d::allreduce_"]["calls"] > 0
+    for run in (tp1, tp2):  # eager on the CPU: no graph replays, the rest of a step's parts timed
+        host_ms = run["results"][0]["host_ms"]
+        assert host_ms["ModelRunner._apply_plan"] > 0 and host_ms["Sampler.launch"] > 0, host_ms
+        assert "DecodeGraphs.run" not in host_ms, host_ms
     want = round(tp1["results"][0]["step_ms"] / tp2["results"][0]["step_ms"], 2)
     assert report["speedup"] == [want]
