@@ -4,8 +4,9 @@ cuBLAS reaches 2.6-3.7 TB/s on Llama-3-8B's smaller projections at one row on an
 (o_proj 4096 x 4096: 13.0 us), and its split-K picks add a reduce launch. Here each program
 owns BLOCK_N output features and streams their rows of W over K in BLOCK_K chunks, so every
 byte of W is read once, coalesced along K, with no split and no second launch (o_proj:
-10.6 us). Configurations per shape class are the best of a sweep over block sizes, warps
-and stages on an H200. With PDL (kernels/pdl.py) a program
+10.6 us). Configurations per shape class are the best of scripts/probe_gemv_configs.py's sweep
+over block sizes, warps and stages on an H100, at Llama-3-8B's shapes whole and split in two by
+tensor parallelism. With PDL (kernels/pdl.py) a program
 loads its first chunk of W before the previous kernel has finished. Reference: torch.nn.functional.linear.
 """
 
@@ -46,20 +47,27 @@ def _gemv_kernel(
 
 
 def gemv_config(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages), the best of the H200 sweep for the nearest shape."""
-    if n >= 16384:  # gate_up (28672 x 4096)
-        return 16, 512, 4, 1
-    if n > k:  # qkv (6144 x 4096)
-        return 4, 512, 4, 3
-    return 8, 1024, 8, 3 if k > n else 2  # down (4096 x 14336), o (4096 x 4096)
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for the nearest shape of the H100 sweep: each of
+    the eight shapes runs within 0.5% of its own best configuration."""
+    if n >= 16384:  # gate_up (28672 x 4096; 76.5 us, 3.07 TB/s), lm_head's vocabulary rows
+        return 8, 1024, 8, 2
+    if n > k:  # qkv (6144 / 3072 x 4096), gate_up at TP 2 (14336 x 4096)
+        return 4, 1024, 8, 2
+    return 2, 1024, 4, 2  # o (4096 x 4096 / 2048), down (4096 x 14336 / 7168)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [1, K], weight: [N, K] (rows may be strided), bias: [N] or None -> [1, N]."""
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """x: [1, K], weight: [N, K] (rows may be strided), bias: [N] or None -> [1, N]. `config`:
+    (BLOCK_N, BLOCK_K, num_warps, num_stages), else gemv_config's for the shape."""
     n, k = weight.shape
     assert x.shape == (1, k) and x.stride(-1) == 1 and weight.stride(-1) == 1
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    block_n, block_k, num_warps, num_stages = gemv_config(n, k)
+    block_n, block_k, num_warps, num_stages = config or gemv_config(n, k)
     pdl = pdl_enabled(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, x if bias is None else bias, y, n, k, weight.stride(0),
