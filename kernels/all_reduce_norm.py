@@ -3,20 +3,20 @@ consumes it (tensor parallel, decode-sized batches).
 
 A row-parallel projection (o, down) leaves every rank a partial sum of its output and, under
 stacked LoRA, of its shrink h. Instead of an all-reduce kernel and then kernels/fused.py's norm,
-one program per row: stores this rank's partial row (and the row's slice of h for its slot) in
-this rank's buffer, meets the other ranks' programs for the same row at a barrier, sums the row
-over every rank's buffer through the peers' mappings (in rank order, so every rank holds the same
-sum), and goes on as the residual-add RMSNorm does: LoRA delta, residual, norm. One launch instead
-of two, and the norm weight and the slot's B load before the projection has finished (PDL).
+one program per row: sends this rank's partial row (and the row's slice of h for its slot) into
+every other rank's buffer, waits for theirs in its own, sums the row over the ranks in rank order
+(so every rank holds the same sum), and goes on as the residual-add RMSNorm does: LoRA delta,
+residual, norm. One launch instead of two, and the norm weight and the slot's B load before the
+projection has finished (PDL).
 
-The buffer has two halves and consecutive calls take different ones (the caller names the half):
-a rank writes a half again only after passing the next call's barrier, which every other rank
-reaches only once it is done reading that half, so nothing waits after the reads.
-
-The barrier, per row, on the signal pads (zero-filled): raise this rank's flag at every peer (CAS
-0 -> 1, release, system scope; it spins while the peer has not yet taken the previous raise), then
-take every peer's flag here (CAS 1 -> 0, acquire). When every rank has passed, every flag is zero
-again, so a CUDA graph replays the kernel as captured.
+The rows travel as packets, NCCL's low-latency protocol: each 8-byte store carries two 16-bit
+values and an epoch, so a packet is valid exactly when its epoch is the one expected, with no flag
+or barrier beside the data and one one-way trip over NVLink. Each (half, row) keeps its epoch on
+every rank (`PeerBuffers.epochs`, one more per call); the ranks make the same calls, so their
+epochs agree. The buffer has two halves, and consecutive calls take different ones (the caller
+names the half): a rank sends into a half again only after the call between, which it finishes
+only once every peer has sent it that call's rows, that is once every peer is done reading the
+half. Nothing is ever reset, so a CUDA graph replays the kernel as captured.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from ledgerserve.kernels.pdl import wait_for_previous
 from ledgerserve.kernels.peer_buffers import PeerBuffers
 
 
-def row_len(hidden: int, delta: LoraDelta | None) -> int:
-    """Elements one row takes in a half: the padded hidden row, then the slot's padded h."""
-    return triton.next_power_of_2(hidden) + rank_pad(delta)
+def row_packets(hidden: int, delta: LoraDelta | None) -> int:
+    """Packets one rank sends for one row: the padded hidden row, then the slot's padded h."""
+    return (triton.next_power_of_2(hidden) + rank_pad(delta)) // 2
 
 
 def fits(peers: PeerBuffers, x: torch.Tensor, delta: LoraDelta | None) -> bool:
@@ -44,42 +44,53 @@ def fits(peers: PeerBuffers, x: torch.Tensor, delta: LoraDelta | None) -> bool:
     block, r_pad = triton.next_power_of_2(x.shape[-1]), rank_pad(delta)
     return (
         x.dtype == peers.dtype
+        and x.dtype.itemsize == 2
         and x.stride(-1) == 1
         and x.shape[0] <= peers.max_rows
-        and x.shape[0] * row_len(x.shape[-1], delta) <= peers.half_numel
+        and x.shape[0] * peers.world_size * row_packets(x.shape[-1], delta) <= peers.half_numel
         and r_pad * block <= PREFETCH_B_ELEMS
         and (delta is None or delta.h.shape[2] == 1)
     )
 
 
 @triton.jit
-def _rank_row(table_ptr, rank, offset, ELEM: tl.constexpr):
-    """Pointer to element `offset` of rank `rank`'s buffer, whose address is table_ptr[rank]."""
-    return tl.load(table_ptr + rank).to(tl.pointer_type(ELEM)) + offset
+def _rank_buffer(table_ptr, rank, offset):
+    """Pointer to packet `offset` of rank `rank`'s buffer, whose address is table_ptr[rank]."""
+    return tl.load(table_ptr + rank).to(tl.pointer_type(tl.int64)) + offset
 
 
 @triton.jit
-def _row_barrier(pad_table_ptr, row, RANK: tl.constexpr, WORLD: tl.constexpr):
-    """Return once every rank's program for `row` has arrived; what they stored before arriving is
-    then visible here (see the module's docstring)."""
-    tl.debug_barrier()  # every thread's stores before this rank's raise
-    for peer in tl.static_range(WORLD):
-        if peer != RANK:
-            flag = _rank_row(pad_table_ptr, peer, row * WORLD + RANK, tl.int32)
-            while tl.atomic_cas(flag, 0, 1, sem="release", scope="sys") != 0:
-                pass
-    for peer in tl.static_range(WORLD):
-        if peer != RANK:
-            flag = _rank_row(pad_table_ptr, RANK, row * WORLD + peer, tl.int32)
-            while tl.atomic_cas(flag, 1, 0, sem="acquire", scope="sys") != 1:
-                pass
-    tl.debug_barrier()  # every thread reads after the takes
+def _pack(v, epoch, N: tl.constexpr):
+    """[N] 16-bit values -> [N // 2] int64 packets: a pair's bits in the low word, `epoch` in the high."""
+    bits = v.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF  # [N]
+    lo, hi = tl.split(tl.reshape(bits, [N // 2, 2]))  # [N // 2] each: the even and the odd values
+    word = lo | (hi << 16)
+    return (epoch.to(tl.int64) << 32) | (word.to(tl.int64) & 0xFFFFFFFF)
+
+
+@triton.jit
+def _unpack(packets, DTYPE: tl.constexpr, N: tl.constexpr):
+    """_pack's inverse: [N // 2] int64 packets -> [N] values of DTYPE."""
+    word = (packets & 0xFFFFFFFF).to(tl.int32)
+    lo = (word & 0xFFFF).to(tl.int16)
+    hi = ((word >> 16) & 0xFFFF).to(tl.int16)
+    return tl.reshape(tl.join(lo, hi), [N]).to(DTYPE, bitcast=True)
+
+
+@triton.jit
+def _await(ptr, epoch, N: tl.constexpr):
+    """The N packets at ptr, once every one carries `epoch` (volatile reads: the peer writes them)."""
+    p = tl.arange(0, N)
+    packets = tl.load(ptr + p, volatile=True)
+    while tl.min(((packets >> 32).to(tl.int32) == epoch).to(tl.int32), axis=0) == 0:
+        packets = tl.load(ptr + p, volatile=True)
+    return packets
 
 
 @triton.jit
 def _all_reduce_rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, buf_table_ptr, pad_table_ptr,
-    stride_x, stride_res, stride_out, stride_res_out, half_offset,
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, buf_table_ptr, epochs_ptr,
+    stride_x, stride_res, stride_out, stride_res_out, half, half_numel, max_rows,
     n_cols, eps,
     h_ptr, b_ptr, scalings_ptr, lora_slots_ptr, max_rank, stride_ht, stride_hl, stride_hs,
     stride_bl, stride_bs, stride_bo, stride_br,
@@ -88,7 +99,8 @@ def _all_reduce_rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    at = half_offset + row * (BLOCK + R_PAD)  # this row's place in every rank's half
+    P: tl.constexpr = BLOCK // 2  # packets of the hidden row
+    PH: tl.constexpr = R_PAD // 2  # packets of h
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if R_PAD > 0:  # B before the wait: its latency hides behind the projection
         lora_slot = tl.load(lora_slots_ptr + row)  # the step's input row: written before the graph ran
@@ -99,22 +111,33 @@ def _all_reduce_rms_norm_kernel(
         slot, rank_on = token_slot(lora_slot, max_rank)
         r = tl.arange(0, R_PAD)
     wait_for_previous(PDL)  # x and h come from the projection
+    epoch_at = epochs_ptr + half * max_rows + row
+    epoch = tl.load(epoch_at) + 1
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    own = _rank_row(buf_table_ptr, RANK, at, x.dtype)
-    tl.store(own + cols, x, mask=mask)
     if R_PAD > 0:  # slice 0 of the slot's h: this rank's partial shrink
         hv = tl.load(h_ptr + row * stride_ht + slot * stride_hl + r, mask=r < rank_on, other=0.0)
-        tl.store(own + BLOCK + r, hv)
-    _row_barrier(pad_table_ptr, row, RANK, WORLD)
+    half_at = half * half_numel
+    sent_at = half_at + (row * WORLD + RANK) * (P + PH)  # this rank's place for the row in every buffer
+    for peer in tl.static_range(WORLD):
+        if peer != RANK:
+            dst = _rank_buffer(buf_table_ptr, peer, sent_at)
+            tl.store(dst + tl.arange(0, P), _pack(x, epoch, BLOCK))
+            if R_PAD > 0:
+                tl.store(dst + P + tl.arange(0, PH), _pack(hv, epoch, R_PAD))
     acc = tl.zeros([BLOCK], tl.float32)
     if R_PAD > 0:
         h_acc = tl.zeros([R_PAD], tl.float32)
-    # rank order: every rank sums alike; .cg reads past L1, which keeps no copy of a peer's half
-    for peer in tl.static_range(WORLD):
-        src = _rank_row(buf_table_ptr, peer, at, x.dtype)
-        acc += tl.load(src + cols, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        if R_PAD > 0:
-            h_acc += tl.load(src + BLOCK + r, cache_modifier=".cg").to(tl.float32)
+    for src in tl.static_range(WORLD):  # rank order: every rank sums alike
+        if src == RANK:
+            acc += x.to(tl.float32)
+            if R_PAD > 0:
+                h_acc += hv.to(tl.float32)
+        else:
+            got = _rank_buffer(buf_table_ptr, RANK, half_at + (row * WORLD + src) * (P + PH))
+            acc += _unpack(_await(got, epoch, P), x.dtype, BLOCK).to(tl.float32)
+            if R_PAD > 0:
+                h_acc += _unpack(_await(got + P, epoch, PH), x.dtype, R_PAD).to(tl.float32)
+    tl.store(epoch_at, epoch)
     x = acc.to(x.dtype)  # rounded like the all-reduce's output
     if R_PAD > 0:
         h_sum = h_acc.to(x.dtype).to(tl.float32)  # rounded like the all-reduced h
@@ -145,8 +168,8 @@ def all_reduce_add_rms_norm(
     if num_tokens > 0:
         block, r_pad, pdl = triton.next_power_of_2(hidden), rank_pad(delta), pdl_enabled(x.device)
         _all_reduce_rms_norm_kernel[(num_tokens,)](
-            x, residual, weight, out, res_out, peers.buffer_ptrs, peers.signal_pad_ptrs,
-            x.stride(0), residual.stride(0), out.stride(0), res_out.stride(0), half * peers.half_numel,
+            x, residual, weight, out, res_out, peers.buffer_ptrs, peers.epochs,
+            x.stride(0), residual.stride(0), out.stride(0), res_out.stride(0), half, peers.half_numel, peers.max_rows,
             hidden, eps, *delta_args(delta, x),
             RANK=peers.rank, WORLD=peers.world_size, BLOCK=block, R_PAD=r_pad, PDL=pdl,
             num_warps=min(16, max(1, block // 256)), launch_pdl=pdl,

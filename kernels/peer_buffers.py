@@ -10,13 +10,17 @@ import torch
 
 @dataclass(frozen=True)
 class PeerBuffers:
-    """A symmetric-memory buffer in two halves, and the signal pads beside it, by address."""
+    """A symmetric-memory buffer of int64 packets in two halves, by address on every rank, and
+    this rank's epoch of each (half, row)."""
 
-    buffer: torch.Tensor  # [2 * half_numel]: this rank's buffer (held here, so it stays mapped)
+    buffer: torch.Tensor  # [2 * half_numel] int64: this rank's packets (held here, so it stays mapped)
     buffer_ptrs: torch.Tensor  # [world_size] int64: each rank's buffer, mapped in this process
-    signal_pad_ptrs: torch.Tensor  # [world_size] int64: each rank's signal pad (uint32 flags, zero-filled)
+    epochs: torch.Tensor  # [2, max_rows] int32: the epoch each (half, row) last sent, zero-filled
     rank: int
     world_size: int
-    dtype: torch.dtype  # of the buffer and of the rows it takes
-    half_numel: int  # elements in each half of the buffer
-    max_rows: int  # rows the signal pads hold flags for (one per row and rank)
+    dtype: torch.dtype  # of the rows it takes (16-bit)
+    half_numel: int  # packets in each half of the buffer
+
+    @property
+    def max_rows(self) -> int:
+        return self.epochs.shape[1]

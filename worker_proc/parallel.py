@@ -43,6 +43,10 @@ RENDEZVOUS_FILE = "tp-rendezvous"
 # against size: on two H100s one-shot was ahead up to 4 MiB (37 against 40 us) and behind at 8 MiB.
 ONE_SHOT_MAX_BYTES = 4 << 20
 ONE_SHOT_ALIGN_BYTES = 16  # the input's address must be as aligned as the buffer's for the kernel
+# The fused all-reduce + norm's rows: each rank's buffer holds, per half, a row of packets (twice the
+# row's bytes) from each rank, for up to this many rows as far as a half of ONE_SHOT_MAX_BYTES holds
+# them (126 rows of hidden 4096 at TP 2); more rows take the all-reduce, then the norm.
+FUSED_NORM_MAX_ROWS = 256
 log = logging.getLogger(__name__)
 
 
@@ -237,20 +241,19 @@ def _map_norm_buffers(dtype: torch.dtype, device: torch.device, half_bytes: int)
     try:
         from torch.distributed import _symmetric_memory as symm_mem
 
-        half_numel = half_bytes // dtype.itemsize
-        buffer = symm_mem.empty(2 * half_numel, dtype=dtype, device=device)
+        half_numel = half_bytes // 8  # int64 packets
+        buffer = symm_mem.empty(2 * half_numel, dtype=torch.int64, device=device)
+        buffer.zero_()  # epoch 0 everywhere: no packet is valid before its first call
         handle = symm_mem.rendezvous(buffer, dist.group.WORLD.group_name)
-        handle.get_signal_pad(handle.rank).zero_()  # the barrier's flags start lowered
-        torch.cuda.synchronize(device)
+        torch.cuda.synchronize(device)  # zeroed before any peer's first send (the caller's collective follows)
         peers = PeerBuffers(
             buffer=buffer,
             buffer_ptrs=torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device),
-            signal_pad_ptrs=torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device),
+            epochs=torch.zeros(2, FUSED_NORM_MAX_ROWS, dtype=torch.int32, device=device),
             rank=handle.rank,
             world_size=handle.world_size,
             dtype=dtype,
             half_numel=half_numel,
-            max_rows=handle.signal_pad_size // 4 // handle.world_size,
         )
         return peers, ""
     except Exception as e:  # as _map_one_shot_buffer

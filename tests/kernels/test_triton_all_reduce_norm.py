@@ -1,8 +1,8 @@
 """GPU: the all-reduce fused into the residual-add RMSNorm (kernels/all_reduce_norm.py), as one rank of
-two in one process: the other rank's buffer and signal pad are plain tensors holding what it would
-have written (its partial rows, its raised flags), so the kernel runs through its barrier alone. Its
-output must equal the residual-add RMSNorm of the summed rows, and it must leave the flags as the
-protocol says. Two real ranks: tests/worker_proc/test_tensor_parallel_gpu.py."""
+two in one process: the other rank's buffer is a plain tensor, and this rank's holds the packets the
+other would have sent it (its partial rows, at the expected epoch), so the kernel runs alone. Its
+output must equal the residual-add RMSNorm of the summed rows, and it must send its own rows to the
+peer as the protocol says. Two real ranks: tests/worker_proc/test_tensor_parallel_gpu.py."""
 
 from __future__ import annotations
 
@@ -29,21 +29,26 @@ def randn(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEVICE)
 
 
-def two_ranks(rank: int, dtype: torch.dtype) -> tuple[PeerBuffers, list[torch.Tensor], list[torch.Tensor]]:
-    """`rank`'s view of two ranks' buffers and signal pads (zero-filled), and those tensors."""
-    buffers = [torch.zeros(2 * HALF_NUMEL, dtype=dtype, device=DEVICE) for _ in range(WORLD)]
-    pads = [torch.zeros(MAX_ROWS * WORLD, dtype=torch.int32, device=DEVICE) for _ in range(WORLD)]
+def two_ranks(rank: int, dtype: torch.dtype) -> tuple[PeerBuffers, list[torch.Tensor]]:
+    """`rank`'s view of two ranks' packet buffers (zero-filled), and those tensors."""
+    buffers = [torch.zeros(2 * HALF_NUMEL, dtype=torch.int64, device=DEVICE) for _ in range(WORLD)]
     peers = PeerBuffers(
         buffer=buffers[rank],
         buffer_ptrs=torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=DEVICE),
-        signal_pad_ptrs=torch.tensor([p.data_ptr() for p in pads], dtype=torch.int64, device=DEVICE),
+        epochs=torch.zeros(2, MAX_ROWS, dtype=torch.int32, device=DEVICE),
         rank=rank,
         world_size=WORLD,
         dtype=dtype,
         half_numel=HALF_NUMEL,
-        max_rows=MAX_ROWS,
     )
-    return peers, buffers, pads
+    return peers, buffers
+
+
+def packets(values: torch.Tensor, epoch: int) -> torch.Tensor:
+    """[rows, n] 16-bit values (n even) -> [rows, n // 2] int64: each pair's bits low (the even value
+    lowest), the epoch high; the layout the kernel sends."""
+    words = values.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return words | (epoch << 32)
 
 
 def slot_h(delta: LoraDelta) -> torch.Tensor:
@@ -55,8 +60,19 @@ def slot_h(delta: LoraDelta) -> torch.Tensor:
     return h * keep.to(h.dtype)
 
 
+def row_h(delta: LoraDelta) -> torch.Tensor:
+    """[num_tokens, max_rank]: slice 0 of each token's slot's h, as the kernel reads it (zeros for base tokens)."""
+    slots = delta.token_slots.long()
+    h = delta.h[torch.arange(len(slots), device=slots.device), slots.clamp(min=0), 0]  # [num_tokens, max_rank]
+    return torch.where((slots >= 0)[:, None], h, torch.zeros_like(h))  # +0.0, as the kernel's masked load
+
+
 def with_h(delta: LoraDelta, h: torch.Tensor) -> LoraDelta:
     return LoraDelta(h, delta.weights, delta.token_slots)
+
+
+def padded(values: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(values, (0, width - values.shape[1]))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -64,20 +80,23 @@ def with_h(delta: LoraDelta, h: torch.Tensor) -> LoraDelta:
 @pytest.mark.parametrize("half", [0, 1])
 @pytest.mark.parametrize("lora", [False, True])
 def test_sums_the_ranks_rows_then_norms(dtype: torch.dtype, rank: int, half: int, lora: bool) -> None:
-    hidden, num_tokens, peer = 1000, len(SLOTS), 1 - rank
-    peers, buffers, pads = two_ranks(rank, dtype)
+    hidden, num_tokens, peer, epoch = 1000, len(SLOTS), 1 - rank, 7
+    peers, buffers = two_ranks(rank, dtype)
+    peers.epochs[half, :num_tokens] = epoch - 1  # the (half, row)s' last calls
     wide = randn(num_tokens, hidden + 24, dtype=dtype, seed=0)
     mine, theirs = wide[:, :hidden], randn(num_tokens, hidden, dtype=dtype, seed=1)  # mine: strided rows
     residual, weight = randn(num_tokens, hidden, dtype=dtype, seed=2), randn(hidden, dtype=dtype, seed=3)
     my_delta = make_delta([hidden], dtype, DEVICE, seed=4) if lora else None
     their_delta = make_delta([hidden], dtype, DEVICE, seed=5) if lora else None
-    row, block = all_reduce_norm.row_len(hidden, my_delta), 1024  # block: hidden padded to a power of 2
-    # what the peer's programs stored before raising their flags here
-    rows = buffers[peer][half * HALF_NUMEL :][: num_tokens * row].view(num_tokens, row)
-    rows[:, :hidden] = theirs
+    per_row, block = all_reduce_norm.row_packets(hidden, my_delta), 1024  # block: hidden padded to a power of 2
+
+    def slots(buffer: torch.Tensor, src: int) -> torch.Tensor:  # [num_tokens, per_row]: src's packets in a half
+        return buffer[half * HALF_NUMEL :][: num_tokens * WORLD * per_row].view(num_tokens, WORLD, per_row)[:, src]
+
+    # what the peer's programs sent here
+    slots(buffers[rank], peer)[:, : block // 2] = packets(padded(theirs, block), epoch)
     if their_delta is not None:
-        rows[:, block : block + their_delta.h.shape[-1]] = slot_h(their_delta)
-    pads[rank].view(MAX_ROWS, WORLD)[:num_tokens, peer] = 1
+        slots(buffers[rank], peer)[:, block // 2 :] = packets(padded(slot_h(their_delta), per_row * 2 - block), epoch)
 
     assert all_reduce_norm.fits(peers, mine, my_delta)
     normed, new_residual = all_reduce_norm.all_reduce_add_rms_norm(mine, residual, weight, 1e-5, my_delta, peers, half)
@@ -89,19 +108,21 @@ def test_sums_the_ranks_rows_then_norms(dtype: torch.dtype, rank: int, half: int
     ref_normed, ref_residual = fused_add_rms_norm_ref(summed, residual, weight, 1e-5, summed_delta)
     torch.testing.assert_close(new_residual, ref_residual, atol=TOL[dtype], rtol=TOL[dtype])
     torch.testing.assert_close(normed, ref_normed, atol=TOL[dtype], rtol=TOL[dtype])
-    # the flags: this rank's raise waits at the peer, the peer's here is taken
-    assert pads[peer].view(MAX_ROWS, WORLD)[:num_tokens, rank].eq(1).all()
-    assert pads[rank].eq(0).all() and pads[peer].view(MAX_ROWS, WORLD)[:, peer].eq(0).all()
-    # this rank's partial rows are in its half for the peer to read
-    mine_stored = buffers[rank][half * HALF_NUMEL :][: num_tokens * row].view(num_tokens, row)
-    assert torch.equal(mine_stored[:, :hidden], mine)
-    assert buffers[rank][(1 - half) * HALF_NUMEL :][:HALF_NUMEL].eq(0).all()  # the other half untouched
+    # this rank's partial rows (and h) went to the peer at the row's next epoch, which it keeps
+    sent = slots(buffers[peer], rank)
+    assert torch.equal(sent[:, : block // 2], packets(padded(mine, block), epoch))
+    if my_delta is not None:
+        assert torch.equal(sent[:, block // 2 :], packets(padded(row_h(my_delta), per_row * 2 - block), epoch))
+    assert peers.epochs[half, :num_tokens].eq(epoch).all() and peers.epochs[half, num_tokens:].eq(0).all()
+    assert peers.epochs[1 - half].eq(0).all()
+    assert buffers[peer][(1 - half) * HALF_NUMEL :][:HALF_NUMEL].eq(0).all()  # the other half untouched
+    assert slots(buffers[peer], peer).eq(0).all()  # nothing written where the peer's own rows would go
 
 
-def test_fits_only_what_its_buffer_and_pads_hold() -> None:
+def test_fits_only_what_its_buffer_and_epochs_hold() -> None:
     dtype = DTYPES[0]
-    peers, _, _ = two_ranks(0, dtype)
+    peers, _ = two_ranks(0, dtype)
     assert all_reduce_norm.fits(peers, randn(MAX_ROWS, 1000, dtype=dtype, seed=0), None)
-    assert not all_reduce_norm.fits(peers, randn(MAX_ROWS + 1, 1000, dtype=dtype, seed=0), None)  # flags
+    assert not all_reduce_norm.fits(peers, randn(MAX_ROWS + 1, 1000, dtype=dtype, seed=0), None)  # epochs
     assert not all_reduce_norm.fits(peers, randn(8, 16384, dtype=dtype, seed=0), None)  # the half
     assert not all_reduce_norm.fits(peers, randn(8, 1000, dtype=torch.float32, seed=0), None)  # dtype
