@@ -29,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -147,9 +148,11 @@ class Bench:
         assert not done.failed, done.failed
         return {s.req_id: s.token_id for s in done.sampled}
 
-    def gpu_step(self) -> tuple[float, float]:
+    def gpu_step(self, meet: Callable[[], None] | None = None) -> tuple[float, float]:
         """(GPU-busy ms, CPU enqueue ms) of the forward + logits + argmax (the sampler's, ops.argmax) of the
-        current batch, queued behind a sleep kernel so the GPU never waits for the CPU inside it."""
+        current batch, queued behind a sleep kernel so the GPU never waits for the CPU inside it. `meet`:
+        a collective every rank queues behind its sleep (whose length varies with each GPU's clock), so
+        the timed step starts with the ranks in step."""
         runner = self.runner
         reqs = [runner.reqs[rid] for rid in self.live]
         for req in reqs:  # re-run the last known decode position (rewrites the same KV slots)
@@ -157,6 +160,8 @@ class Bench:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         torch.cuda._sleep(SLEEP_CYCLES)
+        if meet is not None:
+            meet()
         t0 = time.perf_counter()
         if runner.graphs is not None and runner.graphs.fits(reqs):  # inputs copied before `start`, as eager
             graphs, staging = runner.graphs, runner.staging

@@ -19,6 +19,7 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -188,8 +189,9 @@ def _row(
     floor_ms = (weight_bytes(runner.model, batch) + shared / group.size) / bw * 1e3
     all_reduce_ms = all_reduce_step_ms(runner.group, batch, base, runner.dtype, runner.device)
     row = dict(batch=batch, adapters=distinct, step_ms=round(step_ms, 3), tok_s=round(batch / step_ms * 1e3, 1))
-    if bench.runner.device.type == "cuda":  # every rank runs it: the step's collectives need them all
-        row["gpu_ms"] = round(bench.gpu_step()[0], 3)
+    if runner.device.type == "cuda":  # every rank runs it: the step's collectives need them all
+        meet = functools.partial(group.all_reduce, torch.zeros(1, device=runner.device))
+        row["gpu_ms"] = round(bench.gpu_step(meet)[0], 3)
     row.update(shard_floor_ms=round(floor_ms, 3), all_reduce_ms=round(all_reduce_ms, 3))
     if group.rank == 0:
         print(json.dumps({"tp": group.size, **row}), flush=True)
