@@ -122,7 +122,7 @@ def time_shape(
 
     ref = F.linear(x, chain[0]).float()
     tol = 0.02 * max(1.0, ref.abs().max().item())  # a few half-precision ulps: split-K sums round differently
-    torch_us = _graph_us(run_torch, len(chain))
+    torch_us = graph_us(run_torch, len(chain))
     candidate_us: list[float | None] = []
     for algo in algos:
 
@@ -131,7 +131,7 @@ def time_shape(
                 cublaslt.matmul_into(y, x, w, algo)
 
         try:
-            us = _graph_us(run, len(chain))
+            us = graph_us(run, len(chain))
         except (cublaslt.CublasLtError, RuntimeError):
             candidate_us.append(None)
             continue
@@ -141,7 +141,7 @@ def time_shape(
     return torch_us, candidate_us
 
 
-def _graph_us(run: Callable[[], None], num_gemms: int) -> float:
+def graph_us(run: Callable[[], None], num_gemms: int) -> float:
     """us per GEMM of `run` (num_gemms GEMMs) captured in a CUDA graph, over REPS replays."""
     run()  # warm-up outside the capture
     torch.cuda.synchronize()

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ledgerserve.kernels import gemv
+from ledgerserve.kernels.gemm_tuning import graph_us
 from scripts.report_files import write_json
 
 # name: (n, k) of Llama-3-8B's projections at TP 1; column-parallel ones split n, row-parallel ones k
@@ -35,7 +36,6 @@ BLOCK_K = (512, 1024, 2048, 4096)  # a program loads its first BLOCK_K of W befo
 NUM_WARPS = (4, 8)
 NUM_STAGES = (1, 2)
 CHAIN_BYTES = 1 << 30  # weights per timed graph, far past L2
-REPS = 10
 
 
 def shapes(tp_sizes: list[int]) -> list[tuple[str, int, int]]:
@@ -46,25 +46,13 @@ def shapes(tp_sizes: list[int]) -> list[tuple[str, int, int]]:
 
 
 def time_config(x: torch.Tensor, chain: list[torch.Tensor], config: tuple[int, int, int, int] | None) -> float:
-    """us per GEMV of the chain, captured in one CUDA graph, over REPS replays."""
+    """us per GEMV of the chain, captured in one CUDA graph (gemm_tuning's timing)."""
 
     def run() -> None:
         for w in chain:
             gemv.gemv(x, w, None, config)
 
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPS):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (REPS * len(chain))
+    return graph_us(run, len(chain))
 
 
 def probe(name: str, n: int, k: int, configs: list[tuple[int, int, int, int]]) -> dict:
