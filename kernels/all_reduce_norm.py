@@ -88,6 +88,29 @@ def _await(ptr, epoch, N: tl.constexpr):
 
 
 @triton.jit
+def _send(table_ptr, at, values, epoch, N: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr):
+    """values [N] as packets at `at` in every other rank's buffer."""
+    packets = _pack(values, epoch, N)
+    for peer in tl.static_range(WORLD):
+        if peer != RANK:
+            tl.store(_rank_buffer(table_ptr, peer, at) + tl.arange(0, N // 2), packets)
+
+
+@triton.jit
+def _sum_ranks(table_ptr, row_at, stride, values, epoch, N: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr):
+    """[N] float32: this rank's `values` and what each other rank sent here (at row_at + its rank *
+    stride, once all of it arrived), summed in rank order, so every rank sums alike."""
+    acc = tl.zeros([N], tl.float32)
+    for src in tl.static_range(WORLD):
+        if src == RANK:
+            acc += values.to(tl.float32)
+        else:
+            got = _rank_buffer(table_ptr, RANK, row_at + src * stride)
+            acc += _unpack(_await(got, epoch, N // 2), values.dtype, N).to(tl.float32)
+    return acc
+
+
+@triton.jit
 def _all_reduce_rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, buf_table_ptr, epochs_ptr,
     stride_x, stride_res, stride_out, stride_res_out, half, half_numel, max_rows,
@@ -116,27 +139,13 @@ def _all_reduce_rms_norm_kernel(
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if R_PAD > 0:  # slice 0 of the slot's h: this rank's partial shrink
         hv = tl.load(h_ptr + row * stride_ht + slot * stride_hl + r, mask=r < rank_on, other=0.0)
-    half_at = half * half_numel
-    sent_at = half_at + (row * WORLD + RANK) * (P + PH)  # this rank's place for the row in every buffer
-    for peer in tl.static_range(WORLD):
-        if peer != RANK:
-            dst = _rank_buffer(buf_table_ptr, peer, sent_at)
-            tl.store(dst + tl.arange(0, P), _pack(x, epoch, BLOCK))
-            if R_PAD > 0:
-                tl.store(dst + P + tl.arange(0, PH), _pack(hv, epoch, R_PAD))
-    acc = tl.zeros([BLOCK], tl.float32)
+    row_at = half * half_numel + row * WORLD * (P + PH)  # the row's packets in every buffer, by sending rank
+    _send(buf_table_ptr, row_at + RANK * (P + PH), x, epoch, BLOCK, RANK, WORLD)
     if R_PAD > 0:
-        h_acc = tl.zeros([R_PAD], tl.float32)
-    for src in tl.static_range(WORLD):  # rank order: every rank sums alike
-        if src == RANK:
-            acc += x.to(tl.float32)
-            if R_PAD > 0:
-                h_acc += hv.to(tl.float32)
-        else:
-            got = _rank_buffer(buf_table_ptr, RANK, half_at + (row * WORLD + src) * (P + PH))
-            acc += _unpack(_await(got, epoch, P), x.dtype, BLOCK).to(tl.float32)
-            if R_PAD > 0:
-                h_acc += _unpack(_await(got + P, epoch, PH), x.dtype, R_PAD).to(tl.float32)
+        _send(buf_table_ptr, row_at + RANK * (P + PH) + P, hv, epoch, R_PAD, RANK, WORLD)
+    acc = _sum_ranks(buf_table_ptr, row_at, P + PH, x, epoch, BLOCK, RANK, WORLD)
+    if R_PAD > 0:
+        h_acc = _sum_ranks(buf_table_ptr, row_at + P, P + PH, hv, epoch, R_PAD, RANK, WORLD)
     tl.store(epoch_at, epoch)
     x = acc.to(x.dtype)  # rounded like the all-reduce's output
     if R_PAD > 0:
