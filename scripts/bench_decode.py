@@ -53,6 +53,7 @@ from scripts.decode_churn import LoadChurn, StepClock
 
 BLOCK = 16
 GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
+TP_UNUSED_FLAGS = [("--async-scheduling", "async_scheduling"), ("--churn-slots", "churn_slots"), ("--e2e", "e2e")]
 SLEEP_CYCLES = 500_000_000  # ~0.25 s at ~2 GHz: longer than the CPU takes to queue one step
 
 
@@ -280,6 +281,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "whose per-kernel table (on the CPU, per op) goes into the row; PDL is off for the run",
     )
     args = ap.parse_args(argv)
+    if args.tensor_parallel_size > 1:  # its steps run synchronously, launch to read-back, with no churn
+        unused = [flag for flag, on in TP_UNUSED_FLAGS if getattr(args, on)]
+        if unused:
+            ap.error(f"{', '.join(unused)}: not with --tensor-parallel-size (its steps are timed one at a time)")
     args.batches = [int(b) for b in args.batch_sizes.split(",")]
     args.adapter_counts = [int(a) for a in args.adapters.split(",")]
     if args.e2e:

@@ -14,7 +14,7 @@ out=${2:?usage: gpu_tp2.sh tests|servers|decode|profile|serving OUT_DIR}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpus.txt"
-decode="python3 scripts/bench_decode.py --tensor-parallel-size 2 --batch-sizes 1,32 --adapters 0,32 --steps 30 --warmup 5 --async-scheduling"
+decode="python3 scripts/bench_decode.py --tensor-parallel-size 2 --batch-sizes 1,32 --adapters 0,32 --steps 30 --warmup 5"
 case "$stage" in
   tests)
     python3 -m pytest -q -m gpu tests --ignore=tests/tokenizer_proc/test_fuzz.py 2>&1 | tee "$out/gpu_tests.log" | tail -15 ;;

@@ -112,3 +112,15 @@ def test_tensor_parallel_sweep_runs_two_ranks_beside_one(demo_model_dir, tmp_pat
         assert "DecodeGraphs.run" not in host_ms, host_ms
     want = round(tp1["results"][0]["step_ms"] / tp2["results"][0]["step_ms"], 2)
     assert report["speedup"] == [want]
+
+
+@pytest.mark.parametrize("flag", [["--async-scheduling"], ["--churn-slots", "1"], ["--e2e"]])
+def test_tensor_parallel_refuses_what_its_sweep_would_not_do(flag: list[str], capsys) -> None:
+    """Its steps are timed one at a time, with no churn and no end-to-end run: such a flag is an error
+    there, not silently dropped; one rank takes it."""
+    from scripts.bench_decode import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--tensor-parallel-size", "2", *flag])
+    assert f"{flag[0]}: not with --tensor-parallel-size" in capsys.readouterr().err
+    parse_args(flag)
