@@ -281,10 +281,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "whose per-kernel table (on the CPU, per op) goes into the row; PDL is off for the run",
     )
     args = ap.parse_args(argv)
-    if args.tensor_parallel_size > 1:  # its steps run synchronously, launch to read-back, with no churn
-        unused = [flag for flag, on in TP_UNUSED_FLAGS if getattr(args, on)]
-        if unused:
-            ap.error(f"{', '.join(unused)}: not with --tensor-parallel-size (its steps are timed one at a time)")
+    refuse_unused_at_tp(ap, args)
     args.batches = [int(b) for b in args.batch_sizes.split(",")]
     args.adapter_counts = [int(a) for a in args.adapters.split(",")]
     if args.e2e:
@@ -293,6 +290,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.max_loras < max(args.adapter_counts) + args.churn_slots:
         ap.error(f"--max-loras {args.max_loras} is below --adapters {max(args.adapter_counts)} + --churn-slots")
     return args
+
+
+def refuse_unused_at_tp(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The rank sweep times its steps one at a time, with no churn and no end-to-end run."""
+    unused = [flag for flag, on in TP_UNUSED_FLAGS if getattr(args, on)]
+    if args.tensor_parallel_size > 1 and unused:
+        ap.error(f"{', '.join(unused)}: not with --tensor-parallel-size (its steps are timed one at a time)")
 
 
 def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
