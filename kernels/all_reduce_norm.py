@@ -17,6 +17,12 @@ epochs agree. The buffer has two halves, and consecutive calls take different on
 names the half): a rank sends into a half again only after the call between, which it finishes
 only once every peer has sent it that call's rows, that is once every peer is done reading the
 half. Nothing is ever reset, so a CUDA graph replays the kernel as captured.
+
+A packet found in the place of a row's packets from a rank was sent for that row, so its epoch is at
+most the one the row last used, never the one awaited. For this a half's layout depends on the
+hidden size only: the rows from the start of the half, their h (under LoRA) in an area of its own
+at its end, so calls with and without adapters put each row in the same place. The start-up
+trial's rows (hidden 64) all fall in row 0's place, with epochs row 0 has used too.
 """
 
 from __future__ import annotations
@@ -32,10 +38,19 @@ from ledgerserve.kernels.pdl import enabled as pdl_enabled
 from ledgerserve.kernels.pdl import wait_for_previous
 from ledgerserve.kernels.peer_buffers import PeerBuffers
 
+H_AREA_FRACTION = 16  # the last 1/16 of a half holds h: at hidden 4096, for as many rows as the rest, up to rank 256
 
-def row_packets(hidden: int, delta: LoraDelta | None) -> int:
-    """Packets one rank sends for one row: the padded hidden row, then the slot's padded h."""
-    return (triton.next_power_of_2(hidden) + rank_pad(delta)) // 2
+
+def h_area(half_numel: int) -> int:
+    """Where the h packets start in a half; the rows' packets fill what comes before."""
+    return half_numel - half_numel // H_AREA_FRACTION
+
+
+def fits_half(peers: PeerBuffers, num_rows: int, hidden: int, r_pad: int) -> bool:
+    """Whether num_rows rows from every rank fit a half: their rows before h_area, their h after."""
+    rows = num_rows * peers.world_size
+    start = h_area(peers.half_numel)
+    return rows * triton.next_power_of_2(hidden) // 2 <= start and rows * r_pad // 2 <= peers.half_numel - start
 
 
 def fits(peers: PeerBuffers, x: torch.Tensor, delta: LoraDelta | None) -> bool:
@@ -47,7 +62,7 @@ def fits(peers: PeerBuffers, x: torch.Tensor, delta: LoraDelta | None) -> bool:
         and x.dtype.itemsize == 2
         and x.stride(-1) == 1
         and x.shape[0] <= peers.max_rows
-        and x.shape[0] * peers.world_size * row_packets(x.shape[-1], delta) <= peers.half_numel
+        and fits_half(peers, x.shape[0], x.shape[-1], r_pad)
         and r_pad * block <= PREFETCH_B_ELEMS
         and (delta is None or delta.h.shape[2] == 1)
     )
@@ -113,7 +128,7 @@ def _sum_ranks(table_ptr, row_at, stride, values, epoch, N: tl.constexpr, RANK: 
 @triton.jit
 def _all_reduce_rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, buf_table_ptr, epochs_ptr,
-    stride_x, stride_res, stride_out, stride_res_out, half, half_numel, max_rows,
+    stride_x, stride_res, stride_out, stride_res_out, half, half_numel, h_start, max_rows,
     n_cols, eps,
     h_ptr, b_ptr, scalings_ptr, lora_slots_ptr, max_rank, stride_ht, stride_hl, stride_hs,
     stride_bl, stride_bs, stride_bo, stride_br,
@@ -139,13 +154,14 @@ def _all_reduce_rms_norm_kernel(
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if R_PAD > 0:  # slice 0 of the slot's h: this rank's partial shrink
         hv = tl.load(h_ptr + row * stride_ht + slot * stride_hl + r, mask=r < rank_on, other=0.0)
-    row_at = half * half_numel + row * WORLD * (P + PH)  # the row's packets in every buffer, by sending rank
-    _send(buf_table_ptr, row_at + RANK * (P + PH), x, epoch, BLOCK, RANK, WORLD)
+    row_at = half * half_numel + row * WORLD * P  # the row's packets in every buffer, by sending rank
+    h_at = half * half_numel + h_start + row * WORLD * PH
+    _send(buf_table_ptr, row_at + RANK * P, x, epoch, BLOCK, RANK, WORLD)
     if R_PAD > 0:
-        _send(buf_table_ptr, row_at + RANK * (P + PH) + P, hv, epoch, R_PAD, RANK, WORLD)
-    acc = _sum_ranks(buf_table_ptr, row_at, P + PH, x, epoch, BLOCK, RANK, WORLD)
+        _send(buf_table_ptr, h_at + RANK * PH, hv, epoch, R_PAD, RANK, WORLD)
+    acc = _sum_ranks(buf_table_ptr, row_at, P, x, epoch, BLOCK, RANK, WORLD)
     if R_PAD > 0:
-        h_acc = _sum_ranks(buf_table_ptr, row_at + P, P + PH, hv, epoch, R_PAD, RANK, WORLD)
+        h_acc = _sum_ranks(buf_table_ptr, h_at, PH, hv, epoch, R_PAD, RANK, WORLD)
     tl.store(epoch_at, epoch)
     x = acc.to(x.dtype)  # rounded like the all-reduce's output
     if R_PAD > 0:
@@ -178,7 +194,8 @@ def all_reduce_add_rms_norm(
         block, r_pad, pdl = triton.next_power_of_2(hidden), rank_pad(delta), pdl_enabled(x.device)
         _all_reduce_rms_norm_kernel[(num_tokens,)](
             x, residual, weight, out, res_out, peers.buffer_ptrs, peers.epochs,
-            x.stride(0), residual.stride(0), out.stride(0), res_out.stride(0), half, peers.half_numel, peers.max_rows,
+            x.stride(0), residual.stride(0), out.stride(0), res_out.stride(0), half, peers.half_numel,
+            h_area(peers.half_numel), peers.max_rows,
             hidden, eps, *delta_args(delta, x),
             RANK=peers.rank, WORLD=peers.world_size, BLOCK=block, R_PAD=r_pad, PDL=pdl,
             num_warps=min(16, max(1, block // 256)), launch_pdl=pdl,

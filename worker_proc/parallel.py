@@ -45,7 +45,7 @@ ONE_SHOT_MAX_BYTES = 4 << 20
 ONE_SHOT_ALIGN_BYTES = 16  # the input's address must be as aligned as the buffer's for the kernel
 # The fused all-reduce + norm's rows: each rank's buffer holds, per half, a row of packets (twice the
 # row's bytes) from each rank, for up to this many rows as far as a half of ONE_SHOT_MAX_BYTES holds
-# them (126 rows of hidden 4096 at TP 2); more rows take the all-reduce, then the norm.
+# them (120 rows of hidden 4096 at TP 2); more rows take the all-reduce, then the norm.
 FUSED_NORM_MAX_ROWS = 256
 log = logging.getLogger(__name__)
 

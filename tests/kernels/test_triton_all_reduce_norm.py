@@ -18,6 +18,7 @@ from tests.kernels.triton_device import DEVICE, DTYPES, TOL, requires_triton_dev
 pytest.importorskip("triton")
 
 from ledgerserve.kernels import all_reduce_norm  # noqa: E402
+from ledgerserve.kernels.lora_delta import rank_pad  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, requires_triton_device]
 WORLD = 2
@@ -88,15 +89,19 @@ def test_sums_the_ranks_rows_then_norms(dtype: torch.dtype, rank: int, half: int
     residual, weight = randn(num_tokens, hidden, dtype=dtype, seed=2), randn(hidden, dtype=dtype, seed=3)
     my_delta = make_delta([hidden], dtype, DEVICE, seed=4) if lora else None
     their_delta = make_delta([hidden], dtype, DEVICE, seed=5) if lora else None
-    per_row, block = all_reduce_norm.row_packets(hidden, my_delta), 1024  # block: hidden padded to a power of 2
+    block, r_pad = 1024, rank_pad(my_delta)  # hidden and the slot's rank, padded to powers of 2
 
-    def slots(buffer: torch.Tensor, src: int) -> torch.Tensor:  # [num_tokens, per_row]: src's packets in a half
-        return buffer[half * HALF_NUMEL :][: num_tokens * WORLD * per_row].view(num_tokens, WORLD, per_row)[:, src]
+    def rows(buffer: torch.Tensor, src: int) -> torch.Tensor:  # [num_tokens, block // 2]: src's row packets
+        return buffer[half * HALF_NUMEL :][: num_tokens * WORLD * block // 2].view(num_tokens, WORLD, -1)[:, src]
 
-    # what the peer's programs sent here
-    slots(buffers[rank], peer)[:, : block // 2] = packets(padded(theirs, block), epoch)
+    def hs(buffer: torch.Tensor, src: int) -> torch.Tensor:  # [num_tokens, r_pad // 2]: src's h, past 15/16 of the half
+        area = buffer[half * HALF_NUMEL + HALF_NUMEL * 15 // 16 :][: num_tokens * WORLD * r_pad // 2]
+        return area.view(num_tokens, WORLD, -1)[:, src]
+
+    # what the peer's programs sent here: the same places for a row with and without LoRA
+    rows(buffers[rank], peer)[:] = packets(padded(theirs, block), epoch)
     if their_delta is not None:
-        slots(buffers[rank], peer)[:, block // 2 :] = packets(padded(slot_h(their_delta), per_row * 2 - block), epoch)
+        hs(buffers[rank], peer)[:] = packets(padded(slot_h(their_delta), r_pad), epoch)
 
     assert all_reduce_norm.fits(peers, mine, my_delta)
     normed, new_residual = all_reduce_norm.all_reduce_add_rms_norm(mine, residual, weight, 1e-5, my_delta, peers, half)
@@ -109,20 +114,23 @@ def test_sums_the_ranks_rows_then_norms(dtype: torch.dtype, rank: int, half: int
     torch.testing.assert_close(new_residual, ref_residual, atol=TOL[dtype], rtol=TOL[dtype])
     torch.testing.assert_close(normed, ref_normed, atol=TOL[dtype], rtol=TOL[dtype])
     # this rank's partial rows (and h) went to the peer at the row's next epoch, which it keeps
-    sent = slots(buffers[peer], rank)
-    assert torch.equal(sent[:, : block // 2], packets(padded(mine, block), epoch))
+    assert torch.equal(rows(buffers[peer], rank), packets(padded(mine, block), epoch))
     if my_delta is not None:
-        assert torch.equal(sent[:, block // 2 :], packets(padded(row_h(my_delta), per_row * 2 - block), epoch))
+        assert torch.equal(hs(buffers[peer], rank), packets(padded(row_h(my_delta), r_pad), epoch))
     assert peers.epochs[half, :num_tokens].eq(epoch).all() and peers.epochs[half, num_tokens:].eq(0).all()
     assert peers.epochs[1 - half].eq(0).all()
     assert buffers[peer][(1 - half) * HALF_NUMEL :][:HALF_NUMEL].eq(0).all()  # the other half untouched
-    assert slots(buffers[peer], peer).eq(0).all()  # nothing written where the peer's own rows would go
+    sent = (buffers[peer] != 0).sum().item()  # nothing else written, the peer's own places included
+    assert sent == num_tokens * (block + (r_pad if my_delta is not None else 0)) // 2
 
 
 def test_fits_only_what_its_buffer_and_epochs_hold() -> None:
     dtype = DTYPES[0]
     peers, _ = two_ranks(0, dtype)
-    assert all_reduce_norm.fits(peers, randn(MAX_ROWS, 1000, dtype=dtype, seed=0), None)
-    assert not all_reduce_norm.fits(peers, randn(MAX_ROWS + 1, 1000, dtype=dtype, seed=0), None)  # epochs
+    # a half's rows take its first 15/16: 61440 packets, 60 rows of 512 from each of two ranks
+    assert all_reduce_norm.fits(peers, randn(60, 1000, dtype=dtype, seed=0), None)
+    assert not all_reduce_norm.fits(peers, randn(61, 1000, dtype=dtype, seed=0), None)
+    assert all_reduce_norm.fits(peers, randn(MAX_ROWS, 500, dtype=dtype, seed=0), None)
+    assert not all_reduce_norm.fits(peers, randn(MAX_ROWS + 1, 500, dtype=dtype, seed=0), None)  # epochs
     assert not all_reduce_norm.fits(peers, randn(8, 16384, dtype=dtype, seed=0), None)  # the half
     assert not all_reduce_norm.fits(peers, randn(8, 1000, dtype=torch.float32, seed=0), None)  # dtype
