@@ -22,7 +22,8 @@ A packet found in the place of a row's packets from a rank was sent for that row
 most the one the row last used, never the one awaited. For this a half's layout depends on the
 hidden size only: the rows from the start of the half, their h (under LoRA) in an area of its own
 at its end, so calls with and without adapters put each row in the same place. The start-up
-trial's rows (hidden 64) all fall in row 0's place, with epochs row 0 has used too.
+trial's rows (hidden 64) are laid out otherwise, so the worker clears its packets and epochs on
+every rank before any rank makes the model's first call (worker_proc/parallel.py).
 """
 
 from __future__ import annotations

@@ -231,6 +231,9 @@ def _fused_norm_buffers(dtype: torch.dtype, device: torch.device, half_bytes: in
     if _everyone(peers is not None, device):
         assert peers is not None
         error = _try_fused_norm(peers, device)
+        peers.buffer.zero_()  # the trial's packets and epochs go: its rows' layout is not the model's
+        peers.epochs.zero_()
+        torch.cuda.synchronize(device)  # cleared before the collective below, after which peers send
         if _everyone(not error, device):
             return peers
     log.warning("all-reduce fused into the norm unavailable (%s); it runs as its own kernel", error or "a peer")
