@@ -264,6 +264,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--e2e", action="store_true", help="end to end: batch and adapters from the lists' largest")
     ap.add_argument("--gen-len", type=int, default=128, help="--e2e output tokens per request")
     ap.add_argument("--out", default="")
+    _add_tp_and_profile_flags(ap)
+    args = ap.parse_args(argv)
+    refuse_unused_at_tp(ap, args)
+    args.gemv_configs = dict(_gemv_config(ap, text) for text in args.gemv_config)
+    args.batches = [int(b) for b in args.batch_sizes.split(",")]
+    args.adapter_counts = [int(a) for a in args.adapters.split(",")]
+    if args.e2e:
+        args.batches, args.adapter_counts = [max(args.batches)], [max(args.adapter_counts)]
+    args.max_loras = args.max_loras or max(max(args.adapter_counts), 1) + args.churn_slots
+    if args.max_loras < max(args.adapter_counts) + args.churn_slots:
+        ap.error(f"--max-loras {args.max_loras} is below --adapters {max(args.adapter_counts)} + --churn-slots")
+    return args
+
+
+def _add_tp_and_profile_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="rank processes the model is split over")
     ap.add_argument("--compare-tp1", action="store_true", help="with --tensor-parallel-size: TP 1 in the same run")
     ap.add_argument(
@@ -280,16 +295,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --tensor-parallel-size: after each row, this many more steps under torch.profiler on rank 0, "
         "whose per-kernel table (on the CPU, per op) goes into the row; PDL is off for the run",
     )
-    args = ap.parse_args(argv)
-    refuse_unused_at_tp(ap, args)
-    args.batches = [int(b) for b in args.batch_sizes.split(",")]
-    args.adapter_counts = [int(a) for a in args.adapters.split(",")]
-    if args.e2e:
-        args.batches, args.adapter_counts = [max(args.batches)], [max(args.adapter_counts)]
-    args.max_loras = args.max_loras or max(max(args.adapter_counts), 1) + args.churn_slots
-    if args.max_loras < max(args.adapter_counts) + args.churn_slots:
-        ap.error(f"--max-loras {args.max_loras} is below --adapters {max(args.adapter_counts)} + --churn-slots")
-    return args
+    ap.add_argument(
+        "--timeline",
+        action="store_true",
+        help="with --profile-steps: PDL stays on, and each row also holds rank 0's kernels of its last profiled "
+        "step in order (name, start and duration in µs)",
+    )
+    ap.add_argument(
+        "--gemv-config",
+        action="append",
+        default=[],
+        metavar="NxK=BN,BK,WARPS,STAGES",
+        help="the batch-1 GEMV's configuration for weights of shape N x K, timed in the model's own step",
+    )
+
+
+def _gemv_config(ap: argparse.ArgumentParser, text: str) -> tuple[tuple[int, int], tuple[int, ...]]:
+    try:
+        shape, config = text.split("=")
+        n, k = (int(v) for v in shape.split("x"))
+        values = tuple(int(v) for v in config.split(","))
+    except ValueError:
+        ap.error(f"--gemv-config {text!r}: expected NxK=BN,BK,WARPS,STAGES")
+    if len(values) != 4:
+        ap.error(f"--gemv-config {text!r}: expected four values after '='")
+    return (n, k), values
+
+
+def use_gemv_configs(args: argparse.Namespace) -> None:
+    """--gemv-config's configurations, ahead of kernels/gemv.py's own for their shapes."""
+    if args.gemv_configs:
+        from ledgerserve.kernels import gemv  # needs triton, which a CPU run may lack
+
+        gemv.MEASURED_BEST.update(args.gemv_configs)
 
 
 def refuse_unused_at_tp(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -377,6 +415,7 @@ def main() -> None:
 
         _report(compare(args, sys.argv[1:]), args.out)
         return
+    use_gemv_configs(args)
     root = tempfile.mkdtemp(prefix="bench_decode_")
     base = BaseShapes.from_hf_config(LLAMA3_8B)
     t0 = time.perf_counter()

@@ -39,9 +39,9 @@ from ledgerserve.shared.events import AdapterSlotAssigned
 from ledgerserve.shared.tp_layout import tp_layout
 from ledgerserve.worker_proc.parallel import TpGroup, close_group, init_group, rank_device, share_cpu_cores
 from ledgerserve.worker_proc.runner import ModelRunner
-from scripts.bench_decode import Bench, engine_config, parse_args
+from scripts.bench_decode import Bench, engine_config, parse_args, use_gemv_configs
 from scripts.bench_fixtures import adapter_bytes, copy_bandwidth, kv_bytes, weight_bytes, write_adapter, write_model_dir
-from scripts.profile_decode import kernel_table, timed_host_parts
+from scripts.profile_decode import kernel_table, last_step_timeline, timed_host_parts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT_FILE = "result.json"
@@ -65,7 +65,7 @@ def compare(args: argparse.Namespace, argv: list[str]) -> dict:
     """The sweep at TP N (and at TP 1 first, with --compare-tp1), each in its own rank processes;
     `argv`: bench_decode's command line, passed on to every rank."""
     sizes = [1, args.tensor_parallel_size] if args.compare_tp1 else [args.tensor_parallel_size]
-    run_env = {env.PDL: "0"} if args.profile_steps else {}  # a kernel's profiled time then excludes its wait
+    run_env = {env.PDL: "0"} if args.profile_steps and not args.timeline else {}  # a kernel's time excludes its wait
     runs = {f"tp{n}": run_ranks([*argv, "--tensor-parallel-size", str(n)], n, run_env) for n in sizes}
     report: dict = dict(torch=torch.__version__, **runs)
     if args.compare_tp1:
@@ -135,6 +135,7 @@ def start_rank(
 def rank_main() -> None:
     """One rank: `--run-dir D --tp-rank R` then bench_decode's own flags."""
     own, args, device, group = start_rank(parse_args)
+    use_gemv_configs(args)
     try:
         report = sweep_rank(args, group, device, os.path.join(own.run_dir, f"rank{own.tp_rank}"))
     finally:
@@ -158,7 +159,7 @@ def sweep_rank(args: argparse.Namespace, group: TpGroup, device: torch.device, r
     try:
         for i in range(max(args.adapter_counts)):
             runner.load_adapter(AdapterSlotAssigned(i, i, write_adapter(root, i, base, args.rank, args.device)))
-        bw = copy_bandwidth(device) if device.type == "cuda" else host_copy_bandwidth()
+        bw = copy_bandwidth(device)
         bench = Bench(runner, args.prompt_len, args.warmup, args.steps + 2 * args.profile_steps)  # blocks for them all
         bench.clock = NoClock()
         rows = [_row(bench, group, base, args, bw, b, n) for n in args.adapter_counts for b in args.batches]
@@ -196,16 +197,19 @@ def _row(
     if group.rank == 0:
         print(json.dumps({"tp": group.size, **row}), flush=True)
     if args.profile_steps:
-        row["host_ms"], row["kernels"] = profile_steps(bench, group, last, args.profile_steps)
+        row["host_ms"], row["kernels"], timeline = profile_steps(bench, group, last, args.profile_steps)
+        if args.timeline:
+            row["timeline"] = timeline
     return row
 
 
 def profile_steps(
     bench: Bench, group: TpGroup, last: dict[str, int], num_steps: int
-) -> tuple[dict[str, float], list[dict]]:
+) -> tuple[dict[str, float], list[dict], list[list]]:
     """`num_steps` more decode steps, every rank running them (they share collectives): first
     timing the host's parts of a step (scripts/profile_decode.py's HOST_PARTS, ms a step), then
-    under torch.profiler on rank 0 for its per-kernel table; ({}, []) on the other ranks."""
+    under torch.profiler on rank 0 for its per-kernel table and the last step's kernel timeline;
+    ({}, [], []) on the other ranks."""
     device = bench.runner.device
     host: dict[str, float] = collections.defaultdict(float)
     with timed_host_parts(host):
@@ -221,13 +225,13 @@ def profile_steps(
             last = share_tokens(group, bench, sampled)
         _sync(device)
     if group.rank != 0:
-        return {}, []
+        return {}, [], []
     print(f"tp {group.size}: host ms a step {host_ms}", flush=True)
     table = kernel_table(prof, num_steps, device.type)
     print(f"tp {group.size}: {sum(k['us'] for k in table):.1f} us of kernels a step, the largest:", flush=True)
     for k in table[:PRINTED_KERNELS]:
         print(f"{k['us']:9.1f} us {k['calls']:6.1f}x  {k['kernel']}", flush=True)
-    return host_ms, table
+    return host_ms, table, last_step_timeline(prof, device.type)
 
 
 def share_tokens(group: TpGroup, bench: Bench, sampled: dict[str, int]) -> dict[str, int]:
@@ -283,17 +287,6 @@ def _graphed_step(group: TpGroup, x: torch.Tensor, num_calls: int):
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def host_copy_bandwidth(num_bytes: int = 64 << 20, iters: int = 5) -> float:
-    """CPU memory copy bandwidth in bytes/s, counting bytes read plus bytes written."""
-    src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        dst.copy_(src)
-    return 2 * num_bytes * iters / (time.perf_counter() - t0)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 
 import torch
 from safetensors.torch import save_file
@@ -129,7 +130,10 @@ def kv_bytes(base: BaseShapes, num_layers: int, seq_lens: list[int], elem_bytes:
 
 
 def copy_bandwidth(device: torch.device, num_bytes: int = 2 << 30, iters: int = 10) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written
+    (host_copy_bandwidth's on the CPU)."""
+    if device.type != "cuda":
+        return host_copy_bandwidth()
     src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     for _ in range(3):
@@ -147,3 +151,14 @@ def adapter_digest(path: str) -> int:
     """The content digest the HTTP process would record when registering the adapter at `path`."""
     with open(os.path.join(path, CONFIG_FILE), "rb") as c, open(os.path.join(path, WEIGHTS_FILE), "rb") as w:
         return content_digest(c.read(), w.read())
+
+
+def host_copy_bandwidth(num_bytes: int = 64 << 20, iters: int = 5) -> float:
+    """CPU memory copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        dst.copy_(src)
+    return 2 * num_bytes * iters / (time.perf_counter() - t0)

@@ -15,6 +15,7 @@ import argparse
 import collections
 import contextlib
 import functools
+import math
 import os
 import tempfile
 import time
@@ -34,6 +35,7 @@ from scripts.bench_decode import BLOCK, Bench
 from scripts.bench_fixtures import LLAMA3_8B, write_adapter, write_model_dir
 from scripts.report_files import write_json
 
+STEP_GAP_US = 100.0  # an idle GPU this long between two kernels: a new step
 HOST_PARTS = [
     (ModelRunner, "_apply_plan"),
     (DecodeGraphs, "run"),
@@ -83,6 +85,33 @@ def kernel_table(prof, num_steps: int, device_type: str = "cuda") -> list[dict]:
         for name, (n, us) in rows.items()
     ]
     return sorted(table, key=lambda r: -r["us"])
+
+
+def last_step_timeline(prof, device_type: str = "cuda", gap_us: float = STEP_GAP_US) -> list[list]:
+    """The GPU's work of the last profiled step in order: [name, start, duration] (µs from the
+    step's first kernel). Steps are told apart by the host's gap between them (over `gap_us`
+    with nothing on the GPU), and the step is the last of the stretches with the most kernels
+    (a bench's own work between steps, such as handing tokens to the other ranks, has fewer); []
+    without CUDA."""
+    if device_type != "cuda":
+        return []
+    spans = sorted(
+        (evt.time_range.start, evt.time_range.end, evt.name)
+        for evt in prof.events()
+        if evt.device_type == torch.autograd.DeviceType.CUDA
+    )
+    stretches: list[list[tuple]] = []
+    latest_end = -math.inf
+    for span in spans:
+        if span[0] - latest_end >= gap_us:
+            stretches.append([])
+        stretches[-1].append(span)
+        latest_end = max(latest_end, span[1])
+    if not stretches:
+        return []
+    step = max(reversed(stretches), key=len)  # max keeps the first of equals: the last stretch
+    t0 = step[0][0]
+    return [[name[:48], round(start - t0, 1), round(end - start, 1)] for start, end, name in step]
 
 
 def profile_point(bench: Bench, batch: int, num_adapters: int, steps: int, host: dict[str, float]) -> dict:

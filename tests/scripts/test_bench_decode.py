@@ -124,3 +124,52 @@ def test_tensor_parallel_refuses_what_its_sweep_would_not_do(flag: list[str], ca
         parse_args(["--tensor-parallel-size", "2", *flag])
     assert f"{flag[0]}: not with --tensor-parallel-size" in capsys.readouterr().err
     parse_args(flag)
+
+
+def test_gemv_config_flags_name_a_shape_and_its_four_values(capsys) -> None:
+    from scripts.bench_decode import parse_args
+
+    args = parse_args(["--gemv-config", "4096x2048=2,2048,4,1", "--gemv-config", "3072x4096=8,4096,8,1"])
+    assert args.gemv_configs == {(4096, 2048): (2, 2048, 4, 1), (3072, 4096): (8, 4096, 8, 1)}
+    for bad in ("4096x2048=2,2048,4", "4096=2,2048,4,1", "4096x2048:2,2048,4,1"):
+        with pytest.raises(SystemExit):
+            parse_args(["--gemv-config", bad])
+        assert f"--gemv-config {bad!r}" in capsys.readouterr().err
+
+
+def test_gemv_configs_from_the_flags_come_before_the_kernels_own(monkeypatch) -> None:
+    pytest.importorskip("triton")
+    from ledgerserve.kernels import gemv
+    from scripts.bench_decode import parse_args, use_gemv_configs
+
+    monkeypatch.setattr(gemv, "MEASURED_BEST", dict(gemv.MEASURED_BEST))
+    assert gemv.gemv_config(4096, 2048) != (4, 2048, 8, 1)
+    use_gemv_configs(parse_args(["--gemv-config", "4096x2048=4,2048,8,1"]))
+    assert gemv.gemv_config(4096, 2048) == (4, 2048, 8, 1)
+
+
+class _Span:
+    def __init__(self, name: str, start: float, end: float) -> None:
+        import types
+
+        import torch
+
+        self.name, self.time_range = name, types.SimpleNamespace(start=start, end=end)
+        self.device_type = torch.autograd.DeviceType.CUDA
+
+
+def test_the_timeline_is_the_last_step_told_apart_by_the_hosts_gap() -> None:
+    """Two steps of three kernels (the second's first 500 µs after the first's last ends), each
+    followed by a bench's one-kernel hand-over: the last step's kernels; a short kernel overlapping
+    a long one does not hide the long one's end."""
+    import types
+
+    from scripts.profile_decode import last_step_timeline
+
+    spans = [_Span("a", 0, 50), _Span("b", 10, 20), _Span("c", 60, 80), _Span("x", 300, 310)]  # b inside a
+    spans += [_Span("a", 880, 930), _Span("b", 890, 900), _Span("c", 940, 960), _Span("x", 1200, 1205)]
+    prof = types.SimpleNamespace(events=lambda: list(reversed(spans)))
+    assert last_step_timeline(prof) == [["a", 0, 50], ["b", 10, 10], ["c", 60, 20]]
+    whole = last_step_timeline(prof, gap_us=1000.0)
+    assert whole[0] == ["a", 0, 50] and len(whole) == 8
+    assert last_step_timeline(prof, "cpu") == [] and last_step_timeline(types.SimpleNamespace(events=list)) == []
