@@ -7,20 +7,21 @@ one program per row: sends this rank's partial row (and the row's slice of h for
 every other rank's buffer, waits for theirs in its own, sums the row over the ranks in rank order
 (so every rank holds the same sum), and goes on as the residual-add RMSNorm does: LoRA delta,
 residual, norm. One launch instead of two, and the norm weight and the slot's B load before the
-projection has finished (PDL).
+projection has finished (PDL). Without a residual (the step's first norm, of the vocabulary-parallel
+embedding's rows) the sum itself is stored as the new residual.
 
 The rows travel as packets, NCCL's low-latency protocol: each 8-byte store carries two 16-bit
 values and an epoch, so a packet is valid exactly when its epoch is the one expected, with no flag
-or barrier beside the data and one one-way trip over NVLink. Each (half, row) keeps its epoch on
+or barrier beside the data and one one-way trip over NVLink. Each (part, row) keeps its epoch on
 every rank (`PeerBuffers.epochs`, one more per call); the ranks make the same calls, so their
-epochs agree. The buffer has two halves, and consecutive calls take different ones (the caller
-names the half): a rank sends into a half again only after the call between, which it finishes
-only once every peer has sent it that call's rows, that is once every peer is done reading the
-half. Nothing is ever reset, so a CUDA graph replays the kernel as captured.
+epochs agree. The buffer has parts, and consecutive calls take different ones (the caller names
+the part): a rank sends into a part again only after the call between, which it finishes only
+once every peer has sent it that call's rows, that is once every peer is done reading the part.
+Nothing is ever reset, so a CUDA graph replays the kernel as captured.
 
 A packet found in the place of a row's packets from a rank was sent for that row, so its epoch is at
-most the one the row last used, never the one awaited. For this a half's layout depends on the
-hidden size only: the rows from the start of the half, their h (under LoRA) in an area of its own
+most the one the row last used, never the one awaited. For this a part's layout depends on the
+hidden size only: the rows from the start of the part, their h (under LoRA) in an area of its own
 at its end, so calls with and without adapters put each row in the same place. The start-up
 trial's rows (hidden 64) are laid out otherwise, so the worker clears its packets and epochs on
 every rank before any rank makes the model's first call (worker_proc/parallel.py).
@@ -39,19 +40,19 @@ from ledgerserve.kernels.pdl import enabled as pdl_enabled
 from ledgerserve.kernels.pdl import wait_for_previous
 from ledgerserve.kernels.peer_buffers import PeerBuffers
 
-H_AREA_FRACTION = 16  # the last 1/16 of a half holds h: at hidden 4096, for as many rows as the rest, up to rank 256
+H_AREA_FRACTION = 16  # the last 1/16 of a part holds h: at hidden 4096, for as many rows as the rest, up to rank 256
 
 
-def h_area(half_numel: int) -> int:
-    """Where the h packets start in a half; the rows' packets fill what comes before."""
-    return half_numel - half_numel // H_AREA_FRACTION
+def h_area(part_numel: int) -> int:
+    """Where the h packets start in a part; the rows' packets fill what comes before."""
+    return part_numel - part_numel // H_AREA_FRACTION
 
 
-def fits_half(peers: PeerBuffers, num_rows: int, hidden: int, r_pad: int) -> bool:
-    """Whether num_rows rows from every rank fit a half: their rows before h_area, their h after."""
+def fits_part(peers: PeerBuffers, num_rows: int, hidden: int, r_pad: int) -> bool:
+    """Whether num_rows rows from every rank fit a part: their rows before h_area, their h after."""
     rows = num_rows * peers.world_size
-    start = h_area(peers.half_numel)
-    return rows * triton.next_power_of_2(hidden) // 2 <= start and rows * r_pad // 2 <= peers.half_numel - start
+    start = h_area(peers.part_numel)
+    return rows * triton.next_power_of_2(hidden) // 2 <= start and rows * r_pad // 2 <= peers.part_numel - start
 
 
 def fits(peers: PeerBuffers, x: torch.Tensor, delta: LoraDelta | None) -> bool:
@@ -63,7 +64,7 @@ def fits(peers: PeerBuffers, x: torch.Tensor, delta: LoraDelta | None) -> bool:
         and x.dtype.itemsize == 2
         and x.stride(-1) == 1
         and x.shape[0] <= peers.max_rows
-        and fits_half(peers, x.shape[0], x.shape[-1], r_pad)
+        and fits_part(peers, x.shape[0], x.shape[-1], r_pad)
         and r_pad * block <= PREFETCH_B_ELEMS
         and (delta is None or delta.h.shape[2] == 1)
     )
@@ -129,11 +130,12 @@ def _sum_ranks(table_ptr, row_at, stride, values, epoch, N: tl.constexpr, RANK: 
 @triton.jit
 def _all_reduce_rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, buf_table_ptr, epochs_ptr,
-    stride_x, stride_res, stride_out, stride_res_out, half, half_numel, h_start, max_rows,
+    stride_x, stride_res, stride_out, stride_res_out, part, part_numel, h_start, max_rows,
     n_cols, eps,
     h_ptr, b_ptr, scalings_ptr, lora_slots_ptr, max_rank, stride_ht, stride_hl, stride_hs,
     stride_bl, stride_bs, stride_bo, stride_br,
-    RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, R_PAD: tl.constexpr, PDL: tl.constexpr,
+    RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, R_PAD: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -150,13 +152,13 @@ def _all_reduce_rms_norm_kernel(
         slot, rank_on = token_slot(lora_slot, max_rank)
         r = tl.arange(0, R_PAD)
     wait_for_previous(PDL)  # x and h come from the projection
-    epoch_at = epochs_ptr + half * max_rows + row
+    epoch_at = epochs_ptr + part * max_rows + row
     epoch = tl.load(epoch_at) + 1
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if R_PAD > 0:  # slice 0 of the slot's h: this rank's partial shrink
         hv = tl.load(h_ptr + row * stride_ht + slot * stride_hl + r, mask=r < rank_on, other=0.0)
-    row_at = half * half_numel + row * WORLD * P  # the row's packets in every buffer, by sending rank
-    h_at = half * half_numel + h_start + row * WORLD * PH
+    row_at = part * part_numel + row * WORLD * P  # the row's packets in every buffer, by sending rank
+    h_at = part * part_numel + h_start + row * WORLD * PH
     _send(buf_table_ptr, row_at + RANK * P, x, epoch, BLOCK, RANK, WORLD)
     if R_PAD > 0:
         _send(buf_table_ptr, h_at + RANK * PH, hv, epoch, R_PAD, RANK, WORLD)
@@ -169,36 +171,39 @@ def _all_reduce_rms_norm_kernel(
         h_sum = h_acc.to(x.dtype).to(tl.float32)  # rounded like the all-reduced h
         d = tl.sum(h_sum[:, None] * bt.to(tl.float32), axis=0) * scale
         x = (x.to(tl.float32) + d).to(x.dtype)
+    if not HAS_RESIDUAL:  # the sum is the new residual
+        tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
     add_residual_and_norm(
         x, w, row, cols, mask, n_cols, eps, res_ptr, res_out_ptr, out_ptr, stride_res, stride_res_out, stride_out,
-        True,
+        HAS_RESIDUAL,
     )  # fmt: skip
 
 
 def all_reduce_add_rms_norm(
     x: torch.Tensor,  # [num_tokens, hidden]: this rank's partial sum (rows may be strided)
-    residual: torch.Tensor,  # [num_tokens, hidden]
+    residual: torch.Tensor | None,  # [num_tokens, hidden]; None: the new residual is x's sum
     weight: torch.Tensor,  # [hidden]
     eps: float,
     delta: LoraDelta | None,  # x's pending LoRA delta, its h this rank's partial shrink
     peers: PeerBuffers,
-    half: int,  # 0 or 1: which half of the buffer (consecutive calls alternate)
+    part: int,  # which part of the buffer (consecutive calls take different ones)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """normed, new_residual = x summed over the ranks (+ its LoRA delta) + residual, as
     kernels/fused.fused_add_rms_norm after an all-reduce of x and h. Every rank calls it with the
     same shapes; `fits` must hold."""
-    assert fits(peers, x, delta) and x.shape == residual.shape and residual.stride(-1) == 1
+    assert fits(peers, x, delta) and 0 <= part < peers.num_parts
+    assert residual is None or (residual.shape == x.shape and residual.stride(-1) == 1)
     num_tokens, hidden = x.shape
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     res_out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if num_tokens > 0:
         block, r_pad, pdl = triton.next_power_of_2(hidden), rank_pad(delta), pdl_enabled(x.device)
         _all_reduce_rms_norm_kernel[(num_tokens,)](
-            x, residual, weight, out, res_out, peers.buffer_ptrs, peers.epochs,
-            x.stride(0), residual.stride(0), out.stride(0), res_out.stride(0), half, peers.half_numel,
-            h_area(peers.half_numel), peers.max_rows,
-            hidden, eps, *delta_args(delta, x),
-            RANK=peers.rank, WORLD=peers.world_size, BLOCK=block, R_PAD=r_pad, PDL=pdl,
+            x, x if residual is None else residual, weight, out, res_out, peers.buffer_ptrs, peers.epochs,
+            x.stride(0), x.stride(0) if residual is None else residual.stride(0), out.stride(0), res_out.stride(0),
+            part, peers.part_numel, h_area(peers.part_numel), peers.max_rows, hidden, eps, *delta_args(delta, x),
+            RANK=peers.rank, WORLD=peers.world_size, BLOCK=block, R_PAD=r_pad, HAS_RESIDUAL=residual is not None,
+            PDL=pdl,
             num_warps=min(16, max(1, block // 256)), launch_pdl=pdl,
         )  # fmt: skip
     return out, res_out

@@ -14,6 +14,7 @@ import torch
 from ledgerserve.kernels import gemm_tuning as _gemm_tuning
 from ledgerserve.kernels import lora_ref
 from ledgerserve.kernels.attention_ref import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv
+from ledgerserve.kernels.embedding_ref import vocab_embedding_ref
 from ledgerserve.kernels.fused_ref import (
     apply_rope_ref,
     fused_add_rms_norm_ref,
@@ -40,12 +41,14 @@ __all__ = [
     "rope_and_write_kv",
     "rope_cos_sin_cache",
     "silu_and_mul",
+    "vocab_embedding",
     "write_kv",
 ]
 
 try:
     from ledgerserve.kernels import all_reduce_norm as _all_reduce_norm
     from ledgerserve.kernels import argmax as _argmax
+    from ledgerserve.kernels import embedding as _embedding
     from ledgerserve.kernels import fused as _fused
     from ledgerserve.kernels import gemv as _gemv
     from ledgerserve.kernels import lora as _lora
@@ -118,6 +121,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.nn.functional.linear(x, weight, bias)
 
 
+def vocab_embedding(ids: torch.Tensor, weight: torch.Tensor, first_row: int) -> torch.Tensor:
+    """ids [num_tokens] -> [num_tokens, hidden]: a vocabulary-parallel shard's rows
+    (weight [num_rows, hidden] holds rows first_row ..), zeros for the ids another shard holds."""
+    fn = _embedding.vocab_embedding if use_triton(weight) and ids.is_cuda else vocab_embedding_ref
+    return fn(ids, weight, first_row)
+
+
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """x: [num_rows, n_cols] float32 -> [num_rows] int64, the first index of each row's max."""
     if HAS_TRITON and x.is_cuda and x.dim() == 2 and x.dtype == torch.float32 and x.stride(-1) == 1 and x.shape[1] > 0:
@@ -143,17 +153,18 @@ def fuses_all_reduce_norm(x: torch.Tensor, delta: LoraDelta | None, peers: PeerB
 
 def all_reduce_add_rms_norm(
     x: torch.Tensor,
-    residual: torch.Tensor,
+    residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
     delta: LoraDelta | None,
     peers: PeerBuffers,
-    half: int,
+    part: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # normed, new_residual: [num_tokens, hidden]
     """fused_add_rms_norm of x and its delta's h summed over the ranks, in one kernel that is the
-    all-reduce too (kernels/all_reduce_norm.py); only where fuses_all_reduce_norm holds. `half`:
-    which half of the peers' buffer; consecutive calls take different halves."""
-    return _all_reduce_norm.all_reduce_add_rms_norm(x, residual, weight, eps, delta, peers, half)
+    all-reduce too (kernels/all_reduce_norm.py); only where fuses_all_reduce_norm holds. Without a
+    residual, the new residual is x's sum. `part`: which part of the peers' buffer; consecutive
+    calls take different parts."""
+    return _all_reduce_norm.all_reduce_add_rms_norm(x, residual, weight, eps, delta, peers, part)
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:

@@ -10,17 +10,21 @@ import torch
 
 @dataclass(frozen=True)
 class PeerBuffers:
-    """A symmetric-memory buffer of int64 packets in two halves, by address on every rank, and
-    this rank's epoch of each (half, row)."""
+    """A symmetric-memory buffer of int64 packets in parts of equal size, by address on every rank,
+    and this rank's epoch of each (part, row)."""
 
-    buffer: torch.Tensor  # [2 * half_numel] int64: this rank's packets (held here, so it stays mapped)
+    buffer: torch.Tensor  # [num_parts * part_numel] int64: this rank's packets (held here, so it stays mapped)
     buffer_ptrs: torch.Tensor  # [world_size] int64: each rank's buffer, mapped in this process
-    epochs: torch.Tensor  # [2, max_rows] int32: the epoch each (half, row) last sent, zero-filled
+    epochs: torch.Tensor  # [num_parts, max_rows] int32: the epoch each (part, row) last sent, zero-filled
     rank: int
     world_size: int
     dtype: torch.dtype  # of the rows it takes (16-bit)
-    half_numel: int  # packets in each half of the buffer
+    part_numel: int  # packets in each part of the buffer
 
     @property
     def max_rows(self) -> int:
         return self.epochs.shape[1]
+
+    @property
+    def num_parts(self) -> int:
+        return self.epochs.shape[0]

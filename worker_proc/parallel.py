@@ -43,10 +43,13 @@ RENDEZVOUS_FILE = "tp-rendezvous"
 # against size: on two H100s one-shot was ahead up to 4 MiB (37 against 40 us) and behind at 8 MiB.
 ONE_SHOT_MAX_BYTES = 4 << 20
 ONE_SHOT_ALIGN_BYTES = 16  # the input's address must be as aligned as the buffer's for the kernel
-# The fused all-reduce + norm's rows: each rank's buffer holds, per half, a row of packets (twice the
-# row's bytes) from each rank, for up to this many rows as far as a half of ONE_SHOT_MAX_BYTES holds
+# The fused all-reduce + norm's rows: each rank's buffer holds, per part, a row of packets (twice the
+# row's bytes) from each rank, for up to this many rows as far as a part of ONE_SHOT_MAX_BYTES holds
 # them (120 rows of hidden 4096 at TP 2); more rows take the all-reduce, then the norm.
 FUSED_NORM_MAX_ROWS = 256
+# Parts of that buffer: consecutive calls take different ones. A step's 2 per layer alternate two;
+# its first, after the final norm of the step before, takes the third (models/llama.py).
+FUSED_NORM_PARTS = 3
 log = logging.getLogger(__name__)
 
 
@@ -224,10 +227,10 @@ def _map_one_shot_buffer(
         return None, f"{type(e).__name__}: {e}"
 
 
-def _fused_norm_buffers(dtype: torch.dtype, device: torch.device, half_bytes: int) -> PeerBuffers | None:
-    """The fused all-reduce + norm's buffers, once every rank mapped them and a trial through both
-    halves summed right on every rank; None (logged) otherwise. Collective."""
-    peers, error = _map_norm_buffers(dtype, device, half_bytes)
+def _fused_norm_buffers(dtype: torch.dtype, device: torch.device, part_bytes: int) -> PeerBuffers | None:
+    """The fused all-reduce + norm's buffers, once every rank mapped them and a trial through every
+    part summed right on every rank; None (logged) otherwise. Collective."""
+    peers, error = _map_norm_buffers(dtype, device, part_bytes)
     if _everyone(peers is not None, device):
         assert peers is not None
         error = _try_fused_norm(peers, device)
@@ -240,23 +243,23 @@ def _fused_norm_buffers(dtype: torch.dtype, device: torch.device, half_bytes: in
     return None
 
 
-def _map_norm_buffers(dtype: torch.dtype, device: torch.device, half_bytes: int) -> tuple[PeerBuffers | None, str]:
+def _map_norm_buffers(dtype: torch.dtype, device: torch.device, part_bytes: int) -> tuple[PeerBuffers | None, str]:
     try:
         from torch.distributed import _symmetric_memory as symm_mem
 
-        half_numel = half_bytes // 8  # int64 packets
-        buffer = symm_mem.empty(2 * half_numel, dtype=torch.int64, device=device)
+        part_numel = part_bytes // 8  # int64 packets
+        buffer = symm_mem.empty(FUSED_NORM_PARTS * part_numel, dtype=torch.int64, device=device)
         buffer.zero_()  # epoch 0 everywhere: no packet is valid before its first call
         handle = symm_mem.rendezvous(buffer, dist.group.WORLD.group_name)
         torch.cuda.synchronize(device)  # zeroed before any peer's first send (the caller's collective follows)
         peers = PeerBuffers(
             buffer=buffer,
             buffer_ptrs=torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device),
-            epochs=torch.zeros(2, FUSED_NORM_MAX_ROWS, dtype=torch.int32, device=device),
+            epochs=torch.zeros(FUSED_NORM_PARTS, FUSED_NORM_MAX_ROWS, dtype=torch.int32, device=device),
             rank=handle.rank,
             world_size=handle.world_size,
             dtype=dtype,
-            half_numel=half_numel,
+            part_numel=part_numel,
         )
         return peers, ""
     except Exception as e:  # as _map_one_shot_buffer
@@ -268,10 +271,10 @@ def _try_fused_norm(peers: PeerBuffers, device: torch.device) -> str:
     x = torch.ones(2, 64, dtype=peers.dtype, device=device)  # [2, 64]
     weight = torch.ones(64, dtype=peers.dtype, device=device)
     try:
-        for half in (0, 1):
+        for part in range(peers.num_parts):
             if not ops.fuses_all_reduce_norm(x, None, peers):
                 return "the kernel does not take a trial row"
-            _, residual = ops.all_reduce_add_rms_norm(x, torch.zeros_like(x), weight, 1e-6, None, peers, half)
+            _, residual = ops.all_reduce_add_rms_norm(x, torch.zeros_like(x), weight, 1e-6, None, peers, part)
             if not bool((residual == peers.world_size).all()):
                 return f"a trial sum gave {residual[0, :4].tolist()}"
         return ""

@@ -164,3 +164,16 @@ def test_linear_is_f_linear_on_cpu() -> None:
     gen = torch.Generator().manual_seed(3)
     x, w, b = torch.randn(1, 9, generator=gen), torch.randn(5, 9, generator=gen), torch.randn(5, generator=gen)
     assert torch.equal(ops.linear(x, w, b), torch.nn.functional.linear(x, w, b))
+
+
+def test_vocab_embedding_shards_sum_to_the_whole_table() -> None:
+    """The CPU path (the reference): ids another shard holds give zeros, so the shards' rows add up to
+    the table's; a padded shard's rows past the vocabulary are never read."""
+    from ledgerserve.kernels import ops
+
+    table = torch.randn(10, 6, generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([0, 4, 5, 9, 7])
+    shards = [table[:5], torch.cat([table[5:], torch.full((1, 6), float("nan"))])]  # the second padded
+    got = [ops.vocab_embedding(ids, shard, first) for shard, first in zip(shards, (0, 5), strict=True)]
+    assert torch.equal(got[0][1:3], torch.stack([table[4], torch.zeros(6)]))
+    assert torch.equal(got[0] + got[1], table[ids])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ledgerserve.kernels.fused_ref import fused_add_rms_norm_ref
+from ledgerserve.kernels.fused_ref import fused_add_rms_norm_ref, rms_norm_ref
 from ledgerserve.kernels.lora_types import LoraDelta
 from ledgerserve.kernels.peer_buffers import PeerBuffers
 from tests.kernels.lora_delta_data import SLOTS, make_delta
@@ -22,7 +22,8 @@ from ledgerserve.kernels.lora_delta import rank_pad  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, requires_triton_device]
 WORLD = 2
-HALF_NUMEL = 1 << 16
+NUM_PARTS = 3
+PART_NUMEL = 1 << 16
 MAX_ROWS = 64
 
 
@@ -32,15 +33,15 @@ def randn(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 
 def two_ranks(rank: int, dtype: torch.dtype) -> tuple[PeerBuffers, list[torch.Tensor]]:
     """`rank`'s view of two ranks' packet buffers (zero-filled), and those tensors."""
-    buffers = [torch.zeros(2 * HALF_NUMEL, dtype=torch.int64, device=DEVICE) for _ in range(WORLD)]
+    buffers = [torch.zeros(NUM_PARTS * PART_NUMEL, dtype=torch.int64, device=DEVICE) for _ in range(WORLD)]
     peers = PeerBuffers(
         buffer=buffers[rank],
         buffer_ptrs=torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=DEVICE),
-        epochs=torch.zeros(2, MAX_ROWS, dtype=torch.int32, device=DEVICE),
+        epochs=torch.zeros(NUM_PARTS, MAX_ROWS, dtype=torch.int32, device=DEVICE),
         rank=rank,
         world_size=WORLD,
         dtype=dtype,
-        half_numel=HALF_NUMEL,
+        part_numel=PART_NUMEL,
     )
     return peers, buffers
 
@@ -78,12 +79,15 @@ def padded(values: torch.Tensor, width: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rank", [0, 1])
-@pytest.mark.parametrize("half", [0, 1])
-@pytest.mark.parametrize("lora", [False, True])
-def test_sums_the_ranks_rows_then_norms(dtype: torch.dtype, rank: int, half: int, lora: bool) -> None:
+@pytest.mark.parametrize("part", range(NUM_PARTS))
+@pytest.mark.parametrize(("lora", "with_residual"), [(False, True), (True, True), (False, False)])
+def test_sums_the_ranks_rows_then_norms(
+    dtype: torch.dtype, rank: int, part: int, lora: bool, with_residual: bool
+) -> None:
+    """Without a residual (the embedding's rows), the sum is the new residual."""
     hidden, num_tokens, peer, epoch = 1000, len(SLOTS), 1 - rank, 7
     peers, buffers = two_ranks(rank, dtype)
-    peers.epochs[half, :num_tokens] = epoch - 1  # the (half, row)s' last calls
+    peers.epochs[part, :num_tokens] = epoch - 1  # the (part, row)s' last calls
     wide = randn(num_tokens, hidden + 24, dtype=dtype, seed=0)
     mine, theirs = wide[:, :hidden], randn(num_tokens, hidden, dtype=dtype, seed=1)  # mine: strided rows
     residual, weight = randn(num_tokens, hidden, dtype=dtype, seed=2), randn(hidden, dtype=dtype, seed=3)
@@ -92,10 +96,10 @@ def test_sums_the_ranks_rows_then_norms(dtype: torch.dtype, rank: int, half: int
     block, r_pad = 1024, rank_pad(my_delta)  # hidden and the slot's rank, padded to powers of 2
 
     def rows(buffer: torch.Tensor, src: int) -> torch.Tensor:  # [num_tokens, block // 2]: src's row packets
-        return buffer[half * HALF_NUMEL :][: num_tokens * WORLD * block // 2].view(num_tokens, WORLD, -1)[:, src]
+        return buffer[part * PART_NUMEL :][: num_tokens * WORLD * block // 2].view(num_tokens, WORLD, -1)[:, src]
 
-    def hs(buffer: torch.Tensor, src: int) -> torch.Tensor:  # [num_tokens, r_pad // 2]: src's h, past 15/16 of the half
-        area = buffer[half * HALF_NUMEL + HALF_NUMEL * 15 // 16 :][: num_tokens * WORLD * r_pad // 2]
+    def hs(buffer: torch.Tensor, src: int) -> torch.Tensor:  # [num_tokens, r_pad // 2]: src's h, past 15/16 of the part
+        area = buffer[part * PART_NUMEL + PART_NUMEL * 15 // 16 :][: num_tokens * WORLD * r_pad // 2]
         return area.view(num_tokens, WORLD, -1)[:, src]
 
     # what the peer's programs sent here: the same places for a row with and without LoRA
@@ -104,22 +108,29 @@ def test_sums_the_ranks_rows_then_norms(dtype: torch.dtype, rank: int, half: int
         hs(buffers[rank], peer)[:] = packets(padded(slot_h(their_delta), r_pad), epoch)
 
     assert all_reduce_norm.fits(peers, mine, my_delta)
-    normed, new_residual = all_reduce_norm.all_reduce_add_rms_norm(mine, residual, weight, 1e-5, my_delta, peers, half)
+    normed, new_residual = all_reduce_norm.all_reduce_add_rms_norm(
+        mine, residual if with_residual else None, weight, 1e-5, my_delta, peers, part
+    )
 
     summed = (mine.float() + theirs.float()).to(dtype)
     summed_delta = None
     if my_delta is not None and their_delta is not None:
         summed_delta = with_h(my_delta, (my_delta.h.float() + their_delta.h.float()).to(dtype))
-    ref_normed, ref_residual = fused_add_rms_norm_ref(summed, residual, weight, 1e-5, summed_delta)
+    if with_residual:
+        ref_normed, ref_residual = fused_add_rms_norm_ref(summed, residual, weight, 1e-5, summed_delta)
+    else:
+        ref_normed, ref_residual = rms_norm_ref(summed, weight, 1e-5), summed
     torch.testing.assert_close(new_residual, ref_residual, atol=TOL[dtype], rtol=TOL[dtype])
     torch.testing.assert_close(normed, ref_normed, atol=TOL[dtype], rtol=TOL[dtype])
     # this rank's partial rows (and h) went to the peer at the row's next epoch, which it keeps
     assert torch.equal(rows(buffers[peer], rank), packets(padded(mine, block), epoch))
     if my_delta is not None:
         assert torch.equal(hs(buffers[peer], rank), packets(padded(row_h(my_delta), r_pad), epoch))
-    assert peers.epochs[half, :num_tokens].eq(epoch).all() and peers.epochs[half, num_tokens:].eq(0).all()
-    assert peers.epochs[1 - half].eq(0).all()
-    assert buffers[peer][(1 - half) * HALF_NUMEL :][:HALF_NUMEL].eq(0).all()  # the other half untouched
+    assert peers.epochs[part, :num_tokens].eq(epoch).all() and peers.epochs[part, num_tokens:].eq(0).all()
+    others = [p for p in range(NUM_PARTS) if p != part]
+    assert peers.epochs[others].eq(0).all()
+    for p in others:  # the other parts untouched
+        assert buffers[peer][p * PART_NUMEL :][:PART_NUMEL].eq(0).all()
     sent = (buffers[peer] != 0).sum().item()  # nothing else written, the peer's own places included
     assert sent == num_tokens * (block + (r_pad if my_delta is not None else 0)) // 2
 
@@ -127,10 +138,10 @@ def test_sums_the_ranks_rows_then_norms(dtype: torch.dtype, rank: int, half: int
 def test_fits_only_what_its_buffer_and_epochs_hold() -> None:
     dtype = DTYPES[0]
     peers, _ = two_ranks(0, dtype)
-    # a half's rows take its first 15/16: 61440 packets, 60 rows of 512 from each of two ranks
+    # a part's rows take its first 15/16: 61440 packets, 60 rows of 512 from each of two ranks
     assert all_reduce_norm.fits(peers, randn(60, 1000, dtype=dtype, seed=0), None)
     assert not all_reduce_norm.fits(peers, randn(61, 1000, dtype=dtype, seed=0), None)
     assert all_reduce_norm.fits(peers, randn(MAX_ROWS, 500, dtype=dtype, seed=0), None)
     assert not all_reduce_norm.fits(peers, randn(MAX_ROWS + 1, 500, dtype=dtype, seed=0), None)  # epochs
-    assert not all_reduce_norm.fits(peers, randn(8, 16384, dtype=dtype, seed=0), None)  # the half
+    assert not all_reduce_norm.fits(peers, randn(8, 16384, dtype=dtype, seed=0), None)  # the part
     assert not all_reduce_norm.fits(peers, randn(8, 1000, dtype=torch.float32, seed=0), None)  # dtype

@@ -180,17 +180,21 @@ class RMSNorm(nn.Module):
 
 
 def reduce_add_rms_norm(
-    group: TpGroup, x: Deferred, residual: torch.Tensor, norm: RMSNorm, half: int
+    group: TpGroup, x: Deferred, residual: torch.Tensor | None, norm: RMSNorm, part: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """normed, new_residual = norm(x + its LoRA delta + residual), x summed over the ranks first
     where it is a partial sum: in the norm's kernel where the group and the shape allow
-    (ops.fuses_all_reduce_norm), else by the group's all-reduce. `half`: which half of the fused
+    (ops.fuses_all_reduce_norm), else by the group's all-reduce. Without a residual (the first
+    layer's input, which has no delta) the new residual is x itself. `part`: which part of the fused
     kernel's buffer; the model's consecutive call sites alternate 0 and 1."""
     if x.partial is not None:
         peers = group.peer_buffers
         if peers is not None and ops.fuses_all_reduce_norm(x.y, x.delta, peers):
-            return ops.all_reduce_add_rms_norm(x.y, residual, norm.weight, norm.eps, x.delta, peers, half)
+            return ops.all_reduce_add_rms_norm(x.y, residual, norm.weight, norm.eps, x.delta, peers, part)
         group.all_reduce_(x.partial)
+    if residual is None:
+        assert x.delta is None
+        return norm(x.y), x.y
     return ops.fused_add_rms_norm(x.y, residual, norm.weight, norm.eps, x.delta)
 
 
@@ -210,7 +214,8 @@ class GatedMLP(nn.Module):
 
 class VocabEmbedding(nn.Module):
     """This rank's rows of the embedding table (models/shard.vocab_shard): an id outside them gives
-    zeros, and the group's all-reduce sums the one rank that holds it."""
+    zeros, and the all-reduce that the first norm owes its output (Deferred.partial) sums the one
+    rank that holds it."""
 
     def __init__(self, cfg: ModelConfig, group: TpGroup) -> None:
         super().__init__()
@@ -219,11 +224,8 @@ class VocabEmbedding(nn.Module):
         self.first_row = cfg.first_vocab_row
         self.weight = nn.Parameter(torch.zeros(cfg.local_vocab_size, cfg.hidden_size), requires_grad=False)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
+    def forward(self, ids: torch.Tensor) -> Deferred:  # [num_tokens] -> [num_tokens, hidden]
         if self.group.size == 1:
-            return nn.functional.embedding(ids, self.weight)
-        local = ids - self.first_row  # [num_tokens]
-        held = (local >= 0) & (local < self.weight.shape[0])
-        h = nn.functional.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)  # [num_tokens, hidden]
-        h = h * held.unsqueeze(1).to(h.dtype)
-        return self.group.all_reduce(h)
+            return Deferred(nn.functional.embedding(ids, self.weight))
+        h = ops.vocab_embedding(ids, self.weight, self.first_row)  # [num_tokens, hidden]: this rank's share
+        return Deferred(h, partial=h)

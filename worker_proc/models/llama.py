@@ -34,9 +34,11 @@ from ledgerserve.worker_proc.parallel import TpGroup
 from ledgerserve.worker_proc.step_inputs import StepInputs
 
 KVCacheLayer = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, block_size, num_kv_heads, head_dim]
-# reduce_add_rms_norm's call sites, each with its half of the fused all-reduce's buffer: the
-# post-attention norm, then the next layer's input norm (or the final norm), alternating
-AFTER_ATTENTION, AFTER_MLP = 0, 1
+# reduce_add_rms_norm's call sites, each with its part of the fused all-reduce's buffer: the
+# post-attention norm, then the next layer's input norm (or the final norm), alternating, and the
+# first layer's input norm (the embedding's all-reduce), the step's first call, between the final
+# norm and the post-attention norm (worker_proc/parallel.FUSED_NORM_PARTS)
+AFTER_ATTENTION, AFTER_MLP, AFTER_EMBEDDING = 0, 1, 2
 
 
 class Attention(nn.Module):
@@ -112,10 +114,8 @@ class DecoderLayer(nn.Module):
         kv_cache: KVCacheLayer,
     ) -> tuple[Deferred, torch.Tensor]:  # mlp output, residual
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        if residual is None:
-            x, residual = norm1(h.y), h.y
-        else:
-            x, residual = reduce_add_rms_norm(self.group, h, residual, norm1, AFTER_MLP)
+        part = AFTER_EMBEDDING if residual is None else AFTER_MLP
+        x, residual = reduce_add_rms_norm(self.group, h, residual, norm1, part)
         attn = self.self_attn(x, inputs, cos_sin_cache, kv_cache)
         x, residual = reduce_add_rms_norm(self.group, attn, residual, norm2, AFTER_ATTENTION)
         return self.mlp(x, inputs.lora), residual
@@ -152,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
         """kv_caches: one per layer."""
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"{len(kv_caches)} KV cache layers for {len(self.model.layers)} model layers")
-        h = Deferred(self.model.embed_tokens(inputs.input_ids))  # [num_tokens, hidden], summed
+        h = self.model.embed_tokens(inputs.input_ids)  # [num_tokens, hidden]
         cos_sin_cache = self.model.rotary.cos_sin_cache(h.y.device)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
