@@ -122,16 +122,23 @@ class TpGroup:
         """The buffers of ops.all_reduce_add_rms_norm; None where it is off (CPU, NCCL only)."""
         return self.one_shot.norm if self.one_shot is not None else None
 
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """[..., n] on every rank -> [..., size * n]: the ranks' x side by side along the last dim."""
+    def all_gather(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """[rows, n] on every rank -> [rows, size * n] in `dtype` (x's by default): the ranks' x side
+        by side, gathered into one tensor, then laid out and cast in one copy."""
         if self.size == 1:
-            return x
-        parts = [torch.empty_like(x) for _ in range(self.size)]
+            return x if dtype is None else x.to(dtype)
+        stacked = torch.empty(self.size * x.shape[0], x.shape[1], dtype=x.dtype, device=x.device)  # [size * rows, n]
         try:
-            dist.all_gather(parts, x.contiguous())
+            _all_gather_into(stacked, x.contiguous())
         except RuntimeError as e:
             raise CollectiveFailed("all_gather", self.timeout_s, e) from e
-        return torch.cat(parts, dim=-1)
+        out = torch.empty(x.shape[0], self.size, x.shape[1], dtype=dtype or x.dtype, device=x.device)  # [rows, size, n]
+        out.copy_(stacked.view(self.size, *x.shape).transpose(0, 1))
+        return out.view(x.shape[0], -1)
+
+
+# The ranks' tensors one after another along dim 0 (torch renamed the call; NCCL and gloo take both)
+_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def rank_device(device: str, rank: int) -> torch.device:

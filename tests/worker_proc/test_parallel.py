@@ -26,6 +26,8 @@ assert with_one_shot(group, torch.float32, torch.device("cpu")) is group  # one-
 x = torch.arange(6, dtype=torch.float32).view(2, 3) * (rank + 1)
 reduced = group.all_reduce(x.clone())
 gathered = group.all_gather(x)
+cast = group.all_gather(x.to(torch.bfloat16), torch.float32)  # gathered, then cast in the same copy
+assert cast.dtype == torch.float32 and torch.equal(cast, gathered), cast
 print(reduced.flatten().tolist(), gathered.flatten().tolist())
 close_group(group)
 """

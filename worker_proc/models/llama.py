@@ -167,6 +167,6 @@ class LlamaForCausalLM(nn.Module):
         lora: LoraMapping | None = None,  # of the rows of `hidden`
     ) -> torch.Tensor:  # [num_sampled, vocab] float32
         logits = self.lm_head(hidden, lora)  # [num_sampled, local_vocab]: this rank's vocabulary rows
-        if self.group.size > 1:
-            logits = self.group.all_gather(logits)[:, : self.cfg.vocab_size]  # [num_sampled, vocab]
-        return logits.float()
+        if self.group.size > 1:  # gathered and cast in one copy
+            logits = self.group.all_gather(logits, torch.float32)[:, : self.cfg.vocab_size]  # [num_sampled, vocab]
+        return logits.float().contiguous()
