@@ -1,5 +1,5 @@
 """Triton: the lookup of a vocabulary-parallel embedding shard, one launch for what the torch
-reference (kernels/embedding_ref.py) does in six: one program per token copies its row where this
+reference (kernels/embedding_ref.py) does in eight: one program per token copies its row where this
 shard holds the id and writes zeros where another rank's shard does (the all-reduce that follows
 sums the one rank that holds it)."""
 
