@@ -47,9 +47,7 @@ ONE_SHOT_ALIGN_BYTES = 16  # the input's address must be as aligned as the buffe
 # row's bytes) from each rank, for up to this many rows as far as a part of ONE_SHOT_MAX_BYTES holds
 # them (120 rows of hidden 4096 at TP 2); more rows take the all-reduce, then the norm.
 FUSED_NORM_MAX_ROWS = 256
-# Parts of that buffer: consecutive calls take different ones. A step's 2 per layer alternate two;
-# its first, after the final norm of the step before, takes the third (models/llama.py).
-FUSED_NORM_PARTS = 3
+FUSED_NORM_PARTS = 3  # consecutive calls take different parts: layers alternate two, a step's first the third
 log = logging.getLogger(__name__)
 
 
@@ -241,13 +239,20 @@ def _fused_norm_buffers(dtype: torch.dtype, device: torch.device, part_bytes: in
     if _everyone(peers is not None, device):
         assert peers is not None
         error = _try_fused_norm(peers, device)
-        peers.buffer.zero_()  # the trial's packets and epochs go: its rows' layout is not the model's
-        peers.epochs.zero_()
-        torch.cuda.synchronize(device)  # cleared before the collective below, after which peers send
+        clear_packets(peers, device)  # the trial's rows are laid out unlike the model's
         if _everyone(not error, device):
             return peers
     log.warning("all-reduce fused into the norm unavailable (%s); it runs as its own kernel", error or "a peer")
     return None
+
+
+def clear_packets(peers: PeerBuffers, device: torch.device) -> None:
+    """Zero this rank's packets and epochs once its calls finished. After calls laid out unlike the
+    model's (other hidden size or LoRA rank), every rank clears, then a collective, before any sends."""
+    torch.cuda.synchronize(device)
+    peers.buffer.zero_()
+    peers.epochs.zero_()
+    torch.cuda.synchronize(device)
 
 
 def _map_norm_buffers(dtype: torch.dtype, device: torch.device, part_bytes: int) -> tuple[PeerBuffers | None, str]:

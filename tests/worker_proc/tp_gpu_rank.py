@@ -25,7 +25,7 @@ from ledgerserve.kernels import ops
 from ledgerserve.kernels.lora_types import LoraDelta
 from ledgerserve.shared.events import AdapterLoadCompleted, AdapterSlotAssigned, SampledToken, StepCompleted
 from ledgerserve.worker_proc.batch import ReqState
-from ledgerserve.worker_proc.parallel import TpGroup, init_group
+from ledgerserve.worker_proc.parallel import TpGroup, clear_packets, init_group
 from ledgerserve.worker_proc.runner import ModelRunner
 from ledgerserve.worker_proc.step_inputs import build_step_inputs
 from tests.kernels.lora_delta_data import make_delta
@@ -102,22 +102,11 @@ def check_fused_norm(group: TpGroup, device: torch.device) -> bool:
     normed, residual = ops.all_reduce_add_rms_norm(x, None, weight, 1e-5, None, peers, 0)  # the embedding's
     torch.testing.assert_close(residual, summed, atol=0, rtol=0, msg="no residual: the sum")
     torch.testing.assert_close(normed, ops.rms_norm(summed, weight, 1e-5), atol=1e-2, rtol=1e-2, msg="no residual")
-    clear_packets(group, device)
-    return True
-
-
-def clear_packets(group: TpGroup, device: torch.device) -> None:
-    """Clear the check's packets and epochs on every rank before the model's first call, as the worker
-    clears its start-up trial's: the check's rows (hidden 4096, LoRA rank 16) are laid out unlike the
-    model's, so a packet of the check could sit in the place of a model row's h with the very epoch
-    that row's first LoRA call awaits, and be summed if it is read before the peer's packet lands."""
-    peers = group.peer_buffers
-    assert peers is not None
-    torch.cuda.synchronize(device)  # this rank's calls done: every peer's packets for them read here
-    peers.buffer.zero_()
-    peers.epochs.zero_()
-    torch.cuda.synchronize(device)
+    # the check's rows (hidden 4096, LoRA rank 16) are laid out unlike the model's: cleared on every
+    # rank, as the worker clears its start-up trial's, before the model's first call
+    clear_packets(peers, device)
     group.all_reduce(torch.zeros(1, device=device))  # every rank cleared before any sends again
+    return True
 
 
 def teacher_forced_logits(runner: ModelRunner, spec: dict, slots: dict[str, int]) -> dict[str, torch.Tensor]:

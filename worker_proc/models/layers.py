@@ -186,7 +186,7 @@ def reduce_add_rms_norm(
     where it is a partial sum: in the norm's kernel where the group and the shape allow
     (ops.fuses_all_reduce_norm), else by the group's all-reduce. Without a residual (the first
     layer's input, which has no delta) the new residual is x itself. `part`: which part of the fused
-    kernel's buffer; the model's consecutive call sites alternate 0 and 1."""
+    kernel's buffer; the model's consecutive calls take different parts (models/llama.py)."""
     if x.partial is not None:
         peers = group.peer_buffers
         if peers is not None and ops.fuses_all_reduce_norm(x.y, x.delta, peers):
