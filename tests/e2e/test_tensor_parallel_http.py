@@ -50,7 +50,9 @@ ADAPTERS = {  # name: make_peft_adapter kwargs
     "attn-r16-rs": dict(r=16, alpha=16, targets=["q_proj", "k_proj", "v_proj", "o_proj"], use_rslora=True, seed=22),
     "mlp-r32": dict(r=32, alpha=48, targets=["gate_proj", "up_proj", "down_proj"], seed=23),
 }
-KV_BLOCKS = 20  # 8 requests of ~52 tokens need ~32 blocks of 16: some are preempted and recomputed
+# 8 requests of up to ~52 tokens (3-4 blocks of 16 each): three or four running at once fill the pool, so
+# some are preempted and recomputed however staggered their arrival on a loaded machine
+KV_BLOCKS = 10
 GREEDY = {"temperature": 0.0, "max_tokens": NUM_TOKENS, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
 MODELS = {"demo": "demo_model_dir", "llama": "tiny_llama_dir"}  # name: the session fixture of its directory
 
