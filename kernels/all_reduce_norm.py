@@ -36,9 +36,10 @@ import triton.language as tl
 from ledgerserve.kernels.fused import PREFETCH_B_ELEMS, add_residual_and_norm
 from ledgerserve.kernels.lora_delta import delta_args, lora_b_tile, rank_pad, token_slot
 from ledgerserve.kernels.lora_types import LoraDelta
+from ledgerserve.kernels.packets import send, sum_ranks
 from ledgerserve.kernels.pdl import enabled as pdl_enabled
 from ledgerserve.kernels.pdl import wait_for_previous
-from ledgerserve.kernels.peer_buffers import PeerBuffers
+from ledgerserve.kernels.peer_buffers import PeerBuffers, RowSend
 
 H_AREA_FRACTION = 16  # the last 1/16 of a part holds h: at hidden 4096, for as many rows as the rest, up to rank 256
 
@@ -58,73 +59,33 @@ def fits_part(peers: PeerBuffers, num_rows: int, hidden: int, r_pad: int) -> boo
 def fits(peers: PeerBuffers, x: torch.Tensor, delta: LoraDelta | None) -> bool:
     """Whether the fused kernel takes x [num_tokens, hidden] (+ delta): dtype, rows, and a B tile
     small enough to hold in registers."""
-    block, r_pad = triton.next_power_of_2(x.shape[-1]), rank_pad(delta)
+    num_slices = 1 if delta is None else delta.h.shape[2]
+    return x.stride(-1) == 1 and takes(peers, x.shape[0], x.shape[-1], x.dtype, rank_pad(delta), num_slices)
+
+
+def takes(peers: PeerBuffers, num_rows: int, hidden: int, dtype: torch.dtype, r_pad: int, num_slices: int) -> bool:
+    """fits, from the shapes alone (r_pad: the delta's padded rank, 0 without one): what a projection
+    asks before its GEMV sends the row that the kernel will consume (RowSend)."""
     return (
-        x.dtype == peers.dtype
-        and x.dtype.itemsize == 2
-        and x.stride(-1) == 1
-        and x.shape[0] <= peers.max_rows
-        and fits_part(peers, x.shape[0], x.shape[-1], r_pad)
-        and r_pad * block <= PREFETCH_B_ELEMS
-        and (delta is None or delta.h.shape[2] == 1)
+        dtype == peers.dtype
+        and dtype.itemsize == 2
+        and num_rows <= peers.max_rows
+        and fits_part(peers, num_rows, hidden, r_pad)
+        and r_pad * triton.next_power_of_2(hidden) <= PREFETCH_B_ELEMS
+        and num_slices == 1
     )
 
 
-@triton.jit
-def _rank_buffer(table_ptr, rank, offset):
-    """Pointer to packet `offset` of rank `rank`'s buffer, whose address is table_ptr[rank]."""
-    return tl.load(table_ptr + rank).to(tl.pointer_type(tl.int64)) + offset
+def row_send_at(send: RowSend) -> int:
+    """The packet offset, in every buffer, of row 0 from this rank in the send's part."""
+    peers = send.peers
+    return send.part * peers.part_numel + peers.rank * triton.next_power_of_2(send.num_cols) // 2
 
 
-@triton.jit
-def _pack(v, epoch, N: tl.constexpr):
-    """[N] 16-bit values -> [N // 2] int64 packets: a pair's bits in the low word, `epoch` in the high."""
-    bits = v.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF  # [N]
-    lo, hi = tl.split(tl.reshape(bits, [N // 2, 2]))  # [N // 2] each: the even and the odd values
-    word = lo | (hi << 16)
-    return (epoch.to(tl.int64) << 32) | (word.to(tl.int64) & 0xFFFFFFFF)
-
-
-@triton.jit
-def _unpack(packets, DTYPE: tl.constexpr, N: tl.constexpr):
-    """_pack's inverse: [N // 2] int64 packets -> [N] values of DTYPE."""
-    word = (packets & 0xFFFFFFFF).to(tl.int32)
-    lo = (word & 0xFFFF).to(tl.int16)
-    hi = ((word >> 16) & 0xFFFF).to(tl.int16)
-    return tl.reshape(tl.join(lo, hi), [N]).to(DTYPE, bitcast=True)
-
-
-@triton.jit
-def _await(ptr, epoch, N: tl.constexpr):
-    """The N packets at ptr, once every one carries `epoch` (volatile reads: the peer writes them)."""
-    p = tl.arange(0, N)
-    packets = tl.load(ptr + p, volatile=True)
-    while tl.min(((packets >> 32).to(tl.int32) == epoch).to(tl.int32), axis=0) == 0:
-        packets = tl.load(ptr + p, volatile=True)
-    return packets
-
-
-@triton.jit
-def _send(table_ptr, at, values, epoch, N: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr):
-    """values [N] as packets at `at` in every other rank's buffer."""
-    packets = _pack(values, epoch, N)
-    for peer in tl.static_range(WORLD):
-        if peer != RANK:
-            tl.store(_rank_buffer(table_ptr, peer, at) + tl.arange(0, N // 2), packets)
-
-
-@triton.jit
-def _sum_ranks(table_ptr, row_at, stride, values, epoch, N: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr):
-    """[N] float32: this rank's `values` and what each other rank sent here (at row_at + its rank *
-    stride, once all of it arrived), summed in rank order, so every rank sums alike."""
-    acc = tl.zeros([N], tl.float32)
-    for src in tl.static_range(WORLD):
-        if src == RANK:
-            acc += values.to(tl.float32)
-        else:
-            got = _rank_buffer(table_ptr, RANK, row_at + src * stride)
-            acc += _unpack(_await(got, epoch, N // 2), values.dtype, N).to(tl.float32)
-    return acc
+def sends_whole_row(hidden: int, block_n: int) -> bool:
+    """Whether a GEMV of block_n-column programs writes every packet of a row's place: the place holds
+    next_power_of_2(hidden) values, and the kernel awaits all of them, padding included."""
+    return hidden == triton.next_power_of_2(hidden) and hidden % block_n == 0 and block_n % 2 == 0
 
 
 @triton.jit
@@ -135,7 +96,7 @@ def _all_reduce_rms_norm_kernel(
     h_ptr, b_ptr, scalings_ptr, lora_slots_ptr, max_rank, stride_ht, stride_hl, stride_hs,
     stride_bl, stride_bs, stride_bo, stride_br,
     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, R_PAD: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    PDL: tl.constexpr,
+    X_SENT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -159,12 +120,13 @@ def _all_reduce_rms_norm_kernel(
         hv = tl.load(h_ptr + row * stride_ht + slot * stride_hl + r, mask=r < rank_on, other=0.0)
     row_at = part * part_numel + row * WORLD * P  # the row's packets in every buffer, by sending rank
     h_at = part * part_numel + h_start + row * WORLD * PH
-    _send(buf_table_ptr, row_at + RANK * P, x, epoch, BLOCK, RANK, WORLD)
+    if not X_SENT:  # else the projection's GEMV sent the row (RowSend)
+        send(buf_table_ptr, row_at + RANK * P, x, epoch, BLOCK, RANK, WORLD)
     if R_PAD > 0:
-        _send(buf_table_ptr, h_at + RANK * PH, hv, epoch, R_PAD, RANK, WORLD)
-    acc = _sum_ranks(buf_table_ptr, row_at, P, x, epoch, BLOCK, RANK, WORLD)
+        send(buf_table_ptr, h_at + RANK * PH, hv, epoch, R_PAD, RANK, WORLD)
+    acc = sum_ranks(buf_table_ptr, row_at, P, x, epoch, BLOCK, RANK, WORLD)
     if R_PAD > 0:
-        h_acc = _sum_ranks(buf_table_ptr, h_at, PH, hv, epoch, R_PAD, RANK, WORLD)
+        h_acc = sum_ranks(buf_table_ptr, h_at, PH, hv, epoch, R_PAD, RANK, WORLD)
     tl.store(epoch_at, epoch)
     x = acc.to(x.dtype)  # rounded like the all-reduce's output
     if R_PAD > 0:
@@ -187,11 +149,13 @@ def all_reduce_add_rms_norm(
     delta: LoraDelta | None,  # x's pending LoRA delta, its h this rank's partial shrink
     peers: PeerBuffers,
     part: int,  # which part of the buffer (consecutive calls take different ones)
+    x_sent: bool = False,  # x's GEMV sent it to the peers already (RowSend of this part)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """normed, new_residual = x summed over the ranks (+ its LoRA delta) + residual, as
     kernels/fused.fused_add_rms_norm after an all-reduce of x and h. Every rank calls it with the
     same shapes; `fits` must hold."""
     assert fits(peers, x, delta) and 0 <= part < peers.num_parts
+    assert not x_sent or (x.shape[0] == 1 and sends_whole_row(x.shape[1], 2))
     assert residual is None or (residual.shape == x.shape and residual.stride(-1) == 1)
     num_tokens, hidden = x.shape
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
@@ -203,7 +167,7 @@ def all_reduce_add_rms_norm(
             x.stride(0), x.stride(0) if residual is None else residual.stride(0), out.stride(0), res_out.stride(0),
             part, peers.part_numel, h_area(peers.part_numel), peers.max_rows, hidden, eps, *delta_args(delta, x),
             RANK=peers.rank, WORLD=peers.world_size, BLOCK=block, R_PAD=r_pad, HAS_RESIDUAL=residual is not None,
-            PDL=pdl,
+            X_SENT=x_sent, PDL=pdl,
             num_warps=min(16, max(1, block // 256)), launch_pdl=pdl,
         )  # fmt: skip
     return out, res_out

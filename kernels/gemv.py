@@ -8,6 +8,11 @@ byte of W is read once, coalesced along K, with no split and no second launch (o
 over block sizes, warps and stages on an H100, at Llama-3-8B's shapes whole and split in two by
 tensor parallelism. With PDL (kernels/pdl.py) a program
 loads its first chunk of W before the previous kernel has finished. Reference: torch.nn.functional.linear.
+
+With a RowSend (a row-parallel projection at tensor parallel > 1), each program also sends its
+columns of the row to every other rank's buffer as packets (kernels/packets.py) as soon as it has
+them, at the epoch the fused all-reduce norm consuming the row will await: the row is on its way
+while the last programs still run, and that kernel only waits for the peers' rows.
 """
 
 from __future__ import annotations
@@ -16,14 +21,18 @@ import torch
 import triton
 import triton.language as tl
 
+from ledgerserve.kernels.all_reduce_norm import row_send_at, sends_whole_row
+from ledgerserve.kernels.packets import send
 from ledgerserve.kernels.pdl import enabled as pdl_enabled
 from ledgerserve.kernels.pdl import wait_for_previous
+from ledgerserve.kernels.peer_buffers import RowSend
 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, table_ptr, send_at, epoch_ptr, send_cols,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SEND: tl.constexpr,
+    RANK: tl.constexpr, WORLD: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     n_mask = n < N
@@ -43,7 +52,11 @@ def _gemv_kernel(
         acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+    y = acc.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + n, y, mask=n_mask)
+    n0 = tl.program_id(0) * BLOCK_N
+    if SEND and n0 < send_cols:  # the row's columns, not a stacked LoRA A's shrink past them
+        send(table_ptr, send_at + n0 // 2, y, tl.load(epoch_ptr) + 1, BLOCK_N, RANK, WORLD)
 
 
 # Where the sweep's best beat the rules below by more than 2%: (n, k) -> configuration
@@ -69,18 +82,31 @@ def gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: tuple[int, int, int, int] | None = None,
+    row_send: RowSend | None = None,
 ) -> torch.Tensor:
     """x: [1, K], weight: [N, K] (rows may be strided), bias: [N] or None -> [1, N]. `config`:
-    (BLOCK_N, BLOCK_K, num_warps, num_stages), else gemv_config's for the shape."""
+    (BLOCK_N, BLOCK_K, num_warps, num_stages), else gemv_config's for the shape. `row_send`: where
+    the first row_send.num_cols columns also go as packets (sends_row must hold)."""
     n, k = weight.shape
     assert x.shape == (1, k) and x.stride(-1) == 1 and weight.stride(-1) == 1
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     block_n, block_k, num_warps, num_stages = config or gemv_config(n, k)
     pdl = pdl_enabled(x.device)
+    if row_send is not None:
+        assert sends_row(n, k, row_send.num_cols, config)
+        peers = row_send.peers
+        send_args = (peers.buffer_ptrs, row_send_at(row_send), peers.epochs[row_send.part], row_send.num_cols)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, x if bias is None else bias, y, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
-        num_warps=num_warps, num_stages=num_stages,
-        launch_pdl=pdl,
+        *(send_args if row_send is not None else (x, 0, x, 0)),
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, SEND=row_send is not None,
+        RANK=0 if row_send is None else row_send.peers.rank, WORLD=0 if row_send is None else row_send.peers.world_size,
+        PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )  # fmt: skip
     return y
+
+
+def sends_row(n: int, k: int, num_cols: int, config: tuple[int, int, int, int] | None = None) -> bool:
+    """Whether gemv's programs for weights [n, k] can send the row's first num_cols columns whole."""
+    block_n = (config or gemv_config(n, k))[0]
+    return num_cols <= n and sends_whole_row(num_cols, block_n)

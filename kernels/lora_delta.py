@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ledgerserve.kernels.lora_types import LoraDelta
+from ledgerserve.kernels.lora_types import LoraDelta, SlotWeights
 
 R_CHUNK = tl.constexpr(4)  # rank rows of B loaded at a time by lora_row_delta
 
@@ -86,4 +86,9 @@ def delta_args(delta: LoraDelta | None, dummy: torch.Tensor) -> list:
 
 
 def rank_pad(delta: LoraDelta | None) -> int:
-    return 0 if delta is None else max(R_CHUNK.value, triton.next_power_of_2(delta.weights.b.shape[3]))
+    return 0 if delta is None else weights_rank_pad(delta.weights)
+
+
+def weights_rank_pad(weights: SlotWeights) -> int:
+    """rank_pad of any delta over these slot weights: their max rank, padded."""
+    return max(R_CHUNK.value, triton.next_power_of_2(weights.b.shape[3]))

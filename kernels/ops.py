@@ -23,7 +23,7 @@ from ledgerserve.kernels.fused_ref import (
     silu_and_mul_ref,
 )
 from ledgerserve.kernels.lora_types import LoraDelta, LoraLayout, Segments, SlotWeights, Tiles
-from ledgerserve.kernels.peer_buffers import PeerBuffers
+from ledgerserve.kernels.peer_buffers import PeerBuffers, RowSend
 
 __all__ = [
     "all_reduce_add_rms_norm",
@@ -40,6 +40,7 @@ __all__ = [
     "rms_norm",
     "rope_and_write_kv",
     "rope_cos_sin_cache",
+    "row_send",
     "silu_and_mul",
     "vocab_embedding",
     "write_kv",
@@ -52,6 +53,7 @@ try:
     from ledgerserve.kernels import fused as _fused
     from ledgerserve.kernels import gemv as _gemv
     from ledgerserve.kernels import lora as _lora
+    from ledgerserve.kernels import lora_delta as _lora_delta
     from ledgerserve.kernels import paged_attention as _decode
     from ledgerserve.kernels import prefill_attention as _prefill
 
@@ -96,18 +98,15 @@ def paged_prefill_attention(
 GEMV_MAX_N = 65536  # lm_head-sized GEMVs stay on cuBLAS, which streams them at full bandwidth
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, row_send: RowSend | None = None
+) -> torch.Tensor:
     """F.linear; one half-precision CUDA row (batch-1 decode) goes through the Triton GEMV, more
-    rows through the cuBLASLt algorithm kernels/gemm_tuning.py chose for the shape, if any."""
-    if (
-        use_triton(x)
-        and x.dim() == 2
-        and x.shape[0] == 1
-        and x.stride(-1) == 1
-        and weight.stride(-1) == 1
-        and weight.shape[0] <= GEMV_MAX_N
-    ):
-        return _gemv.gemv(x, weight, bias)
+    rows through the cuBLASLt algorithm kernels/gemm_tuning.py chose for the shape, if any.
+    `row_send`: the GEMV also sends the row to the peers (only what ops.row_send gave for x and weight)."""
+    if _takes_gemv(x, weight):
+        return _gemv.gemv(x, weight, bias, row_send=row_send)
+    assert row_send is None
     if (
         x.is_cuda
         and bias is None
@@ -126,6 +125,35 @@ def vocab_embedding(ids: torch.Tensor, weight: torch.Tensor, first_row: int) -> 
     (weight [num_rows, hidden] holds rows first_row ..), zeros for the ids another shard holds."""
     fn = _embedding.vocab_embedding if use_triton(weight) and ids.is_cuda else vocab_embedding_ref
     return fn(ids, weight, first_row)
+
+
+def _takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        use_triton(x)
+        and x.dim() == 2
+        and x.shape[0] == 1
+        and x.stride(-1) == 1
+        and weight.stride(-1) == 1
+        and weight.shape[0] <= GEMV_MAX_N
+    )
+
+
+def row_send(
+    x: torch.Tensor,  # [num_tokens, in]
+    weight: torch.Tensor,  # [out (+ stacked A rows), in]
+    num_cols: int,  # the row's columns: hidden
+    lora: SlotWeights | None,  # the stacked slots' weights, whose delta the fused norm will add
+    peers: PeerBuffers | None,
+    part: int,
+) -> RowSend | None:
+    """Where linear(x, weight) sends its output row for the fused all-reduce norm of `part` to
+    consume, if both can: linear takes the GEMV, whose programs cover the row's packets, and that
+    norm takes the row (its shapes alone); None otherwise, and the norm's own program sends it."""
+    if peers is None or not _takes_gemv(x, weight) or not _gemv.sends_row(*weight.shape, num_cols):
+        return None
+    r_pad, num_slices = (0, 1) if lora is None else (_lora_delta.weights_rank_pad(lora), len(lora.output_sizes))
+    takes = _all_reduce_norm.takes(peers, 1, num_cols, x.dtype, r_pad, num_slices)
+    return RowSend(peers, part, num_cols) if takes else None
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
@@ -159,12 +187,13 @@ def all_reduce_add_rms_norm(
     delta: LoraDelta | None,
     peers: PeerBuffers,
     part: int,
+    x_sent: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # normed, new_residual: [num_tokens, hidden]
     """fused_add_rms_norm of x and its delta's h summed over the ranks, in one kernel that is the
     all-reduce too (kernels/all_reduce_norm.py); only where fuses_all_reduce_norm holds. Without a
     residual, the new residual is x's sum. `part`: which part of the peers' buffer; consecutive
-    calls take different parts."""
-    return _all_reduce_norm.all_reduce_add_rms_norm(x, residual, weight, eps, delta, peers, part)
+    calls take different parts. `x_sent`: x's GEMV sent it already (under row_send's RowSend)."""
+    return _all_reduce_norm.all_reduce_add_rms_norm(x, residual, weight, eps, delta, peers, part, x_sent)
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:

@@ -28,3 +28,14 @@ class PeerBuffers:
     @property
     def num_parts(self) -> int:
         return self.epochs.shape[0]
+
+
+@dataclass(frozen=True)
+class RowSend:
+    """Where a row-parallel projection's GEMV sends its one output row as packets, as each program
+    finishes its columns, for the fused all-reduce norm that consumes the row (which then only awaits
+    the peers' packets): the place of row 0 from this rank in part `part` of every peer's buffer."""
+
+    peers: PeerBuffers
+    part: int
+    num_cols: int  # the row's columns (hidden); a stacked projection's shrink columns past them are not sent

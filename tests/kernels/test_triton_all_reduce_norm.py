@@ -145,3 +145,45 @@ def test_fits_only_what_its_buffer_and_epochs_hold() -> None:
     assert not all_reduce_norm.fits(peers, randn(MAX_ROWS + 1, 500, dtype=dtype, seed=0), None)  # epochs
     assert not all_reduce_norm.fits(peers, randn(8, 16384, dtype=dtype, seed=0), None)  # the part
     assert not all_reduce_norm.fits(peers, randn(8, 1000, dtype=torch.float32, seed=0), None)  # dtype
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("stacked", [False, True])
+def test_a_gemv_sends_its_row_and_the_norm_then_only_awaits_the_peers(
+    dtype: torch.dtype, rank: int, stacked: bool
+) -> None:
+    """Batch 1: the projection's GEMV sends its row's columns (not a stacked A's shrink past them)
+    into the peer's buffer at the epoch the norm will await, leaving the epochs to the norm; the
+    norm, told the row went, sums it with the peer's and sends nothing itself."""
+    from ledgerserve.kernels import gemv
+    from ledgerserve.kernels.peer_buffers import RowSend
+
+    hidden, k, part, peer, epoch = 512, 256, 1, 1 - rank, 5
+    peers, buffers = two_ranks(rank, dtype)
+    peers.epochs[part, 0] = epoch - 1
+
+    def row(buffer: torch.Tensor, src: int) -> torch.Tensor:  # [hidden // 2]: src's packets of row 0
+        return buffer[part * PART_NUMEL + src * hidden // 2 :][: hidden // 2]
+
+    x, w = randn(1, k, dtype=dtype, seed=0), randn(hidden + (64 if stacked else 0), k, dtype=dtype, seed=1)
+    assert gemv.sends_row(*w.shape, hidden)
+    assert not gemv.sends_row(*w.shape, 500) and not gemv.sends_row(hidden, k, hidden + 2)  # a padded row
+    y = gemv.gemv(x, w, row_send=RowSend(peers, part, hidden))
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w), atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.equal(row(buffers[peer], rank), packets(y[:, :hidden], epoch)[0])
+    assert (buffers[peer] != 0).sum().item() == hidden // 2 and buffers[rank].eq(0).all()
+    assert peers.epochs[part, 0].item() == epoch - 1 and peers.epochs.count_nonzero().item() == 1  # the norm's
+
+    theirs = randn(1, hidden, dtype=dtype, seed=2)
+    row(buffers[rank], peer)[:] = packets(theirs, epoch)[0]
+    residual, weight = randn(1, hidden, dtype=dtype, seed=3), randn(hidden, dtype=dtype, seed=4)
+    sent = buffers[peer].clone()
+    normed, new_residual = all_reduce_norm.all_reduce_add_rms_norm(
+        y[:, :hidden], residual, weight, 1e-5, None, peers, part, x_sent=True
+    )
+    summed = (y[:, :hidden].float() + theirs.float()).to(dtype)
+    ref_normed, ref_residual = fused_add_rms_norm_ref(summed, residual, weight, 1e-5, None)
+    torch.testing.assert_close(new_residual, ref_residual, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(normed, ref_normed, atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.equal(buffers[peer], sent) and peers.epochs[part, 0].item() == epoch

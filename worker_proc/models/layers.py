@@ -14,6 +14,7 @@ from torch import nn
 
 from ledgerserve.kernels import ops
 from ledgerserve.kernels.lora_types import LoraDelta, LoraLayout
+from ledgerserve.kernels.peer_buffers import RowSend
 from ledgerserve.worker_proc.lora import layout as lora_layout
 from ledgerserve.worker_proc.lora.mapping import LoraMapping
 from ledgerserve.worker_proc.lora.weights import LoraWeights
@@ -27,11 +28,13 @@ class Deferred:
     """A projection's output with what is still owed on it: its LoRA delta, which the kernel that
     consumes it adds (kernels/lora_types.LoraDelta), and, from a row-parallel layer at tensor
     parallel > 1, its all-reduce: `partial` is this rank's [num_tokens, columns] sum, and `y` and
-    `delta.h` are views of it (reduce_add_rms_norm settles both)."""
+    `delta.h` are views of it (reduce_add_rms_norm settles both). `sent_part`: the fused all-reduce
+    norm's part to which the GEMV already sent y's row (ops.row_send), None where it did not."""
 
     y: torch.Tensor  # [num_tokens, out_features]
     delta: LoraDelta | None = None
     partial: torch.Tensor | None = None
+    sent_part: int | None = None
 
 
 class SlotLinear(nn.Module):
@@ -71,21 +74,32 @@ class SlotLinear(nn.Module):
         # x: [num_tokens, in_features] -> [num_tokens, out_features]
         return self._forward(x, self._lora_plan(x, lora))
 
-    def forward_deferred(self, x: torch.Tensor, lora: LoraMapping | None) -> Deferred:
+    def forward_deferred(self, x: torch.Tensor, lora: LoraMapping | None, part: int | None = None) -> Deferred:
         """forward, except that on the stacked decode path the LoRA delta comes back unapplied, for
         the kernel that consumes the output to add (one launch fewer), and that a row-parallel
         layer's all-reduce is left to the consumer too (reduce_add_rms_norm), except on the
-        unstacked LoRA path, which reduces base output and shrink before its expand."""
+        unstacked LoRA path, which reduces base output and shrink before its expand. `part`: the
+        consuming norm's part of the fused all-reduce's buffer, where the GEMV may send the row."""
         plan = self._lora_plan(x, lora)
         if plan is None and self.defers_reduce:
-            y = ops.linear(x, self.weight, self.bias)  # [num_tokens, out]
-            return Deferred(y, None, y)
+            send = self._row_send(x, self.weight, None, part)
+            y = ops.linear(x, self.weight, self.bias, send)  # [num_tokens, out]
+            return Deferred(y, None, y, None if send is None else part)
         if not isinstance(plan, lora_layout.Stacked):
             return Deferred(self._forward(x, plan))
         assert self.lora is not None
-        out = self._stacked_gemm(x, plan.num_slots)
+        out, send = self._stacked_gemm(x, plan.num_slots, part)
         y, h = self._split_stacked(out, plan.num_slots)
-        return Deferred(y, LoraDelta(h, self.lora, plan.token_slots), out if self.defers_reduce else None)
+        sent_part = None if send is None else part
+        return Deferred(y, LoraDelta(h, self.lora, plan.token_slots), out if self.defers_reduce else None, sent_part)
+
+    def _row_send(
+        self, x: torch.Tensor, weight: torch.Tensor, lora: LoraWeights | None, part: int | None
+    ) -> RowSend | None:
+        """Where a row-parallel layer's GEMV sends its output row (ops.row_send), if it can."""
+        if part is None or not self.defers_reduce:
+            return None
+        return ops.row_send(x, weight, self.weight.shape[0], lora, self.group.peer_buffers, part)
 
     def _lora_plan(self, x: torch.Tensor, lora: LoraMapping | None) -> lora_layout.Stacked | LoraLayout | None:
         if self.lora is None or lora is None:
@@ -97,7 +111,7 @@ class SlotLinear(nn.Module):
             return self._reduce(ops.linear(x, self.weight, self.bias))
         assert self.lora is not None
         if isinstance(plan, lora_layout.Stacked):
-            y, h = self._split_stacked(self._reduce(self._stacked_gemm(x, plan.num_slots)), plan.num_slots)
+            y, h = self._split_stacked(self._reduce(self._stacked_gemm(x, plan.num_slots)[0]), plan.num_slots)
             ops.lora_expand_stacked(y, h, self.lora, plan.tiles)
             return y
         y = ops.linear(x, self.weight, self.bias)
@@ -116,9 +130,12 @@ class SlotLinear(nn.Module):
             return y
         return self.group.all_reduce(y.contiguous())
 
-    def _stacked_gemm(self, x: torch.Tensor, num_slots: int) -> torch.Tensor:
+    def _stacked_gemm(
+        self, x: torch.Tensor, num_slots: int, part: int | None = None
+    ) -> tuple[torch.Tensor, RowSend | None]:
         """[num_tokens, out + num_slots * num_slices * max_rank]: the base output and x A^T of
-        slots [0, num_slots) (0: all), from one GEMM; a row-parallel layer's is this rank's partial sum."""
+        slots [0, num_slots) (0: all), from one GEMM; a row-parallel layer's is this rank's partial
+        sum. With `part`, the GEMV sends the base output row where it can (the RowSend, else None)."""
         assert self.stacked is not None and self.lora is not None
         max_loras, num_slices, max_rank = self.lora.a.shape[:3]
         rows = self.weight.shape[0] + (num_slots or max_loras) * num_slices * max_rank
@@ -126,7 +143,8 @@ class SlotLinear(nn.Module):
         # (worker_proc/lora/fences.py): each output column reads one weight row only, and those
         # slots' columns of h are never read, so the step's output cannot change.
         weight, bias = self.stacked
-        return ops.linear(x, weight[:rows], None if bias is None else bias[:rows])
+        send = self._row_send(x, weight[:rows], self.lora, part)
+        return ops.linear(x, weight[:rows], None if bias is None else bias[:rows], send), send
 
     def _split_stacked(self, out: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         """_stacked_gemm's output as the base output y [num_tokens, out] (rows strided) and h
@@ -190,7 +208,10 @@ def reduce_add_rms_norm(
     if x.partial is not None:
         peers = group.peer_buffers
         if peers is not None and ops.fuses_all_reduce_norm(x.y, x.delta, peers):
-            return ops.all_reduce_add_rms_norm(x.y, residual, norm.weight, norm.eps, x.delta, peers, part)
+            assert x.sent_part in (None, part), (x.sent_part, part)
+            sent = x.sent_part is not None
+            return ops.all_reduce_add_rms_norm(x.y, residual, norm.weight, norm.eps, x.delta, peers, part, sent)
+        assert x.sent_part is None  # ops.row_send sends only what this fused norm takes
         group.all_reduce_(x.partial)
     if residual is None:
         assert x.delta is None
@@ -206,10 +227,11 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = SlotLinear(hidden, [local, local], cfg.mlp_bias, gate_up_shard(cfg), group)
         self.down_proj = SlotLinear(local, [hidden], cfg.mlp_bias, down_shard(cfg), group)
 
-    def forward(self, x: torch.Tensor, lora: LoraMapping | None) -> Deferred:
-        """[num_tokens, hidden], with what the next residual-add norm owes it (LoRA delta, all-reduce)."""
+    def forward(self, x: torch.Tensor, lora: LoraMapping | None, part: int | None = None) -> Deferred:
+        """[num_tokens, hidden], with what the next residual-add norm owes it (LoRA delta, all-reduce);
+        `part`: that norm's part of the fused all-reduce's buffer."""
         gate_up = self.gate_up_proj.forward_deferred(x, lora)  # [num_tokens, 2 * intermediate]
-        return self.down_proj.forward_deferred(ops.silu_and_mul(gate_up.y, gate_up.delta), lora)
+        return self.down_proj.forward_deferred(ops.silu_and_mul(gate_up.y, gate_up.delta), lora, part)
 
 
 class VocabEmbedding(nn.Module):

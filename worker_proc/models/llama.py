@@ -93,7 +93,7 @@ class Attention(nn.Module):
                 self.scale,
                 inputs.max_query_len,
             )  # [num_tokens, num_heads, head_dim]
-        return self.o_proj.forward_deferred(out.reshape(num_tokens, -1), inputs.lora)
+        return self.o_proj.forward_deferred(out.reshape(num_tokens, -1), inputs.lora, AFTER_ATTENTION)
 
 
 class DecoderLayer(nn.Module):
@@ -118,7 +118,7 @@ class DecoderLayer(nn.Module):
         x, residual = reduce_add_rms_norm(self.group, h, residual, norm1, part)
         attn = self.self_attn(x, inputs, cos_sin_cache, kv_cache)
         x, residual = reduce_add_rms_norm(self.group, attn, residual, norm2, AFTER_ATTENTION)
-        return self.mlp(x, inputs.lora), residual
+        return self.mlp(x, inputs.lora, AFTER_MLP), residual
 
 
 class LlamaModel(nn.Module):
