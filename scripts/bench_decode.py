@@ -53,7 +53,7 @@ from scripts.decode_churn import LoadChurn, StepClock
 
 BLOCK = 16
 GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
-TP_UNUSED_FLAGS = [("--async-scheduling", "async_scheduling"), ("--churn-slots", "churn_slots"), ("--e2e", "e2e")]
+TP_UNUSED_FLAGS = [("--churn-slots", "churn_slots"), ("--e2e", "e2e")]
 SLEEP_CYCLES = 500_000_000  # ~0.25 s at ~2 GHz: longer than the CPU takes to queue one step
 
 

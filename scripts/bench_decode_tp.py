@@ -6,10 +6,13 @@ time: the all-reduce time of one step (the Megatron split's 2 per layer plus the
 of a [batch, hidden] activation, timed alone) and the bandwidth floor of one rank (its own
 weights, and its share of the adapters and the KV cache, over the copy bandwidth). With
 --profile-steps K, each row also holds rank 0's per-kernel table of K more steps (kernel, calls
-and µs a step; PDL off, so kernel times add up), TP 1 beside TP N with --compare-tp1.
+and µs a step; PDL off, so kernel times add up), TP 1 beside TP N with --compare-tp1. With
+--async-scheduling each step is launched before the one ahead of it is read back, as the engine
+runs with that flag (rank 0's tokens reach the others as scripts/tp_steps.py says).
 
     python scripts/bench_decode.py --tensor-parallel-size 2 --compare-tp1 --batch-sizes 1,32 --adapters 0,4
     python scripts/bench_decode.py --tensor-parallel-size 2 --compare-tp1 --batch-sizes 1 --adapters 0 --profile-steps 8
+    python scripts/bench_decode.py --tensor-parallel-size 2 --compare-tp1 --async-scheduling --batch-sizes 1,32
     python -m scripts.bench_decode --tensor-parallel-size 2 --device cpu --model-dir DIR --batch-sizes 2 --adapters 1
 """
 
@@ -39,9 +42,10 @@ from ledgerserve.shared.events import AdapterSlotAssigned
 from ledgerserve.shared.tp_layout import tp_layout
 from ledgerserve.worker_proc.parallel import TpGroup, close_group, init_group, rank_device, share_cpu_cores
 from ledgerserve.worker_proc.runner import ModelRunner
-from scripts.bench_decode import Bench, engine_config, parse_args, use_gemv_configs
+from scripts.bench_decode import engine_config, parse_args, use_gemv_configs
 from scripts.bench_fixtures import adapter_bytes, copy_bandwidth, kv_bytes, weight_bytes, write_adapter, write_model_dir
 from scripts.profile_decode import kernel_table, last_step_timeline, timed_host_parts
+from scripts.tp_steps import SharingBench, cpu_group, timed_steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT_FILE = "result.json"
@@ -160,7 +164,9 @@ def sweep_rank(args: argparse.Namespace, group: TpGroup, device: torch.device, r
         for i in range(max(args.adapter_counts)):
             runner.load_adapter(AdapterSlotAssigned(i, i, write_adapter(root, i, base, args.rank, args.device)))
         bw = copy_bandwidth(device)
-        bench = Bench(runner, args.prompt_len, args.warmup, args.steps + 2 * args.profile_steps)  # blocks for them all
+        num_steps = args.steps + 2 * args.profile_steps + 1  # blocks for them all (ahead: one more in flight)
+        tokens = cpu_group(group.size)
+        bench = SharingBench(tokens, runner, args.prompt_len, args.warmup, num_steps, args.async_scheduling)
         bench.clock = NoClock()
         rows = [_row(bench, group, base, args, bw, b, n) for n in args.adapter_counts for b in args.batches]
     finally:
@@ -172,15 +178,15 @@ def sweep_rank(args: argparse.Namespace, group: TpGroup, device: torch.device, r
 
 
 def _row(
-    bench: Bench, group: TpGroup, base: BaseShapes, args: argparse.Namespace, bw: float, batch: int, num_adapters: int
+    bench: SharingBench,
+    group: TpGroup,
+    base: BaseShapes,
+    args: argparse.Namespace,
+    bw: float,
+    batch: int,
+    num_adapters: int,
 ) -> dict:
-    last = share_tokens(group, bench, bench.start(batch, num_adapters))
-    walls = []
-    for i in range(args.warmup + args.steps):
-        sampled, wall = bench.decode(last)
-        last = share_tokens(group, bench, sampled)  # after the timed step, as the scheduler's next plan would
-        if i >= args.warmup:
-            walls.append(wall)
+    last, walls = timed_steps(bench, bench.share(bench.start(batch, num_adapters)), args.warmup, args.steps)
     step_ms = statistics.median(walls) * 1e3
     runner = bench.runner
     elem_bytes = runner.dtype.itemsize
@@ -204,7 +210,7 @@ def _row(
 
 
 def profile_steps(
-    bench: Bench, group: TpGroup, last: dict[str, int], num_steps: int
+    bench: SharingBench, group: TpGroup, last: dict[str, int], num_steps: int
 ) -> tuple[dict[str, float], list[dict], list[list]]:
     """`num_steps` more decode steps, every rank running them (they share collectives): first
     timing the host's parts of a step (scripts/profile_decode.py's HOST_PARTS, ms a step), then
@@ -215,14 +221,14 @@ def profile_steps(
     with timed_host_parts(host):
         for _ in range(num_steps):
             sampled, _ = bench.decode(last)
-            last = share_tokens(group, bench, sampled)
+            last = bench.share(sampled)
     host_ms = {name: round(s / num_steps * 1e3, 3) for name, s in host.items()}
     activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
     _sync(device)
     with profile(activities=[activity]) if group.rank == 0 else contextlib.nullcontext() as prof:
         for _ in range(num_steps):
             sampled, _ = bench.decode(last)
-            last = share_tokens(group, bench, sampled)
+            last = bench.share(sampled)
         _sync(device)
     if group.rank != 0:
         return {}, [], []
@@ -232,14 +238,6 @@ def profile_steps(
     for k in table[:PRINTED_KERNELS]:
         print(f"{k['us']:9.1f} us {k['calls']:6.1f}x  {k['kernel']}", flush=True)
     return host_ms, table, last_step_timeline(prof, device.type)
-
-
-def share_tokens(group: TpGroup, bench: Bench, sampled: dict[str, int]) -> dict[str, int]:
-    """Rank 0's sampled tokens on every rank (only rank 0 samples; the engine's scheduler sends
-    them to all ranks in the next plan): summed over the ranks, the others adding zeros."""
-    req_ids = bench.live
-    ids = torch.tensor([sampled.get(r, 0) for r in req_ids], dtype=torch.int64, device=bench.runner.device)  # [batch]
-    return dict(zip(req_ids, group.all_reduce(ids).tolist(), strict=True))
 
 
 def all_reduce_step_ms(group: TpGroup, batch: int, base: BaseShapes, dtype: torch.dtype, device: torch.device) -> float:

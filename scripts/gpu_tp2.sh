@@ -3,8 +3,9 @@
 # ten minutes), its reports and logs written under OUT_DIR.
 #   bash scripts/gpu_tp2.sh tests OUT_DIR    every gpu-marked test: one GPU's and TP 2's (sharded Triton and graph paths, PEFT parity)
 #   bash scripts/gpu_tp2.sh servers OUT_DIR  scripts/tp_smoke.py at TP 2: the demo model and a Llama-3-8B-shaped dummy
-#   bash scripts/gpu_tp2.sh decode OUT_DIR   bench_decode.py: TP 2 against TP 1 in one run, then TP 2 with NCCL alone,
-#                                            and TP 2 with each all-reduce its own kernel (none fused into the norm)
+#   bash scripts/gpu_tp2.sh decode OUT_DIR   bench_decode.py: TP 2 against TP 1 in one run, one step at a time and with
+#                                            --async-scheduling, then TP 2 with NCCL alone, and TP 2 with each
+#                                            all-reduce its own kernel (none fused into the norm)
 #   bash scripts/gpu_tp2.sh profile OUT_DIR  the same rows' per-kernel tables at TP 1 and TP 2 (PDL off), and
 #                                            bench_all_reduce.py: one-shot against NCCL from 16 KiB to 16 MiB
 #   bash scripts/gpu_tp2.sh serving OUT_DIR  bench_adapter_churn.py (64 adapters in 64 slots, Poisson) at TP 1 and TP 2
@@ -23,6 +24,7 @@ case "$stage" in
     python3 -m scripts.tp_smoke --tensor-parallel-size 2 --llama3-8b-dummy --out "$out/tp2_8b_dummy.json" ;;
   decode)
     $decode --compare-tp1 --out "$out/tp2_decode.json"
+    $decode --compare-tp1 --async-scheduling --out "$out/tp2_decode_async.json"
     $decode --disable-custom-all-reduce --out "$out/tp2_decode_nccl.json"
     LEDGERSERVE_FUSED_ALL_REDUCE_NORM=0 $decode --out "$out/tp2_decode_unfused.json" ;;
   profile)
