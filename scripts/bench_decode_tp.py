@@ -165,8 +165,8 @@ def sweep_rank(args: argparse.Namespace, group: TpGroup, device: torch.device, r
             runner.load_adapter(AdapterSlotAssigned(i, i, write_adapter(root, i, base, args.rank, args.device)))
         bw = copy_bandwidth(device)
         num_steps = args.steps + 2 * args.profile_steps + 1  # blocks for them all (ahead: one more in flight)
-        tokens = cpu_group(group.size)
-        bench = SharingBench(tokens, runner, args.prompt_len, args.warmup, num_steps, args.async_scheduling)
+        token_group = cpu_group(group.size)  # rank 0's sampled tokens to the others
+        bench = SharingBench(token_group, runner, args.prompt_len, args.warmup, num_steps, args.async_scheduling)
         bench.clock = NoClock()
         rows = [_row(bench, group, base, args, bw, b, n) for n in args.adapter_counts for b in args.batches]
     finally:
