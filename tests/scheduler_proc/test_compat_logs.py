@@ -9,7 +9,10 @@ default (on), so it replays only because schema 2 logs replay with overlapped lo
 `events-000004-lora-overlap-schema3.log` is a random adapter workload with overlapped loading
 and async scheduling over two ranks (tests/scheduler_proc/workload.py, seed 5, 200 events,
 max_loras 2, lora_max_wait_steps 3), recorded by the schema 3 code (before targeted drains):
-it replays only because schema 3 logs replay with targeted drains off."""
+it replays only because schema 3 logs replay with targeted drains off.
+`events-000005-marked-schema4.log` is the adapter workload with pinned and on-demand loads
+(tests/scheduler_proc/test_adapter_random.py's marked driver, seed 5, 200 events, overlapped
+loading, max_on_demand_loras 1), recorded by the schema 4 code."""
 
 from __future__ import annotations
 
@@ -39,8 +42,9 @@ def test_committed_logs_exist():
         "events-000002-lora.log",
         "events-000003-lora-schema2.log",
         "events-000004-lora-overlap-schema3.log",
+        "events-000005-marked-schema4.log",
     ]
-    assert [RunScanner(p).header.schema_version for p in LOGS] == [1, 1, 2, 3]
+    assert [RunScanner(p).header.schema_version for p in LOGS] == [1, 1, 2, 3, 4]
 
 
 def test_schema_2_log_replays_only_with_overlapped_loading_off(monkeypatch):
