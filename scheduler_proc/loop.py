@@ -65,7 +65,6 @@ class SchedulerShell:
         self.worker_decoder = codec.from_worker_decoder()
         self.core = Core(CoreConfig.from_engine(config))
         self.adapter_stats = AdapterStats(config.tensor_parallel_size, self.core.config.lora_overlap_loading)
-        os.makedirs(config.event_log_dir, exist_ok=True)
         run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
         self.log = EventLogWriter(
             config.event_log_dir,
