@@ -13,6 +13,7 @@ import zmq
 
 from ledgerserve.scheduler_proc.core.adapter_stats import AdapterStats
 from ledgerserve.scheduler_proc.core.core import Core, CoreConfig
+from ledgerserve.scheduler_proc.core.registry_changes import registry_changes
 from ledgerserve.scheduler_proc.core.stats import engine_stats
 from ledgerserve.shared import codec, events, ipc
 from ledgerserve.shared.config import EngineConfig
@@ -125,6 +126,7 @@ class SchedulerShell:
         except LogWriteError as exc:
             self._stop_unlogged(exc)
             return
+        self._send_registry_changes([decision for decision, _ in decisions])
         for decision, frame in decisions:
             self._route(decision, frame)
         self._fold_adapter_stats(event, [decision for decision, _ in decisions])
@@ -139,6 +141,12 @@ class SchedulerShell:
             for load in self.adapter_stats.fold(record):
                 observed = events.AdapterLoadObserved(load.name, load.version_id, load.source_tier, load.duration_ms)
                 self._send(self.to_tokenizer, codec.encode(observed))
+
+    def _send_registry_changes(self, decisions: list[events.Event]) -> None:
+        """What the decisions changed in the adapter registry, before them (derived, so not logged)."""
+        change = registry_changes(self.core.adapters, decisions)
+        if change is not None:
+            self._send(self.to_tokenizer, codec.encode(change))
 
     def _stop_unlogged(self, exc: LogWriteError) -> None:
         """Never serve what is not logged: fail every request and stop the engine. The
