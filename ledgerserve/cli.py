@@ -30,22 +30,18 @@ class VllmFlag:
     aliases: tuple[str, ...] = ()  # short forms, as vLLM's
 
 
+LOG_REQUESTS_NOTICE = (
+    "the server's log never prints request contents (the access log, --uvicorn-log-level, has one line per "
+    "request); the event log keeps every prompt and output token id unless --event-log-content hashed"
+)
 VLLM_FLAGS = (
     VllmFlag(
         "--trust-remote-code",
         "notice",
         "remote code is never run: only the built-in Llama-family architectures are served",
     ),
-    VllmFlag(
-        "--disable-log-requests",
-        "notice",
-        "request contents are never logged; the access log (--uvicorn-log-level) has one line per request",
-    ),
-    VllmFlag(
-        "--enable-log-requests",
-        "notice",
-        "request contents are never logged; the access log (--uvicorn-log-level) has one line per request",
-    ),
+    VllmFlag("--disable-log-requests", "notice", LOG_REQUESTS_NOTICE),
+    VllmFlag("--enable-log-requests", "notice", LOG_REQUESTS_NOTICE),
     VllmFlag("--enable-prefix-caching", "notice", "the prefix cache is always on"),
     VllmFlag(
         "--no-enable-prefix-caching",

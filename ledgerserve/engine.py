@@ -18,6 +18,7 @@ from typing import Protocol
 
 from ledgerserve.scheduler_proc.core import Core, CoreConfig
 from ledgerserve.scheduler_proc.loop import TO_WORKER_TYPES, apply_logged
+from ledgerserve.scheduler_proc.redaction import Redactor
 from ledgerserve.shared import events
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.eventlog import EventLogWriter
@@ -47,6 +48,7 @@ class Engine:
         self.runner = runner
         self.commands: deque[events.Event] = deque()  # decided for the worker, not yet carried out; in order
         self.log: EventLogWriter | None = None
+        self.content = Redactor(config.event_log_content)  # what the log keeps of request content
         if log_dir:
             self.log = EventLogWriter(log_dir, config.to_json(), run_id, fsync=config.event_log_fsync)
         self.ready_decisions = self.apply(runner.ready())
@@ -71,7 +73,7 @@ class Engine:
         if self.log is None:
             decisions = self.core.apply(event)
         else:
-            decisions = [decision for decision, _ in apply_logged(self.core, self.log, event)]
+            decisions = [decision for decision, _ in apply_logged(self.core, self.log, event, self.content)]
         self.commands.extend(d for d in decisions if isinstance(d, TO_WORKER_TYPES))
         return decisions
 

@@ -13,7 +13,9 @@ import zmq
 
 from ledgerserve.scheduler_proc.core.adapter_stats import AdapterStats
 from ledgerserve.scheduler_proc.core.core import Core, CoreConfig
+from ledgerserve.scheduler_proc.core.registry_changes import registry_changes
 from ledgerserve.scheduler_proc.core.stats import engine_stats
+from ledgerserve.scheduler_proc.redaction import Redactor
 from ledgerserve.shared import codec, events, ipc
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.eventlog import EventLogWriter, LogWriteError, enforce_retention
@@ -21,6 +23,7 @@ from ledgerserve.shared.proc import send_ready
 from ledgerserve.shared.progress import ready_line
 
 log = logging.getLogger("scheduler")
+PLAIN = Redactor("tokens")  # the identity: the log keeps what the core sees
 
 POLL_MS = 100
 TO_TOKENIZER_TYPES = (
@@ -39,14 +42,21 @@ TO_WORKER_TYPES = (
 )
 
 
-def apply_logged(core: Core, log: EventLogWriter, event: events.Event) -> list[tuple[events.Event, bytes]]:
+def apply_logged(
+    core: Core, log: EventLogWriter, event: events.Event, content: Redactor = PLAIN
+) -> list[tuple[events.Event, bytes]]:
     """Log the input, apply it, log the decisions, commit (fsync per policy): the order replay
-    relies on, for the scheduler process and the in-process engine alike. Each decision is
-    encoded once: the same bytes go to the log and to the socket."""
+    relies on, for the scheduler process and the in-process engine alike. `content` (redaction.py)
+    turns the input into what is logged and applied, and each logged decision into what is sent.
+    A decision sent as logged is encoded once: the same bytes go to the log and to the socket."""
+    event = content.inbound(event)
     log.append(event)
-    decisions = [(d, codec.encode(d)) for d in core.apply(event)]
-    for decision, frame in decisions:
+    decisions = []
+    for decision in core.apply(event):
+        frame = codec.encode(decision)
         log.append(decision, frame)
+        sent = content.outbound(decision)
+        decisions.append((sent, frame if sent is decision else codec.encode(sent)))
     log.commit(step_planned=any(isinstance(d, events.StepPlan) for d, _ in decisions))
     return decisions
 
@@ -64,8 +74,8 @@ class SchedulerShell:
         self.tokenizer_decoder = codec.to_scheduler_decoder()
         self.worker_decoder = codec.from_worker_decoder()
         self.core = Core(CoreConfig.from_engine(config))
+        self.content = Redactor(config.event_log_content)
         self.adapter_stats = AdapterStats(config.tensor_parallel_size, self.core.config.lora_overlap_loading)
-        os.makedirs(config.event_log_dir, exist_ok=True)
         run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
         self.log = EventLogWriter(
             config.event_log_dir,
@@ -95,7 +105,7 @@ class SchedulerShell:
         poller = zmq.Poller()
         poller.register(self.from_tokenizer, zmq.POLLIN)
         poller.register(self.from_workers, zmq.POLLIN)
-        log.info("event log: %s", self.log.path)
+        log.info("event log: %s (request content: %s)", self.log.path, self.config.event_log_content)
         try:
             while self.stop is None and not self.failed:
                 for sock, _ in poller.poll(POLL_MS):
@@ -122,10 +132,11 @@ class SchedulerShell:
         if self.failed:
             return
         try:
-            decisions = apply_logged(self.core, self.log, event)
+            decisions = apply_logged(self.core, self.log, event, self.content)
         except LogWriteError as exc:
             self._stop_unlogged(exc)
             return
+        self._send_registry_changes([decision for decision, _ in decisions])
         for decision, frame in decisions:
             self._route(decision, frame)
         self._fold_adapter_stats(event, [decision for decision, _ in decisions])
@@ -140,6 +151,12 @@ class SchedulerShell:
             for load in self.adapter_stats.fold(record):
                 observed = events.AdapterLoadObserved(load.name, load.version_id, load.source_tier, load.duration_ms)
                 self._send(self.to_tokenizer, codec.encode(observed))
+
+    def _send_registry_changes(self, decisions: list[events.Event]) -> None:
+        """What the decisions changed in the adapter registry, before them (derived, so not logged)."""
+        change = registry_changes(self.core.adapters, decisions)
+        if change is not None:
+            self._send(self.to_tokenizer, codec.encode(change))
 
     def _stop_unlogged(self, exc: LogWriteError) -> None:
         """Never serve what is not logged: fail every request and stop the engine. The

@@ -20,6 +20,7 @@ from ledgerserve.shared.adapter_files import is_inside
 DEFAULT_EVENT_LOG_DIR = "~/.cache/ledgerserve/events"
 MiB = 1024 * 1024
 GiB = 1024 * MiB
+EVENT_LOG_CONTENTS = ("tokens", "hashed")  # what the event log keeps of each request's content
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -131,7 +132,12 @@ class EngineConfig:
     gpu_memory_utilization: float = setting(0.9, "share of GPU memory the worker may use")
     load_format: str = setting("auto", "dummy: random weights (benchmarks)", choices=("auto", "safetensors", "dummy"))
     seed: int = setting(0, "seed for the weights of dummy and for unseeded sampling")
-    event_log_dir: str = setting("", "where the event log goes", auto=DEFAULT_EVENT_LOG_DIR)
+    event_log_dir: str = setting(
+        "",
+        "where the event log goes (a 0700 directory, 0600 files); it holds every prompt and output token id "
+        "unless --event-log-content hashed",
+        auto=DEFAULT_EVENT_LOG_DIR,
+    )
     shutdown_timeout_s: float = setting(30.0, "seconds to finish requests on SIGTERM", name="--shutdown-timeout")
     tensor_parallel_size: int = setting(1, "worker ranks", aliases=("-tp",))
     run_dir: str = unflagged("", set_by="the launcher: the 0700 directory holding the ipc sockets")
@@ -185,6 +191,14 @@ class EngineConfig:
     disable_custom_all_reduce: bool = setting(
         False,
         "tensor parallel on CUDA: send every all-reduce through NCCL, none through the one-shot symmetric-memory path",
+    )
+    event_log_content: str = setting(
+        "tokens",
+        "what the event log keeps of requests. tokens: every prompt and sampled token id and its logprobs; "
+        "hashed: keyed digests of each token's prefix in their place (the key is drawn per run and never "
+        "stored), zeros for logprobs, the id only of a stop token that ended a request; replay --verify "
+        "checks either. Both keep sampling parameters (stop ids, logit_bias) and token counts",
+        choices=EVENT_LOG_CONTENTS,
     )
     tp_layout: str = unflagged("", set_by="the launcher: how the model is split over the ranks (shared/tp_layout.py)")
 

@@ -101,13 +101,14 @@ class RequestRejected(Event):
 
 class AdapterOpReplied(Event):
     """The core's answer to an adapter load/unload: `code` 200 on success, else an HTTP
-    status with `message`. The registry as it stands after the op travels with it."""
+    status with `message`. What the op changed in the registry reaches the HTTP process just
+    before it, in AdapterRegistryChanged."""
 
     op_id: str
     code: int
     message: str = ""
     version_id: int = 0
-    adapters: list[AdapterInfo] = []
+    adapters: list[AdapterInfo] = []  # empty; logs of schema 4 and before: the whole registry after the op
 
 
 class AdapterInfo(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
@@ -171,6 +172,17 @@ class AdapterLoadObserved(Event):
     version_id: int
     source_tier: str
     duration_ms: float
+
+
+class AdapterRegistryChanged(Event):
+    """Names whose registration one input's decisions changed (an op, an on-demand registration
+    unregistering the least recently used one, a failed load), as they stand after it: the new
+    current version, or gone. Derived from logged state (the core's registry), so not logged
+    itself; sent before that input's decisions, so the HTTP process's mirror of the registry is
+    current when an op's reply reaches it."""
+
+    registered: list[AdapterInfo] = []
+    unregistered: list[str] = []
 
 
 class EngineFailed(Event):
@@ -429,7 +441,14 @@ class LogClosed(Event):
 
 ToScheduler = RequestArrived | RequestAborted | AdapterLoadRequested | AdapterUnloadRequested
 FromScheduler = (
-    TokensEmitted | RequestRejected | EngineFailed | EngineReady | EngineStats | AdapterOpReplied | AdapterLoadObserved
+    TokensEmitted
+    | RequestRejected
+    | EngineFailed
+    | EngineReady
+    | EngineStats
+    | AdapterOpReplied
+    | AdapterLoadObserved
+    | AdapterRegistryChanged
 )
 ToWorker = StepPlan | Shutdown | AdapterSlotAssigned | AdapterEvicted | AdapterCpuEvicted | AdapterPrefetched
 FromWorker = WorkerReady | StepCompleted | RankDigest | WorkerFailed | AdapterLoadCompleted | AdapterLoadFailed

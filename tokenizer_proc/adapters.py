@@ -2,8 +2,8 @@
 policy for run-time loads, validation with `read_manifest`, and the model cards. Which
 adapter a request names, loading it on demand, is `lora_resolver.py`.
 
-The core owns the registry; `AdapterRegistry.refresh` replaces the mirror with the list
-that travels in every `AdapterOpReplied`. Refusals raise `ApiError` (OpenAI error shape).
+The core owns the registry; `AdapterRegistry.refresh` replaces the mirror with the registry as
+the engine client holds it after each `AdapterRegistryChanged`. Refusals raise `ApiError` (OpenAI error shape).
 A path outside every `--lora-allowed-dir` root is refused with 400 (what vLLM users get
 for a bad `lora_path`), never 403, and before the path is looked at, so the answer does
 not reveal whether something exists outside the roots.

@@ -23,6 +23,7 @@ from ledgerserve.shared.events import (
     AdapterLoadObserved,
     AdapterLoadRequested,
     AdapterOpReplied,
+    AdapterRegistryChanged,
     AdapterRow,
     AdapterUnloadRequested,
     EngineFailed,
@@ -84,7 +85,8 @@ class EngineClientBase(abc.ABC):
         self.failure_message: str | None = None
         self.num_bad_frames = 0
         self._ops: dict[str, asyncio.Future[AdapterOpReplied]] = {}
-        # Called with the core's adapter registry from every AdapterOpReplied.
+        self.adapters: dict[str, AdapterInfo] = {}  # the core's registry, from its AdapterRegistryChanged
+        # Called with the core's whole adapter registry after each change of it.
         self.on_adapters: Callable[[list[AdapterInfo]], None] | None = None
 
     @abc.abstractmethod
@@ -200,6 +202,9 @@ class EngineClientBase(abc.ABC):
             for listener in self.load_listeners:
                 listener(event)
             return
+        if isinstance(event, AdapterRegistryChanged):
+            self._on_registry_changed(event)
+            return
         if isinstance(event, AdapterOpReplied):
             self._on_op_replied(event)
             return
@@ -214,12 +219,17 @@ class EngineClientBase(abc.ABC):
             return
         self.num_bad_frames += 1  # decodes, but has no business on this channel
 
-    def _on_op_replied(self, reply: AdapterOpReplied) -> None:
-        # Refresh the mirror first, so whoever awaits the op sees the new registry.
-        registered = {adapter.name for adapter in reply.adapters}
-        self.adapter_rows = {name: row for name, row in self.adapter_rows.items() if name in registered}
+    def _on_registry_changed(self, change: AdapterRegistryChanged) -> None:
+        """The core sends what an input changed before that input's decisions: whoever awaits an
+        op's reply sees the registry as the op left it."""
+        for name in change.unregistered:
+            self.adapters.pop(name, None)
+        self.adapters.update((info.name, info) for info in change.registered)
+        self.adapter_rows = {name: row for name, row in self.adapter_rows.items() if name in self.adapters}
         if self.on_adapters is not None:
-            self.on_adapters(list(reply.adapters))
+            self.on_adapters(sorted(self.adapters.values(), key=lambda info: info.name))
+
+    def _on_op_replied(self, reply: AdapterOpReplied) -> None:
         future = self._ops.get(reply.op_id)
         if future is not None and not future.done():
             future.set_result(reply)

@@ -2,7 +2,7 @@
 EngineStats, plus this process's own counters.
 
 Counters labelled by an adapter's name exist only while that adapter is registered: the
-registry travels in every AdapterOpReplied, and an adapter that left it loses its series.
+registry's changes come in AdapterRegistryChanged, and an adapter that left it loses its series.
 A request that ends after its adapter was unloaded is not counted, so a name that is no
 longer registered never gets a series again; the label set stays bounded by the registry."""
 

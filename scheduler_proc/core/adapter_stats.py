@@ -51,6 +51,7 @@ class AdapterStats:
         self._num_registrations = 0
         self._duplicate_id: str | None = None  # an arrival whose id is in use: its rejection is not ours
         self._changed: list[str] = []  # names whose row changed since take_changed_rows
+        self._load_asked: ev.AdapterLoadRequested | None = None  # the load whose decisions come next
 
     # ------------------------------------------------------------------ views
 
@@ -103,6 +104,8 @@ class AdapterStats:
             old.is_current = False
             self._forget_if_idle(old)
         fig.version_id = event.version_id
+        asked = self._load_asked
+        fig.pinned = asked is not None and asked.name == event.name and asked.pinned  # a pin goes with its version
         self._versions[event.version_id] = VersionState(event.version_id, event.name, fig.registration)
         self._mark(event.name)
 
@@ -113,13 +116,8 @@ class AdapterStats:
             version.is_current = False
             self._forget_if_idle(version)
 
-    def _on_op_replied(self, event: ev.AdapterOpReplied) -> None:
-        for info in event.adapters:
-            fig = self.figures.get(info.name)
-            pinned = info.pinned
-            if fig is not None and fig.pinned != pinned:
-                fig.pinned = pinned
-                self._mark(info.name)
+    def _on_load_requested(self, event: ev.AdapterLoadRequested) -> None:
+        self._load_asked = event
 
     def _on_slot_assigned(self, event: ev.AdapterSlotAssigned) -> None:
         version = self._versions.get(event.version_id)
@@ -336,7 +334,7 @@ class AdapterStats:
 _HANDLERS = {
     ev.AdapterRegistered: AdapterStats._on_registered,
     ev.AdapterUnloaded: AdapterStats._on_unloaded,
-    ev.AdapterOpReplied: AdapterStats._on_op_replied,
+    ev.AdapterLoadRequested: AdapterStats._on_load_requested,
     ev.AdapterSlotAssigned: AdapterStats._on_slot_assigned,
     ev.AdapterPrefetched: AdapterStats._on_prefetched,
     ev.AdapterLoadCompleted: AdapterStats._on_load_completed,

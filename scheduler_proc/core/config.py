@@ -34,6 +34,9 @@ class CoreConfig:
     # drained for it (drain.py). False only to replay schema 3 logs: once it has waited
     # lora_max_wait_steps, no adapter request behind it is admitted until it has a slot.
     lora_targeted_drain: bool = True
+    # True only to replay logs of schema 4 and before: every AdapterOpReplied carried the whole
+    # registry after the op (now what an op changed goes to the HTTP process unlogged).
+    op_reply_registry: bool = False
 
     @property
     def drains_slots(self) -> bool:

@@ -4,7 +4,8 @@ Two runs of one workload are compared on their *decision* streams (every record 
 made, in order; inputs and shell-only records are skipped), by bytes: that is what a user
 diffing runs wants, and wall-clock fields (RequestArrived.arrival_time_s) live only in
 inputs, so they never show up. The first differing input, wall-clock fields zeroed, is
-reported beside it for context; it does not decide the outcome.
+reported beside it for context; it does not decide the outcome. Logs written with
+`--event-log-content hashed` compare their digests by pattern (pseudonyms.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import msgspec
 
 from ledgerserve.scheduler_proc.replay.format import differing_fields, side_by_side
+from ledgerserve.scheduler_proc.replay.pseudonyms import renamer
 from ledgerserve.scheduler_proc.replay.verify import (
     DECISION,
     INPUT,
@@ -80,10 +82,12 @@ def diff_logs(path: str, other: str) -> LogDiff:
 
 
 def _records(scanner: RunScanner, kind: int) -> Iterator[tuple[int, bytes]]:
+    rename = renamer(scanner.config_json)  # a hashed log's digests, by their pattern (pseudonyms.py)
     for seq, raw in scanner:
         data = bytes(raw)
         if KIND_BY_TAG.get(tag_of(data), DECISION) == kind:
-            yield seq, _without_wall_clock(data) if kind == INPUT else data
+            data = _without_wall_clock(data) if kind == INPUT else data
+            yield seq, data if rename is None else rename(data)
 
 
 def _without_wall_clock(data: bytes) -> bytes:

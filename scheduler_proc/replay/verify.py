@@ -114,12 +114,17 @@ def core_config(scanner: RunScanner) -> CoreConfig:
     """The core as the run's engine had it. Schema 1 logs predate forgetting dropped prefix
     namespaces: their StateDigests list every namespace ever evicted. Schema 1 and 2 logs
     predate overlapped adapter loading: their engines loaded in command order. Schema 3 logs
-    predate targeted drains: an aged request with no slot barred every adapter request behind it."""
+    predate targeted drains: an aged request with no slot barred every adapter request behind it.
+    Logs of schema 4 and before carry the whole registry in every AdapterOpReplied."""
     config = CoreConfig.from_engine(EngineConfig.from_json(scanner.config_json))
     version = scanner.header.schema_version
     overlap = config.lora_overlap_loading and version >= 3
     return dataclasses.replace(
-        config, keep_dropped_namespaces=version < 2, lora_overlap_loading=overlap, lora_targeted_drain=version >= 4
+        config,
+        keep_dropped_namespaces=version < 2,
+        lora_overlap_loading=overlap,
+        lora_targeted_drain=version >= 4,
+        op_reply_registry=version < 5,
     )
 
 

@@ -21,6 +21,10 @@ order, so it replays with `CoreConfig.lora_overlap_loading` off whatever its con
 Schema 3 (still read): the format of schema 4; its engines, with overlapped loading, barred
 every adapter request behind an aged request with no slot instead of draining one slot for it,
 so it replays with `CoreConfig.lora_targeted_drain` off.
+
+Schema 4 (still read): the format of schema 5; each of its AdapterOpReplied carried the whole
+adapter registry (a log that grew with the square of the adapter ops), so it replays with
+`CoreConfig.op_reply_registry` on.
 """
 
 from __future__ import annotations
@@ -37,8 +41,8 @@ import xxhash
 from ledgerserve.shared import codec
 
 MAGIC = b"LSEVTLOG"
-SCHEMA_VERSION = 4
-READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4)
+SCHEMA_VERSION = 5
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5)
 MAX_RECORD_BYTES = 1 << 28
 U32 = struct.Struct("<I")
 RECORD_HEAD = struct.Struct("<II")  # length, crc32

@@ -7,7 +7,8 @@ once per handled input, after that input's records:
     always  fsync at every commit
 Segments rotate when the next record would take the current one past `max_bytes`;
 `on_rotate` (retention) is called between closing one segment and opening the next.
-Each segment is flock'ed while it is written, so retention elsewhere can tell a live run.
+Each segment is flock'ed while it is written, so retention elsewhere can tell a live run; it is
+created 0600 in a directory made 0700 (private.py).
 Any OSError becomes LogWriteError and leaves the writer broken: every later call raises.
 A run broken before any record reached its file (a start on a full disk) is removed on
 close, so it does not hide the runs before it.
@@ -29,6 +30,7 @@ from ledgerserve.shared.eventlog.format import (
     record_hash,
 )
 from ledgerserve.shared.eventlog.names import next_log_name, parse_name, segment_file_name
+from ledgerserve.shared.eventlog.private import make_private_dir, open_private
 
 FSYNC_POLICIES = ("never", "step", "always")
 Opener = Callable[[str, str], BinaryIO]
@@ -43,14 +45,14 @@ class EventLogWriter:
         *,
         fsync: str = "step",
         max_bytes: int | None = None,
-        opener: Opener = open,
+        opener: Opener = open_private,
         on_rotate: Callable[[], None] | None = None,
     ) -> None:
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync policy must be one of {FSYNC_POLICIES}, got {fsync!r}")
         if max_bytes is not None and max_bytes <= 0:
             raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
-        os.makedirs(directory, exist_ok=True)
+        make_private_dir(directory)
         self.directory = directory
         self.fsync_policy = fsync
         self.max_bytes = max_bytes

@@ -226,6 +226,7 @@ def test_core_config_of_a_default_engine_config():
         "max_on_demand_loras": 64,
         "keep_dropped_namespaces": False,
         "lora_targeted_drain": True,
+        "op_reply_registry": False,
     }
     async_engine = dataclasses.replace(engine, async_scheduling=True, max_loras=3, lora_overlap_loading=False)
     core = CoreConfig.from_engine(async_engine)

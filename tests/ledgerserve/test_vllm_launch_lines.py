@@ -86,7 +86,10 @@ LINES: list[tuple[str, dict[str, Any] | str]] = [
     (f"vllm serve {LLAMA} --distributed-executor-backend ray", "error: the launcher starts one worker process"),
 ]
 NOTICES = {
-    0: ["--trust-remote-code: remote code is never run", "--disable-log-requests: request contents are never logged"],
+    0: [
+        "--trust-remote-code: remote code is never run",
+        "--disable-log-requests: the server's log never prints request contents",
+    ],
     7: ["--fully-sharded-loras: adapters are always sharded with the model"],
     9: ["--enable-prefix-caching: the prefix cache is always on"],
 }

@@ -42,6 +42,7 @@ from typing import Any
 
 from ledgerserve.scheduler_proc.core import Core, CoreConfig
 from ledgerserve.scheduler_proc.core.block_manager import BlockManager
+from ledgerserve.scheduler_proc.core.registry_changes import registry_changes
 from ledgerserve.scheduler_proc.core.stats import engine_stats
 from ledgerserve.shared import events as ev
 from ledgerserve.shared.sampling import SamplingParams
@@ -203,6 +204,7 @@ class Driver(AdapterLoads):
         self._pending_plans: deque[ev.StepPlan] = deque()  # sent, not completed; oldest first
         self.registry: dict[str, int] = {}  # name -> version, from the core's decisions
         self.replies: dict[str, ev.AdapterOpReplied] = {}
+        self.registry_changes: list[ev.AdapterRegistryChanged] = []  # as the shell sends them to the HTTP process
         self.pinned: list[int] = []  # registered user-pinned versions
         self._num_ops = 0
         self.log = log  # an EventLogWriter: inputs then decisions, as the shell logs them
@@ -222,6 +224,9 @@ class Driver(AdapterLoads):
         if self.log is not None:
             for decision in decisions:
                 self.log.append(decision)
+        change = registry_changes(self.core.adapters, decisions)
+        if change is not None:
+            self.registry_changes.append(change)
         for decision in decisions:
             self._observe(decision)
         self.core.check_integrity()

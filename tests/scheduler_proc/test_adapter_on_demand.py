@@ -31,8 +31,9 @@ def test_the_least_recently_used_idle_one_goes(overlap):
     decisions = d.decisions[before:]
     assert reply.code == 200 and _lru_unloads(decisions) == ["od2"]
     assert decisions.index(ev.AdapterUnloaded("od2", 2, "lru")) < decisions.index(reply)
-    assert sorted(d.registry) == ["od1", "od3"] and [i.name for i in reply.adapters] == ["od1", "od3"]
-    assert all(i.on_demand for i in reply.adapters)
+    assert sorted(d.registry) == ["od1", "od3"] and [i.name for i in d.core.adapters.infos()] == ["od1", "od3"]
+    od3 = ev.AdapterInfo("od3", reply.version_id, "/adapters/od3", on_demand=True)
+    assert d.registry_changes[-1] == ev.AdapterRegistryChanged([od3], ["od2"])  # the LRU one leaves the mirror
     (rejected,) = d.arrive("late", 3, lora="od2")  # resolved by the HTTP process before the unload
     assert (rejected.code, rejected.param) == (404, "model") and "`od2`" in rejected.message
     d.check_idle()

@@ -33,7 +33,7 @@ def test_pinned_adapter_keeps_its_slot_through_churn(mode):
     reply = d.load("p", pinned=True)
     pinned = reply.version_id
     assert reply.code == 200 and _assigned(d, pinned) == [0]  # at registration, before any request needs it
-    assert [i.pinned for i in reply.adapters if i.name == "p"] == [True]
+    assert [i.pinned for i in d.registry_changes[-1].registered if i.name == "p"] == [True]
     d.run()  # overlapped loading: the load completes
     for round_ in range(4):
         for i, name in enumerate(names):

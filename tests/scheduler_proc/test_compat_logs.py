@@ -9,7 +9,12 @@ default (on), so it replays only because schema 2 logs replay with overlapped lo
 `events-000004-lora-overlap-schema3.log` is a random adapter workload with overlapped loading
 and async scheduling over two ranks (tests/scheduler_proc/workload.py, seed 5, 200 events,
 max_loras 2, lora_max_wait_steps 3), recorded by the schema 3 code (before targeted drains):
-it replays only because schema 3 logs replay with targeted drains off."""
+it replays only because schema 3 logs replay with targeted drains off.
+`events-000005-marked-schema4.log` is the adapter workload with pinned and on-demand loads
+(tests/scheduler_proc/test_adapter_random.py's marked driver, seed 5, 200 events, overlapped
+loading, max_on_demand_loras 1), recorded by the schema 4 code: its AdapterOpReplied records carry
+the whole registry, so it replays only because logs of schema 4 and before replay with
+`op_reply_registry` on; a log written today (schema 5) replays with it off."""
 
 from __future__ import annotations
 
@@ -25,8 +30,10 @@ from ledgerserve.scheduler_proc.replay.diff import diff_logs
 from ledgerserve.scheduler_proc.replay.verify import core_config
 from ledgerserve.shared import events as ev
 from ledgerserve.shared.config import EngineConfig
-from ledgerserve.shared.eventlog import EventLogReader, RunScanner
+from ledgerserve.shared.eventlog import SCHEMA_VERSION, EventLogReader, EventLogWriter, RunScanner
 from tests.scheduler_proc.logtools import rewrite
+from tests.scheduler_proc.test_adapter_random import _marked_driver
+from tests.scheduler_proc.workload import run_adapter_workload
 
 LOG_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "logs")
 LOGS = sorted(glob.glob(os.path.join(LOG_DIR, "events-*.log")))
@@ -39,8 +46,9 @@ def test_committed_logs_exist():
         "events-000002-lora.log",
         "events-000003-lora-schema2.log",
         "events-000004-lora-overlap-schema3.log",
+        "events-000005-marked-schema4.log",
     ]
-    assert [RunScanner(p).header.schema_version for p in LOGS] == [1, 1, 2, 3]
+    assert [RunScanner(p).header.schema_version for p in LOGS] == [1, 1, 2, 3, 4]
 
 
 def test_schema_2_log_replays_only_with_overlapped_loading_off(monkeypatch):
@@ -65,6 +73,36 @@ def test_schema_3_log_replays_only_without_targeted_drains(monkeypatch):
     forced = dataclasses.replace(config, lora_targeted_drain=True)
     monkeypatch.setattr(replay_verify, "core_config", lambda _: forced)
     assert not replay(path).ok  # the migration is what makes it verify
+
+
+def test_schema_4_log_replays_only_with_the_registry_in_op_replies(monkeypatch):
+    path = os.path.join(LOG_DIR, "events-000005-marked-schema4.log")
+    config = core_config(RunScanner(path))
+    assert config.op_reply_registry  # the schema migration
+    replies = [e for _, e in EventLogReader(path) if isinstance(e, ev.AdapterOpReplied) and e.code == 200]
+    assert max(len(r.adapters) for r in replies) >= 3 and any(i.pinned for r in replies for i in r.adapters)
+    assert replay(path).ok
+    forced = dataclasses.replace(config, op_reply_registry=False)
+    monkeypatch.setattr(replay_verify, "core_config", lambda _: forced)
+    assert not replay(path).ok  # the migration is what makes it verify
+
+
+def test_todays_log_replays_without_the_registry_in_op_replies(tmp_path, monkeypatch):
+    """The same workload recorded now: schema 5, op replies without the registry, and it verifies."""
+    engine = EngineConfig.from_json(RunScanner(os.path.join(LOG_DIR, "events-000005-marked-schema4.log")).config_json)
+    writer = EventLogWriter(str(tmp_path), engine.to_json(), run_id="marked")
+    d = _marked_driver(5, True, max_on_demand_loras=1, log=writer)
+    run_adapter_workload(d, 5, num_events=200, marks=True)
+    writer.append(ev.LogClosed("done"))
+    writer.close()
+    scanner = RunScanner(writer.path)
+    assert scanner.header.schema_version == SCHEMA_VERSION == 5 and not core_config(scanner).op_reply_registry
+    replies = [e for _, e in EventLogReader(writer.path) if isinstance(e, ev.AdapterOpReplied)]
+    assert len(replies) > 20 and all(r.adapters == [] for r in replies)
+    assert replay(writer.path).ok
+    forced = dataclasses.replace(core_config(scanner), op_reply_registry=True)
+    monkeypatch.setattr(replay_verify, "core_config", lambda _: forced)
+    assert not replay(writer.path).ok
 
 
 @pytest.mark.parametrize("path", LOGS, ids=os.path.basename)

@@ -128,3 +128,28 @@ def test_wrong_prev_hash_detected(tmp_path):
     with pytest.raises(LogCorruption, match="broken hash chain") as info:
         EventLogReader(path)
     assert (info.value.seq, info.value.offset) == (3, offsets[2])
+
+
+def _mode(path) -> int:
+    return os.stat(path).st_mode & 0o777
+
+
+def test_segments_are_private_whatever_the_umask(tmp_path):
+    """Every segment 0600 (rotation's too) in a directory made 0700, its missing parents too, and an
+    existing directory of this user tightened: the log may hold request content."""
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o755)
+    old_umask = os.umask(0)
+    try:
+        os.chmod(loose, 0o777)
+        nested = tmp_path / "new" / "events"
+        for directory in (loose, nested):
+            with EventLogWriter(str(directory), CONFIG, run_id="run", max_bytes=4096) as writer:
+                for i in range(200):
+                    writer.append(ev.RequestAborted(f"req-{i}"))
+            assert len(writer.segment_paths) > 1
+            assert [_mode(p) for p in writer.segment_paths] == [0o600] * len(writer.segment_paths)
+            assert _mode(directory) == 0o700
+        assert _mode(tmp_path / "new") == 0o700
+    finally:
+        os.umask(old_umask)

@@ -12,6 +12,7 @@ import zmq
 from ledgerserve.scheduler_proc.core import Core, CoreConfig
 from ledgerserve.scheduler_proc.core.adapter_stats import AdapterStats
 from ledgerserve.scheduler_proc.loop import SchedulerShell
+from ledgerserve.scheduler_proc.redaction import Redactor
 from ledgerserve.scheduler_proc.replay import main
 from ledgerserve.scheduler_proc.replay import main as replay_main
 from ledgerserve.shared import codec, ipc
@@ -75,6 +76,7 @@ def make_shell(tmp_path, fsync="step", opener=open):
     shell.config = dataclasses.replace(ENGINE, run_dir=str(tmp_path))
     shell.core = Core(CoreConfig.from_engine(ENGINE))
     shell.adapter_stats = AdapterStats(ENGINE.tensor_parallel_size, shell.core.config.lora_overlap_loading)
+    shell.content = Redactor(ENGINE.event_log_content)
     shell.log = EventLogWriter(str(tmp_path), ENGINE.to_json(), "shell", fsync=fsync, opener=opener)
     shell.from_tokenizer, shell.from_workers = FakeSocket(), FakeSocket()
     shell.to_tokenizer = FakeSocket(codec.from_scheduler_decoder())

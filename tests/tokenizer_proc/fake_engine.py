@@ -15,6 +15,7 @@ import asyncio
 from typing import Any
 
 from ledgerserve.engine import Engine
+from ledgerserve.scheduler_proc.core.registry_changes import registry_changes
 from ledgerserve.scheduler_proc.loop import TO_TOKENIZER_TYPES
 from ledgerserve.shared import codec
 from ledgerserve.shared.config import EngineConfig
@@ -204,6 +205,10 @@ class FakeEngine(EngineClientBase):
         self._dispatch_decisions(self.engine.apply(event))
 
     def _dispatch_decisions(self, decisions: list[Event]) -> None:
+        """As the scheduler's shell sends them: what they changed in the adapter registry first."""
+        change = registry_changes(self.engine.core.adapters, decisions)
+        if change is not None:
+            self._dispatch(change)
         for decision in decisions:
             if isinstance(decision, TO_TOKENIZER_TYPES):
                 self._dispatch(decision)

@@ -15,6 +15,7 @@ from ledgerserve.shared.events import (
     AdapterInfo,
     AdapterLoadRequested,
     AdapterOpReplied,
+    AdapterRegistryChanged,
     AdapterUnloadRequested,
     EngineFailed,
     RequestAborted,
@@ -160,12 +161,18 @@ async def test_adapter_ops_get_their_own_replies(pair) -> None:
     load = asyncio.ensure_future(client.adapter_op(AdapterLoadRequested("op1", "a", "/p/a", 8, 100)))
     unload = asyncio.ensure_future(client.adapter_op(AdapterUnloadRequested("op2", "b")))
     assert {(await scheduler.recv()).op_id, (await scheduler.recv()).op_id} == {"op1", "op2"}
-    registry = [AdapterInfo("a", 1, "/p/a")]
-    await scheduler.send(AdapterOpReplied("op2", 404, "The lora adapter 'b' cannot be found.", 0, registry))
-    await scheduler.send(AdapterOpReplied("op-unknown", 200, "", 3, registry))  # refreshes, answers no one
-    await scheduler.send(AdapterOpReplied("op1", 200, "", 1, registry))
+    a, c = AdapterInfo("a", 1, "/p/a"), AdapterInfo("c", 3, "/p/c")
+    await scheduler.send(AdapterOpReplied("op2", 404, "The lora adapter 'b' cannot be found."))
+    await scheduler.send(AdapterRegistryChanged([c]))  # an op of another HTTP process
+    await scheduler.send(AdapterOpReplied("op-unknown", 200, "", 3))  # answers no one
+    await scheduler.send(AdapterRegistryChanged([a]))  # op1's change, before its reply
+    await scheduler.send(AdapterOpReplied("op1", 200, "", 1))
     assert (await unload).code == 404 and (await load).version_id == 1
-    assert seen == [registry, registry, registry]
+    assert seen == [[c], [a, c]] and client.adapters == {"a": a, "c": c}
+    await scheduler.send(AdapterRegistryChanged([], ["c", "gone-already"]))  # an unload, a failed load, an LRU one
+    await scheduler.send(AdapterRegistryChanged([AdapterInfo("a", 4, "/p/a2")]))  # a load_inplace
+    await _until(lambda: len(seen) == 4)
+    assert seen[2:] == [[a], [AdapterInfo("a", 4, "/p/a2")]]
     pending = asyncio.ensure_future(client.adapter_op(AdapterUnloadRequested("op3", "a")))
     await scheduler.recv()
     await scheduler.send(EngineFailed("boom"))
@@ -173,3 +180,12 @@ async def test_adapter_ops_get_their_own_replies(pair) -> None:
         await pending
     with pytest.raises(EngineDeadError):
         await client.adapter_op(AdapterUnloadRequested("op4", "a"))
+
+
+async def _until(condition, timeout_s: float = 5.0) -> None:
+    """Wait for the client's reader to take what the test sent."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("the client did not take the events in time")
+        await asyncio.sleep(0.01)
