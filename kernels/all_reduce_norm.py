@@ -131,7 +131,7 @@ def _all_reduce_rms_norm_kernel(
     x = acc.to(x.dtype)  # rounded like the all-reduce's output
     if R_PAD > 0:
         h_sum = h_acc.to(x.dtype).to(tl.float32)  # rounded like the all-reduced h
-        d = tl.sum(h_sum[:, None] * bt.to(tl.float32), axis=0) * scale
+        d = tl.where(rank_on > 0, tl.sum(h_sum[:, None] * bt.to(tl.float32), axis=0) * scale, 0.0)  # base: none
         x = (x.to(tl.float32) + d).to(x.dtype)
     if not HAS_RESIDUAL:  # the sum is the new residual
         tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)

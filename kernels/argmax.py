@@ -3,7 +3,9 @@
 torch's argmax gives each row one block, so a 128K-vocabulary row takes ~26 us on an H200
 however few rows there are. Here each row is split into CHUNK-column pieces: a first launch
 writes each piece's max and its first index, a second picks, per row, the first index of
-the largest. Ties resolve to the lowest index, as in torch. Reference: torch.argmax.
+the largest. Ties resolve to the lowest index, as in torch. As in torch, NaN counts as larger
+than any number: a row holding one gives its first NaN's index, so a row of NaN logits (an
+adapter's garbage) still gives a token id inside the vocabulary. Reference: torch.argmax.
 """
 
 from __future__ import annotations
@@ -17,13 +19,22 @@ INDEX_MAX = tl.constexpr(2**31 - 1)
 
 
 @triton.jit
+def _first_max(x, idx):
+    """(the max of x [N], NaN above all; the lowest of idx [N] where x is it)."""
+    is_nan = x != x
+    has_nan = tl.max(is_nan.to(tl.int32), axis=0) > 0
+    best = tl.max(tl.where(is_nan, float("-inf"), x), axis=0)
+    hit = tl.where(has_nan, is_nan, x == best)
+    return tl.where(has_nan, float("nan"), best), tl.min(tl.where(hit, idx, INDEX_MAX), axis=0)
+
+
+@triton.jit
 def _chunk_argmax_kernel(x_ptr, val_ptr, idx_ptr, n_cols, stride_x, num_chunks, CHUNK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)  # [CHUNK]
     x = tl.load(x_ptr + row * stride_x + cols, mask=cols < n_cols, other=float("-inf"))
-    best = tl.max(x, axis=0)
-    first = tl.min(tl.where(x == best, cols, INDEX_MAX), axis=0)
+    best, first = _first_max(x, cols)
     tl.store(val_ptr + row * num_chunks + chunk, best)
     tl.store(idx_ptr + row * num_chunks + chunk, first)
 
@@ -35,8 +46,8 @@ def _merge_argmax_kernel(val_ptr, idx_ptr, out_ptr, num_chunks, CHUNKS_PAD: tl.c
     mask = c < num_chunks
     vals = tl.load(val_ptr + row * num_chunks + c, mask=mask, other=float("-inf"))
     idxs = tl.load(idx_ptr + row * num_chunks + c, mask=mask, other=INDEX_MAX)
-    best = tl.max(vals, axis=0)
-    tl.store(out_ptr + row, tl.min(tl.where(vals == best, idxs, INDEX_MAX), axis=0).to(tl.int64))
+    _, first = _first_max(vals, idxs)
+    tl.store(out_ptr + row, first.to(tl.int64))
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

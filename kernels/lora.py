@@ -8,8 +8,12 @@ row block) for shrink, one (segment, slice, column block, row block) for expand;
 per-token layout a "segment" is one token and its slot comes from `token_slots`. Each
 program reads its slot's real rank from `ranks` and loads only those rows of A / columns
 of B (masked loads), so the bytes read follow each adapter's real rank; slots -1 and
-rank-0 slices exit at once. No host sync: grid sizes come from shapes and host ints
-(a Segments without `max_len` is the exception: its longest run is read back).
+rank-0 slices exit at once, having loaded nothing of any slot. A program computes only its own
+segment's or tile's rows, which share one slot; rows past its end (a ragged tile, the per-token
+layout's one row of BLOCK_M_TOK) are loaded as zeros, may hold NaN in registers (zero times an
+infinite value) and are never stored, so no adapter's output reaches another row. No host sync:
+grid sizes come from shapes and host ints (a Segments without `max_len` is the exception: its
+longest run is read back).
 The grouped layout (decode) is the segment layout over `order`, the batch's token rows
 sorted by slot and cut into tiles of at most GROUP_TILE rows: each program gathers its
 rows through `order` (GATHER), so each distinct adapter's A / B are read once per tile.
@@ -64,7 +68,7 @@ def _shrink_kernel(
     mblk, ks = pid2 // split_k, pid2 % split_k
     start, end, slot = _segment(seg_starts_ptr, seg_slots_ptr, seg, PER_TOKEN)
     start += mblk * BLOCK_M
-    rank = tl.load(ranks_ptr + tl.maximum(slot, 0) * num_slices + s)
+    rank = tl.load(ranks_ptr + tl.maximum(slot, 0) * num_slices + s, mask=slot >= 0, other=0)  # base: 0
     if (slot >= 0) & (start < end) & (rank > 0):
         pos = start + tl.arange(0, BLOCK_M)  # [BLOCK_M]
         row_mask = pos < end
@@ -103,7 +107,7 @@ def _expand_kernel(
     # the slot's rank, scaling and B tile. y and the shrink come from the kernels before.
     start, end, slot = _segment(seg_starts_ptr, seg_slots_ptr, seg, PER_TOKEN)
     start += mblk * BLOCK_M
-    rank = tl.load(ranks_ptr + tl.maximum(slot, 0) * num_slices + s)
+    rank = tl.load(ranks_ptr + tl.maximum(slot, 0) * num_slices + s, mask=slot >= 0, other=0)  # base: 0
     size = tl.where(s == 0, size0, tl.where(s == 1, size1, size2))
     lo = tl.where(s == 0, 0, tl.where(s == 1, size0, size0 + size1))
     active = (slot >= 0) & (start < end) & (rank > 0) & (nblk * BLOCK_N < size)
@@ -120,7 +124,7 @@ def _expand_kernel(
         mask=r_mask[:, None] & n_mask[None, :],
         other=0.0,
     )  # [BLOCK_R, BLOCK_N]
-    scale = tl.load(scalings_ptr + slot * num_slices + s)
+    scale = tl.load(scalings_ptr + slot * num_slices + s, mask=active, other=0.0)
     wait_for_previous(PDL)
     if active:
         h_base = buf_ptr + slot * stride_bufl + s * stride_bufs  # stride_bufl: 0 unless h holds every slot

@@ -1,6 +1,10 @@
 """Triton helpers that add a projection's pending LoRA delta (kernels/lora_types.LoraDelta)
 inside the kernel that consumes its output (kernels/fused.py: the residual-add RMSNorm after
-o / down, SiLU-and-mul after gate_up), so those projections launch no expand of their own."""
+o / down, SiLU-and-mul after gate_up), so those projections launch no expand of their own.
+
+A base token (slot -1) loads nothing of any slot: its h, B and scaling loads are all masked off,
+and its delta is selected to zero, never multiplied by it (an adapter's weights may be huge, and
+inf * 0 is NaN)."""
 
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ def lora_row_delta(
     It reads all max_rank columns of h / rows of B, not the slot's rank: past its rank A and B
     are zero (LoraWeights keeps them so), and not loading the rank first saves a round trip."""
     slot, rank_on = token_slot(slot, max_rank)
-    scale = tl.load(scalings_ptr + slot * num_slices + s)
+    scale = tl.load(scalings_ptr + slot * num_slices + s, mask=rank_on > 0, other=0.0)
     h_base = h_row_ptr + slot * stride_hl + s * stride_hs
     b_base = b_ptr + slot * stride_bl + s * stride_bs
     acc = tl.zeros([BLOCK], tl.float32)
@@ -45,7 +49,7 @@ def lora_row_delta(
             other=0.0,
         ).to(tl.float32)  # [R_CHUNK, BLOCK]
         acc += tl.sum(hv[:, None] * bt, axis=0)
-    return acc * scale
+    return tl.where(rank_on > 0, acc * scale, 0.0)
 
 
 @triton.jit
@@ -63,7 +67,7 @@ def lora_b_tile(
         mask=(r < rank_on)[:, None] & col_mask[None, :],
         other=0.0,
     )  # [R_PAD, BLOCK]
-    return bt, tl.load(scalings_ptr + slot * num_slices + s)
+    return bt, tl.load(scalings_ptr + slot * num_slices + s, mask=rank_on > 0, other=0.0)
 
 
 @triton.jit
@@ -72,7 +76,7 @@ def lora_tile_delta(h_row_ptr, slot, s, max_rank, bt, scale, stride_hl, stride_h
     slot, rank_on = token_slot(slot, max_rank)
     r = tl.arange(0, R_PAD)
     hv = tl.load(h_row_ptr + slot * stride_hl + s * stride_hs + r, mask=r < rank_on, other=0.0)
-    return tl.sum(hv.to(tl.float32)[:, None] * bt.to(tl.float32), axis=0) * scale
+    return tl.where(rank_on > 0, tl.sum(hv.to(tl.float32)[:, None] * bt.to(tl.float32), axis=0) * scale, 0.0)
 
 
 def delta_args(delta: LoraDelta | None, dummy: torch.Tensor) -> list:

@@ -29,6 +29,11 @@ Three token layouts (kernels/lora_types.py):
 Columns of `buf` past a token's rank, and rows of tokens on the base model, are zero.
 Ranks and scalings are read from the host tables of SlotWeights, so no op syncs on CUDA
 when segment offsets come as CPU tensors and Tokens names its used slots.
+
+Containment: a row computes only with its own slot's weights, and a base row (slot -1) with
+none. Rows are left out by selection (`torch.where`, or computing only a segment's or tile's
+own rows), never by multiplying by zero: an adapter may hold huge finite weights, and
+inf * 0 is NaN. A base row's output is left as it was, bit for bit.
 """
 
 from __future__ import annotations
@@ -39,10 +44,13 @@ from ledgerserve.kernels.lora_types import LoraDelta, Segments, SlotWeights, Til
 
 
 def add_lora_delta(y: torch.Tensor, delta: LoraDelta) -> torch.Tensor:
-    """y + delta as a new tensor (y: [num_tokens, sum(output_sizes)]), rounded like lora_expand_tokens."""
+    """y + delta as a new tensor (y: [num_tokens, sum(output_sizes)]), rounded like lora_expand_tokens.
+    h holds every slot's shrink of every row; a row reads only its own slot's, a base row none."""
     slots = delta.token_slots.long()
+    on, idx = _on_and_index(slots)
     tokens = torch.arange(slots.shape[0], device=slots.device)
-    buf = delta.h[tokens, slots.clamp(min=0)].permute(1, 0, 2)  # [num_slices, num_tokens, max_rank]
+    h = delta.h[tokens, idx]  # [num_tokens, num_slices, max_rank]
+    buf = torch.where(on[:, None, None], h, 0).permute(1, 0, 2)  # [num_slices, num_tokens, max_rank]
     out = y.clone()
     lora_expand_tokens(out, buf, delta.weights, Tokens(slots))
     return out
@@ -84,12 +92,12 @@ def lora_shrink_tokens(
 ) -> torch.Tensor:  # [num_slices, num_tokens, max_rank]
     num_slices = w.a.shape[1]
     buf = x.new_zeros(num_slices, x.shape[0], w.a.shape[2])
-    rank, token_ranks, idx = _token_ranks(w, tokens)
+    rank, token_ranks, idx, on = _token_ranks(w, tokens)
     if rank == 0:
         return buf
-    a_tok = w.a[idx, :, :rank]  # [num_tokens, num_slices, rank, in]
+    a_tok = torch.where(on[:, None, None, None], w.a[idx, :, :rank], 0)  # [num_tokens, num_slices, rank, in]
     out = torch.einsum("ti,tsri->str", x, a_tok)  # [num_slices, num_tokens, rank]
-    buf[:, :, :rank] = out * _rank_mask(token_ranks, rank, x.dtype)
+    buf[:, :, :rank] = torch.where(_within_rank(token_ranks, rank), out, 0)
     return buf
 
 
@@ -99,16 +107,16 @@ def lora_expand_tokens(
     w: SlotWeights,
     tokens: Tokens,
 ) -> None:
-    rank, token_ranks, idx = _token_ranks(w, tokens)
+    rank, token_ranks, idx, on = _token_ranks(w, tokens)
     if rank == 0:
         return
-    h = buf[:, :, :rank] * _rank_mask(token_ranks, rank, buf.dtype)  # [num_slices, num_tokens, rank]
-    on = (tokens.slots >= 0).to(y.dtype)  # [num_tokens]
-    scale = w.scalings[idx].T * on  # [num_slices, num_tokens]
+    h = torch.where(_within_rank(token_ranks, rank), buf[:, :, :rank], 0)  # [num_slices, num_tokens, rank]
+    scale = torch.where(on, w.scalings[idx].T, 0)  # [num_slices, num_tokens] float32
     for s, (lo, size) in enumerate(zip(_offsets(w.output_sizes), w.output_sizes)):
-        b_tok = w.b[idx, s, :size, :rank]  # [num_tokens, size, rank]
+        b_tok = torch.where(on[:, None, None], w.b[idx, s, :size, :rank], 0)  # [num_tokens, size, rank]
         delta = torch.einsum("tr,tor->to", h[s], b_tok)  # [num_tokens, size]
-        y[:, lo : lo + size] += delta * scale[s, :, None]
+        cols = y[:, lo : lo + size]
+        cols.copy_(torch.where(on[:, None], cols + delta * scale[s, :, None], cols))
 
 
 def lora_shrink_grouped(
@@ -175,18 +183,26 @@ def _offsets(output_sizes: list[int]) -> list[int]:
     return offsets
 
 
-def _token_ranks(w: SlotWeights, tokens: Tokens) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """(largest real rank in the batch, per-token ranks [num_slices, num_tokens], gather index)."""
-    on = tokens.slots >= 0  # [num_tokens]
-    idx = tokens.slots.clamp(min=0).long()  # [num_tokens]
-    token_ranks = w.ranks[idx].T * on  # [num_slices, num_tokens]
+def _on_and_index(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(whether each token is on an adapter [num_tokens] bool, a gather index [num_tokens] valid for
+    every token). A base token's index is slot 0's: what is gathered there is always replaced by
+    torch.where before any arithmetic."""
+    on = slots >= 0
+    return on, torch.where(on, slots, 0).long()
+
+
+def _token_ranks(w: SlotWeights, tokens: Tokens) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(largest real rank in the batch, per-token ranks [num_slices, num_tokens] (0 for base tokens),
+    gather index [num_tokens], on an adapter [num_tokens] bool)."""
+    on, idx = _on_and_index(tokens.slots)
+    token_ranks = torch.where(on, w.ranks[idx].T, 0)  # [num_slices, num_tokens]
     if tokens.used is not None:
-        return w.batch_rank(tokens.used), token_ranks, idx
+        return w.batch_rank(tokens.used), token_ranks, idx, on
     rank = int(token_ranks.max()) if token_ranks.numel() else 0
-    return rank, token_ranks, idx
+    return rank, token_ranks, idx, on
 
 
-def _rank_mask(token_ranks: torch.Tensor, rank: int, dtype: torch.dtype) -> torch.Tensor:
-    """[num_slices, num_tokens, rank]: 1 where the column is within that token's rank."""
+def _within_rank(token_ranks: torch.Tensor, rank: int) -> torch.Tensor:
+    """[num_slices, num_tokens, rank] bool: whether the column is within that token's rank."""
     cols = torch.arange(rank, device=token_ranks.device)
-    return (cols < token_ranks[..., None]).to(dtype)
+    return cols < token_ranks[..., None]

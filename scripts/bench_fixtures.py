@@ -12,7 +12,7 @@ import time
 import torch
 from safetensors.torch import save_file
 
-from ledgerserve.shared.adapter_digest import content_digest
+from ledgerserve.shared.adapter_digest import content_sha256
 from ledgerserve.shared.adapter_format import CONFIG_FILE, TARGET_KINDS, WEIGHTS_FILE, BaseShapes
 
 SEVEN = list(TARGET_KINDS[:7])
@@ -147,10 +147,10 @@ def copy_bandwidth(device: torch.device, num_bytes: int = 2 << 30, iters: int = 
     return 2 * num_bytes * iters / (start.elapsed_time(end) / 1e3)
 
 
-def adapter_digest(path: str) -> int:
+def adapter_digest(path: str) -> str:
     """The content digest the HTTP process would record when registering the adapter at `path`."""
     with open(os.path.join(path, CONFIG_FILE), "rb") as c, open(os.path.join(path, WEIGHTS_FILE), "rb") as w:
-        return content_digest(c.read(), w.read())
+        return content_sha256(c.read(), w.read())
 
 
 def host_copy_bandwidth(num_bytes: int = 64 << 20, iters: int = 5) -> float:

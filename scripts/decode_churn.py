@@ -88,7 +88,9 @@ class LoadChurn:
         version = old if reuse and old is not None else self._new_version()
         path = self.paths[version % len(self.paths)]
         self.held[slot] = version
-        self.runner.adapter_command(AdapterSlotAssigned(slot, version, path, self.digests[path]), time.monotonic())
+        self.runner.adapter_command(
+            AdapterSlotAssigned(slot, version, path, content_sha256=self.digests[path]), time.monotonic()
+        )
 
     def _new_version(self) -> int:
         self.num_versions += 1

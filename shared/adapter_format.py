@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import struct
 from collections.abc import Callable, Sequence
 
 from ledgerserve.shared.adapter_config import LoraSpec, PatternValue, read_config
@@ -63,17 +64,21 @@ def read_manifest(
     check_weights: bool = False,
     model_dtype: str = "float32",
     read_weights: WeightsReader | None = None,
+    confined: bool = False,
 ) -> AdapterManifest:
     """The manifest of the adapter at `path`, or AdapterError (404: no directory there; 400:
     anything else). When the directory lies inside one of `allowed_dirs`, every file read must
-    resolve inside one of them too. `check_weights` also reads the whole weights file, refusing
-    NaN or infinite values and values that become infinite in `model_dtype` (the workers cast
-    the weights to it), and sets the manifest's `content_digest` from the same pass; else
+    resolve inside one of them too; `confined` (a run-time adapter read again) refuses a directory
+    that no longer resolves inside one of them. `check_weights` also reads the whole weights file,
+    refusing NaN or infinite values and values that become infinite in `model_dtype` (the workers
+    cast the weights to it), and sets the manifest's `content_sha256` from the same pass; else
     `read_weights`, if given, reads it, and the digest it took is the manifest's."""
     if "\x00" in path:
         raise AdapterError("The adapter path holds a NUL byte.")
     try:
         real = os.path.realpath(path)
+        if confined and not is_inside(real, allowed_dirs):  # never says what it resolves to now
+            raise AdapterError("The adapter's directory no longer lies inside any --lora-allowed-dir; refused.")
         if not os.path.isdir(real):
             raise AdapterError(f"No adapter directory at `{path}`.", code=404)
         roots = tuple(allowed_dirs) if is_inside(real, allowed_dirs) else ()
@@ -111,8 +116,8 @@ def _read(
             read_weights(fd, num_bytes, header, modules, digest)
     finally:
         os.close(fd)
-    content_digest = digest.value if check_weights or read_weights is not None else 0
-    return AdapterManifest(real, tuple(modules), num_bytes, max(m.rank for m in modules), weights_path, content_digest)
+    sha256 = digest.value if check_weights or read_weights is not None else ""
+    return AdapterManifest(real, tuple(modules), num_bytes, max(m.rank for m in modules), weights_path, sha256)
 
 
 def max_tensors(base: BaseShapes) -> int:
@@ -137,7 +142,7 @@ def _resolve_modules(spec: LoraSpec, base: BaseShapes) -> list[LoraModule]:
             continue
         rank = int(_pattern_value(spec.rank_pattern, name, spec.rank))
         alpha = _pattern_value(spec.alpha_pattern, name, spec.alpha)
-        scaling = alpha / math.sqrt(rank) if spec.use_rslora else alpha / rank
+        scaling = _scaling(alpha / math.sqrt(rank) if spec.use_rslora else alpha / rank, name)
         prefix = f"base_model.model.{name}"
         modules.append(
             LoraModule(name, kind, layer, rank, float(scaling), f"{prefix}.lora_A.weight", f"{prefix}.lora_B.weight")
@@ -150,6 +155,17 @@ def _resolve_modules(spec: LoraSpec, base: BaseShapes) -> list[LoraModule]:
             f"target_modules {show(unknown)} are not modules of the base model (supported: {', '.join(TARGET_KINDS)})."
         )
     return modules
+
+
+def _scaling(scaling: float, name: str) -> float:
+    """A module's scaling, which the workers keep in float32: refused if it is infinite there."""
+    try:
+        struct.pack("<f", scaling)
+    except OverflowError:
+        raise AdapterError(
+            f"The scaling of {show(name)} (lora_alpha / r) is {scaling:.3g}, past the float32 range."
+        ) from None
+    return scaling
 
 
 def _targets(spec: LoraSpec, name: str) -> bool:

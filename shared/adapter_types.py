@@ -87,7 +87,7 @@ class AdapterManifest:
     num_bytes: int  # size of the weights file
     max_rank: int
     weights_path: str  # real path of the weights file that was checked (links followed)
-    content_digest: int = 0  # shared.adapter_digest of both files as read; 0: the weights were not read
+    content_sha256: str = ""  # shared.adapter_digest of both files as read; "": the weights were not read
 
     @property
     def kinds(self) -> tuple[str, ...]:

@@ -47,9 +47,10 @@ class AdapterLoadRequested(Event):
     max_rank: int
     num_bytes: int
     load_inplace: bool = False
-    content_digest: int = 0  # xxh64 of the files as the HTTP process read them (shared.adapter_digest)
+    content_digest: int = 0  # older logs: xxh64 of the files; passed through, never checked again
     on_demand: bool = False  # loaded by a request naming it; the core may unregister it when idle (max_on_demand_loras)
     pinned: bool = False  # keeps a GPU slot from registration to unload; never unregistered implicitly
+    content_sha256: str = ""  # SHA-256 of the files as the HTTP process read them (shared.adapter_digest), hex
 
 
 class AdapterUnloadRequested(Event):
@@ -237,7 +238,8 @@ class AdapterSlotAssigned(Event):
     slot: int
     version_id: int
     path: str
-    content_digest: int = 0  # what the files must still hash to (0: not checked)
+    content_digest: int = 0  # older logs' xxh64 (the workers check content_sha256)
+    content_sha256: str = ""  # what the files must still hash to ("": not checked)
 
 
 class AdapterPrefetched(Event):
@@ -246,7 +248,8 @@ class AdapterPrefetched(Event):
 
     version_id: int
     path: str
-    content_digest: int = 0
+    content_digest: int = 0  # older logs' xxh64
+    content_sha256: str = ""  # what the files must still hash to ("": not checked)
 
 
 class AdapterEvicted(Event):
@@ -360,7 +363,8 @@ class AdapterRegistered(Event):
     version_id: int
     path: str
     replaced_version_id: int = 0  # the version a load_inplace superseded, 0 if none
-    content_digest: int = 0
+    content_digest: int = 0  # older logs' xxh64
+    content_sha256: str = ""
 
 
 class AdapterUnloaded(Event):

@@ -57,6 +57,7 @@ class TensorEntry:
 class Header:
     tensors: dict[str, TensorEntry]
     data_offset: int  # where the data section starts in the file
+    raw: bytes = b""  # the file's first data_offset bytes as read and parsed: what the content digest takes
 
 
 def read_header(fd: int, file_size: int, max_tensors: int) -> Header:
@@ -69,10 +70,9 @@ def read_header(fd: int, file_size: int, max_tensors: int) -> Header:
         raise AdapterError(
             f"{WEIGHTS_FILE} has a {header_len}-byte header; an adapter of this base model needs at most {max_bytes}."
         )
+    text = read_at(fd, 8, header_len, WEIGHTS_FILE)
     try:
-        raw = loads(
-            read_at(fd, 8, header_len, WEIGHTS_FILE), max_tensors * HEADER_MEMBERS_PER_TENSOR + HEADER_SLACK_MEMBERS
-        )
+        raw = loads(text, max_tensors * HEADER_MEMBERS_PER_TENSOR + HEADER_SLACK_MEMBERS)
     except JsonError as e:
         raise AdapterError(f"{WEIGHTS_FILE} has a malformed header: it {e.message}.") from None
     if not isinstance(raw, dict):
@@ -84,7 +84,7 @@ def read_header(fd: int, file_size: int, max_tensors: int) -> Header:
         )
     tensors = {key: _entry(key, value) for key, value in raw.items()}
     _check_layout(tensors, file_size - 8 - header_len)
-    return Header(tensors, 8 + header_len)
+    return Header(tensors, 8 + header_len, struct.pack("<Q", header_len) + text)
 
 
 def _check_metadata(metadata: Any) -> None:
@@ -145,8 +145,8 @@ def scan(
     """Read the whole file once, front to back, in chunks: every byte goes to `feed` (the
     content digest), and the tensors of `checked_keys` are checked to be finite in the model's
     dtype (`value_problem`). Returns those of them that are not, in file order, each with what
-    is wrong with it."""
-    feed(read_at(fd, 0, header.data_offset, WEIGHTS_FILE))
+    is wrong with it. The header goes to `feed` as it was read and parsed, not read again."""
+    feed(header.raw)
     problems = {}
     for key, entry in sorted(header.tensors.items(), key=lambda item: (item[1].start, item[1].stop, item[0])):
         problem = _scan_tensor(fd, header.data_offset, entry, feed, model_dtype if key in checked_keys else "")

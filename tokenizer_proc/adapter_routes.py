@@ -120,7 +120,7 @@ def load_event(
         max_rank=manifest.max_rank,
         num_bytes=manifest.num_bytes,
         load_inplace=load_inplace,
-        content_digest=manifest.content_digest,
+        content_sha256=manifest.content_sha256,
         on_demand=on_demand,
         pinned=pinned,
     )

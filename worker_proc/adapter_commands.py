@@ -48,12 +48,12 @@ class AdapterCommands:
                 )
             ]
         if isinstance(cmd, AdapterPrefetched):
-            self.lora.prefetch(cmd.version_id, cmd.path, cmd.content_digest, arrival_s)
+            self.lora.prefetch(cmd.version_id, cmd.path, cmd.content_sha256, arrival_s)
             return self.lora.poll() if not self.config.lora_overlap_loading else []
         if not self.config.lora_overlap_loading:
             return self._load_now(cmd, arrival_s)
         try:
-            self.lora.assign(cmd.slot, cmd.version_id, cmd.path, cmd.content_digest, arrival_s)
+            self.lora.assign(cmd.slot, cmd.version_id, cmd.path, cmd.content_sha256, arrival_s)
         except ValueError as e:
             return [AdapterLoadFailed(self.rank, cmd.slot, cmd.version_id, f"adapter {_name(cmd.path)}: {e}")]
         return []
@@ -81,7 +81,7 @@ class AdapterCommands:
         """The load's replies, its own last."""
         assert self.lora is not None
         try:
-            replies = self.lora.load_now(ev.slot, ev.version_id, ev.path, ev.content_digest, arrival_s)
+            replies = self.lora.load_now(ev.slot, ev.version_id, ev.path, ev.content_sha256, arrival_s)
         except ValueError as e:
             return [AdapterLoadFailed(self.rank, ev.slot, ev.version_id, f"adapter {_name(ev.path)}: {e}")]
         own = [r for r in replies if r.slot == ev.slot and r.version_id == ev.version_id]

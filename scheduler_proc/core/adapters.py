@@ -40,11 +40,12 @@ class AdapterVersion:
     num_bytes: int
     is_registered: bool = True
     num_reqs: int = 0  # live (waiting or running) requests holding this version
-    content_digest: int = 0  # what its files must hash to when read again (0: not checked)
+    content_digest: int = 0  # older logs' xxh64 of its files, passed through into the decisions
     pinned: bool = False  # the user's pin: keeps a GPU slot while registered
     on_demand: bool = False  # registered by a request naming it: unregistered when idle and least recently used
     last_used: int = 0  # on demand: the use clock at its registration or the last request naming it
     lineage_id: int = 0  # the first version of its chain of in-place reloads: a fresh registration's own id
+    content_sha256: str = ""  # what its files must hash to when read again ("": not checked)
 
 
 class AdapterManager:
@@ -133,10 +134,15 @@ class AdapterManager:
             pinned=event.pinned,
             on_demand=event.on_demand,
             lineage_id=self.versions[old_version_id].lineage_id if old_version_id else version_id,
+            content_sha256=event.content_sha256,
         )
         self.registry[event.name] = version_id
         self.note_use(version_id)
-        decisions.append(ev.AdapterRegistered(event.name, version_id, event.path, old_version_id, event.content_digest))
+        decisions.append(
+            ev.AdapterRegistered(
+                event.name, version_id, event.path, old_version_id, event.content_digest, event.content_sha256
+            )
+        )
         if old_version_id:
             decisions += self._unregister(old_version_id)
         if self.config.lora_overlap_loading and len(self.cpu_last_used_step) < self.config.max_cpu_loras:
@@ -312,7 +318,7 @@ class AdapterManager:
             raise RuntimeError(f"adapter version {version_id} would overfill the CPU tier")
         version = self.versions[version_id]
         self.cpu_last_used_step[version_id] = step
-        return ev.AdapterPrefetched(version_id, version.path, version.content_digest)
+        return ev.AdapterPrefetched(version_id, version.path, version.content_digest, version.content_sha256)
 
     def evict_cpu(self, version_id: int) -> ev.AdapterCpuEvicted:
         if self.slots.find(version_id) >= 0:
@@ -323,7 +329,7 @@ class AdapterManager:
 
     def _slot_assigned(self, index: int, version_id: int) -> ev.AdapterSlotAssigned:
         version = self.versions[version_id]
-        return ev.AdapterSlotAssigned(index, version_id, version.path, version.content_digest)
+        return ev.AdapterSlotAssigned(index, version_id, version.path, version.content_digest, version.content_sha256)
 
     # ------------------------------------------------------------------ checks and views
 

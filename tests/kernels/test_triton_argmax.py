@@ -38,3 +38,21 @@ def test_masked_rows_and_strided_rows() -> None:
     got = ops.argmax(x)
     torch.testing.assert_close(got, x.argmax(dim=-1))
     assert got[1].item() == argmax.CHUNK + 3
+
+
+def test_nan_counts_above_every_number_as_in_torch() -> None:
+    """A row of an adapter's NaN logits still samples an id inside the vocabulary (its first NaN),
+    as torch's argmax picks it, and the other rows are unchanged."""
+    n_cols = 3 * argmax.CHUNK + 5
+    x = torch.randn(6, n_cols, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    clean = argmax.argmax(x.clone())
+    x[1] = float("nan")  # every chunk NaN
+    x[2, argmax.CHUNK + 9 :] = float("nan")  # from the middle of chunk 1 on
+    x[3, [2 * argmax.CHUNK + 4, 17]] = float("nan")  # two, in different chunks
+    x[4] = float("-inf")
+    x[4, n_cols - 1] = float("nan")  # the last column of the ragged last chunk
+    x[5, 7] = float("inf")
+    got = argmax.argmax(x)
+    torch.testing.assert_close(got, x.argmax(dim=-1))
+    assert got.tolist()[1:] == [0, argmax.CHUNK + 9, 17, n_cols - 1, 7]
+    assert got[0] == clean[0] and bool((0 <= got).all() and (got < n_cols).all())

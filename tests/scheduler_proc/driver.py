@@ -253,12 +253,22 @@ class Driver(AdapterLoads):
         content_digest: int = 0,
         on_demand: bool = False,
         pinned: bool = False,
+        content_sha256: str = "",
     ) -> ev.AdapterOpReplied:
         self._num_ops += 1
         op_id = f"op-{self._num_ops}"
         self.send(
             ev.AdapterLoadRequested(
-                op_id, name, path or f"/adapters/{name}", 8, 1000, inplace, content_digest, on_demand, pinned
+                op_id,
+                name,
+                path or f"/adapters/{name}",
+                8,
+                1000,
+                inplace,
+                content_digest,
+                on_demand,
+                pinned,
+                content_sha256,
             )
         )
         reply = self.replies[op_id]

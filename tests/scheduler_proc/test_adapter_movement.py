@@ -58,6 +58,20 @@ def test_a_request_waits_for_its_slot_while_others_run():
     assert _moves(d.decisions) == [("stage", -1, 1), ("assign", 0, 1)]  # the plans never assigned a slot
 
 
+def test_every_read_of_a_version_carries_its_sha256():
+    """The HTTP process's SHA-256 of the files goes into the version's registration and every
+    command that has a worker read them (staging into the CPU tier, a slot load)."""
+    sha = "5a" * 32
+    d = overlap_driver(max_loras=2)
+    d.load("a", content_sha256=sha)
+    d.arrive("a1", 3, lora="a", max_tokens=1)
+    reads = [
+        x for x in d.decisions if isinstance(x, ev.AdapterRegistered | ev.AdapterPrefetched | ev.AdapterSlotAssigned)
+    ]
+    assert [type(x).__name__ for x in reads] == ["AdapterRegistered", "AdapterPrefetched", "AdapterSlotAssigned"]
+    assert all(x.content_sha256 == sha and x.content_digest == 0 for x in reads)
+
+
 def test_an_idle_engine_waits_for_a_load_instead_of_failing():
     d = overlap_driver()
     d.load("a")

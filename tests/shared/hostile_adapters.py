@@ -84,6 +84,21 @@ def poison_weights(value: float, dtype: torch.dtype) -> Build:
     return build
 
 
+def huge_weights(value: float, layer: int = 0) -> Build:
+    """Every lora_A of layer `layer`'s modules filled with `value`, every lora_B with -`value`:
+    finite values (in the file and in the model's dtype) that overflow once multiplied. Such an
+    adapter loads; keeping what it computes to its own rows is the kernels' work."""
+
+    def build(adapter: Path, _: Path) -> None:
+        tensors = load_file(str(adapter / WEIGHTS_FILE))
+        for key, t in tensors.items():
+            if f".layers.{layer}." in key:
+                t.fill_(value if "lora_A" in key else -value)
+        save_file(tensors, str(adapter / WEIGHTS_FILE), metadata={"format": "pt"})
+
+    return build
+
+
 def link_outside(name: str) -> Build:
     """`name` replaced by a link to a good copy of it outside the allowed root."""
 
@@ -141,6 +156,7 @@ HOSTILE: dict[str, tuple[Build, str]] = {
     ),
     "nan-alpha-literal": (config(lora_alpha=Raw("NaN")), "holds NaN"),
     "zero-alpha": (config(lora_alpha=0), "lora_alpha must be a finite number > 0"),
+    "float32-infinite-scaling": (config(lora_alpha=1e40), "past the float32 range"),
     "list-alpha-pattern": (config(alpha_pattern=["v_proj"]), "alpha_pattern must be an object"),
     "string-rslora": (config(use_rslora="yes"), "use_rslora must be true or false"),
     "int-target-modules": (config(target_modules=7), "target_modules must be a string or a list"),

@@ -175,7 +175,7 @@ def test_value_range_check_agrees_with_the_cast_torch_does(file_dtype: str, mode
 def test_weights_past_the_model_dtype_are_refused_at_registration(copy: Path, base: BaseShapes) -> None:
     poison_weights(1e5, torch.float32)(copy, copy)  # finite in float32 and bfloat16, infinite in float16
     for model_dtype in ("float32", "bfloat16"):
-        assert read_manifest(str(copy), base, MAX_RANK, check_weights=True, model_dtype=model_dtype).content_digest
+        assert read_manifest(str(copy), base, MAX_RANK, check_weights=True, model_dtype=model_dtype).content_sha256
     with pytest.raises(AdapterError, match=r"values that become infinite in the model's dtype \(float16\)") as info:
         read_manifest(str(copy), base, MAX_RANK, check_weights=True, model_dtype="float16")
     assert info.value.code == 400 and "lora_A" in info.value.message

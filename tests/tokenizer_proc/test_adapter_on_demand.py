@@ -73,7 +73,7 @@ async def test_lora_path_loads_on_first_request_under_its_real_path(client, engi
     real = os.path.realpath(root / "direct")
     (load,) = _loads(engine)
     assert (load.name, load.path, load.on_demand, load.pinned, load.load_inplace) == (real, real, True, False, False)
-    assert load.content_digest != 0 and engine.arrivals[-1].lora_name == real
+    assert len(load.content_sha256) == 64 and engine.arrivals[-1].lora_name == real
     assert engine.arrivals[-1].lora_version_id == engine.registry[real].version_id  # the version it resolved
     r = await client.post("/v1/completions", json=_completion(lora_path=str(root / "direct")))
     assert r.status_code == 200 and len(_loads(engine)) == 1  # registered now: no second load

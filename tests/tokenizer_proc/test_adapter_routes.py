@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -11,7 +12,6 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-import xxhash
 
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.tokenizer_proc.adapter_routes import StartupAdapterError
@@ -52,10 +52,10 @@ async def client(engine, tokenizer, demo_model_dir: str, lora_root: Path) -> Asy
         yield c
 
 
-def _files_xxh64(path: Path) -> int:
-    """The content digest, computed independently: xxh64 of the config's bytes, then the weights'."""
+def _files_sha256(path: Path) -> str:
+    """The content digest, computed independently: SHA-256 of the config's bytes, then the weights'."""
     data = (path / "adapter_config.json").read_bytes() + (path / "adapter_model.safetensors").read_bytes()
-    return xxhash.xxh64(data, seed=0).intdigest()
+    return hashlib.sha256(data).hexdigest()
 
 
 def _error(r: httpx.Response, status: int, fragment: str) -> dict:
@@ -77,7 +77,7 @@ async def test_load_list_route_unload(client, engine, lora_root: Path) -> None:
     load = engine.received[-1]
     assert load.name == "sql" and load.path == os.path.realpath(lora_root / "sql") and load.max_rank == 4
     assert load.num_bytes == os.path.getsize(lora_root / "sql" / "adapter_model.safetensors")
-    assert load.content_digest == _files_xxh64(lora_root / "sql")
+    assert load.content_sha256 == _files_sha256(lora_root / "sql")
     cards = (await client.get("/v1/models")).json()["data"]
     assert [(c["id"], c["parent"]) for c in cards] == [(MODEL, None), ("sql", MODEL)]
     assert cards[1]["root"] == os.path.realpath(lora_root / "sql")
@@ -94,7 +94,7 @@ async def test_duplicate_and_inplace(client, engine, lora_root: Path) -> None:
     assert (await _load(client, "sql", lora_root / "sql")).status_code == 200
     _error(await _load(client, "sql", lora_root / "chat"), 400, "already been loaded")
     assert (await _load(client, "sql", lora_root / "chat", load_inplace=True)).status_code == 200
-    assert engine.received[-1].content_digest == _files_xxh64(lora_root / "chat")  # the new version's files
+    assert engine.received[-1].content_sha256 == _files_sha256(lora_root / "chat")  # the new version's files
     assert engine.registry["sql"].version_id == 2
     cards = (await client.get("/v1/models")).json()["data"]
     assert cards[1]["root"] == os.path.realpath(lora_root / "chat")
@@ -213,7 +213,7 @@ async def test_startup_adapters_load_before_serving(engine, tokenizer, demo_mode
     app = build_app(engine, tokenizer, config)
     async with app.router.lifespan_context(app):
         assert engine.registry["sql"].path == os.path.realpath(lora_root / "sql")
-        assert [e.content_digest for e in engine.received] == [_files_xxh64(lora_root / "sql")]
+        assert [e.content_sha256 for e in engine.received] == [_files_sha256(lora_root / "sql")]
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             assert [m["id"] for m in (await c.get("/v1/models")).json()["data"]] == [MODEL, "sql"]
 

@@ -26,12 +26,12 @@ class ReadGate:
     def release(self, path: str) -> None:
         self.held[path].set()
 
-    def __call__(self, spec, pool, version_id: int, path: str, content_digest: int, progress=None):
+    def __call__(self, spec, pool, version_id: int, path: str, content_sha256: str, progress=None):
         self.thread_names.append(threading.current_thread().name)
         gate = self.held.get(path)
         if gate is not None and not gate.wait(60):
             raise TimeoutError(f"the read of {path} was never released")
-        return self.real(spec, pool, version_id, path, content_digest, progress)
+        return self.real(spec, pool, version_id, path, content_sha256, progress)
 
 
 def poll_until(runner, done: Callable[[list[Event]], bool], timeout_s: float = 60.0) -> list[Event]:

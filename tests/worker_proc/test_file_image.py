@@ -240,7 +240,7 @@ def test_tensors_unaligned_in_the_file_land_exactly(tmp_path) -> None:
     copier = SlotCopier(new, layout, ranks, scalings, staging_bytes(layout, max_rank), torch.device("cpu"))
     pool = PinnedPool(4 * layout.max_image_bytes(max_rank), 4096, pin=False)
     spec = ReadSpec(ODD, max_rank, (), layout, torch.bfloat16)
-    image = read_image(spec, pool, 1, path, 0)
+    image = read_image(spec, pool, 1, path, "")
     scatter = copier.scatter(1, image.layout)
     assert any(chunk.unaligned for chunk in scatter.chunks)
     copier.copy(image, pool, scatter, None)

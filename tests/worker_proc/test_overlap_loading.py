@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from ledgerserve.shared.adapter_digest import content_digest
+from ledgerserve.shared.adapter_digest import content_sha256
 from ledgerserve.shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE
 from ledgerserve.shared.events import (
     AdapterCpuEvicted,
@@ -45,8 +45,8 @@ def _runner(setup: LoraSetup, **kw) -> ModelRunner:
     return ModelRunner(lora_config(setup.base_dir, lora_overlap_loading=True, **kw))
 
 
-def _assign(runner: ModelRunner, slot: int, version_id: int, path: str, digest: int = 0) -> list:
-    return runner.adapter_command(AdapterSlotAssigned(slot, version_id, path, digest), time.monotonic())
+def _assign(runner: ModelRunner, slot: int, version_id: int, path: str, digest: str = "") -> list:
+    return runner.adapter_command(AdapterSlotAssigned(slot, version_id, path, content_sha256=digest), time.monotonic())
 
 
 def _for(replies: list, slot: int) -> list:
@@ -105,7 +105,7 @@ def test_an_evict_during_a_load_clears_the_slot_and_reports_nothing(lora_setup: 
     assert [(r.slot, r.version_id) for r in poll_until(runner, lambda r: bool(r))] == [(2, 6)]
     gate.release(head)
     assert settle(runner) == []  # the evicted load ends unreported and never writes the slot
-    assert runner.lora.slot_table() == [[2, 6]] and runner.lora.digest_table() == [[2, 6, 0]]
+    assert runner.lora.slot_table() == [[2, 6]] and runner.lora.digest_table() == [[2, 6, ""]]
     _generate(runner, lora_setup, {"attn": 2})
     runner.evict_adapter(AdapterEvicted(2, 6))
     assert all(not w.ranks[2].any() and not any(w.rank_table[2]) for w in runner.lora.weights.values())
@@ -142,12 +142,12 @@ def test_a_version_changed_on_disk_fails_alone(lora_setup: LoraSetup, tmp_path) 
         f.write(data)
     _assign(runner, 0, 1, str(path), registered)
     _assign(runner, 1, 2, other, _digest(other))
-    runner.adapter_command(AdapterPrefetched(3, str(path), registered), time.monotonic())
+    runner.adapter_command(AdapterPrefetched(3, str(path), content_sha256=registered), time.monotonic())
     replies = settle(runner)
     failed = [r for r in replies if isinstance(r, AdapterLoadFailed)]
     assert sorted(r.slot for r in failed) == [-1, 0]
     assert all(
-        r.message.startswith("adapter attn-copy changed on disk since it was registered (content digest")
+        r.message.startswith("adapter attn-copy changed on disk since it was registered (content SHA-256")
         for r in failed
     )
     assert [(r.slot, r.version_id) for r in replies if isinstance(r, AdapterLoadCompleted)] == [(1, 2)]
@@ -157,9 +157,9 @@ def test_a_version_changed_on_disk_fails_alone(lora_setup: LoraSetup, tmp_path) 
     assert runner.lora.slot_table() == [[0, 4], [1, 2]]  # its new content, registered again, loads
 
 
-def _digest(path) -> int:
+def _digest(path) -> str:
     with open(os.path.join(path, CONFIG_FILE), "rb") as c, open(os.path.join(path, WEIGHTS_FILE), "rb") as w:
-        return content_digest(c.read(), w.read())
+        return content_sha256(c.read(), w.read())
 
 
 @pytest.mark.parametrize("damage", ["vanished", "truncated", "fifo", "nan"])

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ledgerserve.shared.adapter_digest import content_digest
+from ledgerserve.shared.adapter_digest import content_sha256
 from ledgerserve.shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, BaseShapes, max_tensors, read_manifest
 from ledgerserve.shared.events import AdapterLoadCompleted
 from ledgerserve.shared.safetensors_header import read_header
@@ -61,10 +61,10 @@ def _manager(base_dir: str, rank: int, size: int, dtype: torch.dtype = torch.flo
     return LoraManager(model, config, _base(base_dir), dtype, torch.device("cpu"), rank)
 
 
-def _registered(path: str) -> int:
+def _registered(path: str) -> str:
     """The content digest of the whole files, as the HTTP process records it at registration."""
     with open(os.path.join(path, CONFIG_FILE), "rb") as c, open(os.path.join(path, WEIGHTS_FILE), "rb") as w:
-        return content_digest(c.read(), w.read())
+        return content_sha256(c.read(), w.read())
 
 
 def _parts(
@@ -130,7 +130,7 @@ def test_each_rank_keeps_its_shard_and_hashes_the_whole_file(
     for rank in range(size):
         manager = _manager(base_dir, rank, size)
         image = reader.read_image(manager.loader.spec, manager.pool, 1, path, digest)
-        assert image.content_digest == digest and image.num_file_bytes == file_bytes
+        assert image.content_sha256 == digest and image.num_file_bytes == file_bytes
         parts = _parts(manager, path, base)
         _check_image(manager, image.layout, ImageBytes([manager.pool.view(e) for e in image.extents]), parts)
         for g, (spec, _, _) in parts.items():
@@ -181,7 +181,7 @@ def test_the_pool_bound_holds_the_largest_shard_image(bases: dict[str, str], tmp
     for rank in range(size):
         manager = _manager(base_dir, rank, size)
         bound = manager.layout.max_image_bytes(MAX_RANK)
-        image = reader.read_image(manager.loader.spec, manager.pool, 1, path, 0)
+        image = reader.read_image(manager.loader.spec, manager.pool, 1, path, "")
         assert image.layout.num_bytes <= bound < whole
         manager.close()
 

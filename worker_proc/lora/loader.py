@@ -82,7 +82,7 @@ class AdapterLoader:
         self.loads: dict[int, SlotLoad] = {}  # slot -> a load not reported yet
         self.replies: list[Reply] = []  # due, not yet returned by poll
 
-    def assign(self, slot: int, version_id: int, path: str, content_digest: int, arrival_s: float) -> None:
+    def assign(self, slot: int, version_id: int, path: str, content_sha256: str, arrival_s: float) -> None:
         """Start loading `version_id` into `slot` (from the CPU tier, or disk first)."""
         self.cancel(slot)
         entry = self.cpu.entries.get(version_id)
@@ -91,7 +91,7 @@ class AdapterLoader:
             load.entry = entry = CpuEntry(version_id, None, path)
             load.source_tier = "disk"
             self.cpu.add(entry)
-            entry.future = load.future = self._submit(self._read_and_scatter, slot, version_id, path, content_digest)
+            entry.future = load.future = self._submit(self._read_and_scatter, slot, version_id, path, content_sha256)
         elif entry.image is not None:
             load.future = self._submit(self._scatter, slot, entry.image.layout)
         else:
@@ -99,7 +99,7 @@ class AdapterLoader:
         entry.num_users += 1
         self.loads[slot] = load
 
-    def prefetch(self, version_id: int, path: str, content_digest: int, arrival_s: float) -> None:
+    def prefetch(self, version_id: int, path: str, content_sha256: str, arrival_s: float) -> None:
         """Stage `version_id` into the CPU tier; reported (by poll) as a load into slot -1."""
         entry = self.cpu.entries.get(version_id)
         if entry is not None and entry.image is not None:
@@ -110,7 +110,7 @@ class AdapterLoader:
         if entry is None:
             entry = CpuEntry(version_id, None, path)
             self.cpu.add(entry)
-            entry.future = self._submit(self._read, version_id, path, content_digest)
+            entry.future = self._submit(self._read, version_id, path, content_sha256)
         if entry.report_arrival_s is None:
             entry.report_arrival_s = arrival_s
 
@@ -233,19 +233,19 @@ class AdapterLoader:
                 )
             )
 
-    def _read(self, version_id: int, path: str, content_digest: int) -> LoadResult:
-        return LoadResult(self._read_image(version_id, path, content_digest), None)
+    def _read(self, version_id: int, path: str, content_sha256: str) -> LoadResult:
+        return LoadResult(self._read_image(version_id, path, content_sha256), None)
 
-    def _read_and_scatter(self, slot: int, version_id: int, path: str, content_digest: int) -> LoadResult:
-        image = self._read_image(version_id, path, content_digest)
+    def _read_and_scatter(self, slot: int, version_id: int, path: str, content_sha256: str) -> LoadResult:
+        image = self._read_image(version_id, path, content_sha256)
         return LoadResult(image, self.copier.scatter(slot, image.layout))
 
-    def _read_image(self, version_id: int, path: str, content_digest: int) -> FileImage:
+    def _read_image(self, version_id: int, path: str, content_sha256: str) -> FileImage:
         """read_image from disk, its progress shown and its end logged (shared/progress.py)."""
         name = _dir_name(path)
         progress = Progress(f"adapter {name}", None, self.rank, logger)
         try:
-            image = read_image(self.spec, self.pool, version_id, path, content_digest, progress)
+            image = read_image(self.spec, self.pool, version_id, path, content_sha256, progress)
         finally:
             elapsed_s = progress.close()
         logger.info("%s", adapter_end_line(name, image.num_file_bytes, elapsed_s))

@@ -10,6 +10,7 @@ step (worker_proc/lora/fences.py): writes into a slot wait for that step only.""
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -63,32 +64,33 @@ class LoraManager:
         max_pages = -(-max_image_bytes // page_bytes)  # one image; the tier holds max_cpu_loras, plus slack for
         num_images = config.max_cpu_loras + config.max_loras  # evicted ones whose copies are still fenced
         self.pool = PinnedPool(num_images * max_pages * page_bytes, page_bytes, pin=device.type == "cuda")
-        spec = ReadSpec(base, config.max_lora_rank, config.lora_allowed_dirs, self.layout, dtype)
+        trusted = frozenset(os.path.realpath(path) for _, path in config.lora_modules)  # as they were registered
+        spec = ReadSpec(base, config.max_lora_rank, config.lora_allowed_dirs, self.layout, dtype, trusted)
         self.fences = SlotFences()
         self.loader = AdapterLoader(
             spec, self.pool, self.copier, self.fences, rank, config.lora_overlap_loading, self._on_ready
         )
         self.slots: dict[int, int] = {}  # slot -> version_id whose copy is queued: steps may use it
         self.events: dict[int, Event] = {}  # slot -> its copy's end, until seen complete
-        self.assigned: dict[int, tuple[int, int]] = {}  # slot -> (version_id, content_digest), in command order
+        self.assigned: dict[int, tuple[int, str]] = {}  # slot -> (version_id, content SHA-256), in command order
 
-    def assign(self, slot: int, version_id: int, path: str, content_digest: int, arrival_s: float) -> None:
+    def assign(self, slot: int, version_id: int, path: str, content_sha256: str, arrival_s: float) -> None:
         """Start loading `version_id` into `slot`, replacing whatever it held (ValueError: no such slot)."""
         self.check_slot(slot)
         self._vacate(slot)
-        self.assigned[slot] = (version_id, content_digest)
-        self.loader.assign(slot, version_id, path, content_digest, arrival_s)
+        self.assigned[slot] = (version_id, content_sha256)
+        self.loader.assign(slot, version_id, path, content_sha256, arrival_s)
 
-    def load_now(self, slot: int, version_id: int, path: str, content_digest: int, arrival_s: float) -> list[Reply]:
+    def load_now(self, slot: int, version_id: int, path: str, content_sha256: str, arrival_s: float) -> list[Reply]:
         """assign, then finish the load before returning: its reply is among those returned."""
-        self.assign(slot, version_id, path, content_digest, arrival_s)
+        self.assign(slot, version_id, path, content_sha256, arrival_s)
         self.loader.ensure_ready(slot)
         if slot in self.events:
             self.events[slot].synchronize()
         return self.loader.poll()
 
-    def prefetch(self, version_id: int, path: str, content_digest: int, arrival_s: float) -> None:
-        self.loader.prefetch(version_id, path, content_digest, arrival_s)
+    def prefetch(self, version_id: int, path: str, content_sha256: str, arrival_s: float) -> None:
+        self.loader.prefetch(version_id, path, content_sha256, arrival_s)
 
     def evict(self, slot: int, version_id: int) -> None:
         """Free `slot` if it holds (or is loading) `version_id`; a stale evict never wipes a newer version.
@@ -187,6 +189,6 @@ class LoraManager:
         """[[slot, version_id], ...] of the slots steps may use, sorted by slot."""
         return [[slot, self.slots[slot]] for slot in sorted(self.slots)]
 
-    def digest_table(self) -> list[list[int]]:
-        """[[slot, version_id, content_digest], ...] as the commands assigned them, sorted by slot."""
+    def digest_table(self) -> list[list[int | str]]:
+        """[[slot, version_id, content SHA-256], ...] as the commands assigned them, sorted by slot."""
         return [[slot, *self.assigned[slot]] for slot in sorted(self.assigned)]

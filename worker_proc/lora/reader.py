@@ -5,14 +5,20 @@ The bounded reader (`read_manifest`: containment, config, header, shapes) opens 
 files, and hands the open weights file to `_ImageRead`, which reads it front to back with
 positional reads (nothing converted on the host, nothing unpickled) while a helper thread hashes
 every byte of it after the config's: each rank reads and hashes the whole file, so each checks
-the version's content digest, but keeps only its shard. A long run of kept bytes (a whole tensor
-or more, with one rank) is read straight into the image's pool pages; everything else is read
-through a small scratch buffer, and the kept ranges in it (a shard's rows of B, the rows of its
-columns of A) are copied into the pages. A version registered with a content digest must hash
-the same, or the load fails: bytes that hash the same are the bytes the HTTP process checked at
-registration (finite, and finite in the model dtype), so they are not checked again. A read
-without a registered digest (0) checks the values it keeps here. Runs on a loader thread: the
-reads and the hash release the GIL, and a load takes it a few times per chunk read.
+the version's content digest (SHA-256, shared/adapter_digest.py), but keeps only its shard. A long
+run of kept bytes (a whole tensor or more, with one rank) is read straight into the image's pool
+pages; everything else is read through a small scratch buffer, and the kept ranges in it (a
+shard's rows of B, the rows of its columns of A) are copied into the pages. What is hashed is
+exactly what is used: the config's and the header's bytes as they were parsed, each data byte as
+it was read into the pages or the scratch it is copied from; nothing is read twice. A version
+registered with a content digest must hash the same, all 256 bits, or the load fails. Then,
+whatever the digest, the values kept are checked as the slots will hold them
+(worker_proc/lora/image_check.py): NaN or infinite once cast to the model's dtype fails the load.
+
+A run-time adapter (anything but the trusted start-up `--lora-modules`) must still resolve inside
+a `--lora-allowed-dir` root when the worker reads it, its files too: a directory swapped for a link
+out of the roots since its registration is refused. Runs on a loader thread: the reads, the hash
+and the check release the GIL, and a load takes it a few times per chunk read.
 """
 
 from __future__ import annotations
@@ -25,17 +31,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ledgerserve.shared.adapter_digest import ContentDigest
-from ledgerserve.shared.adapter_files import read_at
+from ledgerserve.shared.adapter_digest import ContentDigest, same_content, short
 from ledgerserve.shared.adapter_format import WEIGHTS_FILE, AdapterError, BaseShapes, LoraModule, read_manifest
 from ledgerserve.shared.progress import Progress
-from ledgerserve.shared.safetensors_header import Header, value_problem
-from ledgerserve.worker_proc.lora.file_image import FileTensor, ImageBytes, ImageLayout, Run, SlotLayout, write_tables
+from ledgerserve.shared.safetensors_header import Header
+from ledgerserve.worker_proc.lora.file_image import ImageBytes, ImageLayout, Run, SlotLayout, write_tables
+from ledgerserve.worker_proc.lora.image_check import check_image
 from ledgerserve.worker_proc.lora.pinned_pool import Extent, PinnedPool, PoolFull
 
 READ_CHUNK_BYTES = 16 << 20  # one positional read; the hash of a chunk runs beside the next read
 DIRECT_READ_BYTES = 1 << 20  # a run this long is read straight into its pages, a shorter one through scratch
-CHECK_CHUNK_BYTES = 4 << 20  # an unverified read's value check looks at this much at a time
 _local = threading.local()  # each loader thread's scratch buffers
 
 
@@ -51,37 +56,45 @@ class ReadSpec:
     max_lora_rank: int
     allowed_dirs: tuple[str, ...]
     slot_layout: SlotLayout
-    dtype: torch.dtype  # the model's: an unverified read's values must be finite in it
+    dtype: torch.dtype  # the model's: every read's values must be finite in it
+    trusted_paths: frozenset[str] = frozenset()  # real paths of the start-up adapters: not confined to allowed_dirs
+
+    def confines(self, path: str) -> bool:
+        """Whether the adapter registered at real path `path` must lie inside allowed_dirs (every
+        one but a start-up adapter, where run-time loads are allowed at all)."""
+        return bool(self.allowed_dirs) and path not in self.trusted_paths
 
 
 @dataclass(frozen=True)
 class FileImage:
     version_id: int
-    content_digest: int  # as read (the registered one when it was given)
+    content_sha256: str  # as read (the registered one when it was given)
     layout: ImageLayout
     extents: tuple[Extent, ...]
     num_file_bytes: int  # bytes read from disk
 
 
 def read_image(
-    spec: ReadSpec, pool: PinnedPool, version_id: int, path: str, content_digest: int, progress: Progress | None = None
+    spec: ReadSpec, pool: PinnedPool, version_id: int, path: str, content_sha256: str, progress: Progress | None = None
 ) -> FileImage:
-    """The file image of the adapter at `path`, in pages of `pool`; AdapterError on any refusal,
-    with nothing left allocated. `progress` counts the weights file's bytes as they are read."""
+    """The file image of the adapter at `path` (its registered real path), in pages of `pool`;
+    AdapterError on any refusal, with nothing left allocated. `content_sha256`: what the files must
+    hash to ("": not checked). `progress` counts the weights file's bytes as they are read."""
     read = _ImageRead(spec, pool, progress)
     try:
-        manifest = read_manifest(path, spec.base, spec.max_lora_rank, spec.allowed_dirs, read_weights=read)
-        if content_digest and manifest.content_digest != content_digest:
+        manifest = read_manifest(
+            path, spec.base, spec.max_lora_rank, spec.allowed_dirs, read_weights=read, confined=spec.confines(path)
+        )
+        if content_sha256 and not same_content(manifest.content_sha256, content_sha256):
             raise ChangedOnDisk(
-                f"changed on disk since it was registered (content digest "
-                f"{manifest.content_digest:#018x}, registered {content_digest:#018x})"
+                f"changed on disk since it was registered (content SHA-256 {short(manifest.content_sha256)}..., "
+                f"registered {short(content_sha256)}...)"
             )
-        if not content_digest:
-            _check_values(read.image, read.layout, spec.dtype)
+        check_image(read.image, read.layout, spec.slot_layout, spec.dtype)
     except BaseException:
         read.free()
         raise
-    return FileImage(version_id, manifest.content_digest, read.layout, tuple(read.extents), read.num_file_bytes)
+    return FileImage(version_id, manifest.content_sha256, read.layout, tuple(read.extents), read.num_file_bytes)
 
 
 class _ImageRead:
@@ -104,7 +117,7 @@ class _ImageRead:
             raise AdapterError(str(e)) from None
         self.image = ImageBytes([self.pool.view(e) for e in self.extents])
         write_tables(self.image, self.layout)
-        digest.update(read_at(fd, 0, header.data_offset, WEIGHTS_FILE))  # the header (bounded by read_header)
+        digest.update(header.raw)  # the header's bytes as read_header read and parsed them
         on_bytes = _ignore_bytes
         if self.progress is not None:
             self.progress.set_total(num_bytes)
@@ -201,28 +214,8 @@ def _read_exact(fd: int, view: memoryview, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def _check_values(image: ImageBytes, layout: ImageLayout, dtype: torch.dtype) -> None:
-    """An unverified read: every used tensor must be finite in the model dtype (AdapterError)."""
-    model_dtype = str(dtype).removeprefix("torch.")
-    for piece in layout.pieces:
-        for tensor in (piece.a, piece.b):
-            if not _finite(image, tensor, model_dtype):
-                raise AdapterError("the adapter's weights hold NaN or infinite values (in the model's dtype).")
-
-
-def _finite(image: ImageBytes, tensor: FileTensor, model_dtype: str) -> bool:
-    step = CHECK_CHUNK_BYTES - CHECK_CHUNK_BYTES % tensor.torch_dtype.itemsize
-    stop = tensor.offset + tensor.num_bytes
-    for start in range(tensor.offset, stop, step):
-        views = image.ranges(start, min(stop, start + step))
-        chunk = views[0] if len(views) == 1 else torch.cat(views)  # [n] uint8, whole values
-        if value_problem(memoryview(chunk.numpy()), tensor.dtype, model_dtype):
-            return False
-    return True
-
-
 class _Hasher:
-    """Feeds chunks, in order, to a digest on its own thread (xxhash releases the GIL)."""
+    """Feeds chunks, in order, to a digest on its own thread (hashlib releases the GIL)."""
 
     def __init__(self, digest: ContentDigest, on_bytes: Callable[[int], None]) -> None:
         self.on_bytes = on_bytes  # each chunk's length, as it is fed
