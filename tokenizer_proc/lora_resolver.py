@@ -141,7 +141,7 @@ class LoraResolver:
             manifest = await asyncio.to_thread(adapters.validate, real, self.base, self.config)
         except ApiError as e:
             raise ApiError(e.status_code, e.message, param) from None
-        reply = await self.engine.adapter_op(load_event(name, manifest, on_demand=True))
+        reply = await self.engine.adapter_op(load_event(self.engine.next_op_id(), name, manifest, on_demand=True))
         info = self.registry.get(name)
         if reply.code == 200 or (info is not None and info.path == manifest.path):
             return

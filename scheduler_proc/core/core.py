@@ -121,7 +121,7 @@ class Core:
         return decisions
 
     def _on_request_arrived(self, event: ev.RequestArrived) -> Decisions:
-        if event.req_id in self.requests or event.req_id in self.finished_req_ids:
+        if event.req_id in self.requests or self._in_a_step_in_flight(event.req_id):
             return [
                 ev.RequestRejected(event.req_id, f"Request id {event.req_id!r} is already in use.", param="request_id")
             ]
@@ -153,6 +153,12 @@ class Core:
         self.adapters.hold(req)
         self.scheduler.add(req)
         return finish.reject_if_unservable(self, req)
+
+    def _in_a_step_in_flight(self, req_id: str) -> bool:
+        """A request that ended while a step holding it was in flight: that step's report would
+        name it, so its id cannot name a new request before. Once no step holds it, the id is free
+        again (a client's X-Request-Id, reused): the next plan drops the old one before the new one."""
+        return any(item.req_id == req_id for step in self.in_flight for item in step.reqs)
 
     def _on_request_aborted(self, event: ev.RequestAborted) -> Decisions:
         req = self.requests.get(event.req_id)
