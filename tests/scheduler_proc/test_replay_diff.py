@@ -1,5 +1,6 @@
 """`replay --diff`: the first differing decision of two runs, wall-clock fields ignored."""
 
+import dataclasses
 import json
 
 from ledgerserve.scheduler_proc.replay import main
@@ -10,8 +11,8 @@ from tests.scheduler_proc.driver import Driver
 from tests.scheduler_proc.logtools import ENGINE, rewrite
 
 
-def _run(directory, max_tokens_of_b=4, clock=0.0):
-    writer = EventLogWriter(str(directory), ENGINE.to_json(), run_id="run")
+def _run(directory, max_tokens_of_b=4, clock=0.0, engine=ENGINE):
+    writer = EventLogWriter(str(directory), engine.to_json(), run_id="run")
     d = Driver(10, max_num_seqs=4, max_num_batched_tokens=16, block_size=4, max_model_len=32, log=writer)
     for req_id, prompt, max_tokens in [("a", 5, 4), ("b", 6, max_tokens_of_b), ("c", 3, 5)]:
         d.send(
@@ -59,3 +60,21 @@ def test_a_missing_decision_is_the_difference(tmp_path):
     this, other = diff_logs(a, b).decision
     assert this.seq == last_emitted and isinstance(this.event, ev.TokensEmitted)
     assert other.seq != last_emitted
+
+
+def test_each_differing_config_field_is_named_with_both_values(tmp_path, capsys):
+    """Per-run fields (run dir, log dir, host, port) are no difference; every other field that
+    differs is named, with both values, in the text and the JSON report."""
+    per_run = {"run_dir": "/tmp/run-a", "event_log_dir": str(tmp_path / "a"), "host": "127.0.0.1", "port": 8001}
+    a = _run(tmp_path / "a", engine=dataclasses.replace(ENGINE, **per_run))
+    b = _run(tmp_path / "b", engine=dataclasses.replace(ENGINE, max_loras=3, run_dir="/tmp/run-b", port=8002))
+    c = _run(tmp_path / "c", engine=dataclasses.replace(ENGINE, run_dir="/tmp/run-c", port=9000))
+    assert main([a, "--diff", c]) == 0
+    assert "configs differ" not in capsys.readouterr().out  # only per-run fields differ
+    assert main([a, "--diff", b]) == 0  # a config difference is a note, not a difference
+    out = capsys.readouterr().out
+    assert "engine configs differ in 1 field(s)" in out and "max_loras: 8 in this log, 3 in the other log" in out
+    assert "run_dir" not in out and "port" not in out and "host" not in out
+    assert main([a, "--diff", b, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["config_differs"] and report["config_differences"] == [{"field": "max_loras", "this": 8, "other": 3}]
