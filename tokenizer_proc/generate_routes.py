@@ -11,16 +11,16 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 
 from ledgerserve.shared.config import EngineConfig
-from ledgerserve.shared.events import AdapterInfo, RequestArrived
+from ledgerserve.shared.events import RequestArrived
 from ledgerserve.tokenizer_proc import adapters, inputs, request_ids, streaming
 from ledgerserve.tokenizer_proc.chat_template import ChatTemplate
 from ledgerserve.tokenizer_proc.disconnect import ClientGone, until_disconnect
 from ledgerserve.tokenizer_proc.engine_client import EngineClientBase, EngineDeadError
-from ledgerserve.tokenizer_proc.errors import ApiError
+from ledgerserve.tokenizer_proc.errors import RETRY_AFTER_S, ApiError
 from ledgerserve.tokenizer_proc.fanout import choice_params, choice_req_id, collect_all, total_usage
 from ledgerserve.tokenizer_proc.generation import Delta, RequestRun
 from ledgerserve.tokenizer_proc.generation_defaults import GenerationDefaults
-from ledgerserve.tokenizer_proc.lora_resolver import LoraResolver
+from ledgerserve.tokenizer_proc.lora_resolver import LoraResolver, ResolvedAdapter
 from ledgerserve.tokenizer_proc.metrics import Metrics
 from ledgerserve.tokenizer_proc.prompt_logprobs import PromptLogprobsBody, prompt_logprobs_body
 from ledgerserve.tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -32,8 +32,6 @@ from ledgerserve.tokenizer_proc.responses import (
     envelope,
     json_response,
 )
-
-RETRY_AFTER_S = 1
 
 
 @dataclass
@@ -130,7 +128,7 @@ def _chat_choice(served: Served, req: ChatCompletionRequest, delta: Delta, index
     return chat_choice(delta, logprobs, req.return_token_ids, stream=False, index=index)
 
 
-async def check_request(req: SamplingFields, served: Served) -> AdapterInfo | None:
+async def check_request(req: SamplingFields, served: Served) -> ResolvedAdapter | None:
     """Check the request and admit it; return the adapter it asks for (None: the base model),
     loaded on demand if it was not registered yet."""
     req.check()
@@ -151,7 +149,7 @@ def check_capacity(engine: EngineClientBase, config: EngineConfig, n: int) -> No
             503,
             f"The server is overloaded ({limit} requests in flight); retry later.",
             None,
-            {"Retry-After": str(RETRY_AFTER_S)},
+            {"Retry-After": str(RETRY_AFTER_S)},  # error_response adds it to every 503 too
         )
 
 
@@ -175,7 +173,7 @@ def start_runs(
     max_tokens: int | None,
     num_logprobs: int | None,
     req_id: str,
-    adapter: AdapterInfo | None,
+    adapter: ResolvedAdapter | None,
 ) -> list[RequestRun]:
     """One RequestRun per choice: prompt i's choice j is choice i * n + j (engine ids
     `<req_id>-<index>` when there are several). Each names the adapter's version as
@@ -197,8 +195,9 @@ def start_runs(
             prompt_token_ids=prompt_ids[prompt_index],
             sampling=choice_params(params[prompt_index], choice),
             arrival_time_s=time.time(),
-            lora_name=adapter.name if adapter is not None else None,
-            lora_version_id=adapter.version_id if adapter is not None else 0,
+            lora_name=adapter.info.name if adapter is not None else None,
+            lora_version_id=adapter.info.version_id if adapter is not None else 0,
+            on_demand=adapter.on_demand if adapter is not None else None,
         )
         runs.append(RequestRun(served.engine, served.tokenizer, arrived, req.stop_list(), req.skip_special_tokens))
     return runs
