@@ -124,7 +124,8 @@ def core_config(scanner: RunScanner) -> CoreConfig:
     namespaces: their StateDigests list every namespace ever evicted. Schema 1 and 2 logs
     predate overlapped adapter loading: their engines loaded in command order. Schema 3 logs
     predate targeted drains: an aged request with no slot barred every adapter request behind it.
-    Logs of schema 4 and before carry the whole registry in every AdapterOpReplied."""
+    Logs of schema 4 and before carry the whole registry in every AdapterOpReplied. Logs of
+    schema 5 and before hash the ranks' load and staging reports in their StateDigests."""
     try:
         config = CoreConfig.from_engine(EngineConfig.from_json(scanner.config_json))
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, ValueError, TypeError) as exc:
@@ -137,6 +138,7 @@ def core_config(scanner: RunScanner) -> CoreConfig:
         lora_overlap_loading=overlap,
         lora_targeted_drain=version >= 4,
         op_reply_registry=version < 5,
+        digest_load_reports=version < 6,
     )
 
 

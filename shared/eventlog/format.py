@@ -25,6 +25,11 @@ so it replays with `CoreConfig.lora_targeted_drain` off.
 Schema 4 (still read): the format of schema 5; each of its AdapterOpReplied carried the whole
 adapter registry (a log that grew with the square of the adapter ops), so it replays with
 `CoreConfig.op_reply_registry` on.
+
+Schema 5 (still read): the format of schema 6; its StateDigests, with overlapped loading, also
+hashed which ranks had reported each slot load in flight and each CPU-tier staging: reports no
+decision waits on, whose timing differs from run to run, so two runs of the same traffic had
+other digests. It replays with `CoreConfig.digest_load_reports` on.
 """
 
 from __future__ import annotations
@@ -44,8 +49,8 @@ import xxhash
 from ledgerserve.shared import codec
 
 MAGIC = b"LSEVTLOG"
-SCHEMA_VERSION = 5
-READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5)
+SCHEMA_VERSION = 6
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6)
 MAX_RECORD_BYTES = 1 << 28
 U32 = struct.Struct("<I")
 RECORD_HEAD = struct.Struct("<II")  # length, crc32
