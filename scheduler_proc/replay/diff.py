@@ -2,10 +2,11 @@
 
 Two runs of one workload are compared on their *decision* streams (every record the core
 made, in order; inputs and shell-only records are skipped), by bytes: that is what a user
-diffing runs wants, and wall-clock fields (RequestArrived.arrival_time_s) live only in
-inputs, so they never show up. The first differing input, wall-clock fields zeroed, is
-reported beside it for context; it does not decide the outcome. Logs written with
-`--event-log-content hashed` compare their digests by pattern (pseudonyms.py).
+diffing runs wants, and wall-clock fields (RequestArrived.arrival_time_s, a load's duration)
+live only in inputs, so they never show up. The first differing client input (a request, an
+abort, an adapter op: the traffic; the workers' reports interleave with it as their timing goes),
+its arrival time zeroed, is reported beside it for context; it does not decide the outcome. Logs
+written with `--event-log-content hashed` compare their digests by pattern (pseudonyms.py).
 
 Engine configs are compared field by field, and each differing field is named with both values.
 Fields that differ between any two runs by nature are left out: where a run lives and listens
@@ -16,9 +17,9 @@ difference is a note; it never decides the outcome either.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
 
 import msgspec
 
@@ -129,20 +130,38 @@ def _json_object(data: bytes) -> dict[str, Any] | None:
 _Record = tuple[int, bytes, tuple[str, int]]  # seq, the event's bytes, (segment, offset)
 
 
+_CLIENT_TAGS = frozenset(cls.__name__.encode() for cls in get_args(ev.ToScheduler))
+
+
 def _records(scanner: RunScanner, kind: int) -> Iterator[_Record]:
-    rename = renamer(scanner.config_json)  # a hashed log's digests, by their pattern (pseudonyms.py)
+    """The decisions, or the client's inputs (not the workers' reports)."""
+    rename = _renamer(scanner)  # a hashed log's digests, by their pattern (pseudonyms.py)
     for seq, raw in scanner:
         data = bytes(raw)
-        if KIND_BY_TAG.get(tag_of(data), DECISION) == kind:
-            data = _without_wall_clock(data, scanner) if kind == INPUT else data
-            yield seq, data if rename is None else rename(data), scanner.position
+        tag = tag_of(data)
+        if (tag in _CLIENT_TAGS) if kind == INPUT else KIND_BY_TAG.get(tag, DECISION) == kind:
+            yield seq, _comparable(data, kind, rename, scanner), scanner.position
 
 
-def _without_wall_clock(data: bytes, scanner: RunScanner) -> bytes:
+def _renamer(scanner: RunScanner) -> Callable[[bytes], bytes] | None:
     try:
-        event = decode_event(data)
+        return renamer(scanner.config_json)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, ValueError, TypeError) as exc:
+        raise LogCorruption(f"the header's engine config is not valid: {exc}", None, 0, scanner.path) from None
+
+
+def _comparable(data: bytes, kind: int, rename: Callable[[bytes], bytes] | None, scanner: RunScanner) -> bytes:
+    """What is compared of a record: an input without its wall-clock fields; a hashed log's
+    digests renamed."""
+    try:
+        data = _without_wall_clock(data) if kind == INPUT else data
+        return data if rename is None else rename(data)
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
         raise not_an_event(scanner, exc) from None
+
+
+def _without_wall_clock(data: bytes) -> bytes:
+    event = decode_event(data)
     if isinstance(event, ev.RequestArrived):
         return codec.encode(msgspec.structs.replace(event, arrival_time_s=0.0))
     return data

@@ -3,6 +3,8 @@
 import dataclasses
 import json
 
+import msgspec
+
 from ledgerserve.scheduler_proc.replay import main
 from ledgerserve.scheduler_proc.replay.diff import diff_logs
 from ledgerserve.shared import events as ev
@@ -78,3 +80,34 @@ def test_each_differing_config_field_is_named_with_both_values(tmp_path, capsys)
     assert main([a, "--diff", b, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["config_differs"] and report["config_differences"] == [{"field": "max_loras", "this": 8, "other": 3}]
+
+
+def test_the_workers_reports_are_no_input_difference(tmp_path):
+    """Two runs' loads take other times and their reports fall elsewhere among the inputs: the
+    first differing input is one of the client's (a request, an abort, an adapter op), or none."""
+    engine = dataclasses.replace(ENGINE, enable_lora=True, max_model_len=64)
+    writer = EventLogWriter(str(tmp_path / "a"), engine.to_json(), run_id="run")
+    d = Driver(10, block_size=4, max_model_len=64, enable_lora=True, lora_overlap_loading=True, log=writer)
+    d.load("x")
+    d.arrive("r", 3, lora="x", max_tokens=2)
+    d.run()
+    writer.append(ev.LogClosed("done"))
+    writer.close()
+    records = list(EventLogReader(writer.path))
+    staged = next(seq for seq, e in records if isinstance(e, ev.AdapterLoadCompleted) and e.slot == -1)
+
+    def other_times(seq, event):
+        if isinstance(event, ev.AdapterLoadCompleted):
+            return msgspec.structs.replace(event, duration_ms=event.duration_ms + 7.5, end_time_s=1e9)
+        return event
+
+    other = rewrite(writer.path, tmp_path / "b", other_times)
+    found = diff_logs(writer.path, other)
+    assert found.same and found.input is None
+    # the staging reported before the request arrived, not after: the same client inputs
+    arrived = next(seq for seq, e in records if isinstance(e, ev.RequestArrived))
+    assert arrived < staged
+    moved = [e for seq, e in records if seq != staged]
+    moved.insert(arrived - 1, records[staged - 1][1])
+    later = rewrite(writer.path, tmp_path / "c", lambda seq, event: moved[seq - 1])
+    assert diff_logs(writer.path, later).input is None
