@@ -28,6 +28,18 @@ class RequestArrived(Event):
     arrival_time_s: float = 0.0  # wall clock, stamped by the tokenizer process
     lora_name: str | None = None  # None: the base model
     lora_version_id: int = 0  # the version lora_name had when the HTTP process resolved it; 0: unchecked
+    # lora_name was registered on demand: the load that registers it again, should it have been
+    # unregistered (least recently used) after the HTTP process resolved it and before this arrived
+    on_demand: OnDemandLoad | None = None
+
+
+class OnDemandLoad(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+    """An on-demand adapter's load as the HTTP process validated it (AdapterLoadRequested's fields)."""
+
+    path: str  # real path of the adapter directory
+    max_rank: int
+    num_bytes: int
+    content_sha256: str = ""  # SHA-256 of the files as the HTTP process read them, hex
 
 
 class RequestAborted(Event):

@@ -1,6 +1,7 @@
 """`/v1/load_lora_adapter`, `/v1/unload_lora_adapter` and the start-up adapters.
 
-Each op is validated here, sent to the core with a fresh op_id, and answered from the
+Each op is validated here, sent to the core with the next op_id (`lora-op-N`, counted by the
+engine client), and answered from the
 core's `AdapterOpReplied` (duplicates: the core's 400; unknown unloads: its 404; a pin past
 max_loras - 1: its 400). A load carries the content digest of the files as validated: every
 later read must match it. Unknown fields in either body are refused with 400.
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse, Response
@@ -54,7 +54,8 @@ def add_adapter_routes(app: FastAPI, engine: EngineClientBase, config: EngineCon
         if base is None:  # enable_lora implies base shapes; kept for the type checker
             raise RuntimeError("LoRA is enabled but the base shapes are unknown")
         manifest = await asyncio.to_thread(adapters.validate, real, base, config)
-        reply = await engine.adapter_op(load_event(req.lora_name, manifest, req.load_inplace, pinned=req.pinned))
+        event = load_event(engine.next_op_id(), req.lora_name, manifest, req.load_inplace, pinned=req.pinned)
+        reply = await engine.adapter_op(event)
         if reply.code != 200:
             return error_response(reply.code, reply.message, "lora_name")
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
@@ -62,7 +63,7 @@ def add_adapter_routes(app: FastAPI, engine: EngineClientBase, config: EngineCon
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(req: UnloadLoraRequest) -> Response:
         adapters.require_lora(config)
-        reply = await engine.adapter_op(AdapterUnloadRequested(op_id=_op_id(), name=req.lora_name))
+        reply = await engine.adapter_op(AdapterUnloadRequested(op_id=engine.next_op_id(), name=req.lora_name))
         if reply.code != 200:
             return error_response(reply.code, reply.message, "lora_name")
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
@@ -102,7 +103,7 @@ async def load_startup_adapters(
     """Register the start-up adapters with the core, one at a time, before serving."""
     for name, manifest in checked:
         pinned = name in config.pinned_lora_modules
-        reply = await engine.adapter_op(load_event(name, manifest, pinned=pinned))
+        reply = await engine.adapter_op(load_event(engine.next_op_id(), name, manifest, pinned=pinned))
         if reply.code != 200:
             raise StartupAdapterError(
                 f"start-up adapter '{name}' at {manifest.path}: the engine refused it ({reply.code}): {reply.message}"
@@ -111,10 +112,15 @@ async def load_startup_adapters(
 
 
 def load_event(
-    name: str, manifest: AdapterManifest, load_inplace: bool = False, pinned: bool = False, on_demand: bool = False
+    op_id: str,
+    name: str,
+    manifest: AdapterManifest,
+    load_inplace: bool = False,
+    pinned: bool = False,
+    on_demand: bool = False,
 ) -> AdapterLoadRequested:
     return AdapterLoadRequested(
-        op_id=_op_id(),
+        op_id=op_id,
         name=name,
         path=manifest.path,
         max_rank=manifest.max_rank,
@@ -124,7 +130,3 @@ def load_event(
         on_demand=on_demand,
         pinned=pinned,
     )
-
-
-def _op_id() -> str:
-    return f"lora-op-{uuid.uuid4().hex}"

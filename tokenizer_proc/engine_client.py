@@ -35,6 +35,7 @@ from ledgerserve.shared.events import (
     RequestRejected,
     TokensEmitted,
 )
+from ledgerserve.tokenizer_proc.live_ids import LiveRequestIds
 from ledgerserve.tokenizer_proc.request_trace import RequestObserver
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,8 @@ class EngineClientBase(abc.ABC):
         self.num_bad_frames = 0
         self._ops: dict[str, asyncio.Future[AdapterOpReplied]] = {}
         self.adapters: dict[str, AdapterInfo] = {}  # the core's registry, from its AdapterRegistryChanged
+        self._num_ops = 0
+        self._live = LiveRequestIds()  # sent, without the core's last word on them yet
         # Called with the core's whole adapter registry after each change of it.
         self.on_adapters: Callable[[list[AdapterInfo]], None] | None = None
 
@@ -102,6 +105,15 @@ class EngineClientBase(abc.ABC):
     @property
     def num_in_flight(self) -> int:
         return len(self._queues)
+
+    def is_in_flight(self, req_id: str) -> bool:
+        """Whether `req_id` names a request that has not ended: its id cannot be used again yet."""
+        return req_id in self._queues or req_id in self._live
+
+    def next_op_id(self) -> str:
+        """A fresh adapter op id: `lora-op-N`, counted per process (the same ops give the same ids)."""
+        self._num_ops += 1
+        return f"lora-op-{self._num_ops}"
 
     def unavailable_reason(self) -> str | None:
         """Why new work is refused with 503 (engine failed, or draining); None: accepted."""
@@ -123,12 +135,12 @@ class EngineClientBase(abc.ABC):
         Leaving early (the consumer stops iterating, or is cancelled) aborts the request."""
         if (reason := self.unavailable_reason()) is not None:
             raise EngineDeadError(reason)
-        if arrived.req_id in self._queues:
-            raise EngineError(f"duplicate request id {arrived.req_id!r}")
+        if self.is_in_flight(arrived.req_id):
+            raise RequestRejectedError(f"Request id `{arrived.req_id}` is already in flight.", 400, "X-Request-Id")
         queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._queues[arrived.req_id] = queue
         try:
-            await self._send(arrived)
+            await self._live.send(self._send, arrived)
             while True:
                 item = await queue.get()
                 if isinstance(item, EngineError):
@@ -209,6 +221,7 @@ class EngineClientBase(abc.ABC):
             self._on_op_replied(event)
             return
         if isinstance(event, (TokensEmitted, RequestRejected)):
+            self._live.note(event)
             queue = self._queues.get(event.req_id)
             if queue is None:
                 return  # aborted or unknown: drop
@@ -237,6 +250,7 @@ class EngineClientBase(abc.ABC):
     def _fail_all(self, message: str) -> None:
         self.is_healthy = False
         self.failure_message = message
+        self._live.clear()
         for queue in self._queues.values():
             queue.put_nowait(EngineDeadError(f"engine failed: {message}"))
         for future in self._ops.values():

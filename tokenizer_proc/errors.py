@@ -46,10 +46,16 @@ def error_body(status_code: int, message: str, param: str | None = None, error_t
     return {"error": {"message": message, "type": kind, "param": param, "code": status_code}}
 
 
+RETRY_AFTER_S = 1  # what every 503 tells a client to wait before it tries again
+
+
 def error_response(
     status_code: int, message: str, param: str | None = None, error_type: str | None = None
 ) -> JSONResponse:
-    return JSONResponse(error_body(status_code, message, param, error_type), status_code=status_code)
+    """The OpenAI-shaped error; a 503 (overloaded, every on-demand adapter in use, not ready,
+    shutting down, the engine failed) says when to retry: `Retry-After`."""
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status_code == 503 else None
+    return JSONResponse(error_body(status_code, message, param, error_type), status_code=status_code, headers=headers)
 
 
 BODY_ERRORS = {

@@ -3,25 +3,24 @@
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 
 from ledgerserve.shared.config import EngineConfig
-from ledgerserve.shared.events import AdapterInfo, RequestArrived
-from ledgerserve.tokenizer_proc import adapters, inputs, streaming
+from ledgerserve.shared.events import RequestArrived
+from ledgerserve.tokenizer_proc import adapters, inputs, request_ids, streaming
 from ledgerserve.tokenizer_proc.chat_template import ChatTemplate
 from ledgerserve.tokenizer_proc.disconnect import ClientGone, until_disconnect
 from ledgerserve.tokenizer_proc.engine_client import EngineClientBase, EngineDeadError
-from ledgerserve.tokenizer_proc.errors import ApiError
+from ledgerserve.tokenizer_proc.errors import RETRY_AFTER_S, ApiError
 from ledgerserve.tokenizer_proc.fanout import choice_params, choice_req_id, collect_all, total_usage
 from ledgerserve.tokenizer_proc.generation import Delta, RequestRun
 from ledgerserve.tokenizer_proc.generation_defaults import GenerationDefaults
-from ledgerserve.tokenizer_proc.lora_resolver import LoraResolver
+from ledgerserve.tokenizer_proc.lora_resolver import LoraResolver, ResolvedAdapter
 from ledgerserve.tokenizer_proc.metrics import Metrics
 from ledgerserve.tokenizer_proc.prompt_logprobs import PromptLogprobsBody, prompt_logprobs_body
 from ledgerserve.tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -33,8 +32,6 @@ from ledgerserve.tokenizer_proc.responses import (
     envelope,
     json_response,
 )
-
-RETRY_AFTER_S = 1
 
 
 @dataclass
@@ -49,6 +46,7 @@ class Served:
     adapters: adapters.AdapterRegistry
     resolver: LoraResolver  # the adapter a request names, loaded on its first request
     defaults: GenerationDefaults  # `--generation-config`: what a request's unset sampling fields take
+    req_ids: request_ids.Counter = field(default_factory=lambda: request_ids.Counter(request_ids.COUNTED_PREFIX))
 
 
 def add_generate_routes(app: FastAPI, served: Served) -> None:
@@ -56,17 +54,18 @@ def add_generate_routes(app: FastAPI, served: Served) -> None:
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         adapter = await check_request(req, served)
         prompt_ids = await inputs.completion_prompt_ids(req, served.tokenizer, served.config.max_model_len)
-        req_id, runs = start_runs(served, req, prompt_ids, req.max_tokens, req.logprobs, "cmpl", adapter)
+        ids = _request_id(served, raw, "cmpl", len(prompt_ids) * req.n)
+        runs = start_runs(served, req, prompt_ids, req.max_tokens, req.logprobs, ids.logged, adapter)
         if req.stream:
-            return _sse(streaming.completion_stream(req_id, runs, req, served.tokenizer))
+            return _sse(streaming.completion_stream(ids.response, runs, req, served.tokenizer), ids)
         deltas = await _collect_or_gone(raw, runs)
         if deltas is None:
             return Response(status_code=499)
         choices = _completion_choices(served, req, deltas, prompt_ids)
-        body = envelope(req_id, "text_completion", int(time.time()), req.model, choices, total_usage(runs, req.n))
+        body = envelope(ids.response, "text_completion", int(time.time()), req.model, choices, total_usage(runs, req.n))
         if req.return_token_ids and len(prompt_ids) == 1:  # several prompts: each choice carries its own
             body["prompt_token_ids"] = prompt_ids[0]
-        return json_response(body)
+        return _with_id(json_response(body), ids)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
@@ -75,19 +74,20 @@ def add_generate_routes(app: FastAPI, served: Served) -> None:
             req, served.tokenizer, served.chat_template, served.config.max_model_len
         )
         max_tokens, num_logprobs = req.max_output_tokens(), req.num_logprobs()
-        req_id, runs = start_runs(served, req, [prompt_ids], max_tokens, num_logprobs, "chatcmpl", adapter)
+        ids = _request_id(served, raw, "chatcmpl", req.n)
+        runs = start_runs(served, req, [prompt_ids], max_tokens, num_logprobs, ids.logged, adapter)
         if req.stream:
-            return _sse(streaming.chat_stream(req_id, runs, req, served.tokenizer))
+            return _sse(streaming.chat_stream(ids.response, runs, req, served.tokenizer), ids)
         deltas = await _collect_or_gone(raw, runs)
         if deltas is None:
             return Response(status_code=499)
         choices = [_chat_choice(served, req, delta, i) for i, delta in enumerate(deltas)]
-        body = envelope(req_id, "chat.completion", int(time.time()), req.model, choices, total_usage(runs, req.n))
+        body = envelope(ids.response, "chat.completion", int(time.time()), req.model, choices, total_usage(runs, req.n))
         if (prompt := _prompt_logprobs(served, prompt_ids, deltas[0])) is not None:
             body["prompt_logprobs"] = prompt  # vLLM puts them on the response
         if req.return_token_ids:
             body["prompt_token_ids"] = prompt_ids
-        return json_response(body)
+        return _with_id(json_response(body), ids)
 
 
 def _completion_choices(
@@ -128,7 +128,7 @@ def _chat_choice(served: Served, req: ChatCompletionRequest, delta: Delta, index
     return chat_choice(delta, logprobs, req.return_token_ids, stream=False, index=index)
 
 
-async def check_request(req: SamplingFields, served: Served) -> AdapterInfo | None:
+async def check_request(req: SamplingFields, served: Served) -> ResolvedAdapter | None:
     """Check the request and admit it; return the adapter it asks for (None: the base model),
     loaded on demand if it was not registered yet."""
     req.check()
@@ -149,8 +149,21 @@ def check_capacity(engine: EngineClientBase, config: EngineConfig, n: int) -> No
             503,
             f"The server is overloaded ({limit} requests in flight); retry later.",
             None,
-            {"Retry-After": str(RETRY_AFTER_S)},
+            {"Retry-After": str(RETRY_AFTER_S)},  # error_response adds it to every 503 too
         )
+
+
+def _request_id(served: Served, raw: Request, kind: str, num_choices: int) -> request_ids.RequestId:
+    """The request's ids (request_ids.py); 400 if the client's X-Request-Id is in flight."""
+    ids = request_ids.request_id(raw.headers.get(request_ids.HEADER), kind, served.req_ids)
+    engine_ids = [choice_req_id(ids.logged, index, num_choices) for index in range(num_choices)]
+    request_ids.refuse_in_flight([i for i in engine_ids if served.engine.is_in_flight(i)])
+    return ids
+
+
+def _with_id(response: Response, ids: request_ids.RequestId) -> Response:
+    response.headers[request_ids.HEADER] = ids.logged
+    return response
 
 
 def start_runs(
@@ -159,11 +172,11 @@ def start_runs(
     prompt_ids: list[list[int]],
     max_tokens: int | None,
     num_logprobs: int | None,
-    prefix: str,
-    adapter: AdapterInfo | None,
-) -> tuple[str, list[RequestRun]]:
-    """The response id and one RequestRun per choice: prompt i's choice j is choice i * n + j
-    (engine ids `<id>-<index>` when there are several). Each names the adapter's version as
+    req_id: str,
+    adapter: ResolvedAdapter | None,
+) -> list[RequestRun]:
+    """One RequestRun per choice: prompt i's choice j is choice i * n + j (engine ids
+    `<req_id>-<index>` when there are several). Each names the adapter's version as
     resolved: should the name be unloaded and loaded afresh before the request arrives, the core
     refuses it rather than run another adapter. Every prompt is checked before any run exists."""
     config = served.config
@@ -173,7 +186,6 @@ def start_runs(
         )
         for ids in prompt_ids
     ]
-    req_id = f"{prefix}-{uuid.uuid4().hex}"
     num_choices = len(prompt_ids) * req.n
     runs = []
     for index in range(num_choices):
@@ -183,11 +195,12 @@ def start_runs(
             prompt_token_ids=prompt_ids[prompt_index],
             sampling=choice_params(params[prompt_index], choice),
             arrival_time_s=time.time(),
-            lora_name=adapter.name if adapter is not None else None,
-            lora_version_id=adapter.version_id if adapter is not None else 0,
+            lora_name=adapter.info.name if adapter is not None else None,
+            lora_version_id=adapter.info.version_id if adapter is not None else 0,
+            on_demand=adapter.on_demand if adapter is not None else None,
         )
         runs.append(RequestRun(served.engine, served.tokenizer, arrived, req.stop_list(), req.skip_special_tokens))
-    return req_id, runs
+    return runs
 
 
 async def _collect_or_gone(raw: Request, runs: list[RequestRun]) -> list[Delta] | None:
@@ -197,5 +210,6 @@ async def _collect_or_gone(raw: Request, runs: list[RequestRun]) -> list[Delta] 
         return None
 
 
-def _sse(chunks: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+def _sse(chunks: AsyncIterator[str], ids: request_ids.RequestId) -> StreamingResponse:
+    headers = {"Cache-Control": "no-cache", request_ids.HEADER: ids.logged}
+    return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)

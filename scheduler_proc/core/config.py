@@ -37,6 +37,10 @@ class CoreConfig:
     # True only to replay logs of schema 4 and before: every AdapterOpReplied carried the whole
     # registry after the op (now what an op changed goes to the HTTP process unlogged).
     op_reply_registry: bool = False
+    # True only to replay logs of schema 5 and before: with overlapped loading, each StateDigest
+    # also hashed the ranks that had reported each slot load in flight and each CPU-tier staging
+    # (reports nothing waits on, so their timing made two runs of the same traffic differ).
+    digest_load_reports: bool = False
 
     @property
     def drains_slots(self) -> bool:

@@ -12,7 +12,17 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from ledgerserve.scheduler_proc.core import digest, drain, finish, movement, pins, prefetch, prefix, worker_reports
+from ledgerserve.scheduler_proc.core import (
+    digest,
+    drain,
+    finish,
+    movement,
+    on_demand,
+    pins,
+    prefetch,
+    prefix,
+    worker_reports,
+)
 from ledgerserve.scheduler_proc.core.adapters import AdapterManager
 from ledgerserve.scheduler_proc.core.block_manager import BlockManager
 from ledgerserve.scheduler_proc.core.config import CoreConfig
@@ -121,23 +131,13 @@ class Core:
         return decisions
 
     def _on_request_arrived(self, event: ev.RequestArrived) -> Decisions:
-        if event.req_id in self.requests or event.req_id in self.finished_req_ids:
+        if event.req_id in self.requests or self._in_a_step_in_flight(event.req_id):
             return [
                 ev.RequestRejected(event.req_id, f"Request id {event.req_id!r} is already in use.", param="request_id")
             ]
-        version_id = 0 if event.lora_name is None else self.adapters.resolve(event.lora_name)
+        registered, version_id = self._adapter_of(event)
         if version_id is None:
-            return [
-                ev.RequestRejected(
-                    event.req_id, f"The model `{event.lora_name}` does not exist.", code=404, param="model"
-                )
-            ]
-        if event.lora_version_id and version_id and not self.adapters.same_adapter(version_id, event.lora_version_id):
-            message = (
-                f"The adapter `{event.lora_name}` was unloaded after this request named it, and that name now "
-                f"names a newly loaded adapter; retry the request."
-            )
-            return [ev.RequestRejected(event.req_id, message, code=404, param="model")]
+            return registered
         self.adapters.note_use(version_id)
         self._num_arrived += 1
         req = Request(
@@ -152,7 +152,38 @@ class Core:
         self.requests[req.req_id] = req
         self.adapters.hold(req)
         self.scheduler.add(req)
-        return finish.reject_if_unservable(self, req)
+        return registered + finish.reject_if_unservable(self, req)
+
+    def _adapter_of(self, event: ev.RequestArrived) -> tuple[Decisions, int | None]:
+        """(decisions, version id) of the adapter a request names (0: the base model). The
+        decisions register it again on demand (on_demand.py); with version None they are the
+        request's RequestRejected."""
+        if event.lora_name is None:
+            return [], 0
+        version_id = self.adapters.resolve(event.lora_name)
+        if version_id is None and event.on_demand is not None:  # unregistered since it was resolved
+            return on_demand.register_for_request(self, event)
+        if version_id is None:
+            message = f"The model `{event.lora_name}` does not exist."
+            return [ev.RequestRejected(event.req_id, message, code=404, param="model")], None
+        named = event.lora_version_id
+        if (
+            named
+            and not self.adapters.same_adapter(version_id, named)
+            and not on_demand.same_files(self, version_id, event)
+        ):
+            message = (
+                f"The adapter `{event.lora_name}` was unloaded after this request named it, and that name now "
+                f"names a newly loaded adapter; retry the request."
+            )
+            return [ev.RequestRejected(event.req_id, message, code=404, param="model")], None
+        return [], version_id
+
+    def _in_a_step_in_flight(self, req_id: str) -> bool:
+        """A request that ended while a step holding it was in flight: that step's report would
+        name it, so its id cannot name a new request before. Once no step holds it, the id is free
+        again (a client's X-Request-Id, reused): the next plan drops the old one before the new one."""
+        return any(item.req_id == req_id for step in self.in_flight for item in step.reqs)
 
     def _on_request_aborted(self, event: ev.RequestAborted) -> Decisions:
         req = self.requests.get(event.req_id)

@@ -73,7 +73,14 @@ def main(argv: list[str] | None = None) -> int:
             return _diff(args) if args.diff else _replay(args, names)
         except HistoryTrimmed as exc:
             return _report_error(args.json, "trimmed", TRIMMED, str(exc))
-        except (LogCorruption, OSError, msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+        except (
+            LogCorruption,
+            OSError,
+            msgspec.DecodeError,
+            msgspec.ValidationError,
+            ValueError,
+            RecursionError,
+        ) as exc:
             return _report_error(args.json, "corrupt", CORRUPT, str(exc))
         finally:
             for warning in caught:

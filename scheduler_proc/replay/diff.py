@@ -2,17 +2,24 @@
 
 Two runs of one workload are compared on their *decision* streams (every record the core
 made, in order; inputs and shell-only records are skipped), by bytes: that is what a user
-diffing runs wants, and wall-clock fields (RequestArrived.arrival_time_s) live only in
-inputs, so they never show up. The first differing input, wall-clock fields zeroed, is
-reported beside it for context; it does not decide the outcome. Logs written with
-`--event-log-content hashed` compare their digests by pattern (pseudonyms.py).
+diffing runs wants, and wall-clock fields (RequestArrived.arrival_time_s, a load's duration)
+live only in inputs, so they never show up. The first differing client input (a request, an
+abort, an adapter op: the traffic; the workers' reports interleave with it as their timing goes),
+its arrival time zeroed, is reported beside it for context; it does not decide the outcome. Logs
+written with `--event-log-content hashed` compare their digests by pattern (pseudonyms.py).
+
+Engine configs are compared field by field, and each differing field is named with both values.
+Fields that differ between any two runs by nature are left out: where a run lives and listens
+(`PER_RUN_FIELDS`: its ipc run directory, its event-log directory, its host and port). A config
+difference is a note; it never decides the outcome either.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, get_args
 
 import msgspec
 
@@ -23,13 +30,23 @@ from ledgerserve.scheduler_proc.replay.verify import (
     INPUT,
     KIND_BY_TAG,
     decode_event,
+    not_an_event,
     require_whole_run,
     same_in_current_format,
     tag_of,
 )
 from ledgerserve.shared import codec
 from ledgerserve.shared import events as ev
-from ledgerserve.shared.eventlog import RunScanner
+from ledgerserve.shared.eventlog import LogCorruption, RunScanner
+
+PER_RUN_FIELDS = ("run_dir", "event_log_dir", "host", "port")
+
+
+@dataclass(frozen=True)
+class ConfigField:
+    name: str
+    this: Any
+    other: Any
 
 
 @dataclass(frozen=True)
@@ -41,16 +58,21 @@ class Side:
 @dataclass(frozen=True)
 class LogDiff:
     paths: tuple[str, str]
-    config_differs: bool
     decision: tuple[Side, Side] | None  # the first differing decisions, None: same
     input: tuple[Side, Side] | None  # the first differing inputs (wall clock ignored)
+    config: list[ConfigField] = field(default_factory=list)  # engine-config fields that differ (not per-run ones)
+
+    @property
+    def config_differs(self) -> bool:
+        return bool(self.config)
 
     @property
     def same(self) -> bool:
         return self.decision is None
 
     def describe(self) -> list[str]:
-        lines = ["note: the logs' engine configs differ"] if self.config_differs else []
+        lines = [f"note: the logs' engine configs differ in {len(self.config)} field(s):"] if self.config else []
+        lines += [f"  {c.name}: {c.this!r} in this log, {c.other!r} in the other log" for c in self.config]
         if self.decision is None:
             return lines + [f"no decision differs: {self.paths[0]} and {self.paths[1]}"]
         a, b = self.decision
@@ -67,6 +89,7 @@ class LogDiff:
             "paths": list(self.paths),
             "same": self.same,
             "config_differs": self.config_differs,
+            "config_differences": [{"field": c.name, "this": c.this, "other": c.other} for c in self.config],
             "first_decision": _pair_json(self.decision),
             "first_input": _pair_json(self.input),
         }
@@ -78,16 +101,63 @@ def diff_logs(path: str, other: str) -> LogDiff:
     require_whole_run(right)
     decision = _first_difference(_records(left, DECISION), _records(right, DECISION))
     inputs = _first_difference(_records(left, INPUT), _records(right, INPUT))
-    return LogDiff((left.path, right.path), left.config_json != right.config_json, decision, inputs)
+    return LogDiff((left.path, right.path), decision, inputs, config_differences(left.config_json, right.config_json))
 
 
-def _records(scanner: RunScanner, kind: int) -> Iterator[tuple[int, bytes]]:
-    rename = renamer(scanner.config_json)  # a hashed log's digests, by their pattern (pseudonyms.py)
+def config_differences(config_json: bytes, other_json: bytes) -> list[ConfigField]:
+    """The engine-config fields whose values differ, in the first config's order (then fields only
+    the other has), but PER_RUN_FIELDS. A config that is not a JSON object is one whole difference."""
+    this, other = _json_object(config_json), _json_object(other_json)
+    if this is None or other is None:
+        return [] if config_json == other_json else [ConfigField("(config)", this, other)]
+    names = list(this) + [name for name in other if name not in this]
+    missing = "(absent)"
+    return [
+        ConfigField(name, this.get(name, missing), other.get(name, missing))
+        for name in names
+        if name not in PER_RUN_FIELDS and this.get(name, missing) != other.get(name, missing)
+    ]
+
+
+def _json_object(data: bytes) -> dict[str, Any] | None:
+    try:
+        value = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+_Record = tuple[int, bytes, tuple[str, int]]  # seq, the event's bytes, (segment, offset)
+
+
+_CLIENT_TAGS = frozenset(cls.__name__.encode() for cls in get_args(ev.ToScheduler))
+
+
+def _records(scanner: RunScanner, kind: int) -> Iterator[_Record]:
+    """The decisions, or the client's inputs (not the workers' reports)."""
+    rename = _renamer(scanner)  # a hashed log's digests, by their pattern (pseudonyms.py)
     for seq, raw in scanner:
         data = bytes(raw)
-        if KIND_BY_TAG.get(tag_of(data), DECISION) == kind:
-            data = _without_wall_clock(data) if kind == INPUT else data
-            yield seq, data if rename is None else rename(data)
+        tag = tag_of(data)
+        if (tag in _CLIENT_TAGS) if kind == INPUT else KIND_BY_TAG.get(tag, DECISION) == kind:
+            yield seq, _comparable(data, kind, rename, scanner), scanner.position
+
+
+def _renamer(scanner: RunScanner) -> Callable[[bytes], bytes] | None:
+    try:
+        return renamer(scanner.config_json)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, ValueError, TypeError) as exc:
+        raise LogCorruption(f"the header's engine config is not valid: {exc}", None, 0, scanner.path) from None
+
+
+def _comparable(data: bytes, kind: int, rename: Callable[[bytes], bytes] | None, scanner: RunScanner) -> bytes:
+    """What is compared of a record: an input without its wall-clock fields; a hashed log's
+    digests renamed."""
+    try:
+        data = _without_wall_clock(data) if kind == INPUT else data
+        return data if rename is None else rename(data)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        raise not_an_event(scanner, exc) from None
 
 
 def _without_wall_clock(data: bytes) -> bytes:
@@ -97,9 +167,7 @@ def _without_wall_clock(data: bytes) -> bytes:
     return data
 
 
-def _first_difference(
-    left: Iterator[tuple[int, bytes]], right: Iterator[tuple[int, bytes]]
-) -> tuple[Side, Side] | None:
+def _first_difference(left: Iterator[_Record], right: Iterator[_Record]) -> tuple[Side, Side] | None:
     while True:
         a, b = next(left, None), next(right, None)
         if a is None and b is None:
@@ -108,8 +176,14 @@ def _first_difference(
             return _side(a), _side(b)
 
 
-def _side(record: tuple[int, bytes] | None) -> Side:
-    return Side(None, None) if record is None else Side(record[0], decode_event(record[1]))
+def _side(record: _Record | None) -> Side:
+    if record is None:
+        return Side(None, None)
+    seq, data, (path, offset) = record
+    try:
+        return Side(seq, decode_event(data))
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        raise LogCorruption(f"record holds no readable event: {exc}", seq, offset, path) from None
 
 
 def _pair_json(pair: tuple[Side, Side] | None) -> dict[str, Any] | None:

@@ -21,7 +21,7 @@ from ledgerserve.scheduler_proc.replay.format import differing_fields, side_by_s
 from ledgerserve.shared import codec
 from ledgerserve.shared import events as ev
 from ledgerserve.shared.config import EngineConfig
-from ledgerserve.shared.eventlog import RunScanner
+from ledgerserve.shared.eventlog import LogCorruption, RunScanner
 
 INPUT, DECISION, SHELL_ONLY = 0, 1, 2
 _SHELL_ONLY_TYPES = (ev.LogClosed, ev.Shutdown)  # logged by the shell, never by the core
@@ -32,15 +32,24 @@ _log_decoder = codec.log_event_decoder()
 
 
 def tag_of(data: bytes) -> bytes:
-    """The class-name tag of an encoded event: an array whose first item is a str."""
+    """The class-name tag of an encoded event: an array whose first item is a str (b"" if it is
+    not one; decoding it then says what is wrong)."""
+    if len(data) < 2:
+        return b""
     first = data[0]
     start = 1 if 0x90 <= first <= 0x9F else 3 if first == 0xDC else 5
-    head = data[start]
+    head = data[start] if start < len(data) else 0
     if 0xA0 <= head <= 0xBF:
         return data[start + 1 : start + 1 + (head & 0x1F)]
-    if head == 0xD9:
+    if head == 0xD9 and start + 1 < len(data):
         return data[start + 2 : start + 2 + data[start + 1]]
     return b""
+
+
+def not_an_event(scanner: RunScanner, exc: BaseException) -> LogCorruption:
+    """The record the scanner yielded last holds no event this build can read."""
+    path, offset = scanner.position
+    return LogCorruption(f"record holds no readable event: {exc}", scanner.last_seq, offset, path)
 
 
 def decode_event(data: bytes) -> Any:
@@ -115,8 +124,12 @@ def core_config(scanner: RunScanner) -> CoreConfig:
     namespaces: their StateDigests list every namespace ever evicted. Schema 1 and 2 logs
     predate overlapped adapter loading: their engines loaded in command order. Schema 3 logs
     predate targeted drains: an aged request with no slot barred every adapter request behind it.
-    Logs of schema 4 and before carry the whole registry in every AdapterOpReplied."""
-    config = CoreConfig.from_engine(EngineConfig.from_json(scanner.config_json))
+    Logs of schema 4 and before carry the whole registry in every AdapterOpReplied. Logs of
+    schema 5 and before hash the ranks' load and staging reports in their StateDigests."""
+    try:
+        config = CoreConfig.from_engine(EngineConfig.from_json(scanner.config_json))
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, ValueError, TypeError) as exc:
+        raise LogCorruption(f"the header's engine config is not valid: {exc}", None, 0, scanner.path) from None
     version = scanner.header.schema_version
     overlap = config.lora_overlap_loading and version >= 3
     return dataclasses.replace(
@@ -125,6 +138,7 @@ def core_config(scanner: RunScanner) -> CoreConfig:
         lora_overlap_loading=overlap,
         lora_targeted_drain=version >= 4,
         op_reply_registry=version < 5,
+        digest_load_reports=version < 6,
     )
 
 
@@ -169,7 +183,10 @@ def replay(
     result.tp_layout = EngineConfig.from_json(scanner.config_json).tp_layout
     if with_adapter_stats:
         result.adapter_stats = AdapterStats(config.tensor_parallel_size, config.lora_overlap_loading, keep_waits=True)
-    _run(scanner, result, verify, until_seq, until_step)
+    try:
+        _run(scanner, result, verify, until_seq, until_step)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        raise not_an_event(scanner, exc) from None
     result.torn_tail = scanner.torn_tail
     return result
 
@@ -198,11 +215,11 @@ def _run(
             if until_step is not None and core.step >= until_step:
                 break
             event = decode_input(data)
-            made = core.apply(event)
+            made = _apply(core, event, scanner)
             pending = [encode(d) for d in made] if verify else []
             index, input_seq = 0, seq
             num_inputs += 1
-            _fold(result.adapter_stats, event)
+            _fold(result.adapter_stats, event, scanner)
         elif kind == SHELL_ONLY and tag_of(data) == b"LogClosed":
             result.closed = decode_event(data)
         elif kind == DECISION and verify:
@@ -212,9 +229,9 @@ def _run(
                 break
             index += 1
             num_decisions += 1
-            _fold(result.adapter_stats, made[index - 1])
+            _fold(result.adapter_stats, made[index - 1], scanner)
         elif kind == DECISION and result.adapter_stats is not None:
-            _fold(result.adapter_stats, decode_event(data))
+            _fold(result.adapter_stats, decode_event(data), scanner)
         last = seq
     else:
         reached_end = True
@@ -223,7 +240,25 @@ def _run(
     result.truncated_tail = reached_end and verify and index < len(pending)
 
 
-def _fold(stats: AdapterStats | None, event: Any) -> None:
-    """A verified decision is folded as recomputed: the same value as the logged one."""
-    if stats is not None:
+def _apply(core: Core, event: Any, scanner: RunScanner) -> list[Any]:
+    """The core's decisions for a logged input. An input the core cannot take at all (it raises:
+    a crafted or damaged log, or a fault in the core) stops the replay as a damaged log."""
+    try:
+        return core.apply(event)
+    except Exception as exc:
+        path, offset = scanner.position
+        message = f"the scheduler core cannot apply this {type(event).__name__}: {type(exc).__name__}: {exc}"
+        raise LogCorruption(message, scanner.last_seq, offset, path) from None
+
+
+def _fold(stats: AdapterStats | None, event: Any, scanner: RunScanner) -> None:
+    """A verified decision is folded as recomputed: the same value as the logged one. One the
+    figures cannot take (a crafted or damaged log) stops the replay as a damaged log."""
+    if stats is None:
+        return
+    try:
         stats.fold(event)
+    except Exception as exc:
+        path, offset = scanner.position
+        message = f"the adapter figures cannot take this {type(event).__name__}: {type(exc).__name__}: {exc}"
+        raise LogCorruption(message, scanner.last_seq, offset, path) from None

@@ -25,13 +25,21 @@ so it replays with `CoreConfig.lora_targeted_drain` off.
 Schema 4 (still read): the format of schema 5; each of its AdapterOpReplied carried the whole
 adapter registry (a log that grew with the square of the adapter ops), so it replays with
 `CoreConfig.op_reply_registry` on.
+
+Schema 5 (still read): the format of schema 6; its StateDigests, with overlapped loading, also
+hashed which ranks had reported each slot load in flight and each CPU-tier staging: reports no
+decision waits on, whose timing differs from run to run, so two runs of the same traffic had
+other digests. It replays with `CoreConfig.digest_load_reports` on.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import struct
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,8 +49,8 @@ import xxhash
 from ledgerserve.shared import codec
 
 MAGIC = b"LSEVTLOG"
-SCHEMA_VERSION = 5
-READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5)
+SCHEMA_VERSION = 6
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6)
 MAX_RECORD_BYTES = 1 << 28
 U32 = struct.Struct("<I")
 RECORD_HEAD = struct.Struct("<II")  # length, crc32
@@ -60,6 +68,16 @@ class LogCorruption(Exception):
         self.seq = seq
         self.offset = offset
         self.path = path
+
+
+class NotRegularFile(OSError):
+    """A log path that names a FIFO, a device, a socket or a directory: refused before any read
+    (a read could block for ever, or never end)."""
+
+    def __init__(self, path: str, kind: str) -> None:
+        super().__init__(f"{path}: not a regular file ({kind}); an event log segment is a regular file")
+        self.path = path
+        self.kind = kind
 
 
 class LogWriteError(Exception):
@@ -163,15 +181,43 @@ def parse_header(data: bytes, path: str | None = None) -> LogHeader:
     return LogHeader(version, bytes(data[_HEAD_FIXED:config_end]), end, info)
 
 
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+
+
+@contextmanager
+def open_regular(path: str) -> Iterator[tuple[Any, int]]:
+    """(binary file, size) of the regular file `path`; NotRegularFile for anything else. Opened
+    without blocking, so a FIFO is refused at once rather than waited on."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kinds = [name for test, name in _KINDS if test(mode)]
+            raise NotRegularFile(path, kinds[0] if kinds else "a device or other special file")
+        f = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    with f:
+        yield f, os.fstat(f.fileno()).st_size
+
+
+def read_file(path: str) -> bytes:
+    """The whole of the regular file `path` (NotRegularFile for anything else)."""
+    with open_regular(path) as (f, _):
+        return f.read()
+
+
 def read_header_bytes(path: str) -> bytes:
-    """The bytes of the header at the start of the file `path` (fewer if it is cut)."""
-    with open(path, "rb") as f:
+    """The bytes of the header at the start of the file `path` (fewer if it is cut). Its length
+    fields never make a read longer than the file."""
+    with open_regular(path) as (f, size):
         data = f.read(_HEAD_FIXED)
         if len(data) < _HEAD_FIXED:
             return data
         version = U32.unpack_from(data, len(MAGIC))[0]
         config_len = U32.unpack_from(data, len(MAGIC) + 4)[0]
-        data += f.read(min(config_len, MAX_RECORD_BYTES) + 4)
+        data += f.read(min(config_len + 4, MAX_RECORD_BYTES, size - len(data)))
         if version >= 2 and len(data) == _HEAD_FIXED + config_len + 4:
             info_len = U32.unpack_from(data, len(data) - 4)[0]
             data += f.read(min(info_len, _MAX_INFO_BYTES) + 4)

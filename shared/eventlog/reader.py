@@ -32,16 +32,13 @@ from ledgerserve.shared.eventlog.format import (
     SegmentInfo,
     encode_header,
     parse_header,
+    read_file,
     read_header_bytes,
 )
 from ledgerserve.shared.eventlog.names import parse_name, run_segments
+from ledgerserve.shared.eventlog.tail import check_bad_record
 
 _envelope_decoder = msgspec.msgpack.Decoder(tuple[int, int, msgspec.Raw])
-
-
-def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
 
 
 class RunScanner:
@@ -55,6 +52,8 @@ class RunScanner:
         self.header = parse_header(read_header_bytes(self.path), self.path)
         self.first_segment = _segment_number(self.path, self.header)  # 1 unless trimmed
         self.torn_tail: tuple[str, int] | None = None  # (segment, offset) of a dropped torn record
+        self.position: tuple[str, int] = (self.path, 0)  # (segment, offset) of the record last yielded
+        self.last_seq = 0  # the seq of the record last yielded
 
     @property
     def config_json(self) -> bytes:
@@ -74,7 +73,7 @@ class RunScanner:
         seq, prev_hash = self._chain_start()
         last = len(self.segments) - 1
         for index, path in enumerate(self.segments):
-            data = _read(path)
+            data = read_file(path)
             if index == last and index > 0 and self._is_torn_header(data, index, seq, prev_hash):
                 self._on_torn_segment(path, data)
                 return
@@ -84,9 +83,11 @@ class RunScanner:
                     "segment header carries a different engine config than the run's first segment", seq + 1, 0, path
                 )
             self._check_continues(header, index, seq, prev_hash, path)
-            state = [seq, prev_hash]
-            yield from _scan(data, header.size, path, state, is_last=index == last, on_torn=self._on_torn)
-            seq, prev_hash = state
+            state = [seq, prev_hash, 0]
+            for record in _scan(data, header.size, path, state, is_last=index == last, on_torn=self._on_torn):
+                self.position, self.last_seq = (path, state[2]), record[0]
+                yield record
+            seq, prev_hash = state[0], state[1]
 
     def _chain_start(self) -> tuple[int, int]:
         """(seq, hash) of the record before the first one read: (0, 0) for a whole run."""
@@ -94,7 +95,7 @@ class RunScanner:
         if info is not None:
             return info.first_seq - 1, info.prev_record_hash
         if self.is_trimmed:  # schema 1 has no segment info: trust the first record
-            return _first_record_chain(_read(self.path), self.header.size)
+            return _first_record_chain(read_file(self.path), self.header.size)
         return 0, 0
 
     def _expected_info(self, index: int, seq: int, prev_hash: int) -> SegmentInfo | None:
@@ -158,7 +159,7 @@ def _first_record_chain(data: bytes, offset: int) -> tuple[int, int]:
     try:
         length = RECORD_HEAD.unpack_from(data, offset)[0]
         seq, prev_hash, _ = _envelope_decoder.decode(data[offset + 8 : offset + 8 + length])
-    except (struct.error, msgspec.DecodeError):
+    except (struct.error, msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return 0, 0
     return seq - 1, prev_hash
 
@@ -166,8 +167,8 @@ def _first_record_chain(data: bytes, offset: int) -> tuple[int, int]:
 def _scan(
     data: bytes, offset: int, path: str, state: list[int], is_last: bool, on_torn: Any
 ) -> Iterator[tuple[int, msgspec.Raw]]:
-    """Hot loop: keep it flat. `state` is [seq, prev_hash], updated as records pass."""
-    seq, prev_hash = state
+    """Hot loop: keep it flat. `state` is [seq, prev_hash, offset], updated as records pass."""
+    seq, prev_hash = state[0], state[1]
     end = len(data)
     unpack = RECORD_HEAD.unpack_from
     crc32 = zlib.crc32
@@ -182,12 +183,12 @@ def _scan(
         stop = offset + 8 + length
         payload = view[offset + 8 : stop]
         if length <= 0 or length > MAX_RECORD_BYTES or stop > end or crc32(payload) != crc:
-            _bad_record(data, offset, length, seq + 1, path, is_last)
+            check_bad_record(data, offset, length, seq + 1, path, is_last)
             on_torn(path, data, offset)
             break
         try:
             got_seq, chained, raw = decode(payload)
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
             raise LogCorruption(f"record does not decode: {exc}", seq + 1, offset, path) from None
         if got_seq != seq + 1:
             raise LogCorruption(f"broken chain: record has seq {got_seq}, expected {seq + 1}", seq + 1, offset, path)
@@ -197,40 +198,9 @@ def _scan(
             )
         seq = got_seq
         prev_hash = xxh(payload)
-        state[0], state[1] = seq, prev_hash
+        state[0], state[1], state[2] = seq, prev_hash, offset
         yield seq, raw
         offset = stop
-
-
-def _bad_record(data: bytes, offset: int, length: int, seq: int, path: str, is_last: bool) -> None:
-    """No whole record at `offset`. Returns if that is a torn tail: the run's last segment,
-    and no whole record anywhere after it. Raises LogCorruption otherwise."""
-    runs_past = length < 0 or (length <= MAX_RECORD_BYTES and offset + 8 + length > len(data))
-    if not is_last:
-        reason = "segment ends in a torn record, but it is not the run's last segment" if runs_past else _reason(length)
-        raise LogCorruption(reason, seq, offset, path)
-    if _whole_record_after(data, offset + 1):
-        reason = f"record length {length} runs past the end, but whole records follow" if runs_past else _reason(length)
-        raise LogCorruption(reason, seq, offset, path)
-
-
-def _reason(length: int) -> str:
-    if length > MAX_RECORD_BYTES:
-        return f"record length {length} is implausible"
-    if length == 0:
-        return "record of length 0"
-    return "bad record checksum"
-
-
-def _whole_record_after(data: bytes, start: int) -> bool:
-    """Whether a checksummed record starts anywhere in data[start:]: then the bad bytes
-    before it are damage, not a torn tail."""
-    end = len(data)
-    for offset in range(start, end - 8):
-        length, crc = RECORD_HEAD.unpack_from(data, offset)
-        if 0 < length <= end - offset - 8 and zlib.crc32(data[offset + 8 : offset + 8 + length]) == crc:
-            return True
-    return False
 
 
 class EventLogReader:
@@ -256,8 +226,11 @@ class EventLogReader:
         decoder = codec.log_event_decoder()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # warned once, on open
-            for seq, raw in RunScanner(self.path, repair=False):
+            scanner = RunScanner(self.path, repair=False)
+            for seq, raw in scanner:
                 try:
-                    yield seq, decoder.decode(raw)
-                except msgspec.DecodeError as exc:
-                    raise LogCorruption(f"event does not decode: {exc}", seq, -1, self.path) from None
+                    event = decoder.decode(raw)
+                except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+                    path, offset = scanner.position
+                    raise LogCorruption(f"event does not decode: {exc}", seq, offset, path) from None
+                yield seq, event

@@ -227,6 +227,7 @@ def test_core_config_of_a_default_engine_config():
         "keep_dropped_namespaces": False,
         "lora_targeted_drain": True,
         "op_reply_registry": False,
+        "digest_load_reports": False,
     }
     async_engine = dataclasses.replace(engine, async_scheduling=True, max_loras=3, lora_overlap_loading=False)
     core = CoreConfig.from_engine(async_engine)

@@ -6,7 +6,10 @@ core's 404, never another adapter loaded under the same name."""
 
 import pytest
 
+from ledgerserve.scheduler_proc.replay import replay
 from ledgerserve.shared import events as ev
+from ledgerserve.shared.config import EngineConfig
+from ledgerserve.shared.eventlog import EventLogWriter
 from ledgerserve.shared.sampling import SamplingParams
 from tests.scheduler_proc.driver import Driver
 
@@ -117,3 +120,73 @@ def test_a_request_never_runs_on_an_adapter_loaded_afresh_under_its_name():
     d.run()
     assert d.finish_reasons == {"by-v3": "length", "by-v4": "length"}
     assert [x.req_id for x in d.of_type(ev.RequestRejected)] == ["stale"]
+
+
+def _arrive_with_load(d: Driver, req_id: str, name: str, named_version: int, expected_version: int) -> list:
+    """A RequestArrived naming the on-demand adapter `name` as the HTTP process resolved it
+    (`named_version`), carrying its load; the fake worker expects it on `expected_version`."""
+    d.worker.req_versions[req_id] = expected_version
+    load = ev.OnDemandLoad(f"/adapters/{name}", 8, 1000)
+    sampling = SamplingParams(max_tokens=3)
+    return d.send(
+        ev.RequestArrived(req_id, [1, 2, 3], sampling, lora_name=name, lora_version_id=named_version, on_demand=load)
+    )
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_an_adapter_unregistered_before_its_request_arrives_is_registered_again(overlap, tmp_path):
+    """The HTTP process resolved od1, then od2's load unregistered it (idle, least recently used)
+    before od1's request arrived: the request registers it again, in the same apply, and runs."""
+    writer = EventLogWriter(str(tmp_path), _engine(overlap).to_json(), run_id="od")
+    d = Driver(enable_lora=True, lora_overlap_loading=overlap, max_on_demand_loras=1, log=writer)
+    v1 = d.load("od1", on_demand=True).version_id
+    assert d.load("od2", on_demand=True).code == 200 and _lru_unloads(d.decisions) == ["od1"]
+    decisions = _arrive_with_load(d, "r1", "od1", v1, expected_version=3)
+    assert not d.of_type(ev.RequestRejected)
+    registered = [x for x in decisions if isinstance(x, ev.AdapterRegistered)]
+    assert [(x.name, x.version_id, x.path) for x in registered] == [("od1", 3, "/adapters/od1")]
+    assert ev.AdapterUnloaded("od2", 2, "lru") in decisions  # the bound holds: od2 was idle
+    assert not any(isinstance(x, ev.AdapterOpReplied) for x in decisions)  # no op to answer
+    decisions = _arrive_with_load(d, "r2", "od1", v1, expected_version=3)  # resolved before r1 came
+    assert not any(isinstance(x, (ev.AdapterRegistered, ev.RequestRejected)) for x in decisions)  # the same files
+    d.run()
+    assert d.finish_reasons == {"r1": "length", "r2": "length"} and sorted(d.registry) == ["od1"]
+    d.check_idle()
+    writer.append(ev.LogClosed("done"))
+    writer.close()
+    assert replay(writer.path).ok  # decided from logged inputs alone
+
+
+def test_registering_again_is_refused_with_503_while_in_use_and_never_over_a_registered_name():
+    d = Driver(enable_lora=True, max_on_demand_loras=1)
+    v1 = d.load("od1", on_demand=True).version_id
+    d.load("od2", on_demand=True)
+    d.arrive("r2", 3, lora="od2", max_tokens=4)  # holds od2
+    before = len(d.decisions)
+    (rejected,) = _arrive_with_load(d, "r1", "od1", v1, expected_version=0)
+    assert (rejected.req_id, rejected.code, rejected.param) == ("r1", 503, "model")
+    assert "--max-on-demand-loras" in rejected.message and "retry later" in rejected.message
+    assert d.decisions[before:] == [rejected] and sorted(d.registry) == ["od2"]
+    d.run()
+    assert d.finish_reasons == {"r2": "length"}
+    # od1 now names an adapter the user loaded: the request's load does not register a second
+    # one; the usual check refuses the request (it named another adapter)
+    v3 = d.load("od1", path="/elsewhere/od1").version_id
+    (rejected,) = _arrive_with_load(d, "r3", "od1", v1, expected_version=v3)
+    assert (rejected.code, rejected.param) == (404, "model") and "retry" in rejected.message
+    assert [x.version_id for x in d.of_type(ev.AdapterRegistered)] == [1, 2, 3]
+    d.check_idle()
+
+
+def _engine(overlap: bool) -> EngineConfig:
+    return EngineConfig(
+        model_dir="m",
+        served_model_name="m",
+        max_model_len=256,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        block_size=4,
+        enable_lora=True,
+        lora_overlap_loading=overlap,
+        max_on_demand_loras=1,
+    )

@@ -14,7 +14,11 @@ it replays only because schema 3 logs replay with targeted drains off.
 (tests/scheduler_proc/test_adapter_random.py's marked driver, seed 5, 200 events, overlapped
 loading, max_on_demand_loras 1), recorded by the schema 4 code: its AdapterOpReplied records carry
 the whole registry, so it replays only because logs of schema 4 and before replay with
-`op_reply_registry` on; a log written today (schema 5) replays with it off."""
+`op_reply_registry` on; a log written today replays with it off.
+`events-000006-marked-schema5.log` is the same workload recorded by the schema 5 code: its
+StateDigests hash which ranks had reported each slot load in flight and each CPU-tier staging, so
+it replays only because logs of schema 5 and before replay with `digest_load_reports` on; a log
+written today (schema 6) replays with it off."""
 
 from __future__ import annotations
 
@@ -47,8 +51,9 @@ def test_committed_logs_exist():
         "events-000003-lora-schema2.log",
         "events-000004-lora-overlap-schema3.log",
         "events-000005-marked-schema4.log",
+        "events-000006-marked-schema5.log",
     ]
-    assert [RunScanner(p).header.schema_version for p in LOGS] == [1, 1, 2, 3, 4]
+    assert [RunScanner(p).header.schema_version for p in LOGS] == [1, 1, 2, 3, 4, 5]
 
 
 def test_schema_2_log_replays_only_with_overlapped_loading_off(monkeypatch):
@@ -96,13 +101,25 @@ def test_todays_log_replays_without_the_registry_in_op_replies(tmp_path, monkeyp
     writer.append(ev.LogClosed("done"))
     writer.close()
     scanner = RunScanner(writer.path)
-    assert scanner.header.schema_version == SCHEMA_VERSION == 5 and not core_config(scanner).op_reply_registry
+    assert scanner.header.schema_version == SCHEMA_VERSION == 6 and not core_config(scanner).op_reply_registry
     replies = [e for _, e in EventLogReader(writer.path) if isinstance(e, ev.AdapterOpReplied)]
     assert len(replies) > 20 and all(r.adapters == [] for r in replies)
     assert replay(writer.path).ok
     forced = dataclasses.replace(core_config(scanner), op_reply_registry=True)
     monkeypatch.setattr(replay_verify, "core_config", lambda _: forced)
     assert not replay(writer.path).ok
+
+
+def test_schema_5_log_replays_only_with_load_reports_in_its_digests(monkeypatch):
+    path = os.path.join(LOG_DIR, "events-000006-marked-schema5.log")
+    config = core_config(RunScanner(path))
+    assert config.digest_load_reports and not config.op_reply_registry  # the schema migrations
+    staged = [e for _, e in EventLogReader(path) if isinstance(e, ev.AdapterLoadCompleted) and e.slot == -1]
+    assert staged  # CPU-tier stagings reported between plans
+    assert replay(path).ok
+    forced = dataclasses.replace(config, digest_load_reports=False)
+    monkeypatch.setattr(replay_verify, "core_config", lambda _: forced)
+    assert not replay(path).ok  # the migration is what makes it verify
 
 
 @pytest.mark.parametrize("path", LOGS, ids=os.path.basename)

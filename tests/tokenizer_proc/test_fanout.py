@@ -45,7 +45,7 @@ async def test_completion_n_choices(client, engine) -> None:
     assert body["usage"]["prompt_tokens"] == 2 and body["usage"]["completion_tokens"] == 9
     assert body["usage"]["total_tokens"] == 11
     arrivals = engine.arrivals
-    assert [a.req_id for a in arrivals] == [f"{body['id']}-{i}" for i in range(3)]
+    assert [a.req_id for a in arrivals] == [f"{r.headers['x-request-id']}-{i}" for i in range(3)]
     assert [a.sampling.seed for a in arrivals] == [7, 8, 9]
 
 
@@ -59,8 +59,8 @@ async def test_chat_n_choices(client, engine) -> None:
 
 
 async def test_single_choice_keeps_plain_id(client, engine) -> None:
-    body = (await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1})).json()
-    assert engine.arrivals[0].req_id == body["id"]
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
+    assert engine.arrivals[0].req_id == r.headers["x-request-id"]
 
 
 async def test_streaming_n_choices(client) -> None:
