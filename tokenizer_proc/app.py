@@ -21,6 +21,7 @@ from ledgerserve.tokenizer_proc.adapter_routes import (
     load_startup_adapters,
     validate_startup_adapters,
 )
+from ledgerserve.tokenizer_proc.body_bounds import BodyBounds, bounded_route
 from ledgerserve.tokenizer_proc.chat_template import ChatTemplate
 from ledgerserve.tokenizer_proc.engine_client import EngineClientBase
 from ledgerserve.tokenizer_proc.errors import ApiError, error_response, install_error_handlers
@@ -29,7 +30,6 @@ from ledgerserve.tokenizer_proc.generation_defaults import load_defaults, log_de
 from ledgerserve.tokenizer_proc.lora_resolver import LoraResolver
 from ledgerserve.tokenizer_proc.metrics import CONTENT_TYPE_LATEST, Metrics
 from ledgerserve.tokenizer_proc.security import ApiKeyMiddleware, BodyLimitMiddleware, api_key_from_env
-from ledgerserve.tokenizer_proc.text_check import TextCheckedRoute
 from ledgerserve.tokenizer_proc.tokenize_routes import add_tokenize_routes
 from ledgerserve.tokenizer_proc.vllm_metrics import served_model_label
 
@@ -59,13 +59,17 @@ def build_app(
             raise
         yield
         await engine.close()
+        if template is not None:
+            template.close()  # its render workers
 
     app = FastAPI(title="ledgerserve", version=VERSION, lifespan=lifespan)
-    app.router.route_class = TextCheckedRoute  # every route added below refuses bodies that are not valid text
+    # every route added below bounds its body's lists, then refuses bodies that are not valid text
+    app.router.route_class = bounded_route(BodyBounds.for_config(config))
     _add_info_routes(app, served)
     add_generate_routes(app, served)
     add_tokenize_routes(app, served)
     add_adapter_routes(app, engine, config, base)
+    add_unsupported_routes(app)
     _add_middleware(app, config, api_key)
     return app
 
@@ -145,3 +149,16 @@ def _add_info_routes(app: FastAPI, served: Served) -> None:
             if card["id"] == model_id:
                 return card
         raise ApiError(404, f"The model `{model_id}` does not exist.", "model")
+
+
+UNSUPPORTED_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+
+
+def add_unsupported_routes(app: FastAPI) -> None:
+    """The OpenAI routes not built yet answer 501 in the OpenAI error shape, whatever the method."""
+
+    async def responses_api() -> Response:
+        return error_response(501, "The Responses API (/v1/responses) is not supported yet; use /v1/chat/completions.")
+
+    for path in ("/v1/responses", "/v1/responses/{rest:path}"):
+        app.add_api_route(path, responses_api, methods=UNSUPPORTED_METHODS, include_in_schema=False)
