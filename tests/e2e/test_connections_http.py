@@ -1,6 +1,7 @@
 """The real server's HTTP process against raw sockets: it lifts its open-file limit at start,
-an idle flood past that limit does not lock /health or requests out, and a silent (or
-byte-at-a-time) connection is closed at the header timeout."""
+an idle flood past that limit does not lock /health or requests out, a silent (or
+byte-at-a-time) connection is closed at the header timeout, a foreign Host header is refused,
+and the `openai` client (Host 127.0.0.1:PORT) is served."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import threading
 import time
 
 import httpx
+import openai
 import psutil
 import pytest
 
@@ -106,3 +108,14 @@ def test_silent_and_trickling_connections_are_closed(server: Server) -> None:
     for thread in threads:
         thread.join()
     assert all(HEADER_TIMEOUT_S - 1 < seconds < HEADER_TIMEOUT_S + 3 for seconds in found.values()), found
+
+
+def test_a_foreign_host_is_refused_and_the_openai_client_served(server: Server) -> None:
+    r = httpx.get(server.base_url + "/v1/models", headers={"Host": f"rebound.example:{server.port}"}, timeout=10)
+    assert r.status_code == 400 and "is not allowed" in r.json()["error"]["message"]
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=30)
+    out = client.completions.create(model=os.path.basename(server.model_dir), prompt="The river", max_tokens=2)
+    assert out.choices[0].finish_reason == "length"
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.responses.create(model=os.path.basename(server.model_dir), input="hi")
+    assert refused.value.status_code == 501

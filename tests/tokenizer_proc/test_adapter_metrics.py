@@ -134,3 +134,50 @@ async def test_models_carry_locations_and_unload_removes_series(client, engine) 
     assert not [s for s in samples if s.labels.get("adapter") == "a"]
     assert _value(samples, "ledgerserve_lora_location", adapter="b", tier="cpu") == 1
     assert "a" not in {m["id"] for m in (await client.get("/v1/models")).json()["data"]}
+
+
+async def test_per_adapter_series_are_bounded(tokenizer, demo_model_dir: str, adapter_dir: Path) -> None:
+    """Of 40 adapters, each with a row, loads and finished requests, at most --max-cpu-loras (4)
+    have series in each family: the most active rows (running, then waiting, pinned, gpu, cpu),
+    and the adapters whose loads and requests came last."""
+    engine = FakeEngine()
+    config = EngineConfig(
+        model_dir=demo_model_dir,
+        served_model_name=MODEL,
+        max_model_len=64,
+        enable_lora=True,
+        max_loras=2,
+        max_cpu_loras=4,
+        lora_allowed_dirs=(str(adapter_dir),),
+    )
+    app = build_app(engine, tokenizer, config)
+    await engine.start()
+    names = [f"adapter-{i:02d}" for i in range(40)]
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        for name in names:
+            r = await client.post(
+                "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(adapter_dir / "sql")}
+            )
+            assert r.status_code == 200, r.text
+            r = await client.post("/v1/completions", json={"model": name, "prompt": [5, 6], "max_tokens": 1})
+            assert r.status_code == 200, r.text
+            engine._dispatch(AdapterLoadObserved(name, engine.registry[name].version_id, "disk", 2.0))
+        busy = {"adapter-05": 3, "adapter-17": 1}  # running requests
+        engine._dispatch(_stats(1, *[AdapterRow(n, 1, "disk", False, busy.get(n, 0)) for n in names]))
+        engine._dispatch(_stats(2, AdapterRow("adapter-30", 1, "gpu", True), AdapterRow("adapter-08", 1, "cpu")))
+        samples = await _samples(client)
+    by_family: dict[str, set[str]] = {}
+    for s in samples:
+        label = s.labels.get("adapter") or (s.labels.get("namespace") if s.labels.get("namespace") != "base" else None)
+        if label is not None:
+            by_family.setdefault(s.name, set()).add(label)
+    assert by_family["ledgerserve_lora_location"] == {"adapter-05", "adapter-17", "adapter-30", "adapter-08"}
+    assert by_family["ledgerserve_lora_loads_total"] == set(names[-4:])
+    assert by_family["ledgerserve_prompt_tokens_total"] == set(names[-4:])
+    assert all(len(found) <= 4 for found in by_family.values()), by_family
+    assert len((await _text(app)).encode()) < 64 << 10
+
+
+async def _text(app) -> str:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        return (await client.get("/metrics")).text

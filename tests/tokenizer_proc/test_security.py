@@ -12,8 +12,9 @@ import pytest
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.env import API_KEY as API_KEY_ENV
 from ledgerserve.tokenizer_proc.app import build_app
+from ledgerserve.tokenizer_proc.auth import key_matches
 from ledgerserve.tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError
-from ledgerserve.tokenizer_proc.security import StartupRefused, key_matches
+from ledgerserve.tokenizer_proc.security import StartupRefused
 from tests.tokenizer_proc.fake_engine import FakeEngine
 
 MODEL = "demo"
@@ -57,7 +58,7 @@ async def test_v1_routes_need_the_key(keyed: httpx.AsyncClient) -> None:
 
 @pytest.mark.anyio
 async def test_open_routes_need_no_key(keyed: httpx.AsyncClient) -> None:
-    for path in ("/health", "/metrics", "/version"):
+    for path in ("/health", "/ping", "/version"):
         assert (await keyed.get(path)).status_code == 200, path
 
 
