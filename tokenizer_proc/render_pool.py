@@ -89,7 +89,7 @@ class Worker:
         write_frame(self.proc.stdin, setup)
         if self._read(time.monotonic() + WORKER_START_S) is None:
             self.kill()
-            raise RenderFailed("the chat template renderer did not start")
+            raise RuntimeError("the chat template renderer did not start")  # the server's fault: a 500
 
     def ask(self, request: bytes, timeout_s: float) -> bytes | None:
         """The reply to `request`, or None if none came within `timeout_s` (the worker is killed)."""
