@@ -8,8 +8,11 @@ list as raw elements without building their values, and refuses with a 400:
 
 - `prompt`: more than `--max-n` prompts, or a prompt of token ids longer than `max_model_len`
   (no such prompt leaves room to generate);
-- `messages`: more than MAX_MESSAGES messages;
-- `tokens` (/detokenize): more than `max_model_len` token ids.
+- `messages`: more than MAX_MESSAGES messages, or a message of more than MAX_CONTENT_PARTS
+  content parts;
+- `tokens` (/detokenize): more than `max_model_len` token ids;
+- `stop`, `logit_bias` and `metadata` past the bounds protocol.py gives them (which pydantic
+  would check only after validating every element).
 
 A body msgspec cannot split (not JSON, NaN, a lone surrogate escape, not UTF-8) is parsed as
 the routes parse it (json.loads, kept for them) and judged the same way.
@@ -26,10 +29,16 @@ from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
 from ledgerserve.shared.config import EngineConfig
-from ledgerserve.tokenizer_proc.protocol import InvalidParam
+from ledgerserve.tokenizer_proc.protocol import MAX_LOGIT_BIAS, MAX_METADATA, MAX_STOP_STRINGS, InvalidParam
 from ledgerserve.tokenizer_proc.text_check import TextCheckedRoute
 
 MAX_MESSAGES = 4096  # a chat of more messages is refused before its messages are read
+MAX_CONTENT_PARTS = 4096  # content parts of one message
+FIXED_BOUNDS = {  # field -> (its most elements or members, what they are)
+    "stop": (MAX_STOP_STRINGS, "stop strings"),
+    "logit_bias": (MAX_LOGIT_BIAS, "logit_bias entries"),
+    "metadata": (MAX_METADATA, "metadata pairs"),
+}
 
 Handler = Callable[[Request], Coroutine[Any, Any, Response]]
 _FIELDS = dict[str, msgspec.Raw]
@@ -89,16 +98,35 @@ async def _parsed(request: Request) -> dict[str, Any] | None:
 def check_fields(fields: Mapping[str, Any], bounds: BodyBounds) -> None:
     """InvalidParam for the first field over its bound; values are raw JSON or parsed Python."""
     _check_prompt(fields.get("prompt"), bounds)
-    num_messages = count(fields.get("messages"))
-    if num_messages is not None and num_messages > bounds.max_messages:
-        raise InvalidParam(f"at most {bounds.max_messages} messages are allowed, got {num_messages}", "messages")
-    num_tokens = count(fields.get("tokens"))
-    if num_tokens is not None and num_tokens > bounds.max_token_ids:
-        raise InvalidParam(
-            f"at most {bounds.max_token_ids} token ids (the maximum context length) can be detokenized, "
-            f"got {num_tokens}",
-            "tokens",
-        )
+    _check_messages(fields.get("messages"), bounds)
+    what = "token ids (the maximum context length) can be detokenized"
+    _check_size(fields.get("tokens"), bounds.max_token_ids, "tokens", what)
+    for name, (limit, what) in FIXED_BOUNDS.items():
+        _check_size(fields.get(name), limit, name, f"{what} are allowed")
+
+
+def _check_size(value: Any, limit: int, param: str, what: str) -> None:
+    found = count(value)
+    if found is None:
+        members = _members(value)
+        found = None if members is None else len(members)
+    if found is not None and found > limit:
+        raise InvalidParam(f"at most {limit} {what}, got {found}", param)
+
+
+def _check_messages(value: Any, bounds: BodyBounds) -> None:
+    messages = elements(value)
+    if messages is None:
+        return
+    if len(messages) > bounds.max_messages:
+        raise InvalidParam(f"at most {bounds.max_messages} messages are allowed, got {len(messages)}", "messages")
+    for index, message in enumerate(messages):
+        num_parts = count((_members(message) or {}).get("content"))
+        if num_parts is not None and num_parts > MAX_CONTENT_PARTS:
+            raise InvalidParam(
+                f"`messages.{index}.content`: at most {MAX_CONTENT_PARTS} content parts are allowed, got {num_parts}",
+                "messages",
+            )
 
 
 def _check_prompt(value: Any, bounds: BodyBounds) -> None:
@@ -154,6 +182,18 @@ def elements(value: Any) -> list[Any] | None:
     if isinstance(value, msgspec.Raw) and _kind(value) is list:
         try:
             return msgspec.json.decode(value, type=_ELEMENTS)
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            return None
+    return None
+
+
+def _members(value: Any) -> Mapping[str, Any] | None:
+    """A JSON object's members (values raw, if it is raw), or None if `value` is not an object."""
+    if isinstance(value, dict):
+        return value
+    if isinstance(value, msgspec.Raw) and bytes(memoryview(value)[:1]) == b"{":
+        try:
+            return msgspec.json.decode(value, type=_FIELDS)
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
             return None
     return None

@@ -21,6 +21,9 @@ pytestmark = pytest.mark.anyio
 MAX_MODEL_LEN = 64
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 SILENT_LOOP = "{% for i in range(100000) %}{% for j in range(3000) %}{% endfor %}{% endfor %}x"
+PARTS = [{"type": "text", "text": ""}] * 250_000
+BIAS = {str(i): 1 for i in range(500_000)}
+METADATA = {f"k{i}": "v" for i in range(500_000)}
 HUGE_NUMBER = "{% set n = (messages | length) * 10 %}{{ (n ** (n ** 8)) % 7 }}"  # not folded at compile time
 
 
@@ -52,6 +55,10 @@ async def _post_raw(client: Any, route: str, body: dict) -> Any:
         ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": ""}] * 250_000}, "messages", "4096"),
         ("/tokenize", {"messages": [{"role": "user"}] * 5000}, "messages", "4096"),
         ("/detokenize", {"tokens": [5] * 1_000_000}, "tokens", "at most 64 token ids"),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": PARTS}]}, "messages", "4096"),
+        ("/v1/completions", {**GOOD_COMPLETION, "stop": ["a"] * 1_500_000}, "stop", "at most 16 stop strings"),
+        ("/v1/completions", {**GOOD_COMPLETION, "logit_bias": BIAS}, "logit_bias", "at most 300 logit_bias"),
+        ("/v1/completions", {**GOOD_COMPLETION, "metadata": METADATA}, "metadata", "at most 16 metadata pairs"),
     ],
 )
 async def test_big_lists_are_refused_before_the_body_is_parsed(
