@@ -1,8 +1,8 @@
 """How many adapters get series of their own on /metrics: a server may register thousands of
 adapters, and a series per adapter per family would make every scrape megabytes long.
 
-Per-adapter series exist for at most `--max-cpu-loras` adapters (the versions the CPU tier
-holds at once, at least `--max-loras`): the rows' families (`ledgerserve_lora_location`,
+Per-adapter series exist for at most `series_bound(--max-cpu-loras)` adapters: MIN_SERIES, or
+as many as the CPU tier holds at once if that is more. The rows' families (`ledgerserve_lora_location`,
 `_pinned`, `_requests_*`, token counters) show the most active adapters at each scrape (running
 requests first, then waiting, pinned, in a GPU slot, in the CPU tier; by name among equals),
 and the counter families fed by events (prompt tokens per namespace, slot loads) keep the
@@ -18,6 +18,12 @@ from collections.abc import Sequence
 from ledgerserve.shared.events import AdapterRow
 
 TIER_RANK = {"gpu": 2, "cpu": 1}
+MIN_SERIES = 64  # adapters with series of their own, whatever the CPU tier holds
+
+
+def series_bound(max_cpu_loras: int) -> int:
+    """The most adapters with series of their own in one /metrics family."""
+    return max(MIN_SERIES, max_cpu_loras)
 
 
 class RecentAdapters:

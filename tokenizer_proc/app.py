@@ -15,6 +15,7 @@ from ledgerserve.shared.adapter_format import BaseShapes
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.events import AdapterInfo
 from ledgerserve.tokenizer_proc import adapters
+from ledgerserve.tokenizer_proc.adapter_labels import series_bound
 from ledgerserve.tokenizer_proc.adapter_routes import (
     StartupAdapterError,
     add_adapter_routes,
@@ -83,7 +84,8 @@ def _served(
     registry = adapters.AdapterRegistry()
     resolver = LoraResolver(engine, config, registry, base)
     label = served_model_label(config.served_model_name)
-    metrics = Metrics(engine, config.max_loras, label, config.max_model_len, max_adapter_series=config.max_cpu_loras)
+    max_series = series_bound(config.max_cpu_loras)
+    metrics = Metrics(engine, config.max_loras, label, config.max_model_len, max_adapter_series=max_series)
     defaults = load_defaults(config.generation_config, config.model_dir, len(tokenizer))
     log_defaults(defaults, config.generation_config)
     served = Served(
