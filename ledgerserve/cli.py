@@ -159,6 +159,8 @@ def _add_other_args(parser: argparse.ArgumentParser) -> None:
     add("model_dir", nargs="?", default=None, metavar="MODEL", help=model)
     add("--model", dest="model", default=None, help="MODEL as a flag, as vLLM takes it")
     add("--api-key", default=None, help="require this Bearer key on every /v1 route (or set LEDGERSERVE_API_KEY)")
+    admin = "require this Bearer key to load, unload or pin adapters (or set LEDGERSERVE_ADMIN_API_KEY)"
+    add("--admin-api-key", default=None, help=admin)
     modules = 'adapters loaded at start-up (trusted): NAME=PATH or JSON {"name": ..., "path": ..., "pinned": false}'
     add("--lora-modules", nargs="+", default=[], metavar="NAME=PATH", help=modules)
 

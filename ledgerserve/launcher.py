@@ -42,13 +42,13 @@ def _serve_in(args: argparse.Namespace, run_dir: str, started: float) -> int:
         return 2
     if config.is_demo_model:
         log.warning("serving the DEMO model, a tiny model trained on a small corpus (%s)", config.model_dir)
-    group = ProcessGroup(config, children(config, api_key(args)))
+    group = ProcessGroup(config, children(config, api_key(args), admin_api_key(args)))
     return group.run(started)
 
 
-def children(config: EngineConfig, key: str = "") -> list[Child]:
-    """The processes of the group. Only the HTTP process gets the API key, through its
-    environment: it is never in the config file, the event log or another child."""
+def children(config: EngineConfig, key: str = "", admin_key: str = "") -> list[Child]:
+    """The processes of the group. Only the HTTP process gets the API keys, through its
+    environment: they are never in the config file, the event log or another child."""
     cfg_path = os.path.join(config.run_dir, "config.json")
     with open(cfg_path, "wb") as f:
         f.write(config.to_json())
@@ -58,7 +58,8 @@ def children(config: EngineConfig, key: str = "") -> list[Child]:
     for rank in range(config.tensor_parallel_size):
         argv = [py, "-m", "ledgerserve.worker_proc.main", "--config", cfg_path, "--rank", str(rank)]
         procs.append(Child(f"worker-{rank}", argv, {**keyless, **env.TP_WORKER_ENV}))
-    tokenizer_env = {**keyless, env.API_KEY: key} if key else keyless
+    keys = {name: value for name, value in ((env.API_KEY, key), (env.ADMIN_API_KEY, admin_key)) if value}
+    tokenizer_env = {**keyless, **keys}
     procs.append(Child("tokenizer", [py, "-m", "ledgerserve.tokenizer_proc.main", "--config", cfg_path], tokenizer_env))
     return procs
 
@@ -79,6 +80,7 @@ def resolve_config(args: argparse.Namespace, run_dir: str) -> EngineConfig:
     auto = _auto_settings(given, spec or model_dir, hf_config)
     settings = {**given, **auto, **_resolved_paths(given, model_dir), "model_dir": model_dir, "run_dir": run_dir}
     settings.update(is_demo_model=spec is None, api_key_required=bool(api_key(args)))
+    settings["admin_api_key_required"] = bool(admin_api_key(args))
     settings["tp_layout"] = tp_layout(hf_config, given.get("tensor_parallel_size", 1))
     if modules:  # they imply --enable-lora
         settings.update(enable_lora=True, lora_modules=tuple((name, path) for name, path, _ in modules))
@@ -160,6 +162,15 @@ def _default_served_name(model: str) -> str:
 def api_key(args: argparse.Namespace) -> str:
     """--api-key, else LEDGERSERVE_API_KEY ('' when neither is set)."""
     return args.api_key or env.api_key()
+
+
+def admin_api_key(args: argparse.Namespace) -> str:
+    """--admin-api-key, else LEDGERSERVE_ADMIN_API_KEY ('' when neither is set); it must differ
+    from the API key, or the adapter routes would be no better guarded than inference."""
+    key = getattr(args, "admin_api_key", None) or env.admin_api_key()
+    if key and key == api_key(args):
+        raise ValueError("--admin-api-key must differ from --api-key")
+    return key
 
 
 def parse_lora_module(spec: str) -> tuple[str, str, bool]:

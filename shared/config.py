@@ -155,6 +155,7 @@ class EngineConfig:
     max_n: int = setting(16, "most choices (n) per request")
     max_waiting_requests: int = setting(1024, "queue bound; past it, 503 with Retry-After")
     api_key_required: bool = unflagged(False, set_by="--api-key or LEDGERSERVE_API_KEY (the key never enters config)")
+    admin_api_key_required: bool = unflagged(False, set_by="--admin-api-key or LEDGERSERVE_ADMIN_API_KEY")
     event_log_fsync: str = setting("step", "step: one fsync per step", choices=("never", "step", "always"))
     event_log_max_bytes: int = setting(256 * MiB, "rotate log segments past this size")
     async_scheduling: bool = setting(False, "plan step s + 1 while step s runs, so the GPU never waits on the host")
@@ -176,6 +177,7 @@ class EngineConfig:
     allowed_methods: tuple[str, ...] = setting((), 'CORS methods, a JSON list (none: ["*"])', **CORS_LIST)
     allowed_headers: tuple[str, ...] = setting((), 'CORS headers, a JSON list (none: ["*"])', **CORS_LIST)
     allow_credentials: bool = setting(False, "CORS: allow credentials")
+    allowed_hosts: tuple[str, ...] = setting((), "Host names a loopback server also answers (JSON list)", **CORS_LIST)
     ssl_keyfile: str = setting("", "TLS private key file (HTTPS, with --ssl-certfile)", parse=_real_path)
     ssl_certfile: str = setting("", "TLS certificate file (HTTPS, with --ssl-keyfile)", parse=_real_path)
     generation_config: str = setting(
@@ -233,6 +235,12 @@ def cuda_defaults() -> dict[str, Any]:
     return {name: flag.on_cuda for name, flag in flags if flag and flag.on_cuda is not None}
 
 
+ANY_ORIGIN_WITH_CREDENTIALS = (
+    "--allowed-origins '[\"*\"]' with --allow-credentials is refused: any web page could then read responses "
+    "sent with its visitors' credentials; list the origins that may send credentials instead"
+)
+
+
 def _validate(cfg: EngineConfig) -> None:
     checks = [
         (cfg.max_model_len > 0, f"max_model_len must be > 0, got {cfg.max_model_len}"),
@@ -259,6 +267,7 @@ def _validate(cfg: EngineConfig) -> None:
         (cfg.max_n >= 1, "max_n must be >= 1"),
         (cfg.max_waiting_requests >= 1, "max_waiting_requests must be >= 1"),
         (bool(cfg.ssl_keyfile) == bool(cfg.ssl_certfile), "--ssl-keyfile and --ssl-certfile go together"),
+        (not ("*" in cfg.allowed_origins and cfg.allow_credentials), ANY_ORIGIN_WITH_CREDENTIALS),
         (cfg.max_on_demand_loras >= 1, f"max_on_demand_loras must be >= 1, got {cfg.max_on_demand_loras}"),
         (
             not cfg.lora_resolve_dir or is_inside(os.path.realpath(cfg.lora_resolve_dir), cfg.lora_allowed_dirs),

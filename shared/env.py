@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 LOG_LEVEL = "LEDGERSERVE_LOG_LEVEL"  # logging level of every process (default INFO)
 API_KEY = "LEDGERSERVE_API_KEY"  # the Bearer key; only the HTTP process gets it
+ADMIN_API_KEY = "LEDGERSERVE_ADMIN_API_KEY"  # the Bearer key of the adapter routes; only the HTTP process gets it
 LAUNCHER_PID = "LEDGERSERVE_LAUNCHER_PID"  # set by the launcher for each child it starts
 PDL = "LEDGERSERVE_PDL"  # "0": no programmatic dependent launch (Hopper kernels)
 FUSED_ALL_REDUCE_NORM = "LEDGERSERVE_FUSED_ALL_REDUCE_NORM"  # "0": TP all-reduces before a norm run alone
@@ -41,9 +42,13 @@ def api_key() -> str:
     return os.environ.get(API_KEY, "")
 
 
+def admin_api_key() -> str:
+    return os.environ.get(ADMIN_API_KEY, "")
+
+
 def without_api_key() -> dict[str, str]:
-    """This process's environment without the API key (what children other than the HTTP one get)."""
-    return {k: v for k, v in os.environ.items() if k != API_KEY}
+    """This process's environment without the API keys (what children other than the HTTP one get)."""
+    return {k: v for k, v in os.environ.items() if k not in (API_KEY, ADMIN_API_KEY)}
 
 
 def with_launcher_pid(env: Mapping[str, str] | None, pid: int) -> dict[str, str]:

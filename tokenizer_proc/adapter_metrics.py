@@ -8,7 +8,9 @@ folded it from its event log (scheduler_proc.core.adapter_stats), so /metrics an
 - `LoadMetrics` counts each AdapterLoadObserved (a slot load done on every rank) by source
   tier and observes its seconds, only for registered adapters; an unload removes its series.
 - `vllm:lora_requests_info` is vLLM's gauge: one series whose labels name the adapters with
-  running and waiting requests; its value is the time that label set was first seen."""
+  running and waiting requests; its value is the time that label set was first seen.
+
+Both keep series for at most `max_series` adapters (adapter_labels.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ledgerserve.shared.events import AdapterLoadObserved, AdapterRow, EngineStats
+from ledgerserve.tokenizer_proc.adapter_labels import RecentAdapters, most_active
 
 if TYPE_CHECKING:
     from ledgerserve.tokenizer_proc.engine_client import EngineClientBase
@@ -29,7 +32,7 @@ LOAD_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 
 
 class LoadMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, max_series: int = 32) -> None:
         self.loads = Counter(
             "ledgerserve_lora_loads",
             "adapter slot loads done on every rank, by where the bytes came from",
@@ -44,10 +47,13 @@ class LoadMetrics:
             registry=registry,
         )
         self._tiers: dict[str, list[str]] = {}  # adapter -> source tiers it has a series for
+        self._recent = RecentAdapters(max_series)
 
     def on_load(self, load: AdapterLoadObserved, registered: set[str]) -> None:
         if load.name not in registered:
             return
+        if (evicted := self._recent.touch(load.name)) is not None:
+            self._remove(evicted)
         tiers = self._tiers.setdefault(load.name, [])
         if load.source_tier not in tiers:
             tiers.append(load.source_tier)
@@ -57,23 +63,28 @@ class LoadMetrics:
     def prune(self, registered: set[str]) -> None:
         """Remove the series of adapters no longer registered."""
         for name in sorted(set(self._tiers) - registered):
-            for tier in self._tiers.pop(name):
-                self.loads.remove(name, tier)
-            self.load_seconds.remove(name)
+            self._recent.discard(name)
+            self._remove(name)
+
+    def _remove(self, name: str) -> None:
+        for tier in self._tiers.pop(name):
+            self.loads.remove(name, tier)
+        self.load_seconds.remove(name)
 
 
 class AdapterRowsCollector:
     """A prometheus collector over the engine's adapter rows and stats, read at each scrape."""
 
-    def __init__(self, engine: EngineClientBase, max_loras: int) -> None:
+    def __init__(self, engine: EngineClientBase, max_loras: int, max_series: int = 32) -> None:
         self.engine = engine
         self.max_loras = max_loras
+        self.max_series = max_series
         self._info_labels: tuple[str, str] | None = None
         self._info_time_s = 0.0
 
     def collect(self) -> Iterator[Metric]:
         rows = [self.engine.adapter_rows[name] for name in sorted(self.engine.adapter_rows)]
-        yield from _row_families(rows)
+        yield from _row_families(most_active(rows, self.max_series))
         yield self._requests_info(rows)
         stats = self.engine.stats
         if stats is not None:

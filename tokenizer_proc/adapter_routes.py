@@ -21,7 +21,7 @@ from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.events import AdapterLoadRequested, AdapterUnloadRequested
 from ledgerserve.tokenizer_proc import adapters
 from ledgerserve.tokenizer_proc.engine_client import EngineClientBase
-from ledgerserve.tokenizer_proc.errors import error_response
+from ledgerserve.tokenizer_proc.errors import ApiError, error_response
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,10 @@ def validate_startup_adapters(config: EngineConfig, base: BaseShapes | None) -> 
     for name, path in config.lora_modules:
         if base is None:
             raise StartupAdapterError("LoRA is enabled but the base shapes are unknown")
+        try:
+            adapters.check_name(name, config)
+        except ApiError as e:
+            raise StartupAdapterError(f"start-up adapter {name!r} at {path}: {e.message}") from None
         try:
             checked.append(
                 (

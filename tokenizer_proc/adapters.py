@@ -56,21 +56,37 @@ def require_lora(config: EngineConfig) -> None:
 
 
 MAX_NAME_CHARS = 256
-_REFUSED_CATEGORIES = ("Cc", "Cs", "Zl", "Zp")  # controls, lone surrogates, line/paragraph separators
 
 
 def check_name(name: str, config: EngineConfig) -> None:
-    """An adapter name is a model id and a metrics label: short, no control characters or stray spaces."""
+    """An adapter name is a model id and a metrics label: short, no stray spaces, and one way to
+    write it: no invisible characters and in Unicode NFC, so two names that look the same are
+    the same name."""
     if not name or name != name.strip():
         raise ApiError(400, "lora_name must be a non-empty name without surrounding spaces.", "lora_name")
     if len(name) > MAX_NAME_CHARS:
         raise ApiError(400, f"lora_name is longer than {MAX_NAME_CHARS} characters.", "lora_name")
-    if any(unicodedata.category(ch) in _REFUSED_CATEGORIES for ch in name):
-        raise ApiError(
-            400, "lora_name must not hold control characters, line separators or lone surrogates.", "lora_name"
-        )
+    if (problem := name_problem(name)) is not None:
+        raise ApiError(400, f"lora_name {problem}.", "lora_name")
     if name in config.served_model_names:
         raise ApiError(400, f"lora_name `{name}` is the base model's name.", "lora_name")
+
+
+def name_problem(name: str) -> str | None:
+    """What makes `name` look like another name, or None: a control, format (zero-width, bidi),
+    private-use, unassigned or lone-surrogate character, a line or paragraph separator, a space
+    other than U+0020, or a form other than NFC."""
+    for index, ch in enumerate(name):
+        category = unicodedata.category(ch)
+        if category[0] == "C" or category in ("Zl", "Zp") or (category == "Zs" and ch != " "):
+            what = unicodedata.name(ch, "") or category
+            return (
+                "must not hold control, format (zero-width, bidi), private-use or unassigned characters, "
+                f"line separators or spaces other than U+0020: it holds U+{ord(ch):04X} ({what}) at position {index}"
+            )
+    if not unicodedata.is_normalized("NFC", name):
+        return "is not in Unicode NFC form (a name must be written in its composed form)"
+    return None
 
 
 def allowed_real_path(path: str, roots: tuple[str, ...]) -> str:
@@ -106,16 +122,26 @@ def validate(path: str, base: BaseShapes, config: EngineConfig) -> AdapterManife
 
 
 def model_cards(
-    config: EngineConfig, registry: AdapterRegistry, created: int, rows: dict[str, AdapterRow] | None = None
+    config: EngineConfig,
+    registry: AdapterRegistry,
+    created: int,
+    rows: dict[str, AdapterRow] | None = None,
+    shows_paths: bool = False,
 ) -> list[dict[str, Any]]:
     """The base model's cards (one per served name, the first first), then each adapter's with
     `pinned` and `location` (gpu, cpu or disk) from its latest row; an adapter the scheduler has
-    sent no row for yet is on disk."""
-    base = [_card(name, config.model_dir, None, config, created) for name in config.served_model_names]
+    sent no row for yet is on disk. `root` is the directory a model was read from when
+    `shows_paths` (a request holding the admin key), else the card's own id: server paths are
+    not shown to ordinary clients."""
+
+    def root(name: str, path: str) -> str:
+        return path if shows_paths else name
+
+    base = [_card(name, root(name, config.model_dir), None, config, created) for name in config.served_model_names]
     rows = rows or {}
     return base + [
         {
-            **_card(a.name, a.path, config.served_model_name, config, created),
+            **_card(a.name, root(a.name, a.path), config.served_model_name, config, created),
             "pinned": a.pinned,
             "location": _location(rows.get(a.name)),
         }

@@ -8,28 +8,31 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Response
+from fastapi import FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 
 from ledgerserve.shared.adapter_format import BaseShapes
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.events import AdapterInfo
 from ledgerserve.tokenizer_proc import adapters
+from ledgerserve.tokenizer_proc.adapter_labels import series_bound
 from ledgerserve.tokenizer_proc.adapter_routes import (
     StartupAdapterError,
     add_adapter_routes,
     load_startup_adapters,
     validate_startup_adapters,
 )
+from ledgerserve.tokenizer_proc.auth import ADMIN_STATE, AuthMiddleware, Keys, keys_from_env
+from ledgerserve.tokenizer_proc.body_bounds import BodyBounds, bounded_route
 from ledgerserve.tokenizer_proc.chat_template import ChatTemplate
 from ledgerserve.tokenizer_proc.engine_client import EngineClientBase
 from ledgerserve.tokenizer_proc.errors import ApiError, error_response, install_error_handlers
 from ledgerserve.tokenizer_proc.generate_routes import Served, add_generate_routes
 from ledgerserve.tokenizer_proc.generation_defaults import load_defaults, log_defaults
+from ledgerserve.tokenizer_proc.host_check import HostCheckMiddleware, is_loopback
 from ledgerserve.tokenizer_proc.lora_resolver import LoraResolver
 from ledgerserve.tokenizer_proc.metrics import CONTENT_TYPE_LATEST, Metrics
-from ledgerserve.tokenizer_proc.security import ApiKeyMiddleware, BodyLimitMiddleware, api_key_from_env
-from ledgerserve.tokenizer_proc.text_check import TextCheckedRoute
+from ledgerserve.tokenizer_proc.security import BodyLimitMiddleware
 from ledgerserve.tokenizer_proc.tokenize_routes import add_tokenize_routes
 from ledgerserve.tokenizer_proc.vllm_metrics import served_model_label
 
@@ -41,9 +44,9 @@ def build_app(
     engine: EngineClientBase, tokenizer: Any, config: EngineConfig, chat_template: ChatTemplate | None = None
 ) -> FastAPI:
     """Raises StartupAdapterError if a `--lora-modules` adapter is refused, and StartupRefused
-    if an API key is required but LEDGERSERVE_API_KEY is empty or the `--generation-config`
-    file is unreadable or invalid (GenerationConfigError)."""
-    api_key = api_key_from_env(config.api_key_required)
+    if an API key is required but its variable is empty (or the admin key equals the API key)
+    or the `--generation-config` file is unreadable or invalid (GenerationConfigError)."""
+    keys = keys_from_env(config)
     template = chat_template if chat_template is not None else _chat_template(config)
     base = adapters.load_base_shapes(config.model_dir) if config.enable_lora else None
     served = _served(engine, tokenizer, config, template, base)
@@ -59,14 +62,18 @@ def build_app(
             raise
         yield
         await engine.close()
+        if template is not None:
+            template.close()  # its render workers
 
     app = FastAPI(title="ledgerserve", version=VERSION, lifespan=lifespan)
-    app.router.route_class = TextCheckedRoute  # every route added below refuses bodies that are not valid text
+    # every route added below bounds its body's lists, then refuses bodies that are not valid text
+    app.router.route_class = bounded_route(BodyBounds.for_config(config))
     _add_info_routes(app, served)
     add_generate_routes(app, served)
     add_tokenize_routes(app, served)
     add_adapter_routes(app, engine, config, base)
-    _add_middleware(app, config, api_key)
+    add_unsupported_routes(app)
+    _add_middleware(app, config, keys)
     return app
 
 
@@ -76,7 +83,9 @@ def _served(
     """What the routes serve with, listening to the engine's finishes, loads and adapter registry."""
     registry = adapters.AdapterRegistry()
     resolver = LoraResolver(engine, config, registry, base)
-    metrics = Metrics(engine, config.max_loras, served_model_label(config.served_model_name), config.max_model_len)
+    label = served_model_label(config.served_model_name)
+    max_series = series_bound(config.max_cpu_loras)
+    metrics = Metrics(engine, config.max_loras, label, config.max_model_len, max_adapter_series=max_series)
     defaults = load_defaults(config.generation_config, config.model_dir, len(tokenizer))
     log_defaults(defaults, config.generation_config)
     served = Served(
@@ -94,12 +103,12 @@ def _served(
     return served
 
 
-def _add_middleware(app: FastAPI, config: EngineConfig, api_key: str | None) -> None:
-    """OpenAI-shaped errors for every failure, the request-body limit, the API key and CORS."""
+def _add_middleware(app: FastAPI, config: EngineConfig, keys: Keys) -> None:
+    """OpenAI-shaped errors for every failure, the request-body limit, the API keys, CORS and,
+    outermost, the Host check of a loopback-bound server."""
     install_error_handlers(app, secret_paths=(config.model_dir, config.run_dir))
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
-    if api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(AuthMiddleware, keys=keys)  # also marks requests holding the admin key
     if config.allowed_origins:  # outermost: preflights are answered, and a 401 carries the CORS headers too
         app.add_middleware(
             CORSMiddleware,
@@ -108,6 +117,8 @@ def _add_middleware(app: FastAPI, config: EngineConfig, api_key: str | None) -> 
             allow_headers=list(config.allowed_headers or ("*",)),
             allow_credentials=config.allow_credentials,
         )
+    if is_loopback(config.host):
+        app.add_middleware(HostCheckMiddleware, allowed_hosts=config.allowed_hosts)
 
 
 def _chat_template(config: EngineConfig) -> ChatTemplate | None:
@@ -133,15 +144,31 @@ def _add_info_routes(app: FastAPI, served: Served) -> None:
     async def version() -> dict[str, str]:
         return {"version": VERSION}
 
+    def cards(request: Request) -> list[dict[str, Any]]:
+        shows_paths = getattr(request.state, ADMIN_STATE, False)  # server paths only to the admin key
+        rows = served.engine.adapter_rows
+        return adapters.model_cards(served.config, served.adapters, served.created, rows, shows_paths)
+
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        cards = adapters.model_cards(served.config, served.adapters, served.created, served.engine.adapter_rows)
-        return {"object": "list", "data": cards}
+    async def models(request: Request) -> dict[str, Any]:
+        return {"object": "list", "data": cards(request)}
 
     @app.get("/v1/models/{model_id:path}")  # an adapter's id may hold `/`
-    async def model(model_id: str) -> dict[str, Any]:
-        cards = adapters.model_cards(served.config, served.adapters, served.created, served.engine.adapter_rows)
-        for card in cards:
+    async def model(model_id: str, request: Request) -> dict[str, Any]:
+        for card in cards(request):
             if card["id"] == model_id:
                 return card
         raise ApiError(404, f"The model `{model_id}` does not exist.", "model")
+
+
+UNSUPPORTED_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+
+
+def add_unsupported_routes(app: FastAPI) -> None:
+    """The OpenAI routes not built yet answer 501 in the OpenAI error shape, whatever the method."""
+
+    async def responses_api() -> Response:
+        return error_response(501, "The Responses API (/v1/responses) is not supported yet; use /v1/chat/completions.")
+
+    for path in ("/v1/responses", "/v1/responses/{rest:path}"):
+        app.add_api_route(path, responses_api, methods=UNSUPPORTED_METHODS, include_in_schema=False)

@@ -2,7 +2,11 @@
 
 Only the template shipped with the tokenizer (tokenizer_config.json, or chat_template.jinja
 beside it), or the one the server was started with (--chat-template), is ever rendered;
-templates supplied by a request are refused upstream.
+templates supplied by a request are refused upstream. The HTTP process renders through
+`render_isolated`: in a worker process that is killed at the time limit (render_pool.py), since
+a template can loop without output, or compute one huge number, where no check can run.
+A request's `chat_template_kwargs` may not set a name the renderer sets (RENDERER_VARIABLES)
+or a global of the template's environment (`range`, `raise_exception`, ...).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from jinja2 import TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from ledgerserve.tokenizer_proc.render_pool import RenderFailed, RenderPool, RenderRequest, RenderSetup
+
 RENDER_SECONDS = 2.0  # wall-clock budget for one render, checked between output chunks
 MIN_RENDER_CHARS = 1 << 20  # the size budget is max(this, 16 x max_model_len) characters
 CHARS_PER_TOKEN_BUDGET = 16
@@ -28,11 +34,15 @@ def render_char_budget(max_model_len: int) -> int:
     return max(MIN_RENDER_CHARS, CHARS_PER_TOKEN_BUDGET * max_model_len)
 
 
-RESERVED_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"})
+RENDERER_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "self"})
 
 
 class ChatTemplateError(ValueError):
     """The messages could not be rendered (bad content, or the template raised)."""
+
+
+class ReservedVariable(ChatTemplateError):
+    """`chat_template_kwargs` names a variable the renderer sets."""
 
 
 def _raise_exception(message: str) -> None:
@@ -49,8 +59,11 @@ class ChatTemplate:
         env.globals["raise_exception"] = _raise_exception
         env.filters["tojson"] = _tojson
         self._template = env.from_string(source)
+        self.source = source
         self._bos_token = bos_token or ""
         self._eos_token = eos_token or ""
+        self.reserved = RENDERER_VARIABLES | frozenset(env.globals)
+        self._pool: RenderPool | None = None
 
     @classmethod
     def from_model_dir(cls, model_dir: str) -> ChatTemplate | None:
@@ -82,21 +95,56 @@ class ChatTemplate:
         max_chars: int = MIN_RENDER_CHARS,
         max_seconds: float = RENDER_SECONDS,
     ) -> str:
-        """Render in the sandbox; ChatTemplateError past `max_chars` or `max_seconds`."""
-        variables = {k: v for k, v in (extra or {}).items() if k not in RESERVED_VARIABLES}
+        """Render in the sandbox, in this process; ChatTemplateError past `max_chars` (or
+        `max_seconds`, checked between output chunks) and for anything the template raises."""
+        self.check_extra(extra)
+        variables = {
+            **(extra or {}),
+            "messages": [dict(m) for m in messages],
+            "add_generation_prompt": add_generation_prompt,
+            "bos_token": self._bos_token,
+            "eos_token": self._eos_token,
+        }
         try:
-            chunks = self._template.generate(
-                messages=[dict(m) for m in messages],
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self._bos_token,
-                eos_token=self._eos_token,
-                **variables,
-            )
-            return _within_budget(chunks, max_chars, max_seconds)
+            return _within_budget(self._template.generate(variables), max_chars, max_seconds)
         except ChatTemplateError:
             raise
         except TemplateError as exc:  # includes SecurityError from the sandbox
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
+        except Exception as exc:  # the template's own errors: a call of a non-callable, 1/0, ...
+            raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
+
+    async def render_isolated(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        extra: Mapping[str, Any] | None = None,
+        max_chars: int = MIN_RENDER_CHARS,
+        max_seconds: float = RENDER_SECONDS,
+    ) -> str:
+        """As `render`, in a worker process killed at `max_seconds` whatever the template does."""
+        self.check_extra(extra)
+        if self._pool is None:
+            self._pool = RenderPool(RenderSetup(self.source, self._bos_token, self._eos_token))
+        request = RenderRequest(list(messages), add_generation_prompt, dict(extra or {}), max_chars, max_seconds)
+        try:
+            return await self._pool.render(request)
+        except RenderFailed as exc:
+            raise ChatTemplateError(str(exc)) from None
+
+    def check_extra(self, extra: Mapping[str, Any] | None) -> None:
+        """ReservedVariable naming the first of `extra`'s keys the renderer sets itself."""
+        for key in extra or {}:
+            if key in self.reserved:
+                raise ReservedVariable(
+                    f"chat_template_kwargs may not set `{key}`: the chat template renderer sets it itself"
+                )
+
+    def close(self) -> None:
+        """Stop the render workers (a later render starts new ones)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
 
 def _within_budget(chunks: Iterator[str], max_chars: int, max_seconds: float) -> str:

@@ -21,11 +21,14 @@ logger = logging.getLogger(__name__)
 ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
+    403: "PermissionDeniedError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
     413: "RequestTooLargeError",
     429: "RateLimitError",
     500: "InternalServerError",
+    501: "NotImplementedError",
     503: "ServiceUnavailableError",
 }
 

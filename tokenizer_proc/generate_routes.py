@@ -22,7 +22,7 @@ from ledgerserve.tokenizer_proc.generation import Delta, RequestRun
 from ledgerserve.tokenizer_proc.generation_defaults import GenerationDefaults
 from ledgerserve.tokenizer_proc.lora_resolver import LoraResolver, ResolvedAdapter
 from ledgerserve.tokenizer_proc.metrics import Metrics
-from ledgerserve.tokenizer_proc.prompt_logprobs import PromptLogprobsBody, prompt_logprobs_body
+from ledgerserve.tokenizer_proc.prompt_logprobs import PromptLogprobsBody, check_response_size, prompt_logprobs_body
 from ledgerserve.tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from ledgerserve.tokenizer_proc.responses import (
     chat_choice,
@@ -180,6 +180,8 @@ def start_runs(
     resolved: should the name be unloaded and loaded afresh before the request arrives, the core
     refuses it rather than run another adapter. Every prompt is checked before any run exists."""
     config = served.config
+    copies = req.n if isinstance(req, CompletionRequest) else 1  # a chat's response carries them once
+    check_response_size(req.prompt_logprobs, [len(ids) for ids in prompt_ids], copies, config.max_model_len)
     params = [
         inputs.sampling_params(
             req, max_tokens, num_logprobs, len(ids), config.max_model_len, served.vocab_size, served.defaults

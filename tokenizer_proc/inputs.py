@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from ledgerserve.shared.sampling import SamplingParams
-from ledgerserve.tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError, render_char_budget
+from ledgerserve.tokenizer_proc.chat_template import (
+    ChatTemplate,
+    ChatTemplateError,
+    ReservedVariable,
+    render_char_budget,
+)
 from ledgerserve.tokenizer_proc.generation_defaults import GenerationDefaults
 from ledgerserve.tokenizer_proc.protocol import (
     ChatCompletionRequest,
@@ -18,16 +25,21 @@ from ledgerserve.tokenizer_proc.protocol import (
     TokenizeChatRequest,
 )
 
-# text longer than this is tokenized on a worker thread (the tokenizer releases the GIL), so a
-# long prompt never stalls the event loop; shorter text is cheaper to tokenize in place
-INLINE_TOKENIZE_CHARS = 64 << 10
+# Tokenizing and detokenizing run on these threads, never on the event loop: the Rust tokenizer
+# releases the GIL, so other requests (and /health) go on while a long prompt is tokenized.
+NUM_TOKENIZER_THREADS = 4
+_TOKENIZER_THREADS = ThreadPoolExecutor(NUM_TOKENIZER_THREADS, thread_name_prefix="tokenizer")
 _TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,12}")  # logit_bias keys: token ids written in decimal
+T = TypeVar("T")
+
+
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on a tokenizer thread."""
+    return await asyncio.get_running_loop().run_in_executor(_TOKENIZER_THREADS, functools.partial(fn, *args))
 
 
 async def encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
-    if len(text) <= INLINE_TOKENIZE_CHARS:
-        return _encode(tokenizer, text, add_special_tokens)
-    return await asyncio.to_thread(_encode, tokenizer, text, add_special_tokens)
+    return await off_loop(_encode, tokenizer, text, add_special_tokens)
 
 
 def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
@@ -66,9 +78,11 @@ async def chat_prompt_ids(
         raise InvalidParam("this model has no chat template; use /v1/completions", "messages")
     messages = [_message_dict(m) for m in req.messages]
     try:
-        text = template.render(
+        text = await template.render_isolated(
             messages, req.add_generation_prompt, req.chat_template_kwargs, max_chars=render_char_budget(max_model_len)
         )
+    except ReservedVariable as exc:
+        raise InvalidParam(str(exc), "chat_template_kwargs") from exc
     except ChatTemplateError as exc:
         raise InvalidParam(str(exc), "messages") from exc
     return await encode(tokenizer, text, add_special_tokens)

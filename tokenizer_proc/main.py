@@ -28,6 +28,12 @@ from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.proc import PARENT_GONE_EXIT, exit_with_parent
 from ledgerserve.tokenizer_proc.adapter_routes import StartupAdapterError
 from ledgerserve.tokenizer_proc.app import build_app
+from ledgerserve.tokenizer_proc.connections import (
+    KEEP_ALIVE_S,
+    GuardedHttpToolsProtocol,
+    connection_cap,
+    raise_fd_limit,
+)
 from ledgerserve.tokenizer_proc.engine_client import EngineClient
 from ledgerserve.tokenizer_proc.security import StartupRefused
 
@@ -148,12 +154,15 @@ async def announce_when_listening(server: uvicorn.Server, run_dir: str) -> None:
 
 
 def uvicorn_config(app: Any, config: EngineConfig) -> uvicorn.Config:
-    """uvicorn's settings: the bind address, log level, root path (behind a proxy) and TLS."""
+    """uvicorn's settings: the bind address, log level, root path (behind a proxy) and TLS; the
+    HTTP protocol closes silent connections and caps their number (connections.py)."""
     return uvicorn.Config(
         app,
         host=config.host,
         port=config.port,
         loop="none",  # we already run on uvloop
+        http=GuardedHttpToolsProtocol,
+        timeout_keep_alive=KEEP_ALIVE_S,
         lifespan="on",
         log_level=config.uvicorn_log_level,
         timeout_graceful_shutdown=config.shutdown_timeout_s,  # type: ignore[arg-type]
@@ -200,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(args.config)
     if not config.run_dir:
         raise SystemExit("tokenizer: config.run_dir is empty")
+    logger.info("open-file limit %d: at most %d connections", raise_fd_limit(), connection_cap())
     import uvloop
 
     uvloop.run(serve(config))

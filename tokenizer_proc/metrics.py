@@ -4,7 +4,8 @@ EngineStats, plus this process's own counters.
 Counters labelled by an adapter's name exist only while that adapter is registered: the
 registry's changes come in AdapterRegistryChanged, and an adapter that left it loses its series.
 A request that ends after its adapter was unloaded is not counted, so a name that is no
-longer registered never gets a series again; the label set stays bounded by the registry."""
+longer registered never gets a series again; and at most `max_adapter_series` adapters have
+series at once (adapter_labels.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from ledgerserve.shared.events import AdapterInfo, AdapterLoadObserved, RequestArrived, TokensEmitted
+from ledgerserve.tokenizer_proc.adapter_labels import RecentAdapters
 from ledgerserve.tokenizer_proc.adapter_metrics import AdapterRowsCollector, LoadMetrics
 from ledgerserve.tokenizer_proc.vllm_metrics import VllmGaugesCollector, VllmRequestMetrics
 
@@ -26,10 +28,16 @@ BASE_LABEL = "base"  # the `namespace` label of base-model requests
 
 class Metrics:
     def __init__(
-        self, engine: EngineClientBase | None = None, max_loras: int = 0, model_name: str = "", max_model_len: int = 1
+        self,
+        engine: EngineClientBase | None = None,
+        max_loras: int = 0,
+        model_name: str = "",
+        max_model_len: int = 1,
+        max_adapter_series: int = 32,
     ) -> None:
         """`engine`: whose adapter rows and stats the adapter and vLLM gauges read at each scrape;
-        `model_name`: the `model_name` label of the `vllm:` series (the first served model name)."""
+        `model_name`: the `model_name` label of the `vllm:` series (the first served model name);
+        `max_adapter_series`: the most adapters with series of their own in each family."""
         self.registry = CollectorRegistry()
         self.vllm = VllmRequestMetrics(self.registry, model_name, max_model_len)  # observes every engine request
         gauge = lambda name, doc: Gauge(name, doc, registry=self.registry)  # noqa: E731
@@ -51,20 +59,23 @@ class Metrics:
         )
         self._by_namespace = (self.prompt_tokens, self.prefix_hit_tokens)
         self._registered: set[str] = set()  # adapter names, as the core last reported them
-        self._labelled: set[str] = set()  # adapter names that have series
-        self.adapter_loads = LoadMetrics(self.registry)
+        self._labelled = RecentAdapters(max_adapter_series)  # adapter names that have series
+        self.adapter_loads = LoadMetrics(self.registry, max_adapter_series)
         if engine is not None:
-            self.registry.register(AdapterRowsCollector(engine, max_loras))
+            self.registry.register(AdapterRowsCollector(engine, max_loras, max_adapter_series))
             self.registry.register(VllmGaugesCollector(engine, model_name))
 
     def on_adapters(self, adapters: list[AdapterInfo]) -> None:
         """The core's registry after an adapter op: drop the series of adapters not in it."""
         self._registered = {adapter.name for adapter in adapters}
-        for name in sorted(self._labelled - self._registered):
-            for counter in self._by_namespace:
-                counter.remove(name)
-        self._labelled &= self._registered
+        for name in sorted(self._labelled.names() - self._registered):
+            self._labelled.discard(name)
+            self._remove_series(name)
         self.adapter_loads.prune(self._registered)
+
+    def _remove_series(self, name: str) -> None:
+        for counter in self._by_namespace:
+            counter.remove(name)
 
     def on_load(self, load: AdapterLoadObserved) -> None:
         self.adapter_loads.on_load(load, self._registered)
@@ -76,7 +87,8 @@ class Metrics:
         if arrived.lora_name is not None and namespace != BASE_LABEL:
             if namespace not in self._registered:
                 return
-            self._labelled.add(namespace)
+            if (evicted := self._labelled.touch(namespace)) is not None:
+                self._remove_series(evicted)
         self.prompt_tokens.labels(namespace).inc(len(arrived.prompt_token_ids))
         self.prefix_hit_tokens.labels(namespace).inc(last.num_cached_tokens)
 

@@ -13,6 +13,7 @@ import re
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import msgspec
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
@@ -65,25 +66,68 @@ def check_text(data: Any) -> None:
 
 def first_bad_text(data: Any) -> tuple[tuple[str | int, ...], bool] | None:
     """(path, is_key) of a string that does not encode to UTF-8, the first in document order but
-    that an object's keys come before its values. Iterative: no nesting exhausts the stack."""
-    stack: list[tuple[tuple[str | int, ...], Any]] = [((), data)]
-    while stack:
-        path, node = stack.pop()
-        if isinstance(node, str):
-            if not encodes(node):
-                return path, False
-        elif isinstance(node, dict):
-            for key in node:
-                if isinstance(key, str) and not encodes(key):
-                    return path, True
-            stack.extend((path + (key,), node[key]) for key in reversed(list(node)) if _may_hold_text(node[key]))
-        elif isinstance(node, list):
-            stack.extend((path + (i,), node[i]) for i in reversed(range(len(node))) if _may_hold_text(node[i]))
+    that an object's keys come before its values. The whole body is checked at once in C
+    (msgspec); only a body holding such a string is then searched, along the one path that leads
+    to it, container by container and CHUNK children at a time, so no body costs a walk of
+    every string in Python, and no nesting exhausts the stack."""
+    if _all_encode(data):
+        return None
+    path: list[str | int] = []
+    node = data
+    while isinstance(node, (dict, list)):
+        keys = list(node) if isinstance(node, dict) else None
+        if keys is not None and _first_failing(keys) is not None:
+            return tuple(path), True
+        values = list(node.values()) if isinstance(node, dict) else node
+        index = _first_failing(values)
+        if index is None:
+            return None
+        path.append(keys[index] if keys is not None else index)
+        node = values[index]
+    return (tuple(path), False) if isinstance(node, str) else None
+
+
+CHUNK = 4096  # children checked at once in C while searching for the failing one
+
+
+def _first_failing(values: list[Any]) -> int | None:
+    """The index of the first value that is, or holds, a string that does not encode."""
+    for start in range(0, len(values), CHUNK):
+        chunk = values[start : start + CHUNK]
+        if _all_encode(chunk):
+            continue
+        for offset, value in enumerate(chunk):
+            if not _all_encode(value):
+                return start + offset
     return None
 
 
-def _may_hold_text(value: Any) -> bool:
-    return isinstance(value, (str, dict, list))
+def _all_encode(data: Any) -> bool:
+    """Whether every string and key in `data` encodes to UTF-8: msgspec's encoder refuses lone
+    surrogates; a structure too deep for it is walked here, iteratively."""
+    try:
+        msgspec.json.encode(data)
+    except UnicodeEncodeError:
+        return False
+    except (RecursionError, TypeError, ValueError, OverflowError):
+        return _walk_encodes(data)
+    return True
+
+
+def _walk_encodes(data: Any) -> bool:
+    stack = [data]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            if not encodes(node):
+                return False
+        elif isinstance(node, dict):
+            if not all(encodes(key) for key in node if isinstance(key, str)):
+                return False
+            stack.extend(value for value in node.values() if isinstance(value, (str, dict, list)))
+        elif isinstance(node, list):
+            stack.extend(value for value in node if isinstance(value, (str, dict, list)))
+    return True
 
 
 def encodes(text: str) -> bool:

@@ -4,12 +4,13 @@
 `{"count", "max_model_len", "tokens", "token_strs"}` (`token_strs` null unless
 `return_token_strs`); `/detokenize` takes `tokens` and answers `{"prompt"}`, special tokens
 kept. `model` may be left out or name the base model or a registered adapter (all share the
-tokenizer); any other name is a 404. Prompts have the same size bound as a completion's.
+tokenizer); any other name is a 404. Prompts have the same size bound as a completion's, and
+neither route takes more than `max_model_len` tokens (400), as vLLM's. The tokenizer runs on
+the tokenizer threads, off the event loop.
 """
 
 from __future__ import annotations
 
-import asyncio
 from typing import Annotated, Any
 
 from fastapi import FastAPI
@@ -20,12 +21,11 @@ from ledgerserve.tokenizer_proc.errors import ApiError
 from ledgerserve.tokenizer_proc.generate_routes import Served
 from ledgerserve.tokenizer_proc.protocol import (
     DetokenizeRequest,
+    InvalidParam,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeFields,
 )
-
-INLINE_DECODE_TOKENS = 16 << 10  # longer token lists are decoded on a worker thread
 
 
 def _kind(body: Any) -> str:
@@ -49,16 +49,28 @@ def add_tokenize_routes(app: FastAPI, served: Served) -> None:
             ids = await inputs.chat_prompt_ids(req, served.tokenizer, template, max_model_len, req.add_special_tokens)
         else:
             ids = await inputs.text_prompt_ids(req.prompt, served.tokenizer, max_model_len, req.add_special_tokens)
-        strs = list(served.tokenizer.convert_ids_to_tokens(ids)) if req.return_token_strs else None
+        check_length(len(ids), max_model_len, "messages" if isinstance(req, TokenizeChatRequest) else "prompt")
+        strs = await inputs.off_loop(_token_strs, served.tokenizer, ids) if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict[str, str]:
         check_request(req, served)
+        check_length(len(req.tokens), served.config.max_model_len, "tokens")
         inputs.check_token_ids(req.tokens, served.vocab_size, "tokens")
-        if len(req.tokens) <= INLINE_DECODE_TOKENS:
-            return {"prompt": served.tokenizer.decode(req.tokens)}
-        return {"prompt": await asyncio.to_thread(served.tokenizer.decode, req.tokens)}
+        return {"prompt": await inputs.off_loop(served.tokenizer.decode, req.tokens)}
+
+
+def check_length(num_tokens: int, max_model_len: int, param: str) -> None:
+    if num_tokens > max_model_len:
+        raise InvalidParam(
+            f"This model's maximum context length is {max_model_len} tokens, but the request has {num_tokens} tokens.",
+            param,
+        )
+
+
+def _token_strs(tokenizer: Any, ids: list[int]) -> list[str]:
+    return list(tokenizer.convert_ids_to_tokens(ids))
 
 
 def check_request(req: TokenizeFields, served: Served) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from ledgerserve.cli import build_parser
 from ledgerserve.cli import main as cli_main
-from ledgerserve.launcher import api_key, children, parse_lora_module, resolve_config
+from ledgerserve.launcher import admin_api_key, api_key, children, parse_lora_module, resolve_config
 from ledgerserve.shared.config import EngineConfig
 
 
@@ -105,6 +105,28 @@ def test_api_key_reaches_only_the_http_process(model_dir, tmp_path, monkeypatch)
     assert envs["tokenizer"]["LEDGERSERVE_API_KEY"] == "s3cret"
     assert all("LEDGERSERVE_API_KEY" not in env for name, env in envs.items() if name != "tokenizer")
     assert os.environ["LEDGERSERVE_API_KEY"] == "from-the-shell"  # the launcher's own environment is untouched
+
+
+def test_admin_api_key_reaches_only_the_http_process(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("LEDGERSERVE_ADMIN_API_KEY", "admin-from-the-shell")
+    args = _args(model_dir, "--device", "cpu", "--api-key", "s3cret")
+    cfg = resolve_config(args, str(tmp_path))
+    assert cfg.admin_api_key_required and b"admin-from-the-shell" not in cfg.to_json()
+    envs = {child.name: child.env for child in children(cfg, api_key(args), admin_api_key(args))}
+    assert envs["tokenizer"]["LEDGERSERVE_ADMIN_API_KEY"] == "admin-from-the-shell"
+    assert envs["tokenizer"]["LEDGERSERVE_API_KEY"] == "s3cret"
+    assert all("LEDGERSERVE_ADMIN_API_KEY" not in env for name, env in envs.items() if name != "tokenizer")
+    args = _args(model_dir, "--device", "cpu", "--api-key", "same", "--admin-api-key", "same")
+    with pytest.raises(ValueError, match="--admin-api-key must differ from --api-key"):
+        resolve_config(args, str(tmp_path))
+
+
+def test_any_origin_with_credentials_is_refused_at_start(model_dir, tmp_path):
+    args = _args(model_dir, "--device", "cpu", "--allowed-origins", '["*"]', "--allow-credentials")
+    with pytest.raises(ValueError, match="--allow-credentials is refused"):
+        resolve_config(args, str(tmp_path))
+    for ok in (["--allowed-origins", '["*"]'], ["--allowed-origins", '["https://a.example"]', "--allow-credentials"]):
+        assert resolve_config(_args(model_dir, "--device", "cpu", *ok), str(tmp_path)).allowed_origins
 
 
 @pytest.mark.parametrize("flag, field", [("--max-model-len", "max_model_len"), ("--max-num-seqs", "max_num_seqs")])

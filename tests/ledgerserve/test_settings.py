@@ -35,12 +35,19 @@ SET_BY_LAUNCHER = {
     "run_dir",
     "is_demo_model",
     "api_key_required",
+    "admin_api_key_required",
     "lora_modules",
     "pinned_lora_modules",
     "served_model_aliases",
     "tp_layout",
 }
-OTHER_ARGS = {"model_dir", "--model", "--api-key", "--lora-modules"}  # declared by hand in cli.py, not one field each
+OTHER_ARGS = {
+    "model_dir",
+    "--model",
+    "--api-key",
+    "--admin-api-key",
+    "--lora-modules",
+}  # declared by hand in cli.py, not one field each
 VLLM_ONLY = {vf.flag for vf in VLLM_FLAGS}  # accepted with a notice or refused: no field
 
 
@@ -119,6 +126,7 @@ def test_help_shows_each_default_from_the_dataclass(monkeypatch):
 def test_bare_serve_resolves_to_the_dataclass_defaults(model_dir, monkeypatch, on_device, tmp_path):
     monkeypatch.setattr(launcher, "_demo_model_dir", lambda: model_dir)
     monkeypatch.delenv("LEDGERSERVE_API_KEY", raising=False)
+    monkeypatch.delenv("LEDGERSERVE_ADMIN_API_KEY", raising=False)
     on_device("cpu")
     cfg = resolve_config(_args(), str(tmp_path))
     auto = {f.name for f in flagged_fields() if f.metadata["flag"].auto_text}

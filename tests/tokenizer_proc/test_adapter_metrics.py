@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.events import AdapterLoadObserved, AdapterRow, EngineStats
+from ledgerserve.tokenizer_proc.adapter_labels import MIN_SERIES
 from ledgerserve.tokenizer_proc.app import build_app
 from tests.peft_util import make_tiny_peft_adapter
 from tests.tokenizer_proc.fake_engine import FakeEngine
@@ -134,3 +135,43 @@ async def test_models_carry_locations_and_unload_removes_series(client, engine) 
     assert not [s for s in samples if s.labels.get("adapter") == "a"]
     assert _value(samples, "ledgerserve_lora_location", adapter="b", tier="cpu") == 1
     assert "a" not in {m["id"] for m in (await client.get("/v1/models")).json()["data"]}
+
+
+async def test_per_adapter_series_are_bounded(tokenizer, demo_model_dir: str, adapter_dir: Path) -> None:
+    """Of 70 adapters, each with a row, loads and finished requests, at most MIN_SERIES (64, more
+    than --max-cpu-loras here) have series in each family: the most active rows (running, then
+    waiting, pinned, gpu, cpu), and the adapters whose loads and requests came last."""
+    engine = FakeEngine()
+    config = EngineConfig(
+        model_dir=demo_model_dir,
+        served_model_name=MODEL,
+        max_model_len=64,
+        enable_lora=True,
+        max_loras=2,
+        max_cpu_loras=4,
+        lora_allowed_dirs=(str(adapter_dir),),
+    )
+    app = build_app(engine, tokenizer, config)
+    await engine.start()
+    names = [f"adapter-{i:02d}" for i in range(MIN_SERIES + 6)]
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        for name in names:
+            load = {"lora_name": name, "lora_path": str(adapter_dir / "sql")}
+            assert (await client.post("/v1/load_lora_adapter", json=load)).status_code == 200
+            r = await client.post("/v1/completions", json={"model": name, "prompt": [5, 6], "max_tokens": 1})
+            assert r.status_code == 200, r.text
+            engine._dispatch(AdapterLoadObserved(name, engine.registry[name].version_id, "disk", 2.0))
+        busy = {"adapter-65": 3, "adapter-01": 1}  # running requests
+        engine._dispatch(_stats(1, *[AdapterRow(n, 1, "disk", False, busy.get(n, 0)) for n in names]))
+        engine._dispatch(_stats(2, AdapterRow("adapter-02", 1, "gpu", True), AdapterRow("adapter-03", 1, "cpu")))
+        samples = await _samples(client)
+    by_family: dict[str, set[str]] = {}
+    for s in samples:
+        label = s.labels.get("adapter") or (s.labels.get("namespace") if s.labels.get("namespace") != "base" else None)
+        if label is not None:
+            by_family.setdefault(s.name, set()).add(label)
+    active = {"adapter-65", "adapter-01", "adapter-02", "adapter-03"}
+    assert active < by_family["ledgerserve_lora_location"] and len(by_family["ledgerserve_lora_location"]) == MIN_SERIES
+    assert by_family["ledgerserve_lora_loads_total"] == set(names[-MIN_SERIES:])
+    assert by_family["ledgerserve_prompt_tokens_total"] == set(names[-MIN_SERIES:])
+    assert all(len(found) <= MIN_SERIES for found in by_family.values()), by_family

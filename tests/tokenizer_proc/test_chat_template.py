@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from ledgerserve.tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError
+from ledgerserve.tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError, ReservedVariable
 
 
 def test_renders_model_template(demo_model_dir: str, tokenizer) -> None:
@@ -42,10 +42,14 @@ def test_raise_exception_becomes_error() -> None:
         template.render([{"role": "user", "content": "hi"}])
 
 
-def test_extra_variables_cannot_override_messages() -> None:
+@pytest.mark.parametrize(
+    "key", ["messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "raise_exception", "range", "self"]
+)
+def test_extra_variables_cannot_set_what_the_renderer_sets(key: str) -> None:
     template = ChatTemplate("{{ messages[0]['content'] }}-{{ flavour }}")
-    out = template.render([{"role": "user", "content": "hi"}], extra={"messages": [], "flavour": "x"})
-    assert out == "hi-x"
+    assert template.render([{"role": "user", "content": "hi"}], extra={"flavour": "x"}) == "hi-x"
+    with pytest.raises(ReservedVariable, match=f"`{key}`"):
+        template.render([{"role": "user", "content": "hi"}], extra={"flavour": "x", key: "z"})
 
 
 def test_missing_template_gives_none(tmp_path) -> None:

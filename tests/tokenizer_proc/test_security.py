@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import pytest
+from fastapi import FastAPI, Request
 
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.env import API_KEY as API_KEY_ENV
 from ledgerserve.tokenizer_proc.app import build_app
+from ledgerserve.tokenizer_proc.auth import key_matches
 from ledgerserve.tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError
-from ledgerserve.tokenizer_proc.security import StartupRefused, key_matches
+from ledgerserve.tokenizer_proc.errors import install_error_handlers
+from ledgerserve.tokenizer_proc.security import BodyLimitMiddleware, StartupRefused
 from tests.tokenizer_proc.fake_engine import FakeEngine
 
 MODEL = "demo"
@@ -57,7 +61,7 @@ async def test_v1_routes_need_the_key(keyed: httpx.AsyncClient) -> None:
 
 @pytest.mark.anyio
 async def test_open_routes_need_no_key(keyed: httpx.AsyncClient) -> None:
-    for path in ("/health", "/metrics", "/version"):
+    for path in ("/health", "/ping", "/version"):
         assert (await keyed.get(path)).status_code == 200, path
 
 
@@ -136,3 +140,29 @@ def test_no_pickle_loading_anywhere() -> None:
             if UNSAFE.search(line):
                 offenders.append(f"{rel}:{number}: {line.strip()}")
     assert offenders == []
+
+
+@pytest.mark.anyio
+async def test_a_body_that_stops_arriving_gets_408() -> None:
+    """A client that sends part of its body and then nothing is answered 408 after the stall limit,
+    while a slow but steady body, and the wait for a disconnect after the body, are not cut."""
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.post("/echo")
+    async def echo(request: Request) -> dict[str, int]:
+        return {"size": len(await request.body())}
+
+    guarded = BodyLimitMiddleware(app, max_bytes=1 << 20, stall_s=0.2)
+
+    async def chunks(gap_s: float, stop_after: int | None) -> AsyncIterator[bytes]:
+        for i in range(5):
+            if stop_after is not None and i == stop_after:
+                await asyncio.sleep(3600)
+            await asyncio.sleep(gap_s)
+            yield b"x" * 10
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=guarded), base_url="http://test") as c:
+        _assert_error(await c.post("/echo", content=chunks(0.0, stop_after=2)), 408)
+        steady = await c.post("/echo", content=chunks(0.1, stop_after=None))
+        assert steady.status_code == 200 and steady.json() == {"size": 50}

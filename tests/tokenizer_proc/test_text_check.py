@@ -12,7 +12,6 @@ from typing import Any
 import httpx
 import pytest
 
-from ledgerserve.tokenizer_proc.inputs import INLINE_TOKENIZE_CHARS
 from ledgerserve.tokenizer_proc.text_check import first_bad_text
 from tests.tokenizer_proc.app_client import (
     CLIENT_TIMEOUT_S,
@@ -26,6 +25,7 @@ from tests.tokenizer_proc.fake_engine import FakeEngine
 
 pytestmark = pytest.mark.anyio
 HIGH, LOW = "\ud800", "\udfff"
+LONG_CHARS = 64 << 10  # a text this long is held in encode until released
 MESSAGES = [{"role": "user", "content": "hi"}]
 CHAT = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
 
@@ -143,7 +143,7 @@ class GatedTokenizer:
         return getattr(self._tokenizer, name)
 
     def encode(self, text: str, **kwargs: Any) -> list[int]:
-        long = len(text) > INLINE_TOKENIZE_CHARS
+        long = len(text) > LONG_CHARS
         self.threads["long" if long else "short"] = threading.get_ident()
         if long:
             self.long_started.set()
@@ -158,7 +158,7 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(tokenizer, demo_mod
     """While a long prompt is being tokenized, a short request is answered (within the client
     timeout); the long one then ends with its own answer (here: too long for the model)."""
     gated = GatedTokenizer(tokenizer)
-    text = "The river ran past the mill. " * (INLINE_TOKENIZE_CHARS // 16)
+    text = "The river ran past the mill. " * (LONG_CHARS // 16)
     long_body = (
         {**GOOD_COMPLETION, "prompt": text}
         if route == "/v1/completions"
@@ -174,4 +174,4 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(tokenizer, demo_mod
         assert short.status_code == 200 and not gated.long_finished  # answered while the long one tokenizes
         gated.release.set()
         assert_error(await long_request, 400, "messages" if "chat" in route else "prompt")
-    assert gated.threads["long"] != threading.get_ident() and gated.threads["short"] == threading.get_ident()
+    assert threading.get_ident() not in (gated.threads["long"], gated.threads["short"])  # neither on the loop

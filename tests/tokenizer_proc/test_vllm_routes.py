@@ -48,7 +48,7 @@ async def test_models_retrieve_gives_the_listed_card(oai: openai.AsyncOpenAI, lo
     base, adapter = await oai.models.retrieve(MODEL), await oai.models.retrieve(ADAPTER)
     assert base.model_dump() == listed[MODEL].model_dump() and base.parent is None  # type: ignore[attr-defined]
     assert adapter.model_dump() == listed[ADAPTER].model_dump()
-    assert adapter.parent == MODEL and adapter.root == str(lora_root / "sql")  # type: ignore[attr-defined]
+    assert adapter.parent == MODEL and adapter.root == ADAPTER  # type: ignore[attr-defined]
     with pytest.raises(openai.NotFoundError, match="The model `nope/adapter` does not exist"):
         await oai.models.retrieve("nope/adapter")
 
