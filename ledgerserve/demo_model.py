@@ -3,8 +3,9 @@
 `ensure_demo_model()` builds it once under `~/.cache/ledgerserve/demo-<recipe>/demo-model`
 (or the given directory): a byte-level BPE tokenizer trained on
 `ledgerserve/data/demo_corpus.txt`, a ChatML chat template, weights trained on that corpus
-(`demo_train`), and under `adapters/` one PEFT LoRA adapter per style of `demo_styles`,
-each trained on the corpus rewritten in its style with the base frozen. `<recipe>` is a
+(`demo_train`), and under `adapters/` one LoRA adapter per style of `demo_styles` in PEFT's
+format (`demo_lora`), each trained on the corpus rewritten in its style with the base frozen.
+Each stage logs its progress (`demo_progress`): the build takes tens of seconds. `<recipe>` is a
 digest of the corpus and of the code that builds it, so a changed recipe never reuses an
 old build. Building twice on one machine gives byte-identical files.
 """
@@ -16,9 +17,9 @@ import json
 import os
 import shutil
 import tempfile
-import warnings
 from pathlib import Path
 
+from ledgerserve.demo_progress import BuildProgress
 from ledgerserve.demo_styles import STYLES
 
 DEMO_MODEL_NAME = "demo-model"
@@ -27,7 +28,7 @@ SEED = 1234
 VOCAB_SIZE = 1536
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS_PATH = Path(__file__).parent / "data" / "demo_corpus.txt"
-RECIPE_MODULES = ("demo_model.py", "demo_train.py", "demo_styles.py")
+RECIPE_MODULES = ("demo_model.py", "demo_train.py", "demo_styles.py", "demo_lora.py")
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -39,14 +40,14 @@ CHAT_TEMPLATE = (
 README = """# ledgerserve demo model
 
 A tiny Qwen3 (hidden size 128, 2 layers, 4 query heads, 2 KV heads, tied embeddings)
-TRAINED for about half a minute of one CPU core on a small English corpus, with a byte-level BPE tokenizer
-trained on the same corpus. Its greedy output continues a prompt with corpus-like
+TRAINED briefly (300 steps on the CPU) on a small English corpus, with a byte-level BPE
+tokenizer trained on the same corpus. Its greedy output continues a prompt with corpus-like
 sentences; it knows nothing else. It exists so that ledgerserve can be run and tested end
 to end on any machine, without downloading a real model.
 
-`adapters/` holds two PEFT LoRA adapters of it, each trained on the corpus rewritten in
-one style: `pirate` (every sentence opens with "Arr," and ends with ", matey!") and `poet`
-(every sentence broken into lines of three words).
+`adapters/` holds two LoRA adapters of it in PEFT's format, each trained on the corpus
+rewritten in one style: `pirate` (every sentence opens with "Arr," and ends with ", matey!")
+and `poet` (every line is followed by the refrain "Sing hey, sing ho!").
 """
 
 
@@ -81,26 +82,31 @@ def ensure_demo_model(cache_dir: str | None = None) -> str:
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    progress = BuildProgress(num_stages=2 + len(STYLES))
+    progress.start(str(target))
     try:
         os.chmod(tmp, 0o755)
-        write_demo_model(tmp)
+        write_demo_model(tmp, progress)
         os.replace(tmp, target)  # atomic; fails if a concurrent builder won the race
     except OSError:
         if not _is_built(target):
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    progress.done()
     return str(target)
 
 
-def write_demo_model(out: Path) -> None:
+def write_demo_model(out: Path, progress: BuildProgress | None = None) -> None:
+    progress = progress or BuildProgress(num_stages=2 + len(STYLES))
+    progress.stage("training the tokenizer")
     tokenizer = train_tokenizer()
     tokenizer.save(str(out / "tokenizer.json"))
     ids = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
     _write_json(out / "tokenizer_config.json", _tokenizer_config())
     _write_json(out / "special_tokens_map.json", _special_tokens_map())
     _write_json(out / "generation_config.json", _generation_config(ids))
-    _write_weights(out, tokenizer, ids)
+    _write_weights(out, tokenizer, ids, progress)
     (out / "README.md").write_text(README, encoding="utf-8")
 
 
@@ -187,11 +193,8 @@ def _corpus_lines(tokenizer, style: str | None = None) -> list[list[int]]:
     return [enc.ids for enc in tokenizer.encode_batch(lines)]
 
 
-def _write_weights(out: Path, tokenizer, ids: dict[str, int]) -> None:
+def _write_weights(out: Path, tokenizer, ids: dict[str, int], progress: BuildProgress) -> None:
     """Train the base, save it, then train and save each demo adapter on top of it."""
-    import copy
-
-    import torch
     from safetensors.torch import save_file
 
     from ledgerserve import demo_train
@@ -199,28 +202,28 @@ def _write_weights(out: Path, tokenizer, ids: dict[str, int]) -> None:
     config = _model_config(tokenizer.get_vocab_size(), ids)
     config.save_pretrained(str(out))
     _mark_trained_weights(out / "config.json")
+    base = demo_train.BASE_SCHEDULE
     with demo_train.fixed_cpu_state(SEED):
         model = _initial_model(config)
-        demo_train.train(model, _corpus_lines(tokenizer), demo_train.BASE_SCHEDULE)
+        progress.stage(f"training the base model ({base.num_steps} steps)")
+        demo_train.train(model, _corpus_lines(tokenizer), base, progress.training("base model", base.num_steps))
         weights = {name: p.detach().contiguous() for name, p in model.named_parameters()}  # tied: no lm_head
         save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-        for index, (style, path) in enumerate(demo_adapters(str(out))):
-            torch.manual_seed(SEED + 1 + index)  # the LoRA A init; fixed_cpu_state restores the RNG
-            adapter = demo_train.lora_model(copy.deepcopy(model))
-            demo_train.train(adapter, _corpus_lines(tokenizer, style), demo_train.ADAPTER_SCHEDULE)
-            _save_adapter(adapter, Path(path))
+        _write_adapters(out, tokenizer, model, progress)
 
 
-def _save_adapter(adapter, path: Path) -> None:
-    """adapter_config.json + adapter_model.safetensors, as PEFT writes them (no model card)."""
-    with warnings.catch_warnings():  # PEFT calls a transformers API that transformers deprecates
-        warnings.simplefilter("ignore", FutureWarning)
-        adapter.save_pretrained(str(path), safe_serialization=True)
-    (path / "README.md").unlink(missing_ok=True)
-    config = json.loads((path / "adapter_config.json").read_text(encoding="utf-8"))
-    config["base_model_name_or_path"] = None
-    config.pop("peft_version", None)  # keep the files identical across versions
-    _write_json(path / "adapter_config.json", config)
+def _write_adapters(out: Path, tokenizer, model, progress: BuildProgress) -> None:
+    """Train and save each demo adapter on a copy of the trained base."""
+    import copy
+
+    from ledgerserve import demo_lora, demo_train
+
+    schedule, rank, alpha = demo_train.ADAPTER_SCHEDULE, demo_train.LORA_RANK, demo_train.LORA_ALPHA
+    for index, (style, path) in enumerate(demo_adapters(str(out))):
+        progress.stage(f"training the adapter {style!r} ({schedule.num_steps} steps, the base frozen)")
+        lora = demo_lora.add_lora(copy.deepcopy(model), rank, alpha, demo_train.LORA_TARGETS, seed=SEED + 1 + index)
+        demo_train.train(lora, _corpus_lines(tokenizer, style), schedule, progress.training(style, schedule.num_steps))
+        demo_lora.save_adapter(lora, Path(path), rank, alpha, demo_train.LORA_TARGETS)
 
 
 def _initial_model(config):  # -> transformers.Qwen3ForCausalLM
