@@ -253,7 +253,10 @@ def unknown_flag_message(unknown: list[str], known: list[str]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ledgerserve.version import version
+
     parser = Parser(prog="ledgerserve")
+    parser.add_argument("-v", "-V", "--version", action="version", version=version(), help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     add_serve_args(sub.add_parser("serve", help="start the server (launcher, tokenizer, scheduler, workers)"))
     sub.add_parser("replay", help="replay and verify an event log", add_help=False)
