@@ -26,6 +26,16 @@ FAULT_TP_STALL_STEP = "LEDGERSERVE_TEST_FAULT_TP_STALL_STEP"  # ... the collecti
 TP_WORKER_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 
+# vLLM's switch for /v1/load_lora_adapter and /v1/unload_lora_adapter: "1" or "true" (any case) turns
+# run-time adapter updates on, as --lora-allowed-dir does (loads must still lie inside an allowed dir).
+ALLOW_RUNTIME_LORA_UPDATING = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def runtime_lora_updating() -> bool:
+    """VLLM_ALLOW_RUNTIME_LORA_UPDATING as vLLM reads it: true when 1 or true, any case, spaces ignored."""
+    return os.environ.get(ALLOW_RUNTIME_LORA_UPDATING, "0").strip().lower() in ("1", "true")
+
+
 OMP_NUM_THREADS = "OMP_NUM_THREADS"  # given: a CPU rank keeps the threads it names (worker_proc/parallel.py)
 
 
