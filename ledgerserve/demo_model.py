@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ledgerserve.demo_progress import BuildProgress
 from ledgerserve.demo_styles import STYLES
+from ledgerserve.shared import env
 
 DEMO_MODEL_NAME = "demo-model"
 ADAPTERS_DIR = "adapters"
@@ -99,6 +100,7 @@ def ensure_demo_model(cache_dir: str | None = None) -> str:
 
 def write_demo_model(out: Path, progress: BuildProgress | None = None) -> None:
     progress = progress or BuildProgress(num_stages=2 + len(STYLES))
+    _load_torch()
     progress.stage("training the tokenizer")
     tokenizer = train_tokenizer()
     tokenizer.save(str(out / "tokenizer.json"))
@@ -108,6 +110,14 @@ def write_demo_model(out: Path, progress: BuildProgress | None = None) -> None:
     _write_json(out / "generation_config.json", _generation_config(ids))
     _write_weights(out, tokenizer, ids, progress)
     (out / "README.md").write_text(README, encoding="utf-8")
+
+
+def _load_torch() -> None:
+    """torch, loaded (if this process has not yet) with OpenMP threads that sleep while they wait
+    rather than spin: two spinning training threads on a machine another process keeps busy train
+    several times slower than one thread; sleeping ones do not. The weights are the same either way."""
+    with env.omp_wait_policy("PASSIVE"):
+        import torch  # noqa: F401
 
 
 def train_tokenizer():  # -> tokenizers.Tokenizer
