@@ -2,12 +2,13 @@
 
 `ensure_demo_model()` builds it once under `~/.cache/ledgerserve/demo-<recipe>/demo-model`
 (or the given directory): a byte-level BPE tokenizer trained on
-`ledgerserve/data/demo_corpus.txt`, a ChatML chat template, weights trained on that corpus
-(`demo_train`), and under `adapters/` one LoRA adapter per style of `demo_styles` in PEFT's
-format (`demo_lora`), each trained on the corpus rewritten in its style with the base frozen.
-Each stage logs its progress (`demo_progress`): the build takes tens of seconds. `<recipe>` is a
-digest of the corpus and of the code that builds it, so a changed recipe never reuses an
-old build. Building twice on one machine gives byte-identical files.
+`ledgerserve/data/demo_corpus.txt`, a ChatML chat template, weights of a Qwen3 (`demo_qwen3`:
+plain torch, no transformers) trained on that corpus (`demo_train`), and under `adapters/` one
+LoRA adapter per style of `demo_styles` in PEFT's format (`demo_lora`), each trained on the
+corpus rewritten in its style with the base frozen. Each stage logs its progress
+(`demo_progress`): the build takes tens of seconds. `<recipe>` is a digest of the corpus and of
+the code that builds it, so a changed recipe never reuses an old build. Building twice on one
+machine gives byte-identical files.
 """
 
 from __future__ import annotations
@@ -29,7 +30,19 @@ SEED = 1234
 VOCAB_SIZE = 1536
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS_PATH = Path(__file__).parent / "data" / "demo_corpus.txt"
-RECIPE_MODULES = ("demo_model.py", "demo_train.py", "demo_styles.py", "demo_lora.py")
+RECIPE_MODULES = ("demo_model.py", "demo_train.py", "demo_styles.py", "demo_lora.py", "demo_qwen3.py")
+SHAPE = {  # tied embeddings (demo_qwen3)
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_layers": 2,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "head_dim": 32,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 2048,
+}
+NOTE = "demo model: trained briefly on a small corpus; it only continues text like it"
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -172,28 +185,6 @@ def _generation_config(ids: dict[str, int]) -> dict:
     }
 
 
-def _model_config(vocab_size: int, ids: dict[str, int]):  # -> transformers.Qwen3Config
-    from transformers import Qwen3Config
-
-    return Qwen3Config(
-        vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=2048,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        bos_token_id=ids["<|endoftext|>"],
-        eos_token_id=ids["<|im_end|>"],
-        pad_token_id=ids["<|endoftext|>"],
-        dtype="float32",
-    )
-
-
 def _corpus_lines(tokenizer, style: str | None = None) -> list[list[int]]:
     """The token ids of every corpus line (its newline included), rewritten in `style` if given."""
     from ledgerserve.demo_styles import rewrite
@@ -207,14 +198,15 @@ def _write_weights(out: Path, tokenizer, ids: dict[str, int], progress: BuildPro
     """Train the base, save it, then train and save each demo adapter on top of it."""
     from safetensors.torch import save_file
 
-    from ledgerserve import demo_train
+    from ledgerserve import demo_qwen3, demo_train
 
-    config = _model_config(tokenizer.get_vocab_size(), ids)
-    config.save_pretrained(str(out))
-    _mark_trained_weights(out / "config.json")
+    end, text = ids["<|im_end|>"], ids["<|endoftext|>"]
+    shape = demo_qwen3.Qwen3Shape(vocab_size=tokenizer.get_vocab_size(), pad_token_id=text, **SHAPE)
+    config = {**demo_qwen3.hf_config(shape, bos_token_id=text, eos_token_id=end), "ledgerserve_note": NOTE}
+    _write_json(out / "config.json", config)
     base = demo_train.BASE_SCHEDULE
     with demo_train.fixed_cpu_state(SEED):
-        model = _initial_model(config)
+        model = _initial_model(shape)
         progress.stage(f"training the base model ({base.num_steps} steps)")
         demo_train.train(model, _corpus_lines(tokenizer), base, progress.training("base model", base.num_steps))
         weights = {name: p.detach().contiguous() for name, p in model.named_parameters()}  # tied: no lm_head
@@ -236,13 +228,13 @@ def _write_adapters(out: Path, tokenizer, model, progress: BuildProgress) -> Non
         demo_lora.save_adapter(lora, Path(path), rank, alpha, demo_train.LORA_TARGETS)
 
 
-def _initial_model(config):  # -> transformers.Qwen3ForCausalLM
-    """The model with seeded initial weights, filled in sorted-name order from one generator,
-    so the result does not depend on how transformers happens to initialise modules."""
+def _initial_model(shape):  # -> demo_qwen3.Qwen3ForCausalLM
+    """The model with seeded initial weights, filled in sorted-name order from one generator."""
     import torch
-    from transformers import Qwen3ForCausalLM
 
-    model = Qwen3ForCausalLM(config)
+    from ledgerserve.demo_qwen3 import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM(shape)
     generator = torch.Generator().manual_seed(SEED)
     params = dict(model.named_parameters())  # tied: no lm_head
     with torch.no_grad():
@@ -252,14 +244,6 @@ def _initial_model(config):  # -> transformers.Qwen3ForCausalLM
             else:
                 params[name].copy_(torch.randn(params[name].shape, generator=generator) * 0.02)
     return model
-
-
-def _mark_trained_weights(path: Path) -> None:
-    config = json.loads(path.read_text(encoding="utf-8"))
-    config["architectures"] = ["Qwen3ForCausalLM"]
-    config["ledgerserve_note"] = "demo model: trained briefly on a small corpus; it only continues text like it"
-    config.pop("transformers_version", None)  # keep the files identical across versions
-    _write_json(path, config)
 
 
 def _write_json(path: Path, data: dict) -> None:
