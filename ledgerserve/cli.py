@@ -159,7 +159,10 @@ def _add_other_args(parser: argparse.ArgumentParser) -> None:
     add("model_dir", nargs="?", default=None, metavar="MODEL", help=model)
     add("--model", dest="model", default=None, help="MODEL as a flag, as vLLM takes it")
     add("--api-key", default=None, help="require this Bearer key on every /v1 route (or set LEDGERSERVE_API_KEY)")
-    modules = 'adapters loaded at start-up (trusted): NAME=PATH or JSON {"name": ..., "path": ..., "pinned": false}'
+    modules = (
+        'adapters loaded at start-up (trusted): NAME=PATH or JSON {"name": ..., "path": ..., "pinned": false} '
+        "(vLLM's base_model_name accepted; other keys refused)"
+    )
     add("--lora-modules", nargs="+", default=[], metavar="NAME=PATH", help=modules)
 
 
