@@ -94,3 +94,19 @@ def test_figures_from_the_real_core() -> None:
         f"engine: prompt throughput: {prompt:.1f} tokens/s, generation throughput: {generated:.1f} tokens/s, "
         "running: 0 reqs, waiting: 0 reqs, KV cache usage: "
     )
+
+
+def test_the_shell_feeds_it_after_each_input(tmp_path, monkeypatch) -> None:
+    """SchedulerShell.handle: the decisions, the stats it published and its clock's time."""
+    from ledgerserve.scheduler_proc import loop
+    from tests.scheduler_proc.test_log_writes import drive, make_shell
+
+    lines: list[str] = []
+    shell = make_shell(tmp_path)
+    shell.stats_log = StatsLog(max_loras=0, emit=lines.append)
+    seconds = iter(range(10_000))
+    monkeypatch.setattr(loop.time, "monotonic", lambda: float(next(seconds)))
+    drive(shell, num_reqs=3)
+    shell.log.close()
+    assert lines and all(line.startswith("engine: prompt throughput: ") for line in lines)
+    assert lines[-1].endswith("running: 0 reqs, waiting: 0 reqs, KV cache usage: 0.0%, prefix cache hit rate: 0.0%")
