@@ -161,7 +161,10 @@ def _add_other_args(parser: argparse.ArgumentParser) -> None:
     add("--api-key", default=None, help="require this Bearer key on every /v1 route (or set LEDGERSERVE_API_KEY)")
     admin = "require this Bearer key to load, unload or pin adapters (or set LEDGERSERVE_ADMIN_API_KEY)"
     add("--admin-api-key", default=None, help=admin)
-    modules = 'adapters loaded at start-up (trusted): NAME=PATH or JSON {"name": ..., "path": ..., "pinned": false}'
+    modules = (
+        'adapters loaded at start-up (trusted): NAME=PATH or JSON {"name": ..., "path": ..., "pinned": false} '
+        "(vLLM's base_model_name accepted; other keys refused)"
+    )
     add("--lora-modules", nargs="+", default=[], metavar="NAME=PATH", help=modules)
 
 
@@ -255,7 +258,10 @@ def unknown_flag_message(unknown: list[str], known: list[str]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ledgerserve.version import version
+
     parser = Parser(prog="ledgerserve")
+    parser.add_argument("-v", "-V", "--version", action="version", version=version(), help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     add_serve_args(sub.add_parser("serve", help="start the server (launcher, tokenizer, scheduler, workers)"))
     sub.add_parser("replay", help="replay and verify an event log", add_help=False)

@@ -2,11 +2,13 @@
 
 `ensure_demo_model()` builds it once under `~/.cache/ledgerserve/demo-<recipe>/demo-model`
 (or the given directory): a byte-level BPE tokenizer trained on
-`ledgerserve/data/demo_corpus.txt`, a ChatML chat template, weights trained on that corpus
-(`demo_train`), and under `adapters/` one PEFT LoRA adapter per style of `demo_styles`,
-each trained on the corpus rewritten in its style with the base frozen. `<recipe>` is a
-digest of the corpus and of the code that builds it, so a changed recipe never reuses an
-old build. Building twice on one machine gives byte-identical files.
+`ledgerserve/data/demo_corpus.txt`, a ChatML chat template, weights of a Qwen3 (`demo_qwen3`:
+plain torch, no transformers) trained on that corpus (`demo_train`), and under `adapters/` one
+LoRA adapter per style of `demo_styles` in PEFT's format (`demo_lora`), each trained on the
+corpus rewritten in its style with the base frozen. Each stage logs its progress
+(`demo_progress`): the build takes tens of seconds. `<recipe>` is a digest of the corpus and of
+the code that builds it, so a changed recipe never reuses an old build. Building twice on one
+machine gives byte-identical files.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ import json
 import os
 import shutil
 import tempfile
-import warnings
 from pathlib import Path
 
+from ledgerserve.demo_progress import BuildProgress
 from ledgerserve.demo_styles import STYLES
+from ledgerserve.shared import env
 
 DEMO_MODEL_NAME = "demo-model"
 ADAPTERS_DIR = "adapters"
@@ -27,7 +30,19 @@ SEED = 1234
 VOCAB_SIZE = 1536
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS_PATH = Path(__file__).parent / "data" / "demo_corpus.txt"
-RECIPE_MODULES = ("demo_model.py", "demo_train.py", "demo_styles.py")
+RECIPE_MODULES = ("demo_model.py", "demo_train.py", "demo_styles.py", "demo_lora.py", "demo_qwen3.py")
+SHAPE = {  # tied embeddings (demo_qwen3)
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_layers": 2,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "head_dim": 32,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 2048,
+}
+NOTE = "demo model: trained briefly on a small corpus; it only continues text like it"
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -39,14 +54,14 @@ CHAT_TEMPLATE = (
 README = """# ledgerserve demo model
 
 A tiny Qwen3 (hidden size 128, 2 layers, 4 query heads, 2 KV heads, tied embeddings)
-TRAINED for about half a minute of one CPU core on a small English corpus, with a byte-level BPE tokenizer
-trained on the same corpus. Its greedy output continues a prompt with corpus-like
+TRAINED briefly (300 steps on the CPU) on a small English corpus, with a byte-level BPE
+tokenizer trained on the same corpus. Its greedy output continues a prompt with corpus-like
 sentences; it knows nothing else. It exists so that ledgerserve can be run and tested end
 to end on any machine, without downloading a real model.
 
-`adapters/` holds two PEFT LoRA adapters of it, each trained on the corpus rewritten in
-one style: `pirate` (every sentence opens with "Arr," and ends with ", matey!") and `poet`
-(every sentence broken into lines of three words).
+`adapters/` holds two LoRA adapters of it in PEFT's format, each trained on the corpus
+rewritten in one style: `pirate` (every sentence opens with "Arr," and ends with ", matey!")
+and `poet` (every line is followed by the refrain "Sing hey, sing ho!").
 """
 
 
@@ -81,27 +96,41 @@ def ensure_demo_model(cache_dir: str | None = None) -> str:
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    progress = BuildProgress(num_stages=2 + len(STYLES))
+    progress.start(str(target))
     try:
         os.chmod(tmp, 0o755)
-        write_demo_model(tmp)
+        write_demo_model(tmp, progress)
         os.replace(tmp, target)  # atomic; fails if a concurrent builder won the race
     except OSError:
         if not _is_built(target):
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    progress.done()
     return str(target)
 
 
-def write_demo_model(out: Path) -> None:
+def write_demo_model(out: Path, progress: BuildProgress | None = None) -> None:
+    progress = progress or BuildProgress(num_stages=2 + len(STYLES))
+    _load_torch()
+    progress.stage("training the tokenizer")
     tokenizer = train_tokenizer()
     tokenizer.save(str(out / "tokenizer.json"))
     ids = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
     _write_json(out / "tokenizer_config.json", _tokenizer_config())
     _write_json(out / "special_tokens_map.json", _special_tokens_map())
     _write_json(out / "generation_config.json", _generation_config(ids))
-    _write_weights(out, tokenizer, ids)
+    _write_weights(out, tokenizer, ids, progress)
     (out / "README.md").write_text(README, encoding="utf-8")
+
+
+def _load_torch() -> None:
+    """torch, loaded (if this process has not yet) with OpenMP threads that sleep while they wait
+    rather than spin: two spinning training threads on a machine another process keeps busy train
+    several times slower than one thread; sleeping ones do not. The weights are the same either way."""
+    with env.omp_wait_policy("PASSIVE"):
+        import torch  # noqa: F401
 
 
 def train_tokenizer():  # -> tokenizers.Tokenizer
@@ -156,28 +185,6 @@ def _generation_config(ids: dict[str, int]) -> dict:
     }
 
 
-def _model_config(vocab_size: int, ids: dict[str, int]):  # -> transformers.Qwen3Config
-    from transformers import Qwen3Config
-
-    return Qwen3Config(
-        vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=2048,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        bos_token_id=ids["<|endoftext|>"],
-        eos_token_id=ids["<|im_end|>"],
-        pad_token_id=ids["<|endoftext|>"],
-        dtype="float32",
-    )
-
-
 def _corpus_lines(tokenizer, style: str | None = None) -> list[list[int]]:
     """The token ids of every corpus line (its newline included), rewritten in `style` if given."""
     from ledgerserve.demo_styles import rewrite
@@ -187,49 +194,47 @@ def _corpus_lines(tokenizer, style: str | None = None) -> list[list[int]]:
     return [enc.ids for enc in tokenizer.encode_batch(lines)]
 
 
-def _write_weights(out: Path, tokenizer, ids: dict[str, int]) -> None:
+def _write_weights(out: Path, tokenizer, ids: dict[str, int], progress: BuildProgress) -> None:
     """Train the base, save it, then train and save each demo adapter on top of it."""
-    import copy
-
-    import torch
     from safetensors.torch import save_file
 
-    from ledgerserve import demo_train
+    from ledgerserve import demo_qwen3, demo_train
 
-    config = _model_config(tokenizer.get_vocab_size(), ids)
-    config.save_pretrained(str(out))
-    _mark_trained_weights(out / "config.json")
+    end, text = ids["<|im_end|>"], ids["<|endoftext|>"]
+    shape = demo_qwen3.Qwen3Shape(vocab_size=tokenizer.get_vocab_size(), pad_token_id=text, **SHAPE)
+    config = {**demo_qwen3.hf_config(shape, bos_token_id=text, eos_token_id=end), "ledgerserve_note": NOTE}
+    _write_json(out / "config.json", config)
+    base = demo_train.BASE_SCHEDULE
     with demo_train.fixed_cpu_state(SEED):
-        model = _initial_model(config)
-        demo_train.train(model, _corpus_lines(tokenizer), demo_train.BASE_SCHEDULE)
+        model = _initial_model(shape)
+        progress.stage(f"training the base model ({base.num_steps} steps)")
+        demo_train.train(model, _corpus_lines(tokenizer), base, progress.training("base model", base.num_steps))
         weights = {name: p.detach().contiguous() for name, p in model.named_parameters()}  # tied: no lm_head
         save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-        for index, (style, path) in enumerate(demo_adapters(str(out))):
-            torch.manual_seed(SEED + 1 + index)  # the LoRA A init; fixed_cpu_state restores the RNG
-            adapter = demo_train.lora_model(copy.deepcopy(model))
-            demo_train.train(adapter, _corpus_lines(tokenizer, style), demo_train.ADAPTER_SCHEDULE)
-            _save_adapter(adapter, Path(path))
+        _write_adapters(out, tokenizer, model, progress)
 
 
-def _save_adapter(adapter, path: Path) -> None:
-    """adapter_config.json + adapter_model.safetensors, as PEFT writes them (no model card)."""
-    with warnings.catch_warnings():  # PEFT calls a transformers API that transformers deprecates
-        warnings.simplefilter("ignore", FutureWarning)
-        adapter.save_pretrained(str(path), safe_serialization=True)
-    (path / "README.md").unlink(missing_ok=True)
-    config = json.loads((path / "adapter_config.json").read_text(encoding="utf-8"))
-    config["base_model_name_or_path"] = None
-    config.pop("peft_version", None)  # keep the files identical across versions
-    _write_json(path / "adapter_config.json", config)
+def _write_adapters(out: Path, tokenizer, model, progress: BuildProgress) -> None:
+    """Train and save each demo adapter on a copy of the trained base."""
+    import copy
+
+    from ledgerserve import demo_lora, demo_train
+
+    schedule, rank, alpha = demo_train.ADAPTER_SCHEDULE, demo_train.LORA_RANK, demo_train.LORA_ALPHA
+    for index, (style, path) in enumerate(demo_adapters(str(out))):
+        progress.stage(f"training the adapter {style!r} ({schedule.num_steps} steps, the base frozen)")
+        lora = demo_lora.add_lora(copy.deepcopy(model), rank, alpha, demo_train.LORA_TARGETS, seed=SEED + 1 + index)
+        demo_train.train(lora, _corpus_lines(tokenizer, style), schedule, progress.training(style, schedule.num_steps))
+        demo_lora.save_adapter(lora, Path(path), rank, alpha, demo_train.LORA_TARGETS)
 
 
-def _initial_model(config):  # -> transformers.Qwen3ForCausalLM
-    """The model with seeded initial weights, filled in sorted-name order from one generator,
-    so the result does not depend on how transformers happens to initialise modules."""
+def _initial_model(shape):  # -> demo_qwen3.Qwen3ForCausalLM
+    """The model with seeded initial weights, filled in sorted-name order from one generator."""
     import torch
-    from transformers import Qwen3ForCausalLM
 
-    model = Qwen3ForCausalLM(config)
+    from ledgerserve.demo_qwen3 import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM(shape)
     generator = torch.Generator().manual_seed(SEED)
     params = dict(model.named_parameters())  # tied: no lm_head
     with torch.no_grad():
@@ -239,14 +244,6 @@ def _initial_model(config):  # -> transformers.Qwen3ForCausalLM
             else:
                 params[name].copy_(torch.randn(params[name].shape, generator=generator) * 0.02)
     return model
-
-
-def _mark_trained_weights(path: Path) -> None:
-    config = json.loads(path.read_text(encoding="utf-8"))
-    config["architectures"] = ["Qwen3ForCausalLM"]
-    config["ledgerserve_note"] = "demo model: trained briefly on a small corpus; it only continues text like it"
-    config.pop("transformers_version", None)  # keep the files identical across versions
-    _write_json(path, config)
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -4,17 +4,20 @@ handshake, supervise, and stop the whole group on a signal or on any child's dea
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
 import shutil
+import socket
 import sys
 import time
 from typing import Any
 
-from ledgerserve import model_source
+from ledgerserve import model_source, startup_checks
 from ledgerserve.cli import given_settings, vllm_flag_notices
 from ledgerserve.demo_model import demo_adapters
+from ledgerserve.listen_socket import bind_http_sockets
 from ledgerserve.process_group import Child, ProcessGroup
 from ledgerserve.shared import env, ipc
 from ledgerserve.shared.config import DEFAULT_EVENT_LOG_DIR, EngineConfig, cuda_defaults, default_of
@@ -24,31 +27,58 @@ log = logging.getLogger("launcher")
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Run the group; the run directory is removed however it ends, a failed start included."""
+    """Run the group. The HTTP address is bound first, before anything slow; the run directory is
+    removed however it ends, a failed start included."""
     logging.basicConfig(level=env.log_level(), format="%(asctime)s launcher %(levelname)s %(message)s")
     started = time.monotonic()
+    try:
+        sockets = bind_http_sockets(_setting(args, "host"), _setting(args, "port"))
+    except ValueError as e:
+        return _refused(e)
     run_dir = ipc.make_run_dir()
     try:
-        return _serve_in(args, run_dir, started)
+        return _serve_in(args, run_dir, started, sockets)
+    except KeyboardInterrupt:
+        print("ledgerserve: interrupted during start-up", file=sys.stderr)
+        return 130
     finally:
+        for sock in sockets:
+            sock.close()
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _serve_in(args: argparse.Namespace, run_dir: str, started: float) -> int:
+def _serve_in(args: argparse.Namespace, run_dir: str, started: float, sockets: list[socket.socket]) -> int:
+    """Resolve and check everything that can be checked before a child starts, then run the group."""
     try:
         config = resolve_config(args, run_dir)
+        config = dataclasses.replace(config, port=sockets[0].getsockname()[1])  # --port 0: the one bound
+        base = startup_checks.check_model_config(config.model_dir, startup_checks.read_hf_config(config.model_dir))
+        startup_checks.check_startup_adapters(config, base)
     except (ValueError, OSError) as e:
-        print(f"ledgerserve: error: {e}", file=sys.stderr)
-        return 2
+        return _refused(e)
     if config.is_demo_model:
         log.warning("serving the DEMO model, a tiny model trained on a small corpus (%s)", config.model_dir)
-    group = ProcessGroup(config, children(config, api_key(args), admin_api_key(args)))
+    group = ProcessGroup(config, children(config, api_key(args), admin_api_key(args), [s.fileno() for s in sockets]))
     return group.run(started)
 
 
-def children(config: EngineConfig, key: str = "", admin_key: str = "") -> list[Child]:
+def _refused(error: Exception) -> int:
+    print(f"ledgerserve: error: {error}", file=sys.stderr)
+    return 2
+
+
+def _setting(args: argparse.Namespace, name: str) -> Any:
+    """A setting's flag value, else its default (for the few read before the config is resolved)."""
+    value = getattr(args, name, None)
+    return default_of(name) if value is None else value
+
+
+def children(
+    config: EngineConfig, key: str = "", admin_key: str = "", http_fds: list[int] | None = None
+) -> list[Child]:
     """The processes of the group. Only the HTTP process gets the API keys, through its
-    environment: they are never in the config file, the event log or another child."""
+    environment: they are never in the config file, the event log or another child. It also gets
+    the bound HTTP sockets (`http_fds`), and serves on them."""
     cfg_path = os.path.join(config.run_dir, "config.json")
     with open(cfg_path, "wb") as f:
         f.write(config.to_json())
@@ -60,7 +90,9 @@ def children(config: EngineConfig, key: str = "", admin_key: str = "") -> list[C
         procs.append(Child(f"worker-{rank}", argv, {**keyless, **env.TP_WORKER_ENV}))
     keys = {name: value for name, value in ((env.API_KEY, key), (env.ADMIN_API_KEY, admin_key)) if value}
     tokenizer_env = {**keyless, **keys}
-    procs.append(Child("tokenizer", [py, "-m", "ledgerserve.tokenizer_proc.main", "--config", cfg_path], tokenizer_env))
+    fds = http_fds or []
+    argv = [py, "-m", "ledgerserve.tokenizer_proc.main", "--config", cfg_path, *[f"--listen-fd={fd}" for fd in fds]]
+    procs.append(Child("tokenizer", argv, tokenizer_env, pass_fds=tuple(fds)))
     return procs
 
 
@@ -72,7 +104,7 @@ def resolve_config(args: argparse.Namespace, run_dir: str) -> EngineConfig:
     given = given_settings(args)
     spec = _model_spec(args)
     model_dir = _demo_model_dir() if spec is None else _model_dir(spec, given)
-    hf_config = _read_hf_config(model_dir)
+    hf_config = startup_checks.read_hf_config(model_dir)
     modules = [parse_lora_module(entry) for entry in args.lora_modules]
     if spec is None:  # the demo adapters, as --lora-modules would register them
         named = {name for name, _, _ in modules}
@@ -135,7 +167,9 @@ def chat_template_source(value: str, tokenizer_dir: str) -> str:
 
 def _auto_settings(given: dict[str, Any], model: str, hf_config: dict) -> dict[str, Any]:
     """The auto settings: what a flag gave, else what this machine and checkpoint resolve."""
-    max_pos = int(hf_config.get("max_position_embeddings", 2048))
+    max_pos = hf_config.get("max_position_embeddings", 2048)
+    if not isinstance(max_pos, int) or isinstance(max_pos, bool) or max_pos < 1:
+        raise ValueError(f"the model's config.json: max_position_embeddings must be a positive integer: {max_pos!r}")
     max_model_len = given.get("max_model_len", max_pos)
     if max_model_len > max_pos:
         raise ValueError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings {max_pos}")
@@ -173,39 +207,48 @@ def admin_api_key(args: argparse.Namespace) -> str:
     return key
 
 
+LORA_MODULE_KEYS = ("name", "path", "base_model_name", "pinned")  # vLLM's, and pinned (SGLang's)
+
+
 def parse_lora_module(spec: str) -> tuple[str, str, bool]:
     """`NAME=PATH` (unpinned) or JSON `{"name": NAME, "path": PATH, "pinned": BOOL}` -> (name,
-    absolute path, pinned)."""
-    pinned = False
-    if spec.lstrip().startswith("{"):
-        try:
-            obj = json.loads(spec)
-            name, path, pinned = obj["name"], obj["path"], obj.get("pinned", False)
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-            raise ValueError(f'--lora-modules: {spec!r} is not JSON of the form {{"name": ..., "path": ...}}') from None
-        if not isinstance(pinned, bool):
-            raise ValueError(f"--lora-modules: {spec!r}: pinned must be true or false")
-    else:
+    absolute path, pinned). The JSON form takes vLLM's `base_model_name` too (the parent of every
+    adapter is the served model); any other key is refused, naming it."""
+    if not spec.lstrip().startswith("{"):
         name, sep, path = spec.partition("=")
         if not sep:
             raise ValueError(f"--lora-modules: {spec!r} is not NAME=PATH")
+        pinned = False
+    else:
+        name, path, pinned = _lora_module_json(spec)
     if not name or not path:
         raise ValueError(f"--lora-modules: {spec!r} needs a name and a path")
-    return str(name), os.path.abspath(str(path)), pinned
+    return name, os.path.abspath(path), pinned
+
+
+def _lora_module_json(spec: str) -> tuple[str, str, bool]:
+    try:
+        obj = json.loads(spec)
+    except json.JSONDecodeError:
+        obj = None
+    if not isinstance(obj, dict) or "name" not in obj or "path" not in obj:
+        raise ValueError(f'--lora-modules: {spec!r} is not JSON of the form {{"name": ..., "path": ...}}')
+    unknown = [key for key in obj if key not in LORA_MODULE_KEYS]
+    if unknown:
+        raise ValueError(f"--lora-modules: {spec!r}: unknown key {unknown[0]!r} (known: {', '.join(LORA_MODULE_KEYS)})")
+    for key in ("name", "path", "base_model_name"):
+        if key in obj and not isinstance(obj[key], str):
+            raise ValueError(f"--lora-modules: {spec!r}: {key} must be a string")
+    pinned = obj.get("pinned", False)
+    if not isinstance(pinned, bool):
+        raise ValueError(f"--lora-modules: {spec!r}: pinned must be true or false")
+    return obj["name"], obj["path"], pinned
 
 
 def _demo_model_dir() -> str:
     from ledgerserve.demo_model import ensure_demo_model
 
     return ensure_demo_model()
-
-
-def _read_hf_config(model_dir: str) -> dict:
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no config.json in model directory {model_dir}")
-    with open(path) as f:
-        return json.load(f)
 
 
 def _detected_device() -> str:

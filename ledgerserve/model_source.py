@@ -10,6 +10,7 @@ import os
 import re
 
 from ledgerserve.shared import env
+from ledgerserve.shared.config import revision_name
 
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
@@ -28,6 +29,8 @@ def resolve(spec: str, revision: str = "", download_dir: str = "", what: str = "
         return os.path.abspath(spec)
     if not _REPO_ID.match(spec) or ".." in spec:
         raise ModelSourceError(f"{what} {spec!r} is neither a local directory nor a Hugging Face id ORG/NAME")
+    if revision:
+        revision_name(revision)  # never a path: huggingface_hub reads refs/REVISION in the cache
     cache_dir = os.path.abspath(os.path.expanduser(download_dir)) if download_dir else env.hf_hub_cache()
     return _snapshot(spec, revision, cache_dir, what)
 
@@ -58,7 +61,7 @@ def _snapshot(repo_id: str, revision: str, cache_dir: str, what: str) -> str:
 
     offline = env.hf_hub_offline()
     at = f"{what} {repo_id!r} (revision {revision or 'main'})"
-    fetch = f"`huggingface-cli download {repo_id}{f' --revision {revision}' if revision else ''}`"
+    fetch = f"`hf download {repo_id}{f' --revision {revision}' if revision else ''}`"
     try:
         return snapshot_download(
             repo_id,

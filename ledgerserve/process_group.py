@@ -34,11 +34,12 @@ class Child:
     name: str
     argv: list[str]
     env: dict[str, str] | None = field(default=None, repr=False)  # None: inherit the launcher's
+    pass_fds: tuple[int, ...] = ()  # file descriptors the child inherits (the HTTP process: its sockets)
     popen: subprocess.Popen | None = field(default=None, repr=False)
 
     def start(self) -> None:
         child_env = env.with_launcher_pid(self.env, os.getpid())
-        self.popen = subprocess.Popen(self.argv, env=child_env, start_new_session=True)
+        self.popen = subprocess.Popen(self.argv, env=child_env, start_new_session=True, pass_fds=self.pass_fds)
 
     def exit_code(self) -> int | None:
         return None if self.popen is None else self.popen.poll()

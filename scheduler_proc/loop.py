@@ -16,6 +16,7 @@ from ledgerserve.scheduler_proc.core.core import Core, CoreConfig
 from ledgerserve.scheduler_proc.core.registry_changes import registry_changes
 from ledgerserve.scheduler_proc.core.stats import engine_stats
 from ledgerserve.scheduler_proc.redaction import Redactor
+from ledgerserve.scheduler_proc.stats_log import StatsLog
 from ledgerserve.shared import codec, events, ipc
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.eventlog import EventLogWriter, LogWriteError, enforce_retention
@@ -90,6 +91,7 @@ class SchedulerShell:
         self.stop: events.LogClosed | None = None  # a stop was asked for: why (the first ask wins)
         self.failure: str | None = None  # the engine failed: why
         self.last_stats: events.EngineStats | None = None
+        self.stats_log = StatsLog(config.max_loras if config.enable_lora else 0)
 
     @property
     def failed(self) -> bool:
@@ -143,6 +145,7 @@ class SchedulerShell:
         if isinstance(event, events.WorkerReady) and self.core.scheduler.is_ready:
             self._on_engine_ready(event)  # the last rank's WorkerReady made the core ready
         self._send_stats()
+        self.stats_log.record([decision for decision, _ in decisions], self.last_stats, time.monotonic())
 
     def _fold_adapter_stats(self, event: events.Event, decisions: list[events.Event]) -> None:
         """Per-adapter figures from what was just logged, in log order; each slot load that

@@ -45,7 +45,9 @@ A workload file (--workload FILE) is a JSON object whose keys are the long flag 
 
 `main(argv) -> dict` is the importable entry: it returns the report (and writes --out and
 --plot; the plot needs matplotlib, `pip install 'ledgerserve[plot]'`, and without it the
-report is written all the same). Run as a module, it prints the popularity line, then the report as JSON.
+report is written all the same). Run as a module, it prints the popularity line, then the report as JSON,
+and tells its progress on stderr: each set-up stage as it starts (writing, loading and unloading the
+adapters) and, while the requests run, how many were sent and answered every few seconds.
 """
 
 from __future__ import annotations
@@ -63,7 +65,6 @@ import httpx
 
 from ledgerserve.shared.adapter_format import BaseShapes
 from scripts import request_loop
-from scripts.bench_fixtures import write_adapter
 from scripts.plot import write_png
 from scripts.report_files import write_json
 from scripts.serving_report import RequestResult, StreamTally, plot_panels, result_of, summarize
@@ -79,10 +80,24 @@ from scripts.serving_workload import (
     request_body,
 )
 
+PROGRESS_EVERY_S = 5.0
+Say = Callable[[str], None]
+
+
+def quiet(_: str) -> None:
+    """Progress nobody reads (the importable main's default)."""
+
+
+def to_stderr(message: str) -> None:
+    print(f"bench_serving: {message}", file=sys.stderr, flush=True)
+
+
 # ---- IO ------------------------------------------------------------------------------
 
 
 def write_adapters(specs: Sequence[AdapterSpec], hf_config: dict[str, Any], targets: list[str]) -> None:
+    from scripts.bench_fixtures import write_adapter  # torch: only when adapters are written
+
     base = BaseShapes.from_hf_config(hf_config)
     for i, spec in enumerate(specs):
         path = write_adapter(os.path.dirname(spec.path), i, base, spec.rank, "cpu", targets)
@@ -101,9 +116,12 @@ async def check_names_free(client: httpx.AsyncClient, specs: Sequence[AdapterSpe
         raise RuntimeError(f"the server already has models named {taken}; unload them or pass another --adapter-prefix")
 
 
-async def load_adapters(client: httpx.AsyncClient, specs: Sequence[AdapterSpec], loaded: list[str]) -> None:
+async def load_adapters(
+    client: httpx.AsyncClient, specs: Sequence[AdapterSpec], loaded: list[str], say: Say = quiet
+) -> None:
     """Load each adapter, appending its name to `loaded` once the server has it."""
     for spec in specs:
+        say(f"loading adapter {len(loaded) + 1}/{len(specs)}: {spec.name} (rank {spec.rank})")
         status, detail = await request_loop.post(
             client, "/v1/load_lora_adapter", {"lora_name": spec.name, "lora_path": spec.path}
         )
@@ -154,51 +172,85 @@ async def run_plan(
     base_model: str,
     output_len: int,
     max_concurrency: int | None,
+    say: Say = quiet,
 ) -> list[RequestResult]:
     """Send each request at its arrival time (at most `max_concurrency` in flight)."""
     gate = asyncio.Semaphore(max_concurrency or len(plan))
     start_s = time.perf_counter()
+    done: list[RequestResult] = []
 
     async def one(planned: PlannedRequest) -> RequestResult:
         await asyncio.sleep(max(0.0, start_s + planned.arrival_s - time.perf_counter()))
         model = base_model if planned.adapter is None else models[planned.adapter]
         async with gate:
-            return await send_request(client, planned, request_body(model, planned.prompt, output_len))
+            result = await send_request(client, planned, request_body(model, planned.prompt, output_len))
+        done.append(result)
+        return result
 
-    return list(await asyncio.gather(*(one(p) for p in plan)))
+    say(f"sending {len(plan)} requests")
+    ticker = asyncio.create_task(_tell_progress(done, len(plan), start_s, say))
+    try:
+        return list(await asyncio.gather(*(one(p) for p in plan)))
+    finally:
+        ticker.cancel()
+        say(_progress_line(done, len(plan), start_s))
+
+
+async def _tell_progress(done: list[RequestResult], num_requests: int, start_s: float, say: Say) -> None:
+    while True:
+        await asyncio.sleep(PROGRESS_EVERY_S)
+        say(_progress_line(done, num_requests, start_s))
+
+
+def _progress_line(done: Sequence[RequestResult], num_requests: int, start_s: float) -> str:
+    num_errors = sum(result.status != 200 for result in done)
+    elapsed_s = time.perf_counter() - start_s
+    return f"{len(done)}/{num_requests} requests answered ({num_errors} errors) in {elapsed_s:.1f} s"
 
 
 async def _bench(
-    args: argparse.Namespace, hf_config: dict[str, Any], specs: Sequence[AdapterSpec], plan: Sequence[PlannedRequest]
+    args: argparse.Namespace,
+    hf_config: dict[str, Any],
+    specs: Sequence[AdapterSpec],
+    plan: Sequence[PlannedRequest],
+    say: Say = quiet,
 ) -> tuple[list[RequestResult], str, list[str]]:
     """Check the server, write and load the adapters, run the plan, unload the adapters
     (whatever happened)."""
     limits = httpx.Limits(max_connections=(args.max_concurrency or args.num_requests) + 4)
     async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout_s, limits=limits) as client:
+        say(f"asking {args.base_url} for its models")
         base_model = await request_loop.base_model(client)
         await check_names_free(client, specs)
+        if specs:
+            say(f"writing {len(specs)} random adapters into {os.path.dirname(specs[0].path)}")
         write_adapters(specs, hf_config, args.target_modules)  # blocks the loop: nothing is in flight yet
         loaded: list[str] = []
         try:
-            await load_adapters(client, specs, loaded)
-            results = await run_plan(
-                client, plan, [s.name for s in specs], base_model, args.output_len, args.max_concurrency
-            )
+            await load_adapters(client, specs, loaded, say)
+            models = [s.name for s in specs]
+            results = await run_plan(client, plan, models, base_model, args.output_len, args.max_concurrency, say)
         finally:
+            if loaded:
+                say(f"unloading {len(loaded)} adapters")
             unload_failures = await unload_adapters(client, loaded)
     return results, base_model, unload_failures
 
 
-def main(argv: Sequence[str] | None = None, echo: Callable[[str], None] | None = None) -> dict[str, Any]:
+def main(
+    argv: Sequence[str] | None = None, echo: Callable[[str], None] | None = None, say: Say = quiet
+) -> dict[str, Any]:
     """Run the benchmark; return the report. Raises ValueError on bad arguments and
-    RuntimeError when the server refuses an adapter. `echo` gets the popularity line."""
+    RuntimeError when the server refuses an adapter. `echo` gets the popularity line, `say`
+    the progress."""
     args = parse_config(argv)
     hf_config = read_model_config(args.model_dir)
     specs = adapter_specs(args.num_adapters, args.ranks, args.adapter_dir or ".", args.adapter_prefix)
+    say(f"planning {args.num_requests} requests of {args.input_len} prompt tokens")
     plan, weights = plan_workload(args, hf_config)
     if echo is not None:
         echo(popularity_line(popularity_shares([p.adapter for p in plan], weights)))
-    results, base_model, unload_failures = asyncio.run(_bench(args, hf_config, specs, plan))
+    results, base_model, unload_failures = asyncio.run(_bench(args, hf_config, specs, plan, say))
     report = summarize(vars(args), plan, weights, results, specs, base_model)
     report["unload_failures"] = unload_failures
     if args.plot and write_png(args.plot, plot_panels(results, report["per_adapter"])):
@@ -210,7 +262,7 @@ def main(argv: Sequence[str] | None = None, echo: Callable[[str], None] | None =
 
 def cli(argv: Sequence[str] | None = None) -> int:
     try:
-        report = main(argv, echo=print)
+        report = main(argv, echo=print, say=to_stderr)
     except (ValueError, RuntimeError, httpx.HTTPError) as e:
         print(
             f"bench_serving: {type(e).__name__}: {e}" if isinstance(e, httpx.HTTPError) else f"bench_serving: {e}",

@@ -1,11 +1,14 @@
 """Build the demo model (a tiny Qwen3 trained on the demo corpus, and its demo adapters) and print its directory.
 
+The build tells its progress on stderr (each stage; a training's step and loss every few seconds).
+
 Usage: python scripts/make_demo_model.py [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -20,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
         "--out", default=None, help="target directory (default: ~/.cache/ledgerserve/demo-RECIPE/demo-model)"
     )
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     print(ensure_demo_model(args.out))
     return 0
 

@@ -14,9 +14,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from scripts.bench_fixtures import SEVEN
+from ledgerserve.shared.adapter_format import TARGET_KINDS
 from scripts.report_files import read_json
 from scripts.request_loop import check_loopback
+
+SEVEN = list(TARGET_KINDS[:7])  # the projections an adapter may target (no lm_head)
 
 POPULARITIES = ("uniform", "zipf")
 ARRIVALS = ("poisson", "burst")

@@ -95,6 +95,20 @@ def json_str_list(text: str) -> tuple[str, ...]:
 
 
 CORS_LIST: dict[str, Any] = {"parse": json_str_list, "repeat": False}
+_REVISION_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+@-]*")
+
+
+def revision_name(text: str) -> str:
+    """A Hugging Face revision: a branch, tag or commit name, parts joined by `/` (`refs/pr/1`), each
+    of letters, digits and `_ . + @ -`, not starting with `.` or `-`, no `..`: never a path out of the
+    cache's refs."""
+    parts = text.split("/")
+    if len(text) > 256 or ".." in text or not all(_REVISION_PART.fullmatch(part) for part in parts):
+        raise ValueError(
+            f"revision {text!r} is not a branch, tag or commit name (letters, digits and _ . + @ - in parts "
+            "joined by /, none starting with . or -, no ..)"
+        )
+    return text
 
 
 def _generation_config_source(text: str) -> str:
@@ -166,9 +180,11 @@ class EngineConfig:
     max_on_demand_loras: int = setting(64, "adapters registered on demand at once (then LRU)")
     pinned_lora_modules: tuple[str, ...] = unflagged((), set_by="--lora-modules entries with pinned: true")
     served_model_aliases: tuple[str, ...] = unflagged((), set_by="--served-model-name: its names after the first")
-    revision: str = setting("", "branch, tag or commit of a Hugging Face model id (none: main)")
+    revision: str = setting("", "branch, tag or commit of a Hugging Face model id (none: main)", parse=revision_name)
     tokenizer: str = setting("", "tokenizer directory or Hugging Face id", auto="the model's")
-    tokenizer_revision: str = setting("", "branch, tag or commit of a Hugging Face tokenizer id (none: main)")
+    tokenizer_revision: str = setting(
+        "", "branch, tag or commit of a Hugging Face tokenizer id (none: main)", parse=revision_name
+    )
     download_dir: str = setting("", "Hugging Face cache for model ids (none: $HF_HUB_CACHE, else $HF_HOME/hub)")
     chat_template: str = setting("", "a chat template file, or the template itself, instead of the tokenizer's")
     uvicorn_log_level: str = setting("info", "uvicorn's log level", choices=UVICORN_LOG_LEVELS)

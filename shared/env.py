@@ -7,7 +7,8 @@ fault each into a real process group; nothing sets them outside the tests.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 LOG_LEVEL = "LEDGERSERVE_LOG_LEVEL"  # logging level of every process (default INFO)
 API_KEY = "LEDGERSERVE_API_KEY"  # the Bearer key; only the HTTP process gets it
@@ -27,11 +28,39 @@ FAULT_TP_STALL_STEP = "LEDGERSERVE_TEST_FAULT_TP_STALL_STEP"  # ... the collecti
 TP_WORKER_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 
+# vLLM's switch for /v1/load_lora_adapter and /v1/unload_lora_adapter: "1" or "true" (any case) turns
+# run-time adapter updates on, as --lora-allowed-dir does (loads must still lie inside an allowed dir).
+ALLOW_RUNTIME_LORA_UPDATING = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def runtime_lora_updating() -> bool:
+    """VLLM_ALLOW_RUNTIME_LORA_UPDATING as vLLM reads it: true when 1 or true, any case, spaces ignored."""
+    return os.environ.get(ALLOW_RUNTIME_LORA_UPDATING, "0").strip().lower() in ("1", "true")
+
+
 OMP_NUM_THREADS = "OMP_NUM_THREADS"  # given: a CPU rank keeps the threads it names (worker_proc/parallel.py)
 
 
 def omp_threads_given() -> bool:
     return bool(os.environ.get(OMP_NUM_THREADS))
+
+
+OMP_WAIT_POLICY = "OMP_WAIT_POLICY"  # given: the user's choice stands (omp_wait_policy leaves it)
+
+
+@contextmanager
+def omp_wait_policy(policy: str) -> Iterator[None]:
+    """OMP_WAIT_POLICY=`policy` inside, unless the user set one; removed again after, so that
+    children started later do not inherit it. OpenMP reads it once, when torch loads it: only an
+    `import torch` inside (the first in the process) takes it."""
+    if os.environ.get(OMP_WAIT_POLICY):
+        yield
+        return
+    os.environ[OMP_WAIT_POLICY] = policy
+    try:
+        yield
+    finally:
+        os.environ.pop(OMP_WAIT_POLICY, None)
 
 
 def log_level() -> str:

@@ -5,6 +5,10 @@ engine client), and answered from the
 core's `AdapterOpReplied` (duplicates: the core's 400; unknown unloads: its 404; a pin past
 max_loras - 1: its 400). A load carries the content digest of the files as validated: every
 later read must match it. Unknown fields in either body are refused with 400.
+
+Run-time updates (both routes) are on with a --lora-allowed-dir or with vLLM's
+VLLM_ALLOW_RUNTIME_LORA_UPDATING=1; off, either op gets a 400 naming both. A load must still lie
+inside an allowed dir, so with the variable alone unloads work and loads are refused, naming the flag.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, StrictBool
 
+from ledgerserve.shared import env
 from ledgerserve.shared.adapter_format import AdapterError, AdapterManifest, BaseShapes, read_manifest
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.events import AdapterLoadRequested, AdapterUnloadRequested
@@ -46,9 +51,13 @@ class UnloadLoraRequest(BaseModel):
 
 
 def add_adapter_routes(app: FastAPI, engine: EngineClientBase, config: EngineConfig, base: BaseShapes | None) -> None:
+    updating = runtime_updates_allowed(config)
+
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(req: LoadLoraRequest) -> Response:
         adapters.require_lora(config)
+        require_runtime_updates(updating, "Loading", "lora_path")
+        require_allowed_dir(config)
         adapters.check_name(req.lora_name, config)
         real = adapters.allowed_real_path(req.lora_path, config.lora_allowed_dirs)
         if base is None:  # enable_lora implies base shapes; kept for the type checker
@@ -63,10 +72,37 @@ def add_adapter_routes(app: FastAPI, engine: EngineClientBase, config: EngineCon
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(req: UnloadLoraRequest) -> Response:
         adapters.require_lora(config)
+        require_runtime_updates(updating, "Unloading", "lora_name")
         reply = await engine.adapter_op(AdapterUnloadRequested(op_id=engine.next_op_id(), name=req.lora_name))
         if reply.code != 200:
             return error_response(reply.code, reply.message, "lora_name")
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
+
+def runtime_updates_allowed(config: EngineConfig) -> bool:
+    """Whether /v1/load_lora_adapter and /v1/unload_lora_adapter may change the adapters."""
+    return bool(config.lora_allowed_dirs) or env.runtime_lora_updating()
+
+
+def require_runtime_updates(allowed: bool, verb: str, param: str) -> None:
+    if not allowed:
+        raise ApiError(
+            400,
+            f"{verb} adapters at run time is disabled; start the server with --lora-allowed-dir DIR "
+            f"(adapters under DIR may be loaded) or with {env.ALLOW_RUNTIME_LORA_UPDATING}=1.",
+            param,
+        )
+
+
+def require_allowed_dir(config: EngineConfig) -> None:
+    """Run-time updates on through the variable alone: loads still need a root to lie in."""
+    if not config.lora_allowed_dirs:
+        raise ApiError(
+            400,
+            f"{env.ALLOW_RUNTIME_LORA_UPDATING} allows run-time updates, but a loaded adapter must lie inside a "
+            "--lora-allowed-dir; start the server with --lora-allowed-dir DIR to load adapters under DIR.",
+            "lora_path",
+        )
 
 
 def validate_startup_adapters(config: EngineConfig, base: BaseShapes | None) -> list[tuple[str, AdapterManifest]]:

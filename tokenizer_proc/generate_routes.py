@@ -133,11 +133,18 @@ async def check_request(req: SamplingFields, served: Served) -> ResolvedAdapter 
     loaded on demand if it was not registered yet."""
     req.check()
     adapter = await served.resolver.resolve(req.model, req.lora_path)
+    req.model = reported_model(req.model, served.config)
     req.check_n(served.config.max_n)
     if (reason := served.engine.unavailable_reason()) is not None:
         raise EngineDeadError(reason)
     check_capacity(served.engine, served.config, req.num_choices())
     return adapter
+
+
+def reported_model(model: str, config: EngineConfig) -> str:
+    """The `model` a response names, as in vLLM: the base model's first --served-model-name
+    whichever of its names was asked for; an adapter its own name."""
+    return config.served_model_name if model in config.served_model_aliases else model
 
 
 def check_capacity(engine: EngineClientBase, config: EngineConfig, n: int) -> None:

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -118,6 +119,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="ledgerserve.tokenizer_proc.main", description="ledgerserve HTTP/tokenizer process"
     )
     parser.add_argument("--config", required=True, help="path to the EngineConfig JSON in the run directory")
+    listen = "a socket the launcher bound for HTTP (repeatable); serve on these instead of binding host:port"
+    parser.add_argument("--listen-fd", type=int, action="append", default=[], help=listen)
     return parser.parse_args(argv)
 
 
@@ -172,7 +175,7 @@ def uvicorn_config(app: Any, config: EngineConfig) -> uvicorn.Config:
     )
 
 
-async def serve(config: EngineConfig) -> None:
+async def serve(config: EngineConfig, listen_fds: list[int] | None = None) -> None:
     tokenizer = load_tokenizer(config.tokenizer_dir)
     engine = EngineClient(config.run_dir)
     try:
@@ -189,8 +192,9 @@ async def serve(config: EngineConfig) -> None:
 
     exit_with_parent(config.run_dir, launcher_gone)
     helpers = [asyncio.create_task(announce_when_listening(server, config.run_dir))]
+    sockets = [socket.socket(fileno=fd) for fd in listen_fds] if listen_fds else None
     try:
-        await server.serve()
+        await server.serve(sockets=sockets)
     finally:
         for task in helpers:
             task.cancel()
@@ -212,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("open-file limit %d: at most %d connections", raise_fd_limit(), connection_cap())
     import uvloop
 
-    uvloop.run(serve(config))
+    uvloop.run(serve(config, args.listen_fd))
     return 0
 
 

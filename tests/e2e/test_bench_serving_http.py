@@ -1,6 +1,6 @@
 """scripts/bench_serving.py against the real process group on the demo model: it writes
-and loads its adapters, every request gets exactly the forced output length, the report
-and plot are written, and the adapters are gone afterwards."""
+and loads its adapters, telling each stage, every request gets exactly the forced output length,
+the report and plot are written, and the adapters are gone afterwards."""
 
 from __future__ import annotations
 
@@ -84,12 +84,17 @@ def test_bench_serving_drives_the_server(server, demo_model_dir, adapter_root, t
         str(plot),
     ]
     lines: list[str] = []
-    report = main(argv, echo=lines.append)
+    progress: list[str] = []
+    report = main(argv, echo=lines.append, say=progress.append)
     assert report["num_errors"] == 0, report["errors"]
     assert report["num_completed"] == 12 and report["num_output_len_mismatches"] == 0
     assert report["unload_failures"] == []
     assert lines and lines[0].startswith("popularity: top-1 adapter")
     assert [a["rank"] for a in report["adapters"]] == [4, 8]
+    assert progress[0] == "planning 12 requests of 16 prompt tokens"
+    for stage in ("writing 2 random adapters into", "loading adapter 2/2: bench-a1 (rank 8)", "sending 12 requests"):
+        assert any(line.startswith(stage) for line in progress), progress
+    assert progress[-2].startswith("12/12 requests answered (0 errors) in ") and progress[-1] == "unloading 2 adapters"
 
     rows = {row["model"]: row for row in report["per_adapter"]}
     plan, _ = plan_workload(parse_config(argv), read_model_config(demo_model_dir))  # the same seed: the same plan

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,8 @@ def _files(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
 
 
-def test_build_is_deterministic(demo_model_dir: str, tmp_path: Path) -> None:
+def test_build_is_deterministic_and_needs_no_peft(demo_model_dir: str, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` fails: serving the demo must not need it
     again = Path(ensure_demo_model(str(tmp_path / "again")))
     first = Path(demo_model_dir)
     names = _files(first)

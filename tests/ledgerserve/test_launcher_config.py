@@ -137,7 +137,7 @@ def test_zero_or_negative_sizes_are_refused_at_start(model_dir, tmp_path, capsys
     run_root = tmp_path / "runs"
     run_root.mkdir()
     monkeypatch.setattr("tempfile.tempdir", str(run_root))
-    assert cli_main(["serve", model_dir, "--device", "cpu", flag, value]) == 2
+    assert cli_main(["serve", model_dir, "--device", "cpu", "--port", "0", flag, value]) == 2
     assert f"ledgerserve: error: {field} must be > 0, got {value}" in capsys.readouterr().err
     assert list(run_root.iterdir()) == []  # the run directory made for it is gone again
 
@@ -166,7 +166,7 @@ def test_a_refused_flag_leaves_no_run_directory(model_dir, tmp_path, monkeypatch
     runs = tmp_path / "runs"
     runs.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(runs))  # where the launcher makes its run directory
-    assert cli_main(["serve", model_dir, "--device", "cpu", *flags]) == 2
+    assert cli_main(["serve", model_dir, "--device", "cpu", "--port", "0", *flags]) == 2
     assert capsys.readouterr().err.startswith("ledgerserve: error: ")
     assert list(runs.iterdir()) == []
 

@@ -75,12 +75,10 @@ def test_a_missing_id_or_revision_says_what_to_do(hf_cache, tmp_path):
         _resolve(tmp_path, "acme/absent")
     assert str(missing.value) == (
         f"model 'acme/absent' (revision main) is not in the cache at {cache} and HF_HUB_OFFLINE=1 is set; "
-        "run without HF_HUB_OFFLINE or `huggingface-cli download acme/absent` "
+        "run without HF_HUB_OFFLINE or `hf download acme/absent` "
         "(with --download-dir DIR if you keep models elsewhere), or give a local directory"
     )
-    with pytest.raises(
-        ValueError, match=r"\(revision nope\).*`huggingface-cli download acme/tiny-chat --revision nope`"
-    ):
+    with pytest.raises(ValueError, match=r"\(revision nope\).*`hf download acme/tiny-chat --revision nope`"):
         _resolve(tmp_path, REPO, "--revision", "nope")
     with pytest.raises(ValueError, match="neither a local directory nor a Hugging Face id ORG/NAME"):
         _resolve(tmp_path, "./no/such/dir")
@@ -95,7 +93,7 @@ def test_a_checkpoint_without_safetensors_is_refused(hf_cache, tmp_path):
 
 
 def test_a_failed_resolution_stops_the_start_with_one_message(hf_cache, tmp_path, capsys):
-    assert cli_main(["serve", "acme/absent", "--device", "cpu", "--event-log-dir", str(tmp_path)]) == 2
+    assert cli_main(["serve", "acme/absent", "--device", "cpu", "--port", "0", "--event-log-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("ledgerserve: error: model 'acme/absent' (revision main)")
 

@@ -43,15 +43,19 @@ async def _client(engine: FakeEngine, tokenizer: Any, model_dir: str, **settings
         yield http
 
 
-async def test_every_served_name_is_accepted_and_the_first_is_listed_first(tokenizer, demo_model_dir):
+async def test_every_served_name_is_accepted_and_the_first_is_listed_and_reported(tokenizer, demo_model_dir):
     engine = FakeEngine()
     async with _client(engine, tokenizer, demo_model_dir, served_model_aliases=("second",)) as http:
         async with openai.AsyncOpenAI(base_url="http://test/v1", api_key="x", http_client=http, max_retries=0) as oai:
             ids = [m.id for m in (await oai.models.list()).data]
             assert ids == ["first", "second"]
-            for name in ids:  # each name reaches the base model, and a response names what was asked for, as vLLM
+            for name in ids:  # each name reaches the base model; a response names the first, as vLLM's
                 done = await oai.completions.create(model=name, prompt="hi", max_tokens=2)
-                assert done.model == name and engine.arrivals[-1].lora_name is None
+                assert done.model == "first" and engine.arrivals[-1].lora_name is None
+                chat = await oai.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}])
+                assert chat.model == "first"
+                stream = await oai.completions.create(model=name, prompt="hi", max_tokens=2, stream=True)
+                assert {chunk.model async for chunk in stream} == {"first"}
             with pytest.raises(openai.NotFoundError):
                 await oai.completions.create(model="third", prompt="hi", max_tokens=2)
 

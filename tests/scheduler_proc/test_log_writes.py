@@ -15,6 +15,7 @@ from ledgerserve.scheduler_proc.loop import SchedulerShell
 from ledgerserve.scheduler_proc.redaction import Redactor
 from ledgerserve.scheduler_proc.replay import main
 from ledgerserve.scheduler_proc.replay import main as replay_main
+from ledgerserve.scheduler_proc.stats_log import StatsLog
 from ledgerserve.shared import codec, ipc
 from ledgerserve.shared import events as ev
 from ledgerserve.shared.eventlog import EventLogReader, EventLogWriter, LogWriteError
@@ -83,6 +84,7 @@ def make_shell(tmp_path, fsync="step", opener=open):
     shell.to_workers = [FakeSocket(codec.to_worker_decoder())]
     shell.num_dropped_frames = 0
     shell.stop, shell.failure, shell.last_stats = None, None, None
+    shell.stats_log = StatsLog(0)
     return shell
 
 
