@@ -10,7 +10,7 @@ import os
 import re
 
 from ledgerserve.shared import env
-from ledgerserve.shared.config import revision_name
+from ledgerserve.shared.flag_values import revision_name
 
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")

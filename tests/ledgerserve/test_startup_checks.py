@@ -19,7 +19,7 @@ from ledgerserve.cli import build_parser
 from ledgerserve.cli import main as cli_main
 from ledgerserve.launcher import parse_lora_module
 from ledgerserve.model_source import resolve
-from ledgerserve.shared.config import revision_name
+from ledgerserve.shared.flag_values import revision_name
 
 CHILD_LINES = ("scheduler INFO", "worker-0", "tokenizer INFO", "loaded weights", "engine ready")
 
