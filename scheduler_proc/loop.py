@@ -11,12 +11,12 @@ import time
 import msgspec
 import zmq
 
-from ledgerserve.scheduler_proc.core.adapter_stats import AdapterStats
 from ledgerserve.scheduler_proc.core.core import Core, CoreConfig
-from ledgerserve.scheduler_proc.core.registry_changes import registry_changes
-from ledgerserve.scheduler_proc.core.stats import engine_stats
 from ledgerserve.scheduler_proc.redaction import Redactor
 from ledgerserve.scheduler_proc.stats_log import StatsLog
+from ledgerserve.scheduler_proc.views.adapter_stats import AdapterStats
+from ledgerserve.scheduler_proc.views.engine_stats import engine_stats
+from ledgerserve.scheduler_proc.views.registry_changes import registry_changes
 from ledgerserve.shared import codec, events, ipc
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.eventlog import EventLogWriter, LogWriteError, enforce_retention

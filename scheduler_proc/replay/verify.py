@@ -16,8 +16,8 @@ from typing import Any
 import msgspec
 
 from ledgerserve.scheduler_proc.core import Core, CoreConfig
-from ledgerserve.scheduler_proc.core.adapter_stats import AdapterStats
 from ledgerserve.scheduler_proc.replay.format import differing_fields, side_by_side
+from ledgerserve.scheduler_proc.views.adapter_stats import AdapterStats
 from ledgerserve.shared import codec
 from ledgerserve.shared import events as ev
 from ledgerserve.shared.config import EngineConfig

@@ -42,8 +42,8 @@ from typing import Any
 
 from ledgerserve.scheduler_proc.core import Core, CoreConfig
 from ledgerserve.scheduler_proc.core.block_manager import BlockManager
-from ledgerserve.scheduler_proc.core.registry_changes import registry_changes
-from ledgerserve.scheduler_proc.core.stats import engine_stats
+from ledgerserve.scheduler_proc.views.engine_stats import engine_stats
+from ledgerserve.scheduler_proc.views.registry_changes import registry_changes
 from ledgerserve.shared import events as ev
 from ledgerserve.shared.sampling import SamplingParams
 from tests.scheduler_proc.fake_adapters import AdapterLoads, FakeSlots, LoadPolicy

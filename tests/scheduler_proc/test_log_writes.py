@@ -10,12 +10,12 @@ import pytest
 import zmq
 
 from ledgerserve.scheduler_proc.core import Core, CoreConfig
-from ledgerserve.scheduler_proc.core.adapter_stats import AdapterStats
 from ledgerserve.scheduler_proc.loop import SchedulerShell
 from ledgerserve.scheduler_proc.redaction import Redactor
 from ledgerserve.scheduler_proc.replay import main
 from ledgerserve.scheduler_proc.replay import main as replay_main
 from ledgerserve.scheduler_proc.stats_log import StatsLog
+from ledgerserve.scheduler_proc.views.adapter_stats import AdapterStats
 from ledgerserve.shared import codec, ipc
 from ledgerserve.shared import events as ev
 from ledgerserve.shared.eventlog import EventLogReader, EventLogWriter, LogWriteError
