@@ -23,12 +23,11 @@ from typing import Any
 
 from ledgerserve.scheduler_proc.core import adapter_views, marks
 from ledgerserve.scheduler_proc.core.config import CoreConfig
+from ledgerserve.scheduler_proc.core.decisions import Decisions
 from ledgerserve.scheduler_proc.core.request import Request
 from ledgerserve.scheduler_proc.core.scheduler import distinct
 from ledgerserve.scheduler_proc.core.slots import Slot, SlotState, SlotTable, lru_victim
 from ledgerserve.shared import events as ev
-
-Decisions = list[Any]
 
 
 @dataclass

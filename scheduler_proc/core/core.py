@@ -1,4 +1,4 @@
-"""The sans-IO scheduler core: `Core.apply(event) -> list[Decision]`.
+"""The sans-IO scheduler core: `Core.apply(event) -> Decisions` (decisions.py).
 
 Deterministic by construction: no clock, no randomness, no set iteration, no `hash()`;
 dicts are only used for lookups; every order comes from the input sequence or from
@@ -26,12 +26,11 @@ from ledgerserve.scheduler_proc.core import (
 from ledgerserve.scheduler_proc.core.adapters import AdapterManager
 from ledgerserve.scheduler_proc.core.block_manager import BlockManager
 from ledgerserve.scheduler_proc.core.config import CoreConfig
+from ledgerserve.scheduler_proc.core.decisions import Decisions
 from ledgerserve.scheduler_proc.core.plan import InFlightStep, build_plan
 from ledgerserve.scheduler_proc.core.request import Request
 from ledgerserve.scheduler_proc.core.scheduler import Scheduler
 from ledgerserve.shared import events as ev
-
-Decisions = list[Any]  # list[events.Decision]
 
 
 class Core:
