@@ -208,7 +208,7 @@ class AdapterManager:
 
     def _reply(self, op_id: str, code: int, message: str, version_id: int = 0) -> ev.AdapterOpReplied:
         return ev.AdapterOpReplied(
-            op_id, code, message, version_id, self.infos() if self.config.op_reply_registry else []
+            op_id, code, message, version_id, self.infos() if self.config.policy.op_reply_registry else []
         )
 
     # ------------------------------------------------------------------ requests

@@ -89,7 +89,7 @@ class Core:
         if self.failure is not None:
             return self._after_failure(event)
         decisions = handler(self, event)
-        if self.scheduler.is_ready and not self.config.keep_dropped_namespaces:
+        if self.scheduler.is_ready and not self.config.policy.keep_dropped_namespaces:
             prefix.forget_dropped_namespaces(self.scheduler.block_manager, self.adapters.versions)
         if self.failure is None:
             decisions += self._prefetch() + self._maybe_plan()

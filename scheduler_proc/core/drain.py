@@ -1,4 +1,4 @@
-"""Targeted drains (overlapped loading with `CoreConfig.lora_targeted_drain`): when a waiting
+"""Targeted drains (overlapped loading with `Policy.targeted_drain`): when a waiting
 request's adapter version has no slot and none can be had, one slot is drained for it instead
 of barring every adapter request behind it. Every start and cancellation is a logged decision.
 
