@@ -2,8 +2,9 @@
 
 The core decides; the runner (worker_proc.runner.ModelRunner, or a test's fake) carries out the
 commands in the order they were decided, as a worker applies its command stream, and its results go
-back into the core as inputs. With a log directory every input and its decisions are logged as
-scheduler_proc/loop.py logs them, so `ledgerserve replay --verify` checks the run.
+back into the core as inputs. With a log directory every input and its decisions go through the
+scheduler's ledger (scheduler_proc/ledger.py), as in the scheduler process, so `ledgerserve replay
+--verify` checks the run.
 
     engine = Engine(config, ModelRunner(config))
     engine.apply(events.RequestArrived("a", prompt_ids, sampling))
@@ -17,7 +18,7 @@ from collections import deque
 from typing import Protocol
 
 from ledgerserve.scheduler_proc.core import Core, CoreConfig
-from ledgerserve.scheduler_proc.loop import TO_WORKER_TYPES, apply_logged
+from ledgerserve.scheduler_proc.ledger import Ledger, Route, route
 from ledgerserve.scheduler_proc.redaction import Redactor
 from ledgerserve.shared import events
 from ledgerserve.shared.config import EngineConfig
@@ -48,9 +49,10 @@ class Engine:
         self.runner = runner
         self.commands: deque[events.Event] = deque()  # decided for the worker, not yet carried out; in order
         self.log: EventLogWriter | None = None
-        self.content = Redactor(config.event_log_content)  # what the log keeps of request content
+        self.ledger: Ledger | None = None  # with a log: the shell's order of record (scheduler_proc/ledger.py)
         if log_dir:
             self.log = EventLogWriter(log_dir, config.to_json(), run_id, fsync=config.event_log_fsync)
+            self.ledger = Ledger(self.core, self.log, Redactor(config.event_log_content))
         self.ready_decisions = self.apply(runner.ready())
 
     def step(self) -> list[events.Event]:
@@ -70,11 +72,11 @@ class Engine:
     def apply(self, event: events.Event) -> list[events.Event]:
         """Log the input, apply it, log the decisions and commit, as the scheduler's shell does; the
         worker's commands among them queue for step(). Returns the decisions."""
-        if self.log is None:
+        if self.ledger is None:
             decisions = self.core.apply(event)
         else:
-            decisions = [decision for decision, _ in apply_logged(self.core, self.log, event, self.content)]
-        self.commands.extend(d for d in decisions if isinstance(d, TO_WORKER_TYPES))
+            decisions = [routed.decision for routed in self.ledger.apply(event)]
+        self.commands.extend(d for d in decisions if route(d) is Route.WORKERS)
         return decisions
 
     def has_work(self) -> bool:

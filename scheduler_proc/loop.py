@@ -1,6 +1,6 @@
-"""The scheduler's shell: all of its IO. Receive an input, log it, apply it to the
-sans-IO core, log the decisions, then send them. Log first, then act
-(docs/architecture.md, "The event log")."""
+"""The scheduler's shell: all of its IO. Receive an input, hand it to the ledger (ledger.py: log
+it, apply it to the sans-IO core, log the decisions), then send each decision where the ledger
+routes it. Log first, then act (docs/architecture.md, "The event log")."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ import time
 import msgspec
 import zmq
 
-from ledgerserve.scheduler_proc.core.adapter_stats import AdapterStats
 from ledgerserve.scheduler_proc.core.core import Core, CoreConfig
-from ledgerserve.scheduler_proc.core.registry_changes import registry_changes
-from ledgerserve.scheduler_proc.core.stats import engine_stats
+from ledgerserve.scheduler_proc.ledger import Ledger, Route
 from ledgerserve.scheduler_proc.redaction import Redactor
 from ledgerserve.scheduler_proc.stats_log import StatsLog
+from ledgerserve.scheduler_proc.views.adapter_stats import AdapterStats
+from ledgerserve.scheduler_proc.views.engine_stats import engine_stats
+from ledgerserve.scheduler_proc.views.registry_changes import registry_changes
 from ledgerserve.shared import codec, events, ipc
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.eventlog import EventLogWriter, LogWriteError, enforce_retention
@@ -24,42 +25,8 @@ from ledgerserve.shared.proc import send_ready
 from ledgerserve.shared.progress import ready_line
 
 log = logging.getLogger("scheduler")
-PLAIN = Redactor("tokens")  # the identity: the log keeps what the core sees
 
 POLL_MS = 100
-TO_TOKENIZER_TYPES = (
-    events.TokensEmitted,
-    events.RequestRejected,
-    events.EngineFailed,
-    events.EngineReady,
-    events.AdapterOpReplied,
-)
-TO_WORKER_TYPES = (
-    events.StepPlan,
-    events.AdapterSlotAssigned,
-    events.AdapterEvicted,
-    events.AdapterCpuEvicted,
-    events.AdapterPrefetched,
-)
-
-
-def apply_logged(
-    core: Core, log: EventLogWriter, event: events.Event, content: Redactor = PLAIN
-) -> list[tuple[events.Event, bytes]]:
-    """Log the input, apply it, log the decisions, commit (fsync per policy): the order replay
-    relies on, for the scheduler process and the in-process engine alike. `content` (redaction.py)
-    turns the input into what is logged and applied, and each logged decision into what is sent.
-    A decision sent as logged is encoded once: the same bytes go to the log and to the socket."""
-    event = content.inbound(event)
-    log.append(event)
-    decisions = []
-    for decision in core.apply(event):
-        frame = codec.encode(decision)
-        log.append(decision, frame)
-        sent = content.outbound(decision)
-        decisions.append((sent, frame if sent is decision else codec.encode(sent)))
-    log.commit(step_planned=any(isinstance(d, events.StepPlan) for d, _ in decisions))
-    return decisions
 
 
 class SchedulerShell:
@@ -74,11 +41,8 @@ class SchedulerShell:
         ]
         self.tokenizer_decoder = codec.to_scheduler_decoder()
         self.worker_decoder = codec.from_worker_decoder()
-        self.core = Core(CoreConfig.from_engine(config))
-        self.content = Redactor(config.event_log_content)
-        self.adapter_stats = AdapterStats(config.tensor_parallel_size, self.core.config.lora_overlap_loading)
         run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
-        self.log = EventLogWriter(
+        writer = EventLogWriter(
             config.event_log_dir,
             config.to_json(),
             run_id,
@@ -86,12 +50,22 @@ class SchedulerShell:
             max_bytes=config.event_log_max_bytes,
             on_rotate=self._trim_logs,
         )
+        self.ledger = Ledger(Core(CoreConfig.from_engine(config)), writer, Redactor(config.event_log_content))
+        self.adapter_stats = AdapterStats(config.tensor_parallel_size, self.core.config.lora_overlap_loading)
         self._trim_logs()
         self.num_dropped_frames = 0
         self.stop: events.LogClosed | None = None  # a stop was asked for: why (the first ask wins)
         self.failure: str | None = None  # the engine failed: why
         self.last_stats: events.EngineStats | None = None
         self.stats_log = StatsLog(config.max_loras if config.enable_lora else 0)
+
+    @property
+    def core(self) -> Core:
+        return self.ledger.core
+
+    @property
+    def log(self) -> EventLogWriter:
+        return self.ledger.log
 
     @property
     def failed(self) -> bool:
@@ -134,18 +108,19 @@ class SchedulerShell:
         if self.failed:
             return
         try:
-            decisions = apply_logged(self.core, self.log, event, self.content)
+            routed = self.ledger.apply(event)
         except LogWriteError as exc:
             self._stop_unlogged(exc)
             return
-        self._send_registry_changes([decision for decision, _ in decisions])
-        for decision, frame in decisions:
-            self._route(decision, frame)
-        self._fold_adapter_stats(event, [decision for decision, _ in decisions])
+        decisions = [r.decision for r in routed]
+        self._send_registry_changes(decisions)
+        for decision, frame, where in routed:
+            self._send_decision(decision, frame, where)
+        self._fold_adapter_stats(event, decisions)
         if isinstance(event, events.WorkerReady) and self.core.scheduler.is_ready:
             self._on_engine_ready(event)  # the last rank's WorkerReady made the core ready
         self._send_stats()
-        self.stats_log.record([decision for decision, _ in decisions], self.last_stats, time.monotonic())
+        self.stats_log.record(decisions, self.last_stats, time.monotonic())
 
     def _fold_adapter_stats(self, event: events.Event, decisions: list[events.Event]) -> None:
         """Per-adapter figures from what was just logged, in log order; each slot load that
@@ -204,11 +179,11 @@ class SchedulerShell:
             self._send(self.to_tokenizer, codec.encode(stats))
             self.last_stats = stats
 
-    def _route(self, decision: events.Event, frame: bytes) -> None:
-        if isinstance(decision, TO_WORKER_TYPES):
+    def _send_decision(self, decision: events.Event, frame: bytes, where: Route) -> None:
+        if where is Route.WORKERS:
             for sock in self.to_workers:
                 self._send(sock, frame)
-        elif isinstance(decision, TO_TOKENIZER_TYPES):
+        elif where is Route.TOKENIZER:
             self._send(self.to_tokenizer, frame)
         if isinstance(decision, events.EngineFailed):
             log.error("engine failed: %s", decision.message)

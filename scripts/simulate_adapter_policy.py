@@ -35,6 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from ledgerserve.scheduler_proc.core.policy import Policy  # noqa: E402
 from ledgerserve.shared import events as ev  # noqa: E402
 from ledgerserve.shared.sampling import SamplingParams  # noqa: E402
 from scripts import serving_report  # noqa: E402
@@ -96,7 +97,7 @@ class SimDriver(Driver):
             lora_max_wait_steps=settings.lora_max_wait_steps,
             max_steps_in_flight=2,
             lora_overlap_loading=True,
-            lora_targeted_drain=policy == "drain",
+            policy=Policy.current() if policy == "drain" else Policy.for_schema(3),  # schema 3: aging only
             ready=False,
         )
         self.worker = LeanWorker(settings.block_size, self.worker.slots)

@@ -162,7 +162,7 @@ class EngineStats(Event):
 
 
 class AdapterRow(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
-    """One registered adapter as the event log tells it (scheduler_proc.core.adapter_stats):
+    """One registered adapter as the event log tells it (scheduler_proc.views.adapter_stats):
     where its current version is, its requests now, and its token counts since it was registered."""
 
     name: str

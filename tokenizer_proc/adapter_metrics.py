@@ -1,5 +1,5 @@
 """Per-adapter and adapter-movement series of `/metrics`, every figure as the scheduler
-folded it from its event log (scheduler_proc.core.adapter_stats), so /metrics and
+folded it from its event log (scheduler_proc.views.adapter_stats), so /metrics and
 `ledgerserve replay --show adapters` agree.
 
 - `AdapterRowsCollector` reads, at each scrape, the latest row of every registered adapter

@@ -140,7 +140,7 @@ def rows(manager: AdapterManager) -> list[Any]:
     """The StateDigest's adapter rows. Which ranks reported a slot load in flight, or a CPU-tier
     staging, decides nothing (a slot is used once every rank reported it, and its state is in the
     slot rows): their timing is the workers', so they are left out, and two runs of the same
-    traffic digest alike. Logs of schema 5 and before hashed them (`digest_load_reports`), with
+    traffic digest alike. Logs of schema 5 and before hashed them (`Policy.digest_load_reports`), with
     overlapped loading and LoRA on."""
     tier = manager.cpu_last_used_step
     out: list[Any] = [
@@ -149,7 +149,7 @@ def rows(manager: AdapterManager) -> list[Any]:
         manager.slots.rows(),
         [[v, tier[v]] for v in sorted(tier)],
     ]
-    if manager.config.digest_load_reports and manager.config.lora_overlap_loading and manager.config.enable_lora:
+    if manager.config.policy.digest_load_reports and manager.config.lora_overlap_loading and manager.config.enable_lora:
         out.append([[s.index, list(s.ready_ranks)] for s in manager.slots.slots if s.state == SlotState.LOADING])
         out.append([[v, list(manager.cpu_staged_ranks[v])] for v in sorted(manager.cpu_staged_ranks)])
     if manager.config.drains_slots and manager.config.enable_lora:

@@ -23,12 +23,11 @@ from typing import Any
 
 from ledgerserve.scheduler_proc.core import adapter_views, marks
 from ledgerserve.scheduler_proc.core.config import CoreConfig
+from ledgerserve.scheduler_proc.core.decisions import Decisions
 from ledgerserve.scheduler_proc.core.request import Request
 from ledgerserve.scheduler_proc.core.scheduler import distinct
 from ledgerserve.scheduler_proc.core.slots import Slot, SlotState, SlotTable, lru_victim
 from ledgerserve.shared import events as ev
-
-Decisions = list[Any]
 
 
 @dataclass
@@ -209,7 +208,7 @@ class AdapterManager:
 
     def _reply(self, op_id: str, code: int, message: str, version_id: int = 0) -> ev.AdapterOpReplied:
         return ev.AdapterOpReplied(
-            op_id, code, message, version_id, self.infos() if self.config.op_reply_registry else []
+            op_id, code, message, version_id, self.infos() if self.config.policy.op_reply_registry else []
         )
 
     # ------------------------------------------------------------------ requests

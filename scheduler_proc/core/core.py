@@ -1,4 +1,4 @@
-"""The sans-IO scheduler core: `Core.apply(event) -> list[Decision]`.
+"""The sans-IO scheduler core: `Core.apply(event) -> Decisions` (decisions.py).
 
 Deterministic by construction: no clock, no randomness, no set iteration, no `hash()`;
 dicts are only used for lookups; every order comes from the input sequence or from
@@ -26,12 +26,11 @@ from ledgerserve.scheduler_proc.core import (
 from ledgerserve.scheduler_proc.core.adapters import AdapterManager
 from ledgerserve.scheduler_proc.core.block_manager import BlockManager
 from ledgerserve.scheduler_proc.core.config import CoreConfig
+from ledgerserve.scheduler_proc.core.decisions import Decisions
 from ledgerserve.scheduler_proc.core.plan import InFlightStep, build_plan
 from ledgerserve.scheduler_proc.core.request import Request
 from ledgerserve.scheduler_proc.core.scheduler import Scheduler
 from ledgerserve.shared import events as ev
-
-Decisions = list[Any]  # list[events.Decision]
 
 
 class Core:
@@ -90,7 +89,7 @@ class Core:
         if self.failure is not None:
             return self._after_failure(event)
         decisions = handler(self, event)
-        if self.scheduler.is_ready and not self.config.keep_dropped_namespaces:
+        if self.scheduler.is_ready and not self.config.policy.keep_dropped_namespaces:
             prefix.forget_dropped_namespaces(self.scheduler.block_manager, self.adapters.versions)
         if self.failure is None:
             decisions += self._prefetch() + self._maybe_plan()

@@ -1,4 +1,4 @@
-"""Targeted drains (overlapped loading with `CoreConfig.lora_targeted_drain`): when a waiting
+"""Targeted drains (overlapped loading with `Policy.targeted_drain`): when a waiting
 request's adapter version has no slot and none can be had, one slot is drained for it instead
 of barring every adapter request behind it. Every start and cancellation is a logged decision.
 
@@ -38,17 +38,15 @@ step: R runs by step t0 + W + D + L + 2 (plus waiting for max_num_seqs or KV blo
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 from ledgerserve.scheduler_proc.core import prefetch
 from ledgerserve.scheduler_proc.core.adapters import AdapterManager
 from ledgerserve.scheduler_proc.core.config import CoreConfig
+from ledgerserve.scheduler_proc.core.decisions import Decisions
 from ledgerserve.scheduler_proc.core.prefetch import LOOKAHEAD_VERSIONS_PER_SLOT
 from ledgerserve.scheduler_proc.core.request import Request
 from ledgerserve.scheduler_proc.core.slots import Slot, SlotState
 from ledgerserve.shared import events as ev
-
-Decisions = list[Any]
 
 
 def movement_pass(

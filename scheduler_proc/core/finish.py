@@ -7,14 +7,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ledgerserve.scheduler_proc.core.block_manager import num_blocks_for
+from ledgerserve.scheduler_proc.core.decisions import Decisions
 from ledgerserve.scheduler_proc.core.request import FINISH_REASON_TO_STATUS, Request, RequestStatus, transition
 from ledgerserve.shared import events as ev
 from ledgerserve.shared.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from ledgerserve.scheduler_proc.core.core import Core
-
-Decisions = list[Any]  # list[events.Decision]
 
 
 def check_stop(

@@ -15,17 +15,16 @@ tells every rank to clear it, and a rank whose load still runs clears it when th
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ledgerserve.scheduler_proc.core import finish, prefix
 from ledgerserve.scheduler_proc.core.adapters import AdapterManager
+from ledgerserve.scheduler_proc.core.decisions import Decisions
 from ledgerserve.scheduler_proc.core.slots import SlotState
 from ledgerserve.shared import events as ev
 
 if TYPE_CHECKING:
     from ledgerserve.scheduler_proc.core.core import Core
-
-Decisions = list[Any]
 
 
 def on_adapter_load_requested(core: Core, event: ev.AdapterLoadRequested) -> Decisions:

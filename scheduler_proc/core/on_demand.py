@@ -20,15 +20,14 @@ naming an on-demand adapter may load it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ledgerserve.scheduler_proc.core import movement
+from ledgerserve.scheduler_proc.core.decisions import Decisions
 from ledgerserve.shared import events as ev
 
 if TYPE_CHECKING:
     from ledgerserve.scheduler_proc.core.core import Core
-
-Decisions = list[Any]
 
 
 def register_for_request(core: Core, event: ev.RequestArrived) -> tuple[Decisions, int | None]:

@@ -17,14 +17,12 @@ that is in a slot.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 from ledgerserve.scheduler_proc.core import prefetch
 from ledgerserve.scheduler_proc.core.adapters import AdapterManager
+from ledgerserve.scheduler_proc.core.decisions import Decisions
 from ledgerserve.scheduler_proc.core.request import Request
 from ledgerserve.scheduler_proc.core.slots import Slot, SlotState
-
-Decisions = list[Any]
 
 
 def place(adapters: AdapterManager, waiting: Iterable[Request], step: int, busy_slots: list[int]) -> Decisions:

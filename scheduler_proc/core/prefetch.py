@@ -27,13 +27,12 @@ one the lookahead needs last (a slot for an earlier version beats staging a late
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 from ledgerserve.scheduler_proc.core.adapters import AdapterManager
+from ledgerserve.scheduler_proc.core.decisions import Decisions
 from ledgerserve.scheduler_proc.core.request import Request
 from ledgerserve.scheduler_proc.core.slots import Slot, SlotState
 
-Decisions = list[Any]
 LOOKAHEAD_VERSIONS_PER_SLOT = 4
 
 

@@ -8,18 +8,19 @@ from collections.abc import Mapping
 from typing import Any
 
 from ledgerserve.scheduler_proc.core.block_manager import BlockManager
+from ledgerserve.scheduler_proc.core.decisions import Decisions
 from ledgerserve.scheduler_proc.core.request import Request
 from ledgerserve.shared import events as ev
 
 
-def cache_computed(block_manager: BlockManager, req: Request, step: int) -> list[Any]:
+def cache_computed(block_manager: BlockManager, req: Request, step: int) -> Decisions:
     block_ids, block_hashes = block_manager.cache_computed(req, step)
     if not block_ids:
         return []
     return [ev.PrefixCached(req.req_id, req.namespace, block_ids, block_hashes)]
 
 
-def unregistered_versions(decisions: list[Any]) -> list[int]:
+def unregistered_versions(decisions: Decisions) -> list[int]:
     """Adapter versions these adapter decisions unregister: an unload (or failed load),
     or a load_inplace superseding the previous version under the name."""
     out: list[int] = []
@@ -31,8 +32,8 @@ def unregistered_versions(decisions: list[Any]) -> list[int]:
     return out
 
 
-def evict_namespaces(block_manager: BlockManager, version_ids: list[int]) -> list[Any]:
-    decisions: list[Any] = []
+def evict_namespaces(block_manager: BlockManager, version_ids: list[int]) -> Decisions:
+    decisions: Decisions = []
     for version_id in version_ids:
         num_blocks, num_locked = block_manager.evict_namespace(version_id)
         decisions.append(ev.NamespaceEvicted(version_id, num_blocks, num_locked))
@@ -49,7 +50,7 @@ def forget_dropped_namespaces(block_manager: BlockManager, live_versions: Mappin
             cache.forget_namespace(namespace)
 
 
-def before_reply(decisions: list[Any], inserted: list[Any]) -> list[Any]:
+def before_reply(decisions: Decisions, inserted: Decisions) -> Decisions:
     """`inserted` placed just before the op's AdapterOpReplied (or at the end)."""
     for i, decision in enumerate(decisions):
         if isinstance(decision, ev.AdapterOpReplied):

@@ -3,16 +3,15 @@ each rank's state digest, and a worker's failure."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ledgerserve.scheduler_proc.core import finish, prefix, prompt_logprobs
+from ledgerserve.scheduler_proc.core.decisions import Decisions
 from ledgerserve.scheduler_proc.core.request import Request, RequestStatus
 from ledgerserve.shared import events as ev
 
 if TYPE_CHECKING:
     from ledgerserve.scheduler_proc.core.core import Core
-
-Decisions = list[Any]  # list[events.Decision]
 
 
 def on_step_completed(core: Core, event: ev.StepCompleted) -> Decisions:

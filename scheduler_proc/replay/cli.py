@@ -21,11 +21,11 @@ from typing import Any
 
 import msgspec
 
-from ledgerserve.scheduler_proc.core.stats import engine_stats
 from ledgerserve.scheduler_proc.replay.diff import LogDiff, diff_logs
 from ledgerserve.scheduler_proc.replay.figures import FIGURE_SECTIONS, figure_sections, render_figures
 from ledgerserve.scheduler_proc.replay.state import SECTIONS, parse_sections, render, sections
 from ledgerserve.scheduler_proc.replay.verify import Divergence, HistoryTrimmed, ReplayResult, replay
+from ledgerserve.scheduler_proc.views.engine_stats import engine_stats
 from ledgerserve.shared.eventlog import LogCorruption
 from ledgerserve.shared.events import LogClosed, WorkerReady
 from ledgerserve.shared.progress import ready_line

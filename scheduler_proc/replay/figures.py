@@ -1,11 +1,11 @@
 """`--show adapters` and `--show requests`: the per-adapter figures folded from the log
-(scheduler_proc.core.adapter_stats, the code that feeds /metrics), beside the state dump."""
+(scheduler_proc.views.adapter_stats, the code that feeds /metrics), beside the state dump."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ledgerserve.scheduler_proc.core.adapter_stats import AdapterStats
+from ledgerserve.scheduler_proc.views.adapter_stats import AdapterStats
 
 FIGURE_SECTIONS = {"adapters": "adapter_figures", "requests": "adapter_waits"}
 

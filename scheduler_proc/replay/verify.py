@@ -9,15 +9,15 @@ written encodes one more (default) item, and the same decision must still verify
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from ledgerserve.scheduler_proc.core import Core, CoreConfig
-from ledgerserve.scheduler_proc.core.adapter_stats import AdapterStats
+from ledgerserve.scheduler_proc.core.policy import Policy
 from ledgerserve.scheduler_proc.replay.format import differing_fields, side_by_side
+from ledgerserve.scheduler_proc.views.adapter_stats import AdapterStats
 from ledgerserve.shared import codec
 from ledgerserve.shared import events as ev
 from ledgerserve.shared.config import EngineConfig
@@ -120,26 +120,13 @@ def require_whole_run(scanner: RunScanner) -> None:
 
 
 def core_config(scanner: RunScanner) -> CoreConfig:
-    """The core as the run's engine had it. Schema 1 logs predate forgetting dropped prefix
-    namespaces: their StateDigests list every namespace ever evicted. Schema 1 and 2 logs
-    predate overlapped adapter loading: their engines loaded in command order. Schema 3 logs
-    predate targeted drains: an aged request with no slot barred every adapter request behind it.
-    Logs of schema 4 and before carry the whole registry in every AdapterOpReplied. Logs of
-    schema 5 and before hash the ranks' load and staging reports in their StateDigests."""
+    """The core as the run's engine had it: the header's engine config, with the behaviour of the
+    header's schema version (core/policy.py says what each older schema's engine did)."""
+    policy = Policy.for_schema(scanner.header.schema_version)
     try:
-        config = CoreConfig.from_engine(EngineConfig.from_json(scanner.config_json))
+        return CoreConfig.from_engine(EngineConfig.from_json(scanner.config_json), policy)
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, ValueError, TypeError) as exc:
         raise LogCorruption(f"the header's engine config is not valid: {exc}", None, 0, scanner.path) from None
-    version = scanner.header.schema_version
-    overlap = config.lora_overlap_loading and version >= 3
-    return dataclasses.replace(
-        config,
-        keep_dropped_namespaces=version < 2,
-        lora_overlap_loading=overlap,
-        lora_targeted_drain=version >= 4,
-        op_reply_registry=version < 5,
-        digest_load_reports=version < 6,
-    )
 
 
 @dataclass

@@ -13,23 +13,24 @@ record chains to. So a run whose first segments were removed (retention) still r
 is known to be trimmed.
 
 Schema 1 (still read): the same without `info_len` and `info`. Its logs also hold
-StateDigests that list every prefix namespace ever evicted (`CoreConfig.keep_dropped_namespaces`).
+StateDigests that list every prefix namespace ever evicted (`Policy.keep_dropped_namespaces`,
+scheduler_proc/core/policy.py).
 
 Schema 2 (still read): the format of schema 3; its engines loaded every adapter in command
-order, so it replays with `CoreConfig.lora_overlap_loading` off whatever its config says.
+order, so it replays with `Policy.overlap_loading` off whatever its config says.
 
 Schema 3 (still read): the format of schema 4; its engines, with overlapped loading, barred
 every adapter request behind an aged request with no slot instead of draining one slot for it,
-so it replays with `CoreConfig.lora_targeted_drain` off.
+so it replays with `Policy.targeted_drain` off.
 
 Schema 4 (still read): the format of schema 5; each of its AdapterOpReplied carried the whole
 adapter registry (a log that grew with the square of the adapter ops), so it replays with
-`CoreConfig.op_reply_registry` on.
+`Policy.op_reply_registry` on.
 
 Schema 5 (still read): the format of schema 6; its StateDigests, with overlapped loading, also
 hashed which ranks had reported each slot load in flight and each CPU-tier staging: reports no
 decision waits on, whose timing differs from run to run, so two runs of the same traffic had
-other digests. It replays with `CoreConfig.digest_load_reports` on.
+other digests. It replays with `Policy.digest_load_reports` on.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from peft import PeftModel
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ledgerserve.scheduler_proc.loop import TO_WORKER_TYPES
+from ledgerserve.scheduler_proc.ledger import TO_WORKER_TYPES
 from ledgerserve.shared import events
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.eventlog import EventLogReader, newest_log

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ledgerserve.scheduler_proc.core.stats import engine_stats
+from ledgerserve.scheduler_proc.views.engine_stats import engine_stats
 from ledgerserve.shared import events
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.sampling import SamplingParams

@@ -7,10 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from ledgerserve.engine import Engine
-from ledgerserve.scheduler_proc.core.stats import engine_stats
-from ledgerserve.scheduler_proc.loop import TO_WORKER_TYPES
+from ledgerserve.scheduler_proc.ledger import TO_WORKER_TYPES
 from ledgerserve.scheduler_proc.replay import main as replay_main
 from ledgerserve.scheduler_proc.replay import replay
+from ledgerserve.scheduler_proc.views.engine_stats import engine_stats
 from ledgerserve.shared import events as ev
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.sampling import SamplingParams

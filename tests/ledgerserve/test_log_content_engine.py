@@ -1,5 +1,5 @@
-"""What the event log's bytes hold of request content, through the in-process engine (the shell's
-apply_logged and log writer, a fake runner): with `--event-log-content tokens` the prompt, the
+"""What the event log's bytes hold of request content, through the in-process engine (the
+scheduler's ledger and log writer, a fake runner): with `--event-log-content tokens` the prompt, the
 sampled ids and their logprobs are there; with `hashed` none of them is, the client still gets
 them all, and `ledgerserve replay --verify` passes."""
 

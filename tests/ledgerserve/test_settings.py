@@ -232,10 +232,13 @@ def test_core_config_of_a_default_engine_config():
         "max_steps_in_flight": 1,
         "lora_overlap_loading": True,
         "max_on_demand_loras": 64,
-        "keep_dropped_namespaces": False,
-        "lora_targeted_drain": True,
-        "op_reply_registry": False,
-        "digest_load_reports": False,
+        "policy": {
+            "overlap_loading": True,
+            "targeted_drain": True,
+            "keep_dropped_namespaces": False,
+            "op_reply_registry": False,
+            "digest_load_reports": False,
+        },
     }
     async_engine = dataclasses.replace(engine, async_scheduling=True, max_loras=3, lora_overlap_loading=False)
     core = CoreConfig.from_engine(async_engine)

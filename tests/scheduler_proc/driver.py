@@ -42,8 +42,9 @@ from typing import Any
 
 from ledgerserve.scheduler_proc.core import Core, CoreConfig
 from ledgerserve.scheduler_proc.core.block_manager import BlockManager
-from ledgerserve.scheduler_proc.core.registry_changes import registry_changes
-from ledgerserve.scheduler_proc.core.stats import engine_stats
+from ledgerserve.scheduler_proc.core.policy import Policy
+from ledgerserve.scheduler_proc.views.engine_stats import engine_stats
+from ledgerserve.scheduler_proc.views.registry_changes import registry_changes
 from ledgerserve.shared import events as ev
 from ledgerserve.shared.sampling import SamplingParams
 from tests.scheduler_proc.fake_adapters import AdapterLoads, FakeSlots, LoadPolicy
@@ -168,7 +169,7 @@ class Driver(AdapterLoads):
         lora_max_wait_steps: int = 16,
         max_steps_in_flight: int = 1,
         lora_overlap_loading: bool = False,
-        lora_targeted_drain: bool = True,
+        policy: Policy | None = None,  # None: Policy.current(); Policy.for_schema(n): an older schema's engine
         load_policy: LoadPolicy | None = None,
         digests: bool = False,
         max_on_demand_loras: int = 64,
@@ -185,7 +186,7 @@ class Driver(AdapterLoads):
             lora_max_wait_steps=lora_max_wait_steps,
             max_steps_in_flight=max_steps_in_flight,
             lora_overlap_loading=lora_overlap_loading,
-            lora_targeted_drain=lora_targeted_drain,
+            policy=policy if policy is not None else Policy.current(),
             max_on_demand_loras=max_on_demand_loras,
         )
         self.core = Core(self.config)

@@ -225,10 +225,10 @@ def test_reference_path_assigns_ready_slots_and_ignores_completions():
 
 
 def test_shell_stats_carry_the_movement_gauges(tmp_path):
-    shell = make_shell(tmp_path)
-    shell.core = Core(
-        overlap_driver(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=32, max_loras=2, max_cpu_loras=2).config
-    )
+    config = overlap_driver(
+        max_num_seqs=4, max_num_batched_tokens=16, max_model_len=32, max_loras=2, max_cpu_loras=2
+    ).config
+    shell = make_shell(tmp_path, core=Core(config))
     shell.handle(ev.WorkerReady(0, 16, 1000, [2], "cpu", "float32"))
     shell.handle(ev.AdapterLoadRequested("op-1", "a", "/adapters/a", 8, 1000))
     shell.handle(ev.AdapterLoadRequested("op-2", "b", "/adapters/b", 8, 3000))

@@ -1,6 +1,7 @@
 """FCFS with adapter affinity, bounded by aging: under a skewed workload that keeps one
 adapter busy forever, a request for another adapter still gets its slot."""
 
+from ledgerserve.scheduler_proc.core.policy import Policy
 from tests.scheduler_proc.driver import Driver
 
 
@@ -61,7 +62,7 @@ def _skewed_overlap(max_wait_steps: int, num_steps: int = 40, targeted_drain: bo
         lora_max_wait_steps=max_wait_steps,
         max_num_seqs=8,
         lora_overlap_loading=True,
-        lora_targeted_drain=targeted_drain,
+        policy=Policy.current() if targeted_drain else Policy.for_schema(3),
     )
     d.load("a")
     d.load("b")

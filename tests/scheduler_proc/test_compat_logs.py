@@ -14,10 +14,10 @@ it replays only because schema 3 logs replay with targeted drains off.
 (tests/scheduler_proc/test_adapter_random.py's marked driver, seed 5, 200 events, overlapped
 loading, max_on_demand_loras 1), recorded by the schema 4 code: its AdapterOpReplied records carry
 the whole registry, so it replays only because logs of schema 4 and before replay with
-`op_reply_registry` on; a log written today replays with it off.
+`Policy.op_reply_registry` on; a log written today replays with it off.
 `events-000006-marked-schema5.log` is the same workload recorded by the schema 5 code: its
 StateDigests hash which ranks had reported each slot load in flight and each CPU-tier staging, so
-it replays only because logs of schema 5 and before replay with `digest_load_reports` on; a log
+it replays only because logs of schema 5 and before replay with `Policy.digest_load_reports` on; a log
 written today (schema 6) replays with it off."""
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import os
 
 import pytest
 
+from ledgerserve.scheduler_proc.core import CoreConfig
 from ledgerserve.scheduler_proc.replay import replay
 from ledgerserve.scheduler_proc.replay import verify as replay_verify
 from ledgerserve.scheduler_proc.replay.diff import diff_logs
@@ -41,6 +42,11 @@ from tests.scheduler_proc.workload import run_adapter_workload
 
 LOG_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "logs")
 LOGS = sorted(glob.glob(os.path.join(LOG_DIR, "events-*.log")))
+
+
+def _forced(config: CoreConfig, **policy: bool) -> CoreConfig:
+    """`config` with some of its policy's behaviours set otherwise than its schema's."""
+    return dataclasses.replace(config, policy=dataclasses.replace(config.policy, **policy))
 
 
 def test_committed_logs_exist():
@@ -63,7 +69,7 @@ def test_schema_2_log_replays_only_with_overlapped_loading_off(monkeypatch):
     assert EngineConfig.from_json(scanner.config_json).lora_overlap_loading  # today's default ...
     assert not core_config(scanner).lora_overlap_loading  # ... which the schema migration turns off
     assert replay(path).ok
-    forced = dataclasses.replace(core_config(scanner), lora_overlap_loading=True)
+    forced = dataclasses.replace(_forced(core_config(scanner), overlap_loading=True), lora_overlap_loading=True)
     monkeypatch.setattr(replay_verify, "core_config", lambda _: forced)
     assert not replay(path).ok  # the migration is what makes it verify
 
@@ -72,10 +78,10 @@ def test_schema_3_log_replays_only_without_targeted_drains(monkeypatch):
     path = os.path.join(LOG_DIR, "events-000004-lora-overlap-schema3.log")
     scanner = RunScanner(path)
     config = core_config(scanner)
-    assert config.lora_overlap_loading and not config.lora_targeted_drain  # the schema migration
+    assert config.lora_overlap_loading and not config.policy.targeted_drain  # the schema migration
     result = replay(path)
     assert result.ok and any(isinstance(e, ev.AdapterLoadCompleted) for _, e in EventLogReader(path))
-    forced = dataclasses.replace(config, lora_targeted_drain=True)
+    forced = _forced(config, targeted_drain=True)
     monkeypatch.setattr(replay_verify, "core_config", lambda _: forced)
     assert not replay(path).ok  # the migration is what makes it verify
 
@@ -83,11 +89,11 @@ def test_schema_3_log_replays_only_without_targeted_drains(monkeypatch):
 def test_schema_4_log_replays_only_with_the_registry_in_op_replies(monkeypatch):
     path = os.path.join(LOG_DIR, "events-000005-marked-schema4.log")
     config = core_config(RunScanner(path))
-    assert config.op_reply_registry  # the schema migration
+    assert config.policy.op_reply_registry  # the schema migration
     replies = [e for _, e in EventLogReader(path) if isinstance(e, ev.AdapterOpReplied) and e.code == 200]
     assert max(len(r.adapters) for r in replies) >= 3 and any(i.pinned for r in replies for i in r.adapters)
     assert replay(path).ok
-    forced = dataclasses.replace(config, op_reply_registry=False)
+    forced = _forced(config, op_reply_registry=False)
     monkeypatch.setattr(replay_verify, "core_config", lambda _: forced)
     assert not replay(path).ok  # the migration is what makes it verify
 
@@ -101,11 +107,11 @@ def test_todays_log_replays_without_the_registry_in_op_replies(tmp_path, monkeyp
     writer.append(ev.LogClosed("done"))
     writer.close()
     scanner = RunScanner(writer.path)
-    assert scanner.header.schema_version == SCHEMA_VERSION == 6 and not core_config(scanner).op_reply_registry
+    assert scanner.header.schema_version == SCHEMA_VERSION == 6 and not core_config(scanner).policy.op_reply_registry
     replies = [e for _, e in EventLogReader(writer.path) if isinstance(e, ev.AdapterOpReplied)]
     assert len(replies) > 20 and all(r.adapters == [] for r in replies)
     assert replay(writer.path).ok
-    forced = dataclasses.replace(core_config(scanner), op_reply_registry=True)
+    forced = _forced(core_config(scanner), op_reply_registry=True)
     monkeypatch.setattr(replay_verify, "core_config", lambda _: forced)
     assert not replay(writer.path).ok
 
@@ -113,11 +119,11 @@ def test_todays_log_replays_without_the_registry_in_op_replies(tmp_path, monkeyp
 def test_schema_5_log_replays_only_with_load_reports_in_its_digests(monkeypatch):
     path = os.path.join(LOG_DIR, "events-000006-marked-schema5.log")
     config = core_config(RunScanner(path))
-    assert config.digest_load_reports and not config.op_reply_registry  # the schema migrations
+    assert config.policy.digest_load_reports and not config.policy.op_reply_registry  # the schema migrations
     staged = [e for _, e in EventLogReader(path) if isinstance(e, ev.AdapterLoadCompleted) and e.slot == -1]
     assert staged  # CPU-tier stagings reported between plans
     assert replay(path).ok
-    forced = dataclasses.replace(config, digest_load_reports=False)
+    forced = _forced(config, digest_load_reports=False)
     monkeypatch.setattr(replay_verify, "core_config", lambda _: forced)
     assert not replay(path).ok  # the migration is what makes it verify
 

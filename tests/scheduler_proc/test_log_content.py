@@ -18,7 +18,7 @@ from tests.scheduler_proc.workload import run_adapter_workload, run_workload
 
 
 class RedactedCore:
-    """The core behind the shell's redaction, as apply_logged (scheduler_proc/loop.py) puts it: each
+    """The core behind the shell's redaction, as the ledger (scheduler_proc/ledger.py) puts it: each
     input is pseudonymized before the core (and the log) sees it, each decision restored after."""
 
     def __init__(self, core: Any, redactor: Redactor) -> None:

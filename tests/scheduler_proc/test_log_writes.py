@@ -10,12 +10,13 @@ import pytest
 import zmq
 
 from ledgerserve.scheduler_proc.core import Core, CoreConfig
-from ledgerserve.scheduler_proc.core.adapter_stats import AdapterStats
+from ledgerserve.scheduler_proc.ledger import Ledger
 from ledgerserve.scheduler_proc.loop import SchedulerShell
 from ledgerserve.scheduler_proc.redaction import Redactor
 from ledgerserve.scheduler_proc.replay import main
 from ledgerserve.scheduler_proc.replay import main as replay_main
 from ledgerserve.scheduler_proc.stats_log import StatsLog
+from ledgerserve.scheduler_proc.views.adapter_stats import AdapterStats
 from ledgerserve.shared import codec, ipc
 from ledgerserve.shared import events as ev
 from ledgerserve.shared.eventlog import EventLogReader, EventLogWriter, LogWriteError
@@ -72,13 +73,14 @@ class FakeSocket:
         self.closed_linger = linger
 
 
-def make_shell(tmp_path, fsync="step", opener=open):
+def make_shell(tmp_path, fsync="step", opener=open, core=None, content=None):
+    """The shell with fake sockets; `core` and `content` (a Redactor) replace ENGINE's."""
     shell = SchedulerShell.__new__(SchedulerShell)  # no sockets: the IO is faked below
     shell.config = dataclasses.replace(ENGINE, run_dir=str(tmp_path))
-    shell.core = Core(CoreConfig.from_engine(ENGINE))
-    shell.adapter_stats = AdapterStats(ENGINE.tensor_parallel_size, shell.core.config.lora_overlap_loading)
-    shell.content = Redactor(ENGINE.event_log_content)
-    shell.log = EventLogWriter(str(tmp_path), ENGINE.to_json(), "shell", fsync=fsync, opener=opener)
+    writer = EventLogWriter(str(tmp_path), ENGINE.to_json(), "shell", fsync=fsync, opener=opener)
+    default = CoreConfig.from_engine(ENGINE)
+    shell.ledger = Ledger(core or Core(default), writer, content or Redactor(ENGINE.event_log_content))
+    shell.adapter_stats = AdapterStats(ENGINE.tensor_parallel_size, default.lora_overlap_loading)
     shell.from_tokenizer, shell.from_workers = FakeSocket(), FakeSocket()
     shell.to_tokenizer = FakeSocket(codec.from_scheduler_decoder())
     shell.to_workers = [FakeSocket(codec.to_worker_decoder())]

@@ -2,10 +2,10 @@
 namespace leaves the state (and so every StateDigest's input) once its version is dropped
 and its last block is gone; while a request still holds it, it stays covered."""
 
-import dataclasses
 import os
 
 from ledgerserve.scheduler_proc.core import digest
+from ledgerserve.scheduler_proc.core.policy import Policy
 from ledgerserve.scheduler_proc.replay.verify import core_config, replay
 from ledgerserve.shared import events as ev
 from ledgerserve.shared.config import EngineConfig
@@ -15,11 +15,8 @@ from tests.scheduler_proc.driver import Driver
 PROMPT = list(range(300, 310))  # 10 tokens: two full blocks of 4, cached at prefill
 
 
-def _lora_driver(keep_dropped_namespaces: bool = False) -> Driver:
-    d = Driver(num_kv_blocks=16, enable_lora=True, max_loras=2, max_cpu_loras=2)
-    if keep_dropped_namespaces:  # the schema 1 behaviour, kept only to replay old logs
-        d.core.config = dataclasses.replace(d.core.config, keep_dropped_namespaces=True)
-    return d
+def _lora_driver(policy: Policy | None = None) -> Driver:
+    return Driver(num_kv_blocks=16, enable_lora=True, max_loras=2, max_cpu_loras=2, policy=policy)
 
 
 def _encoded_namespaces(d: Driver) -> int:
@@ -68,7 +65,7 @@ def test_ten_thousand_unloads_leave_the_digest_input_flat():
 def test_schema_1_core_keeps_every_dropped_namespace():
     """The contrast that shows what the test above measures: the old behaviour, still used
     to replay schema 1 logs, grows by one encoded namespace per unload."""
-    d = _lora_driver(keep_dropped_namespaces=True)
+    d = _lora_driver(Policy.for_schema(1))  # the schema 1 behaviour, kept only to replay old logs
     for i in range(300):
         _load_use_unload(d, i)
     assert _encoded_namespaces(d) == 300
@@ -96,7 +93,7 @@ def test_replay_takes_the_namespace_rule_from_the_log_schema(tmp_path):
     """Schema 1 logs were written by a core that kept every dropped namespace, and their
     digests say so; schema 2 logs by one that forgets them. Both verify."""
     compat = RunScanner(os.path.join(os.path.dirname(__file__), "..", "data", "logs", "events-000002-lora.log"))
-    assert compat.header.schema_version == 1 and core_config(compat).keep_dropped_namespaces
+    assert compat.header.schema_version == 1 and core_config(compat).policy.keep_dropped_namespaces
     engine = EngineConfig(
         model_dir="m",
         served_model_name="m",
@@ -116,7 +113,7 @@ def test_replay_takes_the_namespace_rule_from_the_log_schema(tmp_path):
         d.arrive("last", PROMPT, max_tokens=2)  # steps after the namespaces were forgotten
         d.run()
     scanner = RunScanner(writer.path)
-    assert scanner.header.schema_version >= 2 and not core_config(scanner).keep_dropped_namespaces
+    assert scanner.header.schema_version >= 2 and not core_config(scanner).policy.keep_dropped_namespaces
     result = replay(writer.path)
     assert result.ok and result.num_decisions > 0
     assert result.core.scheduler.block_manager.cache.evicted_namespaces == {}

@@ -21,8 +21,7 @@ SAMPLED = [41011, 41017, 41023]  # the last is a stop id of the request
 
 
 def test_the_shell_logs_digests_and_sends_token_ids(tmp_path):
-    shell = make_shell(tmp_path)
-    shell.content = Redactor("hashed")
+    shell = make_shell(tmp_path, content=Redactor("hashed"))
     worker, script = FakeWorker(ENGINE.block_size), list(SAMPLED)
     shell.handle(ev.WorkerReady(0, 32, 50000, [2], "cpu", "float32"))
     shell.handle(ev.RequestArrived("r", PROMPT, SamplingParams(max_tokens=8, stop_token_ids=(SAMPLED[-1],))))
@@ -41,13 +40,12 @@ def test_the_shell_logs_digests_and_sends_token_ids(tmp_path):
     assert all(v >= MIN_DIGEST for v in arrived.prompt_token_ids)
     values = [t.token_id for e in logged if isinstance(e, ev.StepCompleted) for t in e.sampled]
     assert all(v >= MIN_DIGEST for v in values[:-1]) and values[-1] == SAMPLED[-1]  # the stop keeps its id
-    assert shell.content.reqs == {}
+    assert shell.ledger.content.reqs == {}
     assert replay_main(["--verify", shell.log.path]) == 0
 
 
 def test_registry_changes_go_before_the_reply_and_stay_out_of_the_log(tmp_path):
-    shell = make_shell(tmp_path)
-    shell.core = Core(dataclasses.replace(CoreConfig.from_engine(ENGINE), enable_lora=True))
+    shell = make_shell(tmp_path, core=Core(dataclasses.replace(CoreConfig.from_engine(ENGINE), enable_lora=True)))
     shell.handle(ev.WorkerReady(0, 32, 1000, [2], "cpu", "float32"))
     shell.handle(ev.AdapterLoadRequested("op-1", "a", "/adapters/a", 8, 100, pinned=True))
     shell.handle(ev.AdapterLoadRequested("op-2", "b", "/adapters/b", 8, 100))

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ledgerserve.scheduler_proc.core.stats import engine_stats
 from ledgerserve.scheduler_proc.stats_log import StatsLog
+from ledgerserve.scheduler_proc.views.engine_stats import engine_stats
 from ledgerserve.shared import events as ev
 from tests.scheduler_proc.driver import Driver
 

@@ -15,8 +15,8 @@ import asyncio
 from typing import Any
 
 from ledgerserve.engine import Engine
-from ledgerserve.scheduler_proc.core.registry_changes import registry_changes
-from ledgerserve.scheduler_proc.loop import TO_TOKENIZER_TYPES
+from ledgerserve.scheduler_proc.ledger import TO_TOKENIZER_TYPES
+from ledgerserve.scheduler_proc.views.registry_changes import registry_changes
 from ledgerserve.shared import codec
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.events import (

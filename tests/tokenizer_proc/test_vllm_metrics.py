@@ -15,7 +15,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ledgerserve.scheduler_proc.core.stats import engine_stats
+from ledgerserve.scheduler_proc.views.engine_stats import engine_stats
 from tests.peft_util import make_tiny_peft_adapter
 from tests.tokenizer_proc.app_client import MODEL, app_client
 from tests.tokenizer_proc.fake_engine import FakeEngine

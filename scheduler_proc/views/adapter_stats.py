@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ledgerserve.scheduler_proc.core.adapter_figures import (
+from ledgerserve.scheduler_proc.views.adapter_figures import (
     AdapterFigures,
     LoadRecord,
     PendingLoad,

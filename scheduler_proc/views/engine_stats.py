@@ -15,7 +15,7 @@ def engine_stats(
     core: Core, adapter_rows: list[ev.AdapterRow] | None = None, lora_wait_ms: float = 0.0
 ) -> ev.EngineStats:
     """The core's gauges now. `adapter_rows` and `lora_wait_ms` come from the shell's fold of
-    the log (scheduler_proc.core.adapter_stats); block gauges are 0 until capacity is known.
+    the log (scheduler_proc.views.adapter_stats); block gauges are 0 until capacity is known.
     A deferred eviction is an unregistered version that requests still hold."""
     scheduler, adapters = core.scheduler, core.adapters
     blocks = scheduler.block_manager if scheduler.is_ready else None

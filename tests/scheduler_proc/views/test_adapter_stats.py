@@ -1,4 +1,4 @@
-"""The fold of the event log into per-adapter figures (scheduler_proc.core.adapter_stats): on
+"""The fold of the event log into per-adapter figures (scheduler_proc.views.adapter_stats): on
 hand-built event sequences (a load counts once over the ranks with the slowest duration,
 hits and misses, waits in steps and ms, unload and re-registration), and on random
 workloads against the core's own state (running and waiting requests, where each adapter is)."""
@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ledgerserve.scheduler_proc.core.adapter_stats import AdapterStats, LoadRecord
 from ledgerserve.scheduler_proc.core.slots import SlotState
 from ledgerserve.scheduler_proc.replay import main as replay_main
+from ledgerserve.scheduler_proc.views.adapter_stats import AdapterStats, LoadRecord
 from ledgerserve.shared import events as ev
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.eventlog import EventLogWriter

@@ -1,4 +1,4 @@
-"""The engine's gauges (scheduler_proc.core.stats): one EngineStats read from the core's state,
+"""The engine's gauges (scheduler_proc.views.engine_stats): one EngineStats read from the core's state,
 checked against the queues, the block accounting and the slot table."""
 
 from ledgerserve.scheduler_proc.core.slots import SlotState
