@@ -1,11 +1,13 @@
-"""The README's commands, as its ```bash blocks quote them."""
+"""The commands the README and docs/ quote in their ```bash blocks."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = tuple(sorted((ROOT / "docs").glob("*.md")))
 
 
 def bash_blocks(text: str) -> list[list[str]]:
@@ -17,6 +19,11 @@ def bash_blocks(text: str) -> list[list[str]]:
     return blocks
 
 
+def manual_text() -> str:
+    """README.md, then each page of docs/ in name order: the user manual, as one text."""
+    return "\n".join(path.read_text(encoding="utf-8") for path in (README, *DOCS))
+
+
 def readme_commands() -> list[str]:
-    """Every command of the README's ```bash blocks, in order."""
-    return [command for block in bash_blocks(README.read_text(encoding="utf-8")) for command in block]
+    """Every command of the ```bash blocks of README.md, then of docs/*.md, in order."""
+    return [command for block in bash_blocks(manual_text()) for command in block]

@@ -1,8 +1,12 @@
-"""The docs stay true to the tree: BENCHMARKS.md cites exactly the reports under benchmarks/,
-and docs/architecture.md names, for every decision type, the file that constructs it."""
+"""The docs stay true to the tree: README.md, docs/*.md and BENCHMARKS.md keep to their sizes,
+every repository path they cite exists, every `path.py:name` citation names a def or class of
+that file, BENCHMARKS.md cites exactly the reports under benchmarks/ (at most 20), and
+docs/architecture.md names, for every decision type, the file that constructs it."""
 
 from __future__ import annotations
 
+import ast
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -12,6 +16,30 @@ from ledgerserve.shared.events import DECISION_TYPES
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
 ARCHITECTURE_MD = ROOT / "docs" / "architecture.md"
+README_MD = ROOT / "README.md"
+DOC_PAGES = sorted((ROOT / "docs").glob("*.md"))
+MAX_LINES = {"README.md": 150, "BENCHMARKS.md": 200, "docs": 300}
+MAX_REPORTS = 20
+# The folders and files a citation may start with: the repository's own (not `~/.cache/...` or
+# another project's `examples/...`).
+TOP = (
+    "ledgerserve",
+    "shared",
+    "tokenizer_proc",
+    "scheduler_proc",
+    "worker_proc",
+    "kernels",
+    "scripts",
+    "tests",
+    "docs",
+    "benchmarks",
+    ".ci",
+)
+TOP_FILES = ("README.md", "BENCHMARKS.md", "pyproject.toml")
+REPO_PATH = re.compile(rf"(?<![\w./~-])((?:{'|'.join(re.escape(t) for t in TOP)})/[\w./-]*[\w/])")
+LINK = re.compile(r"\]\(([^)#\s]+)\)")
+SCRIPT_MODULE = re.compile(r"\bscripts((?:\.\w+)+)")  # python -m scripts.<shelf>.<name>
+CITATION = re.compile(r"([\w./-]+\.py):([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)?)")
 CITED_PATH = re.compile(r"benchmarks/[\w./-]+")
 REPORT_NAME = re.compile(r"^h[0-9]+_\d{4}-\d{2}-\d{2}_[\w.-]+$")  # GPU, date, what
 DECIDER_ROW = re.compile(r"^\|\s*`(\w+)`\s*\|\s*`([\w./]+\.py)`\s*\|", re.MULTILINE)
@@ -82,3 +110,90 @@ def test_the_checks_catch_what_they_guard():
         "benchmarks/gpu/h100_2026-11-25_sweep.json"
     }
     assert cited_paths("reports are in `benchmarks/gpu/`") == {"benchmarks/gpu/"}
+
+
+# ---- sizes, paths and code citations of the README, docs/ and BENCHMARKS.md -----------------
+
+
+def manual() -> dict[str, str]:
+    """Each page that cites the tree, by its path from the root."""
+    pages = [README_MD, BENCHMARKS_MD, *DOC_PAGES]
+    return {p.relative_to(ROOT).as_posix(): p.read_text(encoding="utf-8") for p in pages}
+
+
+def cited_repo_paths(text: str, page: str) -> set[str]:
+    """Every repository path the page names: `dir/...` forms, links (relative to the page) and
+    `scripts.<shelf>.<name>` modules (as their file)."""
+    paths = {m.rstrip(".") for m in REPO_PATH.findall(text)}
+    paths |= {f"scripts{mod.replace('.', '/')}.py" for mod in SCRIPT_MODULE.findall(text) if mod.count(".") >= 2}
+    base = Path(page).parent
+    for link in LINK.findall(text):
+        if "://" not in link:
+            paths.add(os.path.normpath(base / link))
+    return {p for p in paths if "*" not in p and "{" not in p}
+
+
+def exists(path: str) -> bool:
+    target = (ROOT / path).resolve()
+    return target.exists()
+
+
+def defined_names(source: str) -> set[str]:
+    """`name` for every def and class anywhere in the file, and `Class.method` for each method."""
+    tree = ast.parse(source)
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    names.add(f"{node.name}.{item.name}")
+    return names
+
+
+def stale_citations(text: str) -> list[str]:
+    """The `path.py:name` citations whose file does not exist or does not define the name."""
+    stale = []
+    for path, name in CITATION.findall(text):
+        file = ROOT / path
+        if not file.is_file() or name not in defined_names(file.read_text(encoding="utf-8")):
+            stale.append(f"{path}:{name}")
+    return stale
+
+
+def test_pages_keep_to_their_sizes():
+    for page, text in manual().items():
+        limit = MAX_LINES["docs"] if page.startswith("docs/") else MAX_LINES[page]
+        assert len(text.splitlines()) <= limit, f"{page}: {len(text.splitlines())} lines, at most {limit}"
+    assert len(DOC_PAGES) >= 6, "docs/ lost a page"
+
+
+def test_at_most_twenty_reports():
+    assert len(tracked_reports()) <= MAX_REPORTS
+
+
+def test_every_repository_path_cited_exists():
+    missing = [f"{page}: {path}" for page, text in manual().items() for path in sorted(cited_repo_paths(text, page))]
+    missing = [m for m in missing if not exists(m.split(": ", 1)[1])]
+    assert missing == [], f"cited paths that do not exist: {missing}"
+
+
+def test_every_code_citation_names_a_def_or_class():
+    stale = [f"{page}: {c}" for page, text in manual().items() for c in stale_citations(text)]
+    assert stale == [], f"citations of names their file does not define: {stale}"
+
+
+def test_the_citation_checks_catch_what_they_guard():
+    assert cited_repo_paths("see `scheduler_proc/gone.py` and [x](../docs/api.md)", "docs/a.md") == {
+        "scheduler_proc/gone.py",
+        "docs/api.md",
+    }
+    assert cited_repo_paths("`python -m scripts.decode.bench_decode` and `~/.cache/x/y`", "README.md") == {
+        "scripts/decode/bench_decode.py"
+    }
+    assert cited_repo_paths("vLLM's `examples/online/x.json`", "README.md") == set()
+    assert stale_citations("`scheduler_proc/ledger.py:Ledger.apply`") == []
+    assert stale_citations("`scheduler_proc/ledger.py:Ledger.vanish`") == ["scheduler_proc/ledger.py:Ledger.vanish"]
+    assert stale_citations("`worker_proc/nowhere.py:run`") == ["worker_proc/nowhere.py:run"]
+    assert "Core.apply" in defined_names("class Core:\n    def apply(self):\n        pass\n")

@@ -1,9 +1,9 @@
-"""Every command the README quotes in a ```bash block runs here, read out of README.md, unless
+"""Every command the README and docs/ quote in a ```bash block runs here, read out of them, unless
 NOT_ON_CPU lists it with the reason: each `ledgerserve serve` starts the real server (the demo
 model, with HOME holding the session's demo build and the default event-log directory) and the
 curl commands after it run against it; the `ledgerserve replay` forms run on the logs those
-servers wrote. Every script the README names answers --help, and the command line its --help and
---version. A README command that stops working, or a new one nobody classified, fails here."""
+servers wrote. Every script they name answers --help, and the command line its --help and
+--version. A quoted command that stops working, or a new one nobody classified, fails here."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from ledgerserve.cli import build_parser
 from ledgerserve.demo_model import default_cache_dir, demo_adapters
 from ledgerserve.demo_styles import PIRATE_CLOSING, POET_REFRAIN
 from scripts.server_process import free_port
-from tests.readme import README, readme_commands
+from tests.readme import README, manual_text, readme_commands
 
 ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 180.0
@@ -41,7 +41,7 @@ NOT_ON_CPU = {
     "ledgerserve serve /models/base --enable-lora --lora-allowed-dir /tmp/bench-adapters &": (
         "needs a real checkpoint in /models/base (flags parsed here)"
     ),
-    "python -m scripts.bench_serving --base-url http://127.0.0.1:8000 --model-dir /models/base "
+    "python -m scripts.serving.bench_serving --base-url http://127.0.0.1:8000 --model-dir /models/base "
     "--adapter-dir /tmp/bench-adapters --num-adapters 16 --ranks 8,16,32 "
     "--popularity zipf --zipf-s 1.1 --base-share 0.2 --arrival poisson --rate 8 "
     "--num-requests 500 --input-len 512 --output-len 128 --out report.json --plot report.png": (
@@ -57,7 +57,10 @@ NOT_ON_CPU = {
     ),
 }
 INSTALL_THEN_SERVE = ("pip install torch==2.13.0 -e . && ledgerserve serve",)  # the serve part runs here
-GPU_SCRIPTS = {"scripts/gpu_smoke.sh": "runs the gpu tests and serves on CUDA", "scripts/gpu_tp2.sh": "needs two GPUs"}
+GPU_SCRIPTS = {
+    "scripts/ops/gpu_smoke.sh": "runs the gpu tests and serves on CUDA",
+    "scripts/ops/gpu_tp2.sh": "needs two GPUs",
+}
 
 
 def _kind(command: str) -> str:
@@ -228,19 +231,20 @@ def test_the_replay_commands_verify_the_servers_logs(sessions, readme_home: Path
 # ---- the command line and the scripts -------------------------------------------------------
 
 
+SCRIPT = re.compile(r"\bscripts[./](\w+)[./](\w+)\b")  # scripts/<shelf>/<name>.py or scripts.<shelf>.<name>
+
+
 def _scripts_named() -> list[str]:
-    """Every script of scripts/ the README names (`scripts/x.py`, `scripts.x`, or a bare `bench_x.py`)."""
-    text = README.read_text(encoding="utf-8")
-    names = set(re.findall(r"scripts[./](\w+)(?:\.py)?\b", text)) | set(re.findall(r"\b(bench_\w+)\.py\b", text))
-    return sorted(name for name in names if (ROOT / "scripts" / f"{name}.py").is_file())
+    """Every Python script of scripts/ the README and docs/ name, as `<shelf>.<name>`."""
+    names = {f"{shelf}.{name}" for shelf, name in SCRIPT.findall(manual_text()) if name not in ("py", "sh")}
+    return sorted(name for name in names if (ROOT / "scripts" / f"{name.replace('.', '/')}.py").is_file())
 
 
 def test_every_script_the_readme_names_answers_help() -> None:
-    text = README.read_text(encoding="utf-8")
-    shell = sorted(set(re.findall(r"scripts/\w+\.sh", text)))
+    shell = sorted(set(re.findall(r"scripts/(?:\w+/)?\w+\.sh", manual_text())))
     assert shell == sorted(GPU_SCRIPTS), "a shell script the README names is not classified"
     scripts = _scripts_named()
-    assert {"bench_serving", "bench_decode", "make_demo_model", "load_test", "tp_smoke"} <= set(scripts)
+    assert {"serving.bench_serving", "ops.make_demo_model", "serving.load_test", "ops.tp_smoke"} <= set(scripts)
     for name in scripts:
         done = subprocess.run(
             [sys.executable, "-m", f"scripts.{name}", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120

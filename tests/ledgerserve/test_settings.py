@@ -1,5 +1,5 @@
 """Each setting is written once, on its EngineConfig field: the serve flags, their --help defaults,
-the resolved config of a bare `ledgerserve serve`, the core's config and the README's flag table
+the resolved config of a bare `ledgerserve serve`, the core's config and docs/serving.md's flag table
 all follow from the fields."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ledgerserve.launcher import resolve_config
 from ledgerserve.scheduler_proc.core import CoreConfig
 from ledgerserve.shared.config import EngineConfig, setting
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+SERVING_MD = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
 FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
 SET_BY_LAUNCHER = {
     "model_dir",
@@ -248,8 +248,8 @@ def test_core_config_of_a_default_engine_config():
 FLAG_ROW = re.compile(r"^\| (`[^|]+`) \| ([^|]+) \|", re.MULTILINE)
 
 
-def readme_flag_rows(text: str) -> dict[str, str]:
-    """The README's flag table: each flag (its first word) -> its default cell; `--a` / `--b`
+def doc_flag_rows(text: str) -> dict[str, str]:
+    """docs/serving.md's flag table: each flag (its first word) -> its default cell; `--a` / `--b`
     rows split into one entry per flag, the cell split the same way."""
     table = text.split("| flag | default | meaning |", 1)[1].split("\n\n", 1)[0]
     rows: dict[str, str] = {}
@@ -260,9 +260,9 @@ def readme_flag_rows(text: str) -> dict[str, str]:
     return rows
 
 
-def test_readme_flag_table_matches_the_parser():
-    text = README.read_text()
-    rows = readme_flag_rows(text)
+def test_serving_doc_flag_table_matches_the_parser():
+    text = SERVING_MD.read_text()
+    rows = doc_flag_rows(text)
     parser_flags = {a.option_strings[0] for a in _serve_parser()._actions if a.option_strings} - {"-h"}
     assert set(rows) == parser_flags - VLLM_ONLY | {"MODEL"}
     vllm_section = text.split("## Coming from vLLM", 1)[1].split("\n## ", 1)[0]
@@ -273,7 +273,7 @@ def test_readme_flag_table_matches_the_parser():
             assert rows[flag_of(f)] == shown_default(f), flag_of(f)
 
 
-def test_readme_check_reads_the_table():
+def test_doc_check_reads_the_table():
     table = "| flag | default | meaning |\n|---|---|---|\n| `--host` / `--port` | `h` / `1` | x |\n"
     table += "| `--a DIR` | 8 MiB | y |\n\n| `--b` | 2 | after the table |\n"
-    assert readme_flag_rows(table) == {"--host": "h", "--port": "1", "--a": "8 MiB"}
+    assert doc_flag_rows(table) == {"--host": "h", "--port": "1", "--a": "8 MiB"}
