@@ -24,7 +24,7 @@ import pytest
 from ledgerserve.cli import build_parser
 from ledgerserve.demo_model import default_cache_dir, demo_adapters
 from ledgerserve.demo_styles import PIRATE_CLOSING, POET_REFRAIN
-from scripts.server_process import free_port
+from scripts.common.server_process import free_port
 from tests.readme import README, readme_commands
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,7 +41,7 @@ NOT_ON_CPU = {
     "ledgerserve serve /models/base --enable-lora --lora-allowed-dir /tmp/bench-adapters &": (
         "needs a real checkpoint in /models/base (flags parsed here)"
     ),
-    "python -m scripts.bench_serving --base-url http://127.0.0.1:8000 --model-dir /models/base "
+    "python -m scripts.serving.bench_serving --base-url http://127.0.0.1:8000 --model-dir /models/base "
     "--adapter-dir /tmp/bench-adapters --num-adapters 16 --ranks 8,16,32 "
     "--popularity zipf --zipf-s 1.1 --base-share 0.2 --arrival poisson --rate 8 "
     "--num-requests 500 --input-len 512 --output-len 128 --out report.json --plot report.png": (
@@ -57,7 +57,10 @@ NOT_ON_CPU = {
     ),
 }
 INSTALL_THEN_SERVE = ("pip install torch==2.13.0 -e . && ledgerserve serve",)  # the serve part runs here
-GPU_SCRIPTS = {"scripts/gpu_smoke.sh": "runs the gpu tests and serves on CUDA", "scripts/gpu_tp2.sh": "needs two GPUs"}
+GPU_SCRIPTS = {
+    "scripts/ops/gpu_smoke.sh": "runs the gpu tests and serves on CUDA",
+    "scripts/ops/gpu_tp2.sh": "needs two GPUs",
+}
 
 
 def _kind(command: str) -> str:
@@ -229,18 +232,27 @@ def test_the_replay_commands_verify_the_servers_logs(sessions, readme_home: Path
 
 
 def _scripts_named() -> list[str]:
-    """Every script of scripts/ the README names (`scripts/x.py`, `scripts.x`, or a bare `bench_x.py`)."""
+    """Every script of scripts/ the README names (`scripts/shelf/x.py`, `scripts.shelf.x`, or a bare
+    `bench_x.py`), as the module `shelf.x`."""
     text = README.read_text(encoding="utf-8")
-    names = set(re.findall(r"scripts[./](\w+)(?:\.py)?\b", text)) | set(re.findall(r"\b(bench_\w+)\.py\b", text))
-    return sorted(name for name in names if (ROOT / "scripts" / f"{name}.py").is_file())
+    names = set(re.findall(r"scripts[./]\w+[./](\w+)(?:\.py)?\b", text)) | set(re.findall(r"\b(bench_\w+)\.py\b", text))
+    shelved = {path.stem: f"{path.parent.name}.{path.stem}" for path in (ROOT / "scripts").glob("*/*.py")}
+    return sorted(shelved[name] for name in names if name in shelved)
 
 
 def test_every_script_the_readme_names_answers_help() -> None:
     text = README.read_text(encoding="utf-8")
-    shell = sorted(set(re.findall(r"scripts/\w+\.sh", text)))
+    shell = sorted(set(re.findall(r"scripts/\w+/\w+\.sh", text)))
     assert shell == sorted(GPU_SCRIPTS), "a shell script the README names is not classified"
     scripts = _scripts_named()
-    assert {"bench_serving", "bench_decode", "make_demo_model", "load_test", "tp_smoke"} <= set(scripts)
+    wanted = {
+        "serving.bench_serving",
+        "decode.bench_decode",
+        "ops.make_demo_model",
+        "serving.load_test",
+        "ops.tp_smoke",
+    }
+    assert wanted <= set(scripts)
     for name in scripts:
         done = subprocess.run(
             [sys.executable, "-m", f"scripts.{name}", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
