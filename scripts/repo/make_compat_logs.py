@@ -53,17 +53,7 @@ def record(name: str, out_dir: str) -> str:
     num_kv_blocks = settings.pop("num_kv_blocks")
     engine = EngineConfig(model_dir="compat", served_model_name="compat", max_model_len=32, **settings)
     writer = EventLogWriter(out_dir, engine.to_json(), run_id=name)
-    driver = Driver(
-        num_kv_blocks,
-        max_num_seqs=engine.max_num_seqs,
-        max_num_batched_tokens=engine.max_num_batched_tokens,
-        block_size=engine.block_size,
-        max_model_len=engine.max_model_len,
-        enable_lora=engine.enable_lora,
-        max_loras=engine.max_loras,
-        max_cpu_loras=engine.max_cpu_loras,
-        log=writer,
-    )
+    driver = Driver.from_engine(engine, num_kv_blocks, log=writer)  # the core replay derives from the header
     workload(driver, seed, num_events)
     writer.append(ev.LogClosed("recorded by scripts/repo/make_compat_logs.py"))
     writer.close()
