@@ -3,7 +3,7 @@
 cuBLAS's heuristic picks one kernel per shape from a model of the GPU, and at decode shapes
 it often misses: on an H200 at 32 rows, gate_up stacked with 4 adapters' A (28800 x 4096) ran
 61.2 us a layer with its pick and 56.7 us with its second candidate, the base weight's speed
-(scripts/probe_gemm_algos.py times any shape). So before the decode
+(scripts/decode/probe_gemm_algos.py times any shape). So before the decode
 graphs are captured, each GEMM shape the warm-up forward ran is timed: F.linear and each of
 cuBLASLt's heuristic candidates, as a CUDA graph over the very weights the model multiplies at
 that shape (a chain of distinct layers, streaming from HBM as in a step). The fastest wins if

@@ -4,7 +4,7 @@ cuBLAS reaches 2.6-3.7 TB/s on Llama-3-8B's smaller projections at one row on an
 (o_proj 4096 x 4096: 13.0 us), and its split-K picks add a reduce launch. Here each program
 owns BLOCK_N output features and streams their rows of W over K in BLOCK_K chunks, so every
 byte of W is read once, coalesced along K, with no split and no second launch (o_proj:
-10.6 us). Configurations per shape class are the best of scripts/probe_gemv_configs.py's sweep
+10.6 us). Configurations per shape class are the best of scripts/decode/probe_gemv_configs.py's sweep
 over block sizes, warps and stages on an H100, at Llama-3-8B's shapes whole and split in two by
 tensor parallelism. With PDL (kernels/pdl.py) a program
 loads its first chunk of W before the previous kernel has finished. Reference: torch.nn.functional.linear.

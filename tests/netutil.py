@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 import uvicorn
 
-from scripts.server_process import free_port
+from scripts.common.server_process import free_port
 
 __all__ = ["free_port", "serve_in_thread"]
 

@@ -17,7 +17,6 @@ LARGE_FILES = {
     "shared/events.py": "every message type of every channel in one place: the log's schema reads as one file",
     "scheduler_proc/core/adapters.py": "the adapter registry and its version lifecycle (pins, on-demand marks)",
     "scheduler_proc/views/adapter_stats.py": "the fold of every adapter-related event into per-adapter figures",
-    "scripts/bench_decode.py": "a benchmark script: its sweep, churn and report in one runnable file",
 }
 LARGE_FUNCTIONS = {
     ("kernels/paged_attention.py", "paged_decode_attention"): "a Triton kernel body: splitting it costs registers",

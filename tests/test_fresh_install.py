@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from scripts.server_process import free_port
+from scripts.common.server_process import free_port
 from tests.readme import readme_commands
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -42,9 +42,10 @@ def test_pyproject_lists_every_product_package():
     tomllib = pytest.importorskip("tomllib")
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {"ledgerserve"}
-    for folder in PRODUCT_FOLDERS:
+    for folder in ("ledgerserve", *PRODUCT_FOLDERS):
         for init in (ROOT / folder).rglob("__init__.py"):
-            found.add("ledgerserve." + ".".join(init.parent.relative_to(ROOT).parts))
+            parts = init.parent.relative_to(ROOT).parts
+            found.add(".".join(parts if parts[0] == "ledgerserve" else ("ledgerserve", *parts)))
     assert listed == found
 
 

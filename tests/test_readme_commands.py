@@ -24,7 +24,7 @@ import pytest
 from ledgerserve.cli import build_parser
 from ledgerserve.demo_model import default_cache_dir, demo_adapters
 from ledgerserve.demo_styles import PIRATE_CLOSING, POET_REFRAIN
-from scripts.server_process import free_port
+from scripts.common.server_process import free_port
 from tests.readme import README, manual_text, readme_commands
 
 ROOT = Path(__file__).resolve().parent.parent

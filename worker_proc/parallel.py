@@ -39,7 +39,7 @@ from ledgerserve.shared import env
 
 RENDEZVOUS_FILE = "tp-rendezvous"
 # Decode steps and prefill chunks up to 512 tokens of hidden 4096 fit; past some size NCCL's ring
-# beats one-shot (each rank reads every peer's whole input). scripts/bench_all_reduce.py times both
+# beats one-shot (each rank reads every peer's whole input). scripts/decode/bench_all_reduce.py times both
 # against size: on two H100s one-shot was ahead up to 4 MiB (37 against 40 us) and behind at 8 MiB.
 ONE_SHOT_MAX_BYTES = 4 << 20
 ONE_SHOT_ALIGN_BYTES = 16  # the input's address must be as aligned as the buffer's for the kernel

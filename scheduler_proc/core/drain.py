@@ -7,7 +7,7 @@ Slot order (which waiting version a slot serves first): the lookahead's versions
 request has waited `lora_max_wait_steps` (W) come first, FCFS; then the rest, the most waiting
 requests first (more requests served per slot switch), ties FCFS. The prefetch pass gives free
 and idle slots in this order. Aged versions go FCFS so the bound below holds; under sustained
-oversubscription most contested versions are aged, so in scripts/simulate_adapter_policy.py
+oversubscription most contested versions are aged, so in scripts/adapters/simulate_adapter_policy.py
 this order and plain FCFS come out within a few percent of each other.
 
 Start: walking the slot order, a version with no slot, no drain for it and no spare slot (FREE,

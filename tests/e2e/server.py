@@ -1,5 +1,5 @@
 """Start the real process group (`ledgerserve serve`) for HTTP tests, and inspect it
-(`scripts.server_process`), and check that a stopped group left nothing behind."""
+(`scripts.common.server_process`), and check that a stopped group left nothing behind."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import psutil
 
-from scripts.server_process import START_TIMEOUT_S, Server
+from scripts.common.server_process import START_TIMEOUT_S, Server
 
 __all__ = ["START_TIMEOUT_S", "Server", "assert_all_gone"]
 

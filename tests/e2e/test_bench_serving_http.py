@@ -1,4 +1,4 @@
-"""scripts/bench_serving.py against the real process group on the demo model: it writes
+"""scripts/serving/bench_serving.py against the real process group on the demo model: it writes
 and loads its adapters, telling each stage, every request gets exactly the forced output length,
 the report and plot are written, and the adapters are gone afterwards."""
 
@@ -10,9 +10,9 @@ import os
 import httpx
 import pytest
 
-from scripts.bench_serving import main
-from scripts.plot import PNG_SIGNATURE
-from scripts.serving_workload import parse_config, plan_workload, read_model_config
+from scripts.common.plot import PNG_SIGNATURE
+from scripts.serving.bench_serving import main
+from scripts.serving.serving_workload import parse_config, plan_workload, read_model_config
 from tests.e2e.server import Server
 
 pytestmark = pytest.mark.slow

@@ -17,9 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-import scripts.load_test
-from scripts.load_test import leaks
-from scripts.load_test import main as load_test_main
+import scripts.serving.load_test
+from scripts.serving.load_test import leaks
+from scripts.serving.load_test import main as load_test_main
 from tests.adapter_factory import make_peft_adapter
 from tests.e2e.server import Server, assert_all_gone
 
@@ -222,8 +222,8 @@ def test_load_test_with_bad_loads_has_no_errors(server, adapter_root, tmp_path):
 
 
 def _documented_load_test() -> list[str]:
-    """The command in scripts/load_test.py's docstring, as a shell would split it."""
-    usage = scripts.load_test.__doc__.split("\n\n")[1]
+    """The command in scripts/serving/load_test.py's docstring, as a shell would split it."""
+    usage = scripts.serving.load_test.__doc__.split("\n\n")[1]
     return shlex.split(usage.replace("\\\n", " "))
 
 

@@ -234,7 +234,7 @@ def test_unload_while_streaming_finishes_then_404(server, client, hf, demo_model
 
 
 def test_stress_has_no_unexpected_status(server, adapter_root):
-    from scripts.lora_stress import parse_args, run_stress
+    from scripts.adapters.lora_stress import parse_args, run_stress
 
     spares = [f"s{i}={os.path.join(adapter_root, n)}" for i, n in enumerate(SPARE)]
     summary = run_stress(

@@ -11,8 +11,8 @@ from ledgerserve.kernels.fused_ref import apply_rope_ref, fused_add_rms_norm_ref
 from ledgerserve.worker_proc.models.config import RopeConfig
 from ledgerserve.worker_proc.models.layers import RMSNorm
 from ledgerserve.worker_proc.models.rope import RotaryEmbedding
+from scripts.common.paged_batch import make_paged_batch
 from tests.kernels.lora_delta_data import SLOTS, make_delta, naive_delta
-from tests.kernels.paged_batch import make_paged_batch
 
 HEADS = [(7, 1, 16), (6, 3, 8), (4, 4, 32)]  # num_heads, num_kv_heads, head_dim
 

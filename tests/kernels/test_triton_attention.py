@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.paged_batch import make_paged_batch
+from scripts.common.paged_batch import make_paged_batch
 from tests.kernels.triton_device import DEVICE, DTYPES, INTERPRET, TOL, requires_triton_device
 
 pytest.importorskip("triton")

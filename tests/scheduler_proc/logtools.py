@@ -9,8 +9,8 @@ from ledgerserve.shared import events as ev
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.eventlog import EventLogReader, EventLogWriter, parse_header
 from ledgerserve.shared.eventlog.format import SCHEMA_VERSION, encode_header
+from ledgerserve.sim.workload import run_workload
 from tests.scheduler_proc.driver import Driver
-from tests.scheduler_proc.workload import run_workload
 
 ENGINE = EngineConfig(
     model_dir="m", served_model_name="m", max_model_len=32, max_num_seqs=4, max_num_batched_tokens=16, block_size=4

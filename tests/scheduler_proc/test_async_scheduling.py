@@ -11,9 +11,10 @@ from ledgerserve.scheduler_proc.replay import replay
 from ledgerserve.shared import events as ev
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.eventlog import EventLogWriter
+from ledgerserve.sim.slots import LoadPolicy
+from ledgerserve.sim.workload import run_adapter_workload, run_workload
 from tests.scheduler_proc.driver import EOS, Driver
-from tests.scheduler_proc.fake_adapters import LoadPolicy
-from tests.scheduler_proc.workload import WORKLOAD_SPACE, run_adapter_workload, run_workload
+from tests.scheduler_proc.workload import WORKLOAD_SPACE
 
 
 def async_driver(num_kv_blocks: int = 64, **kw) -> Driver:

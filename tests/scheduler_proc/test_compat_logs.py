@@ -1,13 +1,13 @@
 """The committed logs under tests/data/logs keep decoding and replaying. If this fails
 after a format change, bump SCHEMA_VERSION and add a migration; after a deliberate change
-of the core's decisions, re-record them with scripts/make_compat_logs.py.
+of the core's decisions, re-record them with scripts/repo/make_compat_logs.py.
 
 `events-000001-base.log` and `events-000002-lora.log` are schema 1. `events-000003-lora-schema2.log`
 is the same adapter workload recorded by the schema 2 code (before overlapped adapter
 loading): its header's engine config has no `lora_overlap_loading`, which reads as today's
 default (on), so it replays only because schema 2 logs replay with overlapped loading off.
 `events-000004-lora-overlap-schema3.log` is a random adapter workload with overlapped loading
-and async scheduling over two ranks (tests/scheduler_proc/workload.py, seed 5, 200 events,
+and async scheduling over two ranks (ledgerserve/sim/workload.py, seed 5, 200 events,
 max_loras 2, lora_max_wait_steps 3), recorded by the schema 3 code (before targeted drains):
 it replays only because schema 3 logs replay with targeted drains off.
 `events-000005-marked-schema4.log` is the adapter workload with pinned and on-demand loads
@@ -36,9 +36,9 @@ from ledgerserve.scheduler_proc.replay.verify import core_config
 from ledgerserve.shared import events as ev
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.eventlog import SCHEMA_VERSION, EventLogReader, EventLogWriter, RunScanner
+from ledgerserve.sim.workload import run_adapter_workload
 from tests.scheduler_proc.logtools import rewrite
 from tests.scheduler_proc.test_adapter_random import _marked_driver
-from tests.scheduler_proc.workload import run_adapter_workload
 
 LOG_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "logs")
 LOGS = sorted(glob.glob(os.path.join(LOG_DIR, "events-*.log")))

@@ -12,9 +12,9 @@ import pytest
 from ledgerserve.scheduler_proc.redaction import MIN_DIGEST, Redactor
 from ledgerserve.shared import events as ev
 from ledgerserve.shared.sampling import SamplingParams
+from ledgerserve.sim.workload import run_adapter_workload, run_workload
 from tests.scheduler_proc.driver import EOS, FILLER, Driver
 from tests.scheduler_proc.test_adapter_random import _marked_driver
-from tests.scheduler_proc.workload import run_adapter_workload, run_workload
 
 
 class RedactedCore:

@@ -9,9 +9,9 @@ import msgspec
 import pytest
 
 from ledgerserve.shared import events as ev
-from tests.scheduler_proc import driver as driver_module
+from ledgerserve.sim import group as group_module
+from ledgerserve.sim.reports import fake_reports
 from tests.scheduler_proc.driver import Driver
-from tests.scheduler_proc.prompt_reports import fake_reports
 
 
 def new_reqs(d: Driver, req_id: str) -> list[ev.NewReq]:
@@ -142,7 +142,7 @@ def _unasked(reports: list[ev.PromptLogprobs]) -> list[ev.PromptLogprobs]:
     ],
 )
 def test_bad_report_fails_only_its_request(monkeypatch, mangle, failed: str, words: str) -> None:
-    monkeypatch.setattr(driver_module, "fake_reports", lambda plan, asks: mangle(fake_reports(plan, asks)))
+    monkeypatch.setattr(group_module, "fake_reports", lambda plan, asks: mangle(fake_reports(plan, asks)))
     d = Driver()
     d.arrive("scored", 10, max_tokens=3, prompt_logprobs=2)
     d.arrive("plain", list(range(300, 310)), max_tokens=3)

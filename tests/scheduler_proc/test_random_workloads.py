@@ -10,8 +10,9 @@ from hypothesis import given, settings
 
 from ledgerserve.shared import codec
 from ledgerserve.shared import events as ev
+from ledgerserve.sim.workload import run_workload
 from tests.scheduler_proc.driver import Driver
-from tests.scheduler_proc.workload import WORKLOAD_SPACE, run_workload
+from tests.scheduler_proc.workload import WORKLOAD_SPACE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

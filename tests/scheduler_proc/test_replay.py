@@ -11,8 +11,8 @@ from ledgerserve.scheduler_proc.replay import main, replay
 from ledgerserve.shared import events as ev
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.eventlog import EventLogReader, EventLogWriter
+from ledgerserve.sim.workload import run_workload
 from tests.scheduler_proc.driver import Driver
-from tests.scheduler_proc.workload import run_workload
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENGINE = EngineConfig(
@@ -109,9 +109,7 @@ def test_cli_exit_codes_and_show(tmp_path, capsys):
 
 def test_script_entry_point(tmp_path):
     path = _record(tmp_path)
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", "replay.py"), path], capture_output=True, text=True
-    )
+    proc = subprocess.run([sys.executable, "-m", "scripts.ops.replay", path], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("OK")
 

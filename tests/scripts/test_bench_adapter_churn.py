@@ -1,4 +1,4 @@
-"""scripts/bench_adapter_churn.py: the full run's plan is the one asked for and needs three
+"""scripts/adapters/bench_adapter_churn.py: the full run's plan is the one asked for and needs three
 server start-ups per mode; the adapter-load summary of an event log; and `--quick`, the whole
 benchmark on the CPU with the demo model against servers it starts itself."""
 
@@ -13,10 +13,10 @@ import pytest
 from ledgerserve.shared import events as ev
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.eventlog import EventLogWriter
-from scripts.bench_adapter_churn import main
-from scripts.churn_plan import FULL, PROBE_CASES, QUICK, TableSetup, check_settings, server_groups
-from scripts.churn_report import load_stats
-from scripts.plot import PNG_SIGNATURE
+from scripts.adapters.bench_adapter_churn import main
+from scripts.adapters.churn_plan import FULL, PROBE_CASES, QUICK, TableSetup, check_settings, server_groups
+from scripts.adapters.churn_report import load_stats
+from scripts.common.plot import PNG_SIGNATURE
 
 
 def test_the_full_plan_is_the_one_asked_for() -> None:
@@ -132,7 +132,7 @@ def test_quick_run_measures_every_workload(tmp_path) -> None:
 
 def test_the_servers_get_the_rank_count() -> None:
     from ledgerserve.cli import build_parser
-    from scripts.bench_adapter_churn import QUICK_FLAGS, model_args, parse_args
+    from scripts.adapters.bench_adapter_churn import QUICK_FLAGS, model_args, parse_args
 
     argv = model_args(parse_args(["--quick", "--tensor-parallel-size", "2"]), "/m", QUICK_FLAGS)
     served = build_parser().parse_args(["serve", *argv])

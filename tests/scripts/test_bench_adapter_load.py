@@ -3,7 +3,7 @@ and reports every time with its ratio to the measured bandwidths."""
 
 import json
 
-from scripts import bench_adapter_load
+from scripts.adapters import bench_adapter_load
 
 
 def test_bench_reports_every_rank_on_the_cpu(tmp_path, capsys) -> None:

@@ -1,4 +1,4 @@
-"""scripts/bench_all_reduce.py on the CPU: two gloo rank processes time every size through the
+"""scripts/decode/bench_all_reduce.py on the CPU: two gloo rank processes time every size through the
 collective library; one-shot, CUDA's alone, is reported absent."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from scripts import bench_all_reduce
+from scripts.decode import bench_all_reduce
 
 
 def test_two_cpu_ranks_time_each_size(tmp_path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scripts.decode_churn import idle_share
+from scripts.decode.decode_churn import idle_share
 
 
 def test_idle_share_counts_the_gaps_between_steps() -> None:
@@ -29,7 +29,7 @@ def test_load_churn_keeps_spare_slots_loading_from_both_tiers(tmp_path) -> None:
 
     from ledgerserve.shared.config import EngineConfig
     from ledgerserve.worker_proc.runner import ModelRunner
-    from scripts.decode_churn import LoadChurn
+    from scripts.decode.decode_churn import LoadChurn
     from tests.adapter_factory import make_peft_adapter
     from tests.model_factory import make_tiny_checkpoint
 
@@ -81,7 +81,7 @@ def test_tensor_parallel_sweep_runs_two_ranks_beside_one(demo_model_dir, tmp_pat
         [
             sys.executable,
             "-m",
-            "scripts.bench_decode",
+            "scripts.decode.bench_decode",
             *argv,
             "--steps",
             "2",
@@ -118,7 +118,7 @@ def test_tensor_parallel_sweep_runs_two_ranks_beside_one(demo_model_dir, tmp_pat
 def test_tensor_parallel_refuses_what_its_sweep_would_not_do(flag: list[str], capsys) -> None:
     """Its sweep has no churn and no end-to-end run: such a flag is an error there, not silently
     dropped; one rank takes it."""
-    from scripts.bench_decode import parse_args
+    from scripts.decode.decode_args import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(["--tensor-parallel-size", "2", *flag])
@@ -137,7 +137,7 @@ def test_tensor_parallel_sweep_runs_ahead_with_async_scheduling(demo_model_dir, 
     out = tmp_path / "tp.json"
     argv = ["--tensor-parallel-size", "2", "--async-scheduling", "--device", "cpu", "--model-dir", demo_model_dir]
     argv += ["--batch-sizes", "2", "--adapters", "0,1", "--rank", "4", "--prompt-len", "8", "--warmup", "1"]
-    cmd = [sys.executable, "-m", "scripts.bench_decode", *argv, "--steps", "3", "--out", str(out)]
+    cmd = [sys.executable, "-m", "scripts.decode.bench_decode", *argv, "--steps", "3", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["tp2"]["results"]
@@ -146,7 +146,7 @@ def test_tensor_parallel_sweep_runs_ahead_with_async_scheduling(demo_model_dir, 
 
 
 def test_gemv_config_flags_name_a_shape_and_its_four_values(capsys) -> None:
-    from scripts.bench_decode import parse_args
+    from scripts.decode.decode_args import parse_args
 
     args = parse_args(["--gemv-config", "4096x2048=2,2048,4,1", "--gemv-config", "3072x4096=8,4096,8,1"])
     assert args.gemv_configs == {(4096, 2048): (2, 2048, 4, 1), (3072, 4096): (8, 4096, 8, 1)}
@@ -159,7 +159,7 @@ def test_gemv_config_flags_name_a_shape_and_its_four_values(capsys) -> None:
 def test_gemv_configs_from_the_flags_come_before_the_kernels_own(monkeypatch) -> None:
     pytest.importorskip("triton")
     from ledgerserve.kernels import gemv
-    from scripts.bench_decode import parse_args, use_gemv_configs
+    from scripts.decode.decode_args import parse_args, use_gemv_configs
 
     monkeypatch.setattr(gemv, "MEASURED_BEST", dict(gemv.MEASURED_BEST))
     assert gemv.gemv_config(4096, 2048) != (4, 2048, 8, 1)
@@ -183,7 +183,7 @@ def test_the_timeline_is_the_last_step_told_apart_by_the_hosts_gap() -> None:
     a long one does not hide the long one's end."""
     import types
 
-    from scripts.profile_decode import last_step_timeline
+    from scripts.decode.profile_decode import last_step_timeline
 
     spans = [_Span("a", 0, 50), _Span("b", 10, 20), _Span("c", 60, 80), _Span("x", 300, 310)]  # b inside a
     spans += [_Span("a", 880, 930), _Span("b", 890, 900), _Span("c", 940, 960), _Span("x", 1200, 1205)]

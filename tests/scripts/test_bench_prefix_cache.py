@@ -1,20 +1,13 @@
 """bench_prefix_cache against a stdlib SSE server on loopback: TTFT is the first chunk,
 cached tokens come from the usage chunk, non-loopback URLs are refused."""
 
-import importlib.util
 import json
-import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_spec = importlib.util.spec_from_file_location(
-    "bench_prefix_cache", os.path.join(ROOT, "scripts", "bench_prefix_cache.py")
-)
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+from scripts.serving import bench_prefix_cache as bench
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -1,4 +1,4 @@
-"""scripts/bench_serving.py without a server: workload generation, statistics, the report,
+"""scripts/serving/bench_serving.py without a server: workload generation, statistics, the report,
 argument and workload-file handling, and the PNG plot (with and without matplotlib)."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import zlib
 import pytest
 
 from ledgerserve.tokenizer_proc.protocol import CompletionRequest
-from scripts.bench_serving import main
-from scripts.plot import PNG_SIGNATURE, write_png
-from scripts.serving_report import (
+from scripts.common.plot import PNG_SIGNATURE, write_png
+from scripts.serving.bench_serving import main
+from scripts.serving.serving_report import (
     RequestResult,
     StreamTally,
     fairness,
@@ -25,7 +25,7 @@ from scripts.serving_report import (
     result_of,
     summarize,
 )
-from scripts.serving_workload import (
+from scripts.serving.serving_workload import (
     AdapterSpec,
     PlannedRequest,
     arrival_times_s,

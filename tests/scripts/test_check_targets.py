@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from scripts.check_targets import judge
+from scripts.repo.check_targets import judge
 
 
 def _row(batch: int, adapters: int, step_ms: float, floor_ms: float, tok_s: float) -> dict:
@@ -78,7 +78,7 @@ def test_the_command_exits_1_when_a_target_is_missed(tmp_path) -> None:
         paths[-1].write_text(json.dumps(report))
     out = tmp_path / "verdict.json"
     done = subprocess.run(
-        [sys.executable, "-m", "scripts.check_targets", *map(str, paths), "--out", str(out)],
+        [sys.executable, "-m", "scripts.repo.check_targets", *map(str, paths), "--out", str(out)],
         capture_output=True,
         text=True,
     )
@@ -93,7 +93,7 @@ def test_the_command_says_why_it_cannot_judge(tmp_path) -> None:
         paths.append(tmp_path / f"{name}.json")
         paths[-1].write_text(json.dumps(report))
     done = subprocess.run(
-        [sys.executable, "-m", "scripts.check_targets", *map(str, paths)], capture_output=True, text=True
+        [sys.executable, "-m", "scripts.repo.check_targets", *map(str, paths)], capture_output=True, text=True
     )
     assert done.returncode == 1
     assert done.stderr.strip().startswith("check_targets: the reports come from different devices")

@@ -1,10 +1,10 @@
-"""scripts/load_test.py without a server: argument bounds, loopback only, leak checks."""
+"""scripts/serving/load_test.py without a server: argument bounds, loopback only, leak checks."""
 
 from __future__ import annotations
 
 import pytest
 
-from scripts.load_test import leaks, main
+from scripts.serving.load_test import leaks, main
 
 IDLE = {
     "ledgerserve_num_requests_running": 0,

@@ -1,4 +1,4 @@
-"""scripts/request_loop.py without a server: how a reply, a stream and a client abort are
+"""scripts/common/request_loop.py without a server: how a reply, a stream and a client abort are
 read, and what one picked request sends (httpx's mock transport stands in for the server)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import random
 
 import httpx
 
-from scripts.request_loop import Run, send_one, stream
+from scripts.common.request_loop import Run, send_one, stream
 
 CHUNK = 'data: {"choices": [{"text": "x"}]}\n\n'
 

@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from scripts.simulate_adapter_policy import SimSettings, Workload, main, percentile, simulate
+from scripts.adapters.simulate_adapter_policy import SimSettings, Workload, main, percentile, simulate
 
 SMALL = dataclasses.replace(
     SimSettings(),

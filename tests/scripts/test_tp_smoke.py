@@ -1,4 +1,4 @@
-"""scripts/tp_smoke.py against the real server on the CPU: every check passes at tensor parallel 2
+"""scripts/ops/tp_smoke.py against the real server on the CPU: every check passes at tensor parallel 2
 on the demo model, and a check whose expectation does not hold is reported failed."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from scripts import tp_smoke
-from scripts.server_process import Server
+from scripts.common.server_process import Server
+from scripts.ops import tp_smoke
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""scripts/lora_stress.py: its status rules, and a short run against the fake-engine app
+"""scripts/adapters/lora_stress.py: its status rules, and a short run against the fake-engine app
 under a real uvicorn on 127.0.0.1."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.events import AdapterOpReplied
 from ledgerserve.tokenizer_proc.app import build_app
-from scripts.lora_stress import Outcome, main, parse_args, run_stress, summarize
-from scripts.request_loop import check_loopback
+from scripts.adapters.lora_stress import Outcome, main, parse_args, run_stress, summarize
+from scripts.common.request_loop import check_loopback
 from tests.netutil import free_port, serve_in_thread
 from tests.peft_util import make_tiny_peft_adapter
 from tests.tokenizer_proc.fake_engine import FakeEngine

@@ -16,9 +16,9 @@ from ledgerserve.shared import events as ev
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.eventlog import EventLogWriter
 from ledgerserve.shared.sampling import SamplingParams
+from ledgerserve.sim.slots import LoadPolicy
+from ledgerserve.sim.workload import run_adapter_workload
 from tests.scheduler_proc.driver import Driver
-from tests.scheduler_proc.fake_adapters import LoadPolicy
-from tests.scheduler_proc.workload import run_adapter_workload
 
 
 def fold_all(stats: AdapterStats, events: list) -> list[LoadRecord]:

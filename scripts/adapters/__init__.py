@@ -1,0 +1,1 @@
+"""Adapter benchmarks: loading, churn under traffic, PEFT comparison, slot-policy simulation."""

@@ -1,0 +1,1 @@
+"""Pieces the scripts share: fixtures, report files, a server process, the request loop, plots."""

@@ -1,0 +1,1 @@
+"""Decode-step benchmarks and probes: one model runner, kernels, tensor-parallel steps."""

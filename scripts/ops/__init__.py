@@ -1,0 +1,1 @@
+"""Operating the server: launch, replay, the demo model, GPU smoke runs, replay speed."""

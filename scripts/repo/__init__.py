@@ -1,0 +1,1 @@
+"""The repository's own tools: the committed compatibility logs, benchmark target checks."""

@@ -1,0 +1,1 @@
+"""Benchmarks and load tests against a running server over HTTP."""
