@@ -62,7 +62,7 @@ class InFlightStep:
         return all(p is None or p.host.is_ready() for p in (self.pending, self.prompt))
 
 
-class ModelRunner(AdapterCommands):
+class ModelRunner:
     def __init__(self, config: EngineConfig, rank: int = 0, group: TpGroup | None = None) -> None:
         """`group`: the tensor-parallel group (worker_proc/parallel.py), made by the worker process
         before the runner; the model, KV cache and LoRA slots hold its rank's shard. None: one rank."""
@@ -81,6 +81,7 @@ class ModelRunner(AdapterCommands):
             self.model_cfg, config.model_dir, config.load_format, self.dtype, self.device, config.seed, rank, self.group
         )
         self.lora = self._build_lora() if config.enable_lora else None  # before KV sizing: its buffers count
+        self.adapters = AdapterCommands(config, rank, self.lora)  # the adapter commands, beside the steps
         num_blocks = num_kv_blocks(config, self.model.cfg, self.dtype, self.device)  # of this rank's KV heads
         use_graphs = self.device.type == "cuda" and not config.enforce_eager and self.dtype in ops.TRITON_DTYPES
         self.kv_cache = KVCache(
@@ -146,6 +147,10 @@ class ModelRunner(AdapterCommands):
             dtype=self.config.dtype,
             num_weight_bytes=num_weight_bytes(self.model),
         )
+
+    def close(self) -> None:
+        if self.lora is not None:
+            self.lora.close()
 
     def execute(self, plan: StepPlan) -> tuple[StepCompleted, RankDigest]:
         """One step, launched and read back at once (a scheduler in step)."""

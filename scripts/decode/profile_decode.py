@@ -176,7 +176,7 @@ def build_runner(args: argparse.Namespace, root: str, max_batch: int, num_adapte
     runner = ModelRunner(config)
     base = BaseShapes.from_hf_config(LLAMA3_8B)
     for i in range(num_adapters):
-        runner.load_adapter(AdapterSlotAssigned(i, i, write_adapter(root, i, base, args.rank, "cuda")))
+        runner.adapters.load(AdapterSlotAssigned(i, i, write_adapter(root, i, base, args.rank, "cuda")))
     return runner
 
 

@@ -78,19 +78,19 @@ def files_sha256(path: str) -> str:
 
 def load_control(runner: ModelRunner, setup: LoraSetup) -> None:
     for version_id, (name, slot) in enumerate([("all", HOSTILE_SLOT), ("mlp", 1), ("head", 2)], start=100):
-        done = runner.load_adapter(AdapterSlotAssigned(slot, version_id, setup.adapter_dirs[name]))
+        done = runner.adapters.load(AdapterSlotAssigned(slot, version_id, setup.adapter_dirs[name]))
         assert isinstance(done, AdapterLoadCompleted), done
 
 
 def load_hostile(runner: ModelRunner, dirs: dict[str, str]) -> AdapterLoadFailed:
     """Slot 0's clean adapter replaced by the huge one (which loads), and the overflow-once-cast one
     assigned with its files' true SHA-256 (which must fail): that failure."""
-    runner.evict_adapter(AdapterEvicted(HOSTILE_SLOT, 100))
+    runner.adapters.evict(AdapterEvicted(HOSTILE_SLOT, 100))
     path = dirs["hostile"]
-    done = runner.load_adapter(AdapterSlotAssigned(HOSTILE_SLOT, 200, path, content_sha256=files_sha256(path)))
+    done = runner.adapters.load(AdapterSlotAssigned(HOSTILE_SLOT, 200, path, content_sha256=files_sha256(path)))
     assert isinstance(done, AdapterLoadCompleted), done
     path = dirs["cast"]
-    return runner.load_adapter(AdapterSlotAssigned(CAST_SLOT, 201, path, content_sha256=files_sha256(path)))
+    return runner.adapters.load(AdapterSlotAssigned(CAST_SLOT, 201, path, content_sha256=files_sha256(path)))
 
 
 def run(runner: ModelRunner, setup: LoraSetup) -> Run:

@@ -41,7 +41,7 @@ def _logits(runner: ModelRunner, reqs: list[ReqState], kv: KVCache, fast: bool, 
 def _runner(setup: LoraSetup, dtype: str) -> ModelRunner:
     runner = ModelRunner(lora_config(setup.base_dir, device="cuda", dtype=dtype))
     for slot, name in enumerate(["all", "mlp"]):
-        runner.load_adapter(AdapterSlotAssigned(slot, 100 + slot, setup.adapter_dirs[name]))
+        runner.adapters.load(AdapterSlotAssigned(slot, 100 + slot, setup.adapter_dirs[name]))
     return runner
 
 

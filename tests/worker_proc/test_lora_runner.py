@@ -81,9 +81,9 @@ def test_evict_and_reload_slot_with_another_adapter(lora_setup: LoraSetup) -> No
     runner = ModelRunner(lora_config(lora_setup.base_dir))
     slots = load_all(runner, lora_setup)
     slot = slots["head"]  # held an adapter with an lm_head delta; the new one has none
-    runner.evict_adapter(AdapterEvicted(slot, 100 + slot))
+    runner.adapters.evict(AdapterEvicted(slot, 100 + slot))
     assert slot not in runner.lora.slots
-    done = runner.load_adapter(AdapterSlotAssigned(slot, 200, lora_setup.adapter_dirs["attn"]))
+    done = runner.adapters.load(AdapterSlotAssigned(slot, 200, lora_setup.adapter_dirs["attn"]))
     assert isinstance(done, AdapterLoadCompleted) and (done.slot, done.version_id) == (slot, 200)
     sched = FakeScheduler(BLOCK_SIZE, NUM_BLOCKS)
     sched.add("attn", lora_setup.prompts["attn"], GREEDY, chunk=8, lora_slot=slot)

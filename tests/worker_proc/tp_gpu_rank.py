@@ -182,7 +182,7 @@ def main() -> None:
     print(f"rank {rank}: all-reduce checked", file=sys.stderr, flush=True)
     slots = {}
     for slot, (name, path) in enumerate(spec["adapter_dirs"].items()):
-        done = runner.load_adapter(AdapterSlotAssigned(slot, 100 + slot, path))
+        done = runner.adapters.load(AdapterSlotAssigned(slot, 100 + slot, path))
         assert isinstance(done, AdapterLoadCompleted), f"adapter {name} did not load: {done}"
         slots[name] = slot
     logits = teacher_forced_logits(runner, spec, slots)

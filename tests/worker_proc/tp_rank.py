@@ -98,7 +98,7 @@ def main() -> None:
     config = lora_config(spec["base_dir"], max_loras=MAX_LORAS, num_kv_blocks=len(REQS) * BLOCKS_PER_REQ)
     runner = ModelRunner(config, rank, group)
     for slot, path in enumerate(spec["adapter_dirs"]):
-        done = runner.load_adapter(AdapterSlotAssigned(slot, 100 + slot, path))
+        done = runner.adapters.load(AdapterSlotAssigned(slot, 100 + slot, path))
         if not isinstance(done, AdapterLoadCompleted):
             raise RuntimeError(f"adapter {path} did not load: {done}")
     logits = run_steps(runner)
