@@ -127,14 +127,14 @@ def assert_contained(control: Run, hostile: Run) -> None:
 
 def _record(runner: ModelRunner, out: Run) -> Callable[[], None]:
     """Wrap the runner's forward pass and layout choice to record logits rows and layouts."""
-    forward, choose = runner._forward, layout.choose
+    forward, choose = runner.forward.run, layout.choose
 
-    def recording_forward(scheduled, use_graphs: bool = True):
-        logits, sampling, hidden = forward(scheduled, use_graphs)
-        if logits is not None:  # a graph's logits are its static buffer: copied now
-            for row, req in zip(logits.float().cpu(), sampling):
+    def recording_forward(batch, inputs):
+        forwarded = forward(batch, inputs)
+        if forwarded.logits is not None:  # a graph's logits are its static buffer: copied now
+            for row, req in zip(forwarded.logits.float().cpu(), batch.sampling):
                 out.logits.setdefault(req.req_id, []).append(row.clone())
-        return logits, sampling, hidden
+        return forwarded
 
     def recording_choose(weights, stacked, mapping, x) -> layout.Stacked | LoraLayout | None:
         plan = choose(weights, stacked, mapping, x)
@@ -142,11 +142,11 @@ def _record(runner: ModelRunner, out: Run) -> Callable[[], None]:
             out.layouts.add(type(plan).__name__)
         return plan
 
-    runner._forward = recording_forward  # type: ignore[method-assign]
+    runner.forward.run = recording_forward  # type: ignore[method-assign]
     layout.choose = recording_choose
 
     def restore() -> None:
-        del runner._forward
+        del runner.forward.run
         layout.choose = choose
 
     return restore

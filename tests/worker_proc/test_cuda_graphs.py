@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ledgerserve.shared.events import AdapterSlotAssigned
-from ledgerserve.worker_proc.batch import ReqState
+from ledgerserve.worker_proc.requests import ReqState
 from ledgerserve.worker_proc.runner import ModelRunner
 from ledgerserve.worker_proc.step_inputs import build_step_inputs
 from tests.worker_proc.fake_scheduler import FakeScheduler, run_to_completion

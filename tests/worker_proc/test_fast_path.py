@@ -10,8 +10,8 @@ import torch
 from ledgerserve.kernels import ops
 from ledgerserve.shared.events import AdapterSlotAssigned
 from ledgerserve.shared.sampling import SamplingParams
-from ledgerserve.worker_proc.batch import ReqState
 from ledgerserve.worker_proc.kv_cache import KVCache
+from ledgerserve.worker_proc.requests import ReqState
 from ledgerserve.worker_proc.runner import ModelRunner
 from ledgerserve.worker_proc.step_inputs import build_step_inputs
 from tests.worker_proc.lora_setup import BLOCK_SIZE, LoraSetup, lora_config

@@ -79,7 +79,7 @@ def _check_unloaded_slot_fails_alone(runner: ModelRunner, setup: LoraSetup) -> N
     assert [t.req_id for t in done.sampled] == ["good"]
     assert done.sampled[0].token_id == setup.refs["base"].token_ids[0]
     runner.execute(StepPlan(1, finished_req_ids=["good"]))
-    assert runner.reqs == {}
+    assert runner.requests.reqs == {}
 
 
 def test_cpu_tier_reload_skips_disk_until_dropped(lora_setup: LoraSetup, tmp_path) -> None:

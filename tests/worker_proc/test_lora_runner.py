@@ -64,7 +64,7 @@ def test_warm_up_leaves_nothing_behind(lora_setup: LoraSetup) -> None:
         mp.setattr(layout, "choose", choose)
         runner.warm_up()
     assert calls and min(calls) == 32
-    assert not runner.reqs and runner.prev_sampled.token_ids is None and not runner.lora.slots
+    assert not runner.requests.reqs and runner.prev_token_ids is None and not runner.lora.slots
     assert all(max(w.rank_table[0]) == 0 and not w.b[0].any() for w in runner.lora.weights.values())
     _run_mixed(runner, lora_setup)  # FakeScheduler hands out block 0 first: the warm-up's blocks
 

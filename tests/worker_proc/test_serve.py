@@ -323,5 +323,5 @@ def test_a_runner_served_one_step_ahead_gives_the_sync_tokens(tiny_checkpoint: s
     ahead = AheadScheduler(sched())
     runner = ModelRunner(tiny_config(tiny_checkpoint))
     assert serve(runner, 0, ahead, ahead, LOG) == 0  # type: ignore[arg-type]
-    assert ahead.max_unanswered == 2 and runner.reqs == {}
+    assert ahead.max_unanswered == 2 and runner.requests.reqs == {}
     assert results(ahead.sched.done) == results(sync)
