@@ -27,18 +27,25 @@ from ledgerserve.shared.eventlog import EventLogWriter
 LOAD_POLL_S = 0.001  # how often run_until_idle looks at adapter loads under way when nothing else is left
 
 
+class AdapterPort(Protocol):
+    """A worker rank's adapter commands (worker_proc.adapter_commands.AdapterCommands)."""
+
+    def command(self, cmd: events.Event, arrival_s: float) -> list[events.Event]: ...
+
+    def poll(self) -> list[events.Event]: ...
+
+    def busy(self) -> bool: ...
+
+
 class Runner(Protocol):
-    """What a worker rank does: ModelRunner has all of it."""
+    """What a worker rank does: ModelRunner has all of it; its adapter commands go through `adapters`."""
+
+    @property
+    def adapters(self) -> AdapterPort: ...
 
     def ready(self) -> events.WorkerReady: ...
 
     def execute(self, plan: events.StepPlan) -> tuple[events.StepCompleted, events.RankDigest]: ...
-
-    def adapter_command(self, cmd: events.Event, arrival_s: float) -> list[events.Event]: ...
-
-    def poll_adapters(self) -> list[events.Event]: ...
-
-    def adapters_busy(self) -> bool: ...
 
 
 class Engine:
@@ -63,7 +70,7 @@ class Engine:
         if self.commands:
             completed, digest = self.runner.execute(self.commands.popleft())
             results += [completed, digest]
-        results += self.runner.poll_adapters()
+        results += self.runner.adapters.poll()
         decisions: list[events.Event] = []
         for result in results:
             decisions += self.apply(result)
@@ -81,7 +88,7 @@ class Engine:
 
     def has_work(self) -> bool:
         """Whether step() may make progress: commands to carry out, or adapter loads under way."""
-        return bool(self.commands) or self.runner.adapters_busy()
+        return bool(self.commands) or self.runner.adapters.busy()
 
     def run_until_idle(self, max_steps: int = 10_000) -> list[events.Event]:
         """Step until nothing is left to do; the decisions, in order."""
@@ -93,7 +100,7 @@ class Engine:
             if self.commands:
                 num_steps += 1
             else:
-                time.sleep(LOAD_POLL_S)  # only loads under way: their replies come from poll_adapters
+                time.sleep(LOAD_POLL_S)  # only loads under way: their replies come from adapters.poll
             decisions += self.step()
         return decisions
 
@@ -107,5 +114,5 @@ class Engine:
         """Carry out the adapter commands ahead of the next plan, in order; their replies due now."""
         replies: list[events.Event] = []
         while self.commands and not isinstance(self.commands[0], events.StepPlan):
-            replies += self.runner.adapter_command(self.commands.popleft(), time.monotonic())
+            replies += self.runner.adapters.command(self.commands.popleft(), time.monotonic())
         return replies

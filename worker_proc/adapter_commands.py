@@ -1,8 +1,9 @@
-"""The adapter commands of a ModelRunner (AdapterSlotAssigned, AdapterPrefetched, AdapterEvicted,
+"""A rank's adapter commands (AdapterSlotAssigned, AdapterPrefetched, AdapterEvicted,
 AdapterCpuEvicted) and the replies of the loads they start. With overlapped loading a load only
-starts with its command and its reply comes from poll_adapters when it ends; without, the
-command runs its load to the end first (the reference path, in command order). A bad adapter
-fails its load, never the worker."""
+starts with its command and its reply comes from `poll` when it ends; without, the command runs
+its load to the end first (the reference path, in command order). A bad adapter fails its load,
+never the worker. A ModelRunner holds one as `runner.adapters` (ledgerserve/engine.py's
+AdapterPort), beside its steps."""
 
 from __future__ import annotations
 
@@ -23,20 +24,19 @@ from ledgerserve.worker_proc.lora.manager import LoraManager
 
 
 class AdapterCommands:
-    """Mixed into ModelRunner, which sets these."""
+    """Carries out adapter commands on one rank's LoRA manager (None: LoRA is off, loads fail)."""
 
-    config: EngineConfig
-    rank: int
-    lora: LoraManager | None
+    def __init__(self, config: EngineConfig, rank: int, lora: LoraManager | None) -> None:
+        self.config, self.rank, self.lora = config, rank, lora
 
-    def adapter_command(self, cmd: Event, arrival_s: float) -> list[Event]:
+    def command(self, cmd: Event, arrival_s: float) -> list[Event]:
         """Apply one adapter command -> the replies due now. With overlapped loading a load only
-        starts here and its reply comes from poll_adapters; without, it runs to its end first."""
+        starts here and its reply comes from `poll`; without, it runs to its end first."""
         if isinstance(cmd, AdapterEvicted):
-            self.evict_adapter(cmd)
+            self.evict(cmd)
             return []
         if isinstance(cmd, AdapterCpuEvicted):
-            self.drop_cpu_copy(cmd)
+            self.drop_cpu(cmd)
             return []
         if not isinstance(cmd, (AdapterSlotAssigned, AdapterPrefetched)):
             raise ValueError(f"unexpected command {type(cmd).__name__}")
@@ -58,24 +58,28 @@ class AdapterCommands:
             return [AdapterLoadFailed(self.rank, cmd.slot, cmd.version_id, f"adapter {_name(cmd.path)}: {e}")]
         return []
 
-    def poll_adapters(self) -> list[Event]:
+    def poll(self) -> list[Event]:
         """Replies of loads that ended since the last call (none waits)."""
         return list(self.lora.poll()) if self.lora is not None else []
 
-    def adapters_busy(self) -> bool:
+    def busy(self) -> bool:
         """Whether a load is still under way (its reply, or freeing its CPU pages, is pending)."""
         return self.lora is not None and self.lora.is_busy()
 
-    def close(self) -> None:
-        if self.lora is not None:
-            self.lora.close()
-
-    def load_adapter(self, ev: AdapterSlotAssigned) -> AdapterLoadCompleted | AdapterLoadFailed:
+    def load(self, ev: AdapterSlotAssigned) -> AdapterLoadCompleted | AdapterLoadFailed:
         """Load `ev.version_id` into `ev.slot` and wait for it to end; a bad adapter fails the load,
         never the worker, and leaves the slot unusable."""
         if self.lora is None:
-            return self.adapter_command(ev, time.monotonic())[0]  # type: ignore[return-value]
+            return self.command(ev, time.monotonic())[0]  # type: ignore[return-value]
         return self._load_now(ev, time.monotonic())[-1]  # type: ignore[return-value]
+
+    def evict(self, ev: AdapterEvicted) -> None:
+        if self.lora is not None and 0 <= ev.slot < self.config.max_loras:
+            self.lora.evict(ev.slot, ev.version_id)
+
+    def drop_cpu(self, ev: AdapterCpuEvicted) -> None:
+        if self.lora is not None:
+            self.lora.drop_cpu(ev.version_id)
 
     def _load_now(self, ev: AdapterSlotAssigned, arrival_s: float) -> list[Event]:
         """The load's replies, its own last."""
@@ -86,14 +90,6 @@ class AdapterCommands:
             return [AdapterLoadFailed(self.rank, ev.slot, ev.version_id, f"adapter {_name(ev.path)}: {e}")]
         own = [r for r in replies if r.slot == ev.slot and r.version_id == ev.version_id]
         return [r for r in replies if r not in own] + own
-
-    def evict_adapter(self, ev: AdapterEvicted) -> None:
-        if self.lora is not None and 0 <= ev.slot < self.config.max_loras:
-            self.lora.evict(ev.slot, ev.version_id)
-
-    def drop_cpu_copy(self, ev: AdapterCpuEvicted) -> None:
-        if self.lora is not None:
-            self.lora.drop_cpu(ev.version_id)
 
 
 def _name(path: str) -> str:

@@ -24,18 +24,10 @@ import torch
 
 from ledgerserve.kernels import gemm_tuning, pdl
 from ledgerserve.kernels.lora_types import Tiles, max_tiles
-from ledgerserve.worker_proc.batch import ReqState, fill_placeholders, placeholder_pairs
 from ledgerserve.worker_proc.lora.layout import slot_buckets
 from ledgerserve.worker_proc.lora.mapping import LoraMapping
-from ledgerserve.worker_proc.step_inputs import (
-    STAGED,
-    HostInputs,
-    PinnedStaging,
-    StepInputs,
-    assemble,
-    host_inputs,
-    pad_for_graph,
-)
+from ledgerserve.worker_proc.requests import ReqState
+from ledgerserve.worker_proc.step_inputs import STAGED, GraphStep, HostInputs, StepInputs, assemble, pad_for_graph
 
 log = logging.getLogger(__name__)
 
@@ -118,33 +110,22 @@ class DecodeGraphs:
             r.num_scheduled_tokens == 1 and r.samples and len(r.block_ids) <= self.width for r in reqs
         )
 
-    def run(
-        self,
-        reqs: Sequence[ReqState],
-        block_size: int,
-        staging: PinnedStaging,
-        prev_token_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Logits [len(reqs), vocab] float32 of one decode step, by graph replay. Placeholder ids
-        come from `prev_token_ids` [num_prev_sampling] int64, written into the static row on the
-        device before the replay. The logits are the graph's static buffer: the next replay
-        overwrites them, so they are read (sampled) on this stream before it."""
-        n = len(reqs)
-        bucket = next(b for b in self.buckets if b >= n)
+    def pick(self, reqs: Sequence[ReqState]) -> DecodeGraph:
+        """The graph of a step that fits (`fits`): the smallest batch bucket that holds it, in the set of
+        the smallest slot bucket above its highest adapter slot (0: no LoRA)."""
+        bucket = next(b for b in self.buckets if b >= len(reqs))
         top_slot = max(r.lora_slot for r in reqs)
         num_slots = next((s for s in self.sets if s > top_slot), 0) if top_slot >= 0 else 0
-        g = self.sets[num_slots][bucket]
-        host = pad_for_graph(host_inputs(reqs, block_size, self.width), bucket, self.scratch_kv_slot, g.num_tiles)
-        placeholders = placeholder_pairs(reqs, range(n))
-        if placeholders[0]:
-            dst, src = staging.upload_into(g.inputs, host.parts(), placeholders)
-            fill_placeholders(g.inputs[:bucket], dst, src, prev_token_ids)  # the row's token ids: [bucket]
-        else:
-            staging.upload_into(g.inputs, host.parts())
-        g.graph.replay()
+        return self.sets[num_slots][bucket]
+
+    def replay(self, step: GraphStep) -> torch.Tensor:
+        """Logits [step.num_reqs, vocab] float32 of a decode step staged into its graph's static row
+        (step_inputs.StepInputBuilder). The logits are the graph's static buffer: the next replay
+        overwrites them, so they are read (sampled) on this stream before it."""
+        step.graph.graph.replay()
         self.replays += 1
-        assert g.logits is not None
-        return g.logits[:n]
+        assert step.graph.logits is not None
+        return step.graph.logits[: step.num_reqs]
 
 
 def _log_tuning(batch: int, num_slots: int, timings: dict) -> None:

@@ -140,7 +140,7 @@ def run_command(cmd: events.ToWorker, arrival_s: float, steps: StepReplies, over
     if not overlap_loading and not steps.flush():
         return False
     try:
-        replies = steps.runner.adapter_command(cmd, arrival_s)
+        replies = steps.runner.adapters.command(cmd, arrival_s)
     except Exception as e:
         steps.fail(type(cmd).__name__, e)
         return False
@@ -182,10 +182,10 @@ class LoadReplies:
         self.runner, self.outbox = runner, outbox
 
     def busy(self) -> bool:
-        return self.runner.adapters_busy()
+        return self.runner.adapters.busy()
 
     def send_due(self) -> None:
-        for reply in self.runner.poll_adapters():
+        for reply in self.runner.adapters.poll():
             self.outbox.send(codec.encode(reply))
 
     def wait_idle(self, inbox: zmq.Socket) -> None:

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from ledgerserve.shared.events import FailedReq, PromptLogprobs
-from ledgerserve.worker_proc.batch import ReqState
 from ledgerserve.worker_proc.lora.mapping import LoraMapping
+from ledgerserve.worker_proc.requests import ReqState
 from ledgerserve.worker_proc.sampler import HostCopy, to_device
 
 MAX_ROWS = 256  # lm_head rows per pass: bounds the [rows, vocab] float32 logits (~150 MB at a 150k vocabulary)

@@ -15,12 +15,16 @@ import itertools
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 import torch
 
 from ledgerserve.kernels.lora_types import group_tiles
-from ledgerserve.worker_proc.batch import ReqState, fill_placeholders, placeholder_pairs
 from ledgerserve.worker_proc.lora.mapping import LoraMapping, runs
+from ledgerserve.worker_proc.requests import ReqState, StepBatch
+
+if TYPE_CHECKING:
+    from ledgerserve.worker_proc.cuda_graphs import DecodeGraph, DecodeGraphs
 
 # int64 elements per 16 bytes: every view handed out starts 16-byte aligned, as Triton compiles a
 # kernel apart for pointers that are and aren't, so a batch's layout never costs a new compile
@@ -130,7 +134,7 @@ def build_step_inputs(
     """The inputs of one eager step over every scheduled token of `reqs`. With `staging` (CUDA) they
     go up in one non-blocking copy and the LoRA mappings come from the host lists, so building them
     never waits on the GPU. Placeholder ids are taken on the device from `prev_token_ids`
-    [num_prev_sampling] int64, the previous step's sampled tokens (worker_proc/placeholders.py)."""
+    [num_prev_sampling] int64, the previous step's sampled tokens (worker_proc/requests.py)."""
     host = host_inputs(reqs, block_size)
     placeholders = placeholder_pairs(reqs, [end - 1 for end in host.query_start_loc[1:]])
     parts = host.parts() + placeholders
@@ -166,6 +170,69 @@ def assemble(
         lora,
         sample_lora,
     )
+
+
+@dataclass(frozen=True)
+class GraphStep:
+    """A pure decode step staged into a CUDA graph's static input row, ready to replay."""
+
+    graph: DecodeGraph
+    num_reqs: int
+
+
+class StepInputBuilder:
+    """Builds each step's tensors: into a CUDA graph's static row when `graphs` has one that fits the
+    step (a pure decode step), else as eager StepInputs; None for a step that computes nothing."""
+
+    def __init__(
+        self, block_size: int, device: torch.device, staging: PinnedStaging | None, graphs: DecodeGraphs | None
+    ) -> None:
+        self.block_size, self.device, self.staging, self.graphs = block_size, device, staging, graphs
+
+    def build(self, batch: StepBatch, prev_token_ids: torch.Tensor | None) -> StepInputs | GraphStep | None:
+        """`prev_token_ids` [num_prev_sampling] int64: the previous step's sampled tokens, on the
+        device, whose rows the batch's placeholders name."""
+        reqs = batch.scheduled
+        if not reqs:
+            return None
+        if self.graphs is not None and self.staging is not None and self.graphs.fits(reqs):
+            return self._stage_graph(reqs, self.graphs, self.staging, prev_token_ids)
+        return build_step_inputs(reqs, self.block_size, self.device, self.staging, prev_token_ids)
+
+    def _stage_graph(
+        self, reqs: list[ReqState], graphs: DecodeGraphs, staging: PinnedStaging, prev_token_ids: torch.Tensor | None
+    ) -> GraphStep:
+        """One device copy of the step's padded inputs into its graph's static row; placeholder ids
+        are written into the row on the device behind it."""
+        g = graphs.pick(reqs)
+        host = pad_for_graph(
+            host_inputs(reqs, self.block_size, graphs.width), g.batch, graphs.scratch_kv_slot, g.num_tiles
+        )
+        placeholders = placeholder_pairs(reqs, range(len(reqs)))
+        if placeholders[0]:
+            dst, src = staging.upload_into(g.inputs, host.parts(), placeholders)
+            fill_placeholders(g.inputs[: g.batch], dst, src, prev_token_ids)  # the row's token ids: [bucket]
+        else:
+            staging.upload_into(g.inputs, host.parts())
+        return GraphStep(g, len(reqs))
+
+
+def placeholder_pairs(reqs: Sequence[ReqState], last_token_index: Sequence[int]) -> list[list[int]]:
+    """[dst, src]: for each request with a placeholder, the index in the flat batch of its one
+    scheduled token (`last_token_index` gives each request's last), and its row in the previous
+    step's sampled tokens."""
+    pairs = [(i, r.placeholder_row) for r, i in zip(reqs, last_token_index) if r.placeholder_row >= 0]
+    return [[dst for dst, _ in pairs], [src for _, src in pairs]]
+
+
+def fill_placeholders(
+    input_ids: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, prev_token_ids: torch.Tensor | None
+) -> None:
+    """input_ids[dst] = prev_token_ids[src], queued on the device behind the step that sampled them.
+    input_ids: [num_tokens] int64; dst, src: [num_placeholders] int64."""
+    if prev_token_ids is None:
+        raise ValueError("placeholder tokens, but the previous step sampled nothing")
+    input_ids.index_copy_(0, dst, prev_token_ids.index_select(0, src))
 
 
 class PinnedStaging:

@@ -7,7 +7,7 @@ and sample with their own seed, so nothing a later request sees changes."""
 from __future__ import annotations
 
 from ledgerserve.shared.sampling import SamplingParams
-from ledgerserve.worker_proc.batch import ReqState
+from ledgerserve.worker_proc.requests import ReqState
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, logprobs=2)
 # penalties and min_tokens masking; random draws are torch ops only (nothing to compile), and

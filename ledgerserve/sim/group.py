@@ -106,7 +106,14 @@ class FakeGroup:
         self.observe(plan)
         return self.run_step(plan), self.digests(plan)[0]
 
-    def adapter_command(self, cmd: ev.Event, arrival_s: float) -> list[ev.Event]:
+    # ---------------------------------------------------------------- AdapterPort (ledgerserve/engine.py)
+
+    @property
+    def adapters(self) -> FakeGroup:
+        """The group carries out its adapter commands itself."""
+        return self
+
+    def command(self, cmd: ev.Event, arrival_s: float) -> list[ev.Event]:
         """Apply one adapter command; without overlapped loading a slot load ends at once."""
         if isinstance(cmd, ev.AdapterEvicted):
             users = sorted(r for r, slot in self.slots.req_slot.items() if slot == cmd.slot)
@@ -118,13 +125,13 @@ class FakeGroup:
             return [ev.AdapterLoadCompleted(r, cmd.slot, cmd.version_id, "disk", 1.0, 1000) for r in self.ranks]
         return []
 
-    def poll_adapters(self) -> list[ev.Event]:
+    def poll(self) -> list[ev.Event]:
         """Loads that ended: those the load policy picks, or without one every pending load."""
         if self.load_policy is None:
             return [self.slots.finish(load, None) for load in list(self.slots.pending)]
         return [self.slots.finish(load, self.load_policy.failure(load)) for load in self.picked_loads()]
 
-    def adapters_busy(self) -> bool:
+    def busy(self) -> bool:
         return bool(self.slots.pending)
 
     def picked_loads(self) -> list[PendingLoad]:

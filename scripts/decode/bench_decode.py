@@ -140,7 +140,7 @@ def main() -> None:
     t0 = time.perf_counter()
     for i in range(max(args.adapter_counts)):
         path = write_adapter(root, i, base, args.rank, "cuda")
-        runner.load_adapter(AdapterSlotAssigned(i, i, path))
+        runner.adapters.load(AdapterSlotAssigned(i, i, path))
     adapters_s = time.perf_counter() - t0
     if args.e2e:
         _report(

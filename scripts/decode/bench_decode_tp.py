@@ -165,7 +165,7 @@ def sweep_rank(args: argparse.Namespace, group: TpGroup, device: torch.device, r
     runner = ModelRunner(config, group.rank, group)
     try:
         for i in range(max(args.adapter_counts)):
-            runner.load_adapter(AdapterSlotAssigned(i, i, write_adapter(root, i, base, args.rank, args.device)))
+            runner.adapters.load(AdapterSlotAssigned(i, i, write_adapter(root, i, base, args.rank, args.device)))
         bw = copy_bandwidth(device)
         num_steps = args.steps + 2 * args.profile_steps + 1  # blocks for them all (ahead: one more in flight)
         token_group = cpu_group(group.size)  # rank 0's sampled tokens to the others

@@ -130,7 +130,7 @@ class Bench:
         a collective every rank queues behind its sleep (whose length varies with each GPU's clock), so
         the timed step starts with the ranks in step."""
         runner = self.runner
-        reqs = [runner.reqs[rid] for rid in self.live]
+        reqs = [runner.requests.reqs[rid] for rid in self.live]
         for req in reqs:  # re-run the last known decode position (rewrites the same KV slots)
             req.num_computed_tokens, req.num_scheduled_tokens, req.placeholder_row = len(req.token_ids) - 1, 1, -1
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -66,7 +66,7 @@ class LoadChurn:
 
     def pump(self) -> None:
         """Replies of loads that ended: each slot starts its next load at once."""
-        for reply in self.runner.poll_adapters():
+        for reply in self.runner.adapters.poll():
             if reply.slot not in self.held or self.held[reply.slot] != reply.version_id:
                 continue
             self.num_loads += 1
@@ -76,19 +76,19 @@ class LoadChurn:
 
     def stop(self) -> None:
         for slot, version in sorted(self.held.items()):
-            self.runner.adapter_command(AdapterEvicted(slot, version), time.monotonic())
+            self.runner.adapters.command(AdapterEvicted(slot, version), time.monotonic())
         self.held = {}
 
     def _load(self, slot: int, reuse: bool) -> None:
         old = self.held.get(slot)
         if old is not None:
-            self.runner.adapter_command(AdapterEvicted(slot, old), time.monotonic())
+            self.runner.adapters.command(AdapterEvicted(slot, old), time.monotonic())
         if old is not None and not reuse:
-            self.runner.adapter_command(AdapterCpuEvicted(old), time.monotonic())
+            self.runner.adapters.command(AdapterCpuEvicted(old), time.monotonic())
         version = old if reuse and old is not None else self._new_version()
         path = self.paths[version % len(self.paths)]
         self.held[slot] = version
-        self.runner.adapter_command(
+        self.runner.adapters.command(
             AdapterSlotAssigned(slot, version, path, content_sha256=self.digests[path]), time.monotonic()
         )
 

@@ -1,5 +1,5 @@
 """Where a decode step's time goes: per-kernel GPU time (torch.profiler over graph replays)
-and the host's share of `ModelRunner.execute` (plan, inputs + replay, of which the upload and
+and the host's share of `ModelRunner.execute` (plan, inputs, of which the upload, and
 the graph launch, queuing the sampling, the digest while the GPU runs, reading the tokens back,
 which waits for the GPU).
 Same runner and workload as bench_decode.py. Prints a table per point and JSON with --out.
@@ -27,18 +27,18 @@ from torch.profiler import ProfilerActivity, profile
 from ledgerserve.shared.adapter_format import BaseShapes
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.events import AdapterSlotAssigned
-from ledgerserve.worker_proc.cuda_graphs import DecodeGraphs
+from ledgerserve.worker_proc.requests import Requests
 from ledgerserve.worker_proc.runner import ModelRunner
 from ledgerserve.worker_proc.sampler import Sampler
-from ledgerserve.worker_proc.step_inputs import PinnedStaging
+from ledgerserve.worker_proc.step_inputs import PinnedStaging, StepInputBuilder
 from scripts.common.bench_fixtures import LLAMA3_8B, write_adapter, write_model_dir
 from scripts.common.report_files import write_json
 from scripts.decode.decode_bench import BLOCK, Bench
 
 STEP_GAP_US = 100.0  # an idle GPU this long between two kernels: a new step
 HOST_PARTS = [
-    (ModelRunner, "_apply_plan"),
-    (DecodeGraphs, "run"),
+    (Requests, "apply"),
+    (StepInputBuilder, "build"),
     (PinnedStaging, "upload_into"),
     (torch.cuda.CUDAGraph, "replay"),
     (Sampler, "launch"),
@@ -176,7 +176,7 @@ def build_runner(args: argparse.Namespace, root: str, max_batch: int, num_adapte
     runner = ModelRunner(config)
     base = BaseShapes.from_hf_config(LLAMA3_8B)
     for i in range(num_adapters):
-        runner.load_adapter(AdapterSlotAssigned(i, i, write_adapter(root, i, base, args.rank, "cuda")))
+        runner.adapters.load(AdapterSlotAssigned(i, i, write_adapter(root, i, base, args.rank, "cuda")))
     return runner
 
 

@@ -254,7 +254,7 @@ def _tp1_samples(runner: ModelRunner, logged: list[events.Event]) -> dict[tuple[
             assert not completed.failed, completed.failed
             samples.update({(event.step, s.req_id): s.token_id for s in completed.sampled})
         elif isinstance(event, TO_WORKER_TYPES):
-            runner.adapter_command(event, time.monotonic())
+            runner.adapters.command(event, time.monotonic())
     return samples
 
 

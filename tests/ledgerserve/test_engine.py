@@ -30,9 +30,9 @@ class RecordingRunner(EchoRunner):
         self.commands.append(plan)
         return super().execute(plan)
 
-    def adapter_command(self, cmd: ev.Event, arrival_s: float) -> list[ev.Event]:
+    def command(self, cmd: ev.Event, arrival_s: float) -> list[ev.Event]:
         self.commands.append(cmd)
-        return super().adapter_command(cmd, arrival_s)
+        return super().command(cmd, arrival_s)
 
 
 def _engine(log_dir: str = "") -> tuple[Engine, RecordingRunner]:

@@ -70,7 +70,7 @@ def test_the_engine_serves_through_the_fake_group_and_its_log_verifies(tmp_path,
     engine.close()
     assert sorted(finished) == sorted(f"r{n}" for n in range(30))
     assert set(finished.values()) <= {"stop", "length"}
-    assert not group.adapters_busy() and not engine.core.has_unfinished()
+    assert not group.adapters.busy() and not engine.core.has_unfinished()
     assert len(group.slots.versions) <= config.max_loras
     assert replay(str(tmp_path)).ok
 
@@ -84,7 +84,7 @@ def test_a_plan_for_a_request_the_group_does_not_hold_fails() -> None:
 
 def _running_on_slot(group: FakeGroup) -> ev.StepPlan:
     """A first plan that runs r0 (version 1) on slot 0, just loaded."""
-    assert group.adapter_command(ev.AdapterSlotAssigned(0, 1, "/adapters/a"), 0.0)[0].version_id == 1
+    assert group.adapters.command(ev.AdapterSlotAssigned(0, 1, "/adapters/a"), 0.0)[0].version_id == 1
     group.worker.req_versions["r0"] = 1
     new = ev.NewReq("r0", [100, 101, 102], 3, SamplingParams(max_tokens=4), [0], 0, 3, lora_slot=0)
     group.execute(ev.StepPlan(1, new_reqs=[new]))
@@ -94,7 +94,7 @@ def _running_on_slot(group: FakeGroup) -> ev.StepPlan:
 def test_an_eviction_under_a_running_request_fails_at_the_next_plan() -> None:
     group = FakeGroup.from_engine(_config(False), num_kv_blocks=12)
     next_plan = _running_on_slot(group)
-    group.adapter_command(ev.AdapterEvicted(0, 1), 0.0)  # r0 may have finished: the next plan says
+    group.adapters.command(ev.AdapterEvicted(0, 1), 0.0)  # r0 may have finished: the next plan says
     with pytest.raises(AssertionError, match="still ran on it"):
         group.execute(next_plan)
 
@@ -102,6 +102,6 @@ def test_an_eviction_under_a_running_request_fails_at_the_next_plan() -> None:
 def test_an_eviction_after_its_request_ended_passes() -> None:
     group = FakeGroup.from_engine(_config(False), num_kv_blocks=12)
     _running_on_slot(group)
-    group.adapter_command(ev.AdapterEvicted(0, 1), 0.0)
+    group.adapters.command(ev.AdapterEvicted(0, 1), 0.0)
     completed, digest = group.execute(ev.StepPlan(2, finished_req_ids=["r0"]))
     assert completed.step == digest.step == 2 and completed.sampled == []

@@ -87,17 +87,22 @@ class EchoRunner:
         chosen, second = self.logprob_values
         return SampledToken(req_id, token_id, TokenLogprobs(chosen, top_ids, [chosen, second][: len(top_ids)]))
 
-    def adapter_command(self, cmd: Event, arrival_s: float) -> list[Event]:
+    @property
+    def adapters(self) -> EchoRunner:
+        """The runner carries out its adapter commands itself."""
+        return self
+
+    def command(self, cmd: Event, arrival_s: float) -> list[Event]:
         if isinstance(cmd, AdapterSlotAssigned):
             return [AdapterLoadCompleted(0, cmd.slot, cmd.version_id, "disk")]
         if isinstance(cmd, AdapterPrefetched):
             return [AdapterLoadCompleted(0, -1, cmd.version_id, "disk")]
         return []  # evictions
 
-    def poll_adapters(self) -> list[Event]:
+    def poll(self) -> list[Event]:
         return []
 
-    def adapters_busy(self) -> bool:
+    def busy(self) -> bool:
         return False
 
 

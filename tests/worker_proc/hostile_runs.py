@@ -78,19 +78,19 @@ def files_sha256(path: str) -> str:
 
 def load_control(runner: ModelRunner, setup: LoraSetup) -> None:
     for version_id, (name, slot) in enumerate([("all", HOSTILE_SLOT), ("mlp", 1), ("head", 2)], start=100):
-        done = runner.load_adapter(AdapterSlotAssigned(slot, version_id, setup.adapter_dirs[name]))
+        done = runner.adapters.load(AdapterSlotAssigned(slot, version_id, setup.adapter_dirs[name]))
         assert isinstance(done, AdapterLoadCompleted), done
 
 
 def load_hostile(runner: ModelRunner, dirs: dict[str, str]) -> AdapterLoadFailed:
     """Slot 0's clean adapter replaced by the huge one (which loads), and the overflow-once-cast one
     assigned with its files' true SHA-256 (which must fail): that failure."""
-    runner.evict_adapter(AdapterEvicted(HOSTILE_SLOT, 100))
+    runner.adapters.evict(AdapterEvicted(HOSTILE_SLOT, 100))
     path = dirs["hostile"]
-    done = runner.load_adapter(AdapterSlotAssigned(HOSTILE_SLOT, 200, path, content_sha256=files_sha256(path)))
+    done = runner.adapters.load(AdapterSlotAssigned(HOSTILE_SLOT, 200, path, content_sha256=files_sha256(path)))
     assert isinstance(done, AdapterLoadCompleted), done
     path = dirs["cast"]
-    return runner.load_adapter(AdapterSlotAssigned(CAST_SLOT, 201, path, content_sha256=files_sha256(path)))
+    return runner.adapters.load(AdapterSlotAssigned(CAST_SLOT, 201, path, content_sha256=files_sha256(path)))
 
 
 def run(runner: ModelRunner, setup: LoraSetup) -> Run:
@@ -127,14 +127,14 @@ def assert_contained(control: Run, hostile: Run) -> None:
 
 def _record(runner: ModelRunner, out: Run) -> Callable[[], None]:
     """Wrap the runner's forward pass and layout choice to record logits rows and layouts."""
-    forward, choose = runner._forward, layout.choose
+    forward, choose = runner.forward.run, layout.choose
 
-    def recording_forward(scheduled, use_graphs: bool = True):
-        logits, sampling, hidden = forward(scheduled, use_graphs)
-        if logits is not None:  # a graph's logits are its static buffer: copied now
-            for row, req in zip(logits.float().cpu(), sampling):
+    def recording_forward(batch, inputs):
+        forwarded = forward(batch, inputs)
+        if forwarded.logits is not None:  # a graph's logits are its static buffer: copied now
+            for row, req in zip(forwarded.logits.float().cpu(), batch.sampling):
                 out.logits.setdefault(req.req_id, []).append(row.clone())
-        return logits, sampling, hidden
+        return forwarded
 
     def recording_choose(weights, stacked, mapping, x) -> layout.Stacked | LoraLayout | None:
         plan = choose(weights, stacked, mapping, x)
@@ -142,11 +142,11 @@ def _record(runner: ModelRunner, out: Run) -> Callable[[], None]:
             out.layouts.add(type(plan).__name__)
         return plan
 
-    runner._forward = recording_forward  # type: ignore[method-assign]
+    runner.forward.run = recording_forward  # type: ignore[method-assign]
     layout.choose = recording_choose
 
     def restore() -> None:
-        del runner._forward
+        del runner.forward.run
         layout.choose = choose
 
     return restore

@@ -35,12 +35,12 @@ class ReadGate:
 
 
 def poll_until(runner, done: Callable[[list[Event]], bool], timeout_s: float = 60.0) -> list[Event]:
-    """The replies runner.poll_adapters gave until `done(replies)` holds."""
+    """The replies runner.adapters.poll gave until `done(replies)` holds."""
     replies: list[Event] = []
     deadline = time.monotonic() + timeout_s
     while not done(replies):
         assert time.monotonic() < deadline, f"still waiting; got {replies}"
-        replies += runner.poll_adapters()
+        replies += runner.adapters.poll()
         time.sleep(0.001)
     return replies
 
@@ -49,8 +49,8 @@ def settle(runner, timeout_s: float = 60.0) -> list[Event]:
     """Poll until no load is under way; the replies that came."""
     replies: list[Event] = []
     deadline = time.monotonic() + timeout_s
-    while runner.adapters_busy():
+    while runner.adapters.busy():
         assert time.monotonic() < deadline, f"loads still busy; got {replies}"
-        replies += runner.poll_adapters()
+        replies += runner.adapters.poll()
         time.sleep(0.001)
-    return replies + runner.poll_adapters()
+    return replies + runner.adapters.poll()

@@ -77,7 +77,7 @@ def load_all(runner, setup: LoraSetup) -> dict[str, int]:
     """Load every adapter into its own slot of a ModelRunner (version_id = 100 + slot); name -> slot."""
     slots = {}
     for slot, name in enumerate(ADAPTERS):
-        done = runner.load_adapter(AdapterSlotAssigned(slot, 100 + slot, setup.adapter_dirs[name]))
+        done = runner.adapters.load(AdapterSlotAssigned(slot, 100 + slot, setup.adapter_dirs[name]))
         assert isinstance(done, AdapterLoadCompleted) and (done.slot, done.version_id) == (slot, 100 + slot), done
         slots[name] = slot
     return slots

@@ -62,7 +62,7 @@ def _run(path: str, names: list[str], ahead: bool, plan_past_max_tokens: bool = 
         if name in names:
             sched.add(name, prompt, params, chunk=chunk)
     done = (run_one_step_ahead if ahead else run_to_completion)(runner, sched)
-    assert runner.reqs == {} and sorted(done) == sorted(names)
+    assert runner.requests.reqs == {} and sorted(done) == sorted(names)
     return done
 
 
@@ -137,7 +137,7 @@ def test_placeholder_takes_the_previous_steps_token_on_the_device(tiny_checkpoin
     # the next plan brings token 4 and schedules token 5 as a placeholder again
     want, _ = sync.execute(StepPlan(2, cached_reqs=[_decode("a", [want.sampled[0].token_id], 5)]))
     got, _ = ahead.execute(StepPlan(2, cached_reqs=[_decode("a", [first], 5)]))
-    assert got == want and ahead.reqs["a"].token_ids == [3, 4, 5, 6, first]
+    assert got == want and ahead.requests.reqs["a"].token_ids == [3, 4, 5, 6, first]
 
 
 def test_placeholders_the_rule_does_not_allow_fail_their_request_alone(tiny_checkpoint: str) -> None:
@@ -162,7 +162,7 @@ def test_placeholders_the_rule_does_not_allow_fail_their_request_alone(tiny_chec
         "gap": "scheduled up to token 5 but only 4 tokens are known",
         "mid-prefill": "scheduled up to token 11 but only 10 tokens are known",
     }
-    assert sorted(runner.reqs) == ["ok"]
+    assert sorted(runner.requests.reqs) == ["ok"]
 
 
 def test_a_penalised_request_with_a_placeholder_fails_alone(tiny_checkpoint: str) -> None:
@@ -173,7 +173,7 @@ def test_a_penalised_request_with_a_placeholder_fails_alone(tiny_checkpoint: str
     second = {s.req_id: s.token_id for s in runner.execute(plan)[0].sampled}
     done, _ = runner.execute(StepPlan(2, cached_reqs=[_decode("ok", [first], 5), _decode("pen", [], 4)]))
     assert [f.req_id for f in done.failed] == ["pen"] and "penalties" in done.failed[0].message
-    assert sorted(runner.reqs) == ["ok"] and runner.reqs["ok"].token_ids == [3, 4, 5, 6, first]
+    assert sorted(runner.requests.reqs) == ["ok"] and runner.requests.reqs["ok"].token_ids == [3, 4, 5, 6, first]
     clean = ModelRunner(tiny_config(tiny_checkpoint))  # "ok" alone, in step: the same tokens
     _prefill(clean, ["ok"])
     want = clean.execute(StepPlan(1, cached_reqs=[_decode("ok", [first], 4)]))[0].sampled
@@ -187,7 +187,7 @@ def test_a_step_with_nothing_scheduled_ends_every_placeholder(tiny_checkpoint: s
     _prefill(runner, ["a", "b"])
     in_flight = runner.launch(StepPlan(1, finished_req_ids=["b"]))
     done, digest = runner.complete(in_flight)
-    assert done.sampled == [] and done.failed == [] and digest.step == 1 and sorted(runner.reqs) == ["a"]
+    assert done.sampled == [] and done.failed == [] and digest.step == 1 and sorted(runner.requests.reqs) == ["a"]
     done, _ = runner.execute(StepPlan(2, cached_reqs=[_decode("a", [], 4)]))
     assert [f.req_id for f in done.failed] == ["a"] and "only 4 tokens are known" in done.failed[0].message
 

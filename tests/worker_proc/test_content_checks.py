@@ -75,13 +75,13 @@ def test_a_file_swapped_after_registration_fails_that_version_alone(
     SWAPS[swap](path)
     assert (path / WEIGHTS_FILE).stat().st_size == size
     runner = ModelRunner(lora_config(lora_setup.base_dir))
-    failed = runner.load_adapter(AdapterSlotAssigned(0, 1, str(path), content_sha256=registered))
+    failed = runner.adapters.load(AdapterSlotAssigned(0, 1, str(path), content_sha256=registered))
     assert isinstance(failed, AdapterLoadFailed) and failed.slot == 0, failed
     assert failed.message.startswith(f"adapter swapped-{swap} changed on disk since it was registered (content SHA-256")
     assert 0 not in runner.lora.slots and runner.lora.pool.num_used_pages == 0
     attn = lora_setup.adapter_dirs["attn"]
     assert isinstance(
-        runner.load_adapter(AdapterSlotAssigned(1, 2, attn, content_sha256=files_sha256(attn))), AdapterLoadCompleted
+        runner.adapters.load(AdapterSlotAssigned(1, 2, attn, content_sha256=files_sha256(attn))), AdapterLoadCompleted
     )
     _serves_only_the_others(runner, lora_setup)
 
@@ -117,7 +117,7 @@ def test_the_header_hashed_is_the_header_parsed(
 
     monkeypatch.setattr(adapter_format, "read_header", parse_then_restore)
     runner = ModelRunner(lora_config(lora_setup.base_dir))
-    failed = runner.load_adapter(AdapterSlotAssigned(0, 1, str(path), content_sha256=registered))
+    failed = runner.adapters.load(AdapterSlotAssigned(0, 1, str(path), content_sha256=registered))
     assert isinstance(failed, AdapterLoadFailed) and "changed on disk since it was registered" in failed.message
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ledgerserve.shared.events import AdapterSlotAssigned
-from ledgerserve.worker_proc.batch import ReqState
+from ledgerserve.worker_proc.requests import ReqState
 from ledgerserve.worker_proc.runner import ModelRunner
 from ledgerserve.worker_proc.step_inputs import build_step_inputs
 from tests.worker_proc.fake_scheduler import FakeScheduler, run_to_completion
@@ -19,8 +19,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def _runner(setup: LoraSetup, **kw) -> ModelRunner:
     runner = ModelRunner(lora_config(setup.base_dir, device="cuda", dtype="bfloat16", **kw))
     for slot, name in enumerate(["all", "mlp", "head"]):
-        runner.load_adapter(AdapterSlotAssigned(slot, 100 + slot, setup.adapter_dirs[name]))
-    runner.load_adapter(AdapterSlotAssigned(5, 105, setup.adapter_dirs["all"]))  # past the first slot bucket (4)
+        runner.adapters.load(AdapterSlotAssigned(slot, 100 + slot, setup.adapter_dirs[name]))
+    runner.adapters.load(AdapterSlotAssigned(5, 105, setup.adapter_dirs["all"]))  # past the first slot bucket (4)
     return runner
 
 

@@ -10,8 +10,8 @@ import torch
 from ledgerserve.kernels import ops
 from ledgerserve.shared.events import AdapterSlotAssigned
 from ledgerserve.shared.sampling import SamplingParams
-from ledgerserve.worker_proc.batch import ReqState
 from ledgerserve.worker_proc.kv_cache import KVCache
+from ledgerserve.worker_proc.requests import ReqState
 from ledgerserve.worker_proc.runner import ModelRunner
 from ledgerserve.worker_proc.step_inputs import build_step_inputs
 from tests.worker_proc.lora_setup import BLOCK_SIZE, LoraSetup, lora_config
@@ -41,7 +41,7 @@ def _logits(runner: ModelRunner, reqs: list[ReqState], kv: KVCache, fast: bool, 
 def _runner(setup: LoraSetup, dtype: str) -> ModelRunner:
     runner = ModelRunner(lora_config(setup.base_dir, device="cuda", dtype=dtype))
     for slot, name in enumerate(["all", "mlp"]):
-        runner.load_adapter(AdapterSlotAssigned(slot, 100 + slot, setup.adapter_dirs[name]))
+        runner.adapters.load(AdapterSlotAssigned(slot, 100 + slot, setup.adapter_dirs[name]))
     return runner
 
 

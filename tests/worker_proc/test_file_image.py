@@ -74,9 +74,9 @@ def test_file_image_matches_the_reference_path(lora_setup: LoraSetup, tmp_path, 
         path = write_adapter(str(tmp_path / name), base, seed=i, **kw)
         slot = i % config.max_loras
         # the slot first holds a full-rank adapter everywhere: every stale row must be cleared
-        assert isinstance(new.load_adapter(AdapterSlotAssigned(slot, 1000 + i, full)), AdapterLoadCompleted)
-        new.evict_adapter(AdapterEvicted(slot, 1000 + i))
-        done = new.load_adapter(AdapterSlotAssigned(slot, i, path))
+        assert isinstance(new.adapters.load(AdapterSlotAssigned(slot, 1000 + i, full)), AdapterLoadCompleted)
+        new.adapters.evict(AdapterEvicted(slot, 1000 + i))
+        done = new.adapters.load(AdapterSlotAssigned(slot, i, path))
         assert isinstance(done, AdapterLoadCompleted) and done.source_tier == "disk", done
         assert done.num_bytes == sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
         reference_load(ref.lora, slot, path, base, MAX_RANK, new.dtype)
@@ -116,7 +116,7 @@ def test_saved_embeddings_f64_files_and_a_staging_buffer_smaller_than_the_image(
         chunks = new.lora.copier.scatter(slot, layout).chunks
         assert max(c.stop - c.start for c in chunks) <= staging
         num_chunks.append(len(chunks))
-        done = new.load_adapter(AdapterSlotAssigned(slot, slot, path))
+        done = new.adapters.load(AdapterSlotAssigned(slot, slot, path))
         assert isinstance(done, AdapterLoadCompleted), done
         assert done.num_bytes == sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
         kept = sum(r.stop - r.start for r in layout.runs)  # the image keeps the adapter's tensors only
@@ -149,13 +149,13 @@ def test_pieces_straddling_extents_are_split(lora_setup: LoraSetup, tmp_path) ->
     hold = [pool.alloc(pool.page_bytes) for _ in range(pool.pages_per_block)]
     for extents in hold[::2]:
         pool.free(extents)
-    assert isinstance(new.load_adapter(AdapterSlotAssigned(2, 7, path)), AdapterLoadCompleted)
+    assert isinstance(new.adapters.load(AdapterSlotAssigned(2, 7, path)), AdapterLoadCompleted)
     assert len(new.lora.loader.cpu.entries[7].image.extents) == -(-image_bytes // pool.page_bytes)
     reference_load(ref.lora, 2, path, base, MAX_RANK, new.dtype)
     _assert_slot_equal(new, ref, 2)
     for extents in hold[1::2]:
         pool.free(extents)
-    new.drop_cpu_copy(AdapterCpuEvicted(7))
+    new.adapters.drop_cpu(AdapterCpuEvicted(7))
     assert pool.num_used_pages == 0
 
 
@@ -188,10 +188,10 @@ def test_values_not_finite_in_the_model_dtype_are_refused(lora_setup: LoraSetup,
     key = sorted(tensors)[-1]
     tensors[key][0, 0] = 1e6 if dtype == "float16" else float("nan")
     save_file(tensors, weights)
-    failed = runner.load_adapter(AdapterSlotAssigned(0, 1, path))
+    failed = runner.adapters.load(AdapterSlotAssigned(0, 1, path))
     assert isinstance(failed, AdapterLoadFailed) and "NaN or infinite" in failed.message, failed
     fine = write_adapter(str(tmp_path / "fine"), base, r=4, targets=["q_proj", "down_proj"], seed=2)
-    assert isinstance(runner.load_adapter(AdapterSlotAssigned(0, 2, fine)), AdapterLoadCompleted)
+    assert isinstance(runner.adapters.load(AdapterSlotAssigned(0, 2, fine)), AdapterLoadCompleted)
     assert runner.lora.slot_table() == [[0, 2]]
 
 

@@ -49,19 +49,19 @@ def _truncated_copy(src: str, dst: str) -> str:
 
 def test_failed_loads_leave_slot_empty_and_runner_serving(lora_setup: LoraSetup, tmp_path) -> None:
     runner = ModelRunner(lora_config(lora_setup.base_dir))
-    missing = runner.load_adapter(_assigned(0, 1, str(tmp_path / "no-such-adapter")))
+    missing = runner.adapters.load(_assigned(0, 1, str(tmp_path / "no-such-adapter")))
     assert isinstance(missing, AdapterLoadFailed) and (missing.slot, missing.version_id) == (0, 1)
     assert "no-such-adapter" in missing.message
     bad = _truncated_copy(lora_setup.adapter_dirs["mlp"], str(tmp_path / "truncated-mlp"))
-    truncated = runner.load_adapter(_assigned(1, 2, bad))
+    truncated = runner.adapters.load(_assigned(1, 2, bad))
     assert isinstance(truncated, AdapterLoadFailed) and "truncated-mlp" in truncated.message
     assert "truncated" in truncated.message.replace("truncated-mlp", "")
-    fits = runner.load_adapter(_assigned(2, 3, lora_setup.adapter_dirs["all"]))  # rank 32 fits
+    fits = runner.adapters.load(_assigned(2, 3, lora_setup.adapter_dirs["all"]))  # rank 32 fits
     assert isinstance(fits, AdapterLoadCompleted)
     narrow = ModelRunner(lora_config(lora_setup.base_dir, max_lora_rank=16))
-    refused = narrow.load_adapter(_assigned(0, 4, lora_setup.adapter_dirs["all"]))
+    refused = narrow.adapters.load(_assigned(0, 4, lora_setup.adapter_dirs["all"]))
     assert isinstance(refused, AdapterLoadFailed) and "max-lora-rank" in refused.message
-    out_of_range = runner.load_adapter(_assigned(99, 5, lora_setup.adapter_dirs["mlp"]))
+    out_of_range = runner.adapters.load(_assigned(99, 5, lora_setup.adapter_dirs["mlp"]))
     assert isinstance(out_of_range, AdapterLoadFailed)
     assert runner.lora.slot_table() == [[2, 3]]
     assert not runner.lora.weights["model.layers.0.mlp.down_proj"].ranks[1].any()
@@ -79,19 +79,19 @@ def _check_unloaded_slot_fails_alone(runner: ModelRunner, setup: LoraSetup) -> N
     assert [t.req_id for t in done.sampled] == ["good"]
     assert done.sampled[0].token_id == setup.refs["base"].token_ids[0]
     runner.execute(StepPlan(1, finished_req_ids=["good"]))
-    assert runner.reqs == {}
+    assert runner.requests.reqs == {}
 
 
 def test_cpu_tier_reload_skips_disk_until_dropped(lora_setup: LoraSetup, tmp_path) -> None:
     runner = ModelRunner(lora_config(lora_setup.base_dir))
     path = shutil.copytree(lora_setup.adapter_dirs["mlp"], tmp_path / "mlp-copy")
-    assert _done(runner.load_adapter(_assigned(0, 7, str(path)))) == (0, 7, "disk")
+    assert _done(runner.adapters.load(_assigned(0, 7, str(path)))) == (0, 7, "disk")
     shutil.rmtree(path)
-    runner.evict_adapter(AdapterEvicted(0, 7))
-    assert _done(runner.load_adapter(_assigned(3, 7, str(path)))) == (3, 7, "cpu")
+    runner.adapters.evict(AdapterEvicted(0, 7))
+    assert _done(runner.adapters.load(_assigned(3, 7, str(path)))) == (3, 7, "cpu")
     assert_greedy_matches({"mlp": _run_one(runner, lora_setup, "mlp", 3)}, {"mlp": lora_setup.refs["mlp"]})
-    runner.drop_cpu_copy(AdapterCpuEvicted(7))
-    gone = runner.load_adapter(_assigned(4, 7, str(path)))
+    runner.adapters.drop_cpu(AdapterCpuEvicted(7))
+    gone = runner.adapters.load(_assigned(4, 7, str(path)))
     assert isinstance(gone, AdapterLoadFailed) and "mlp-copy" in gone.message
     assert runner.lora.slot_table() == [[3, 7]]
 
@@ -99,19 +99,19 @@ def test_cpu_tier_reload_skips_disk_until_dropped(lora_setup: LoraSetup, tmp_pat
 def test_stale_evict_keeps_newer_version_and_digest_tracks_slots(lora_setup: LoraSetup) -> None:
     runner = ModelRunner(lora_config(lora_setup.base_dir))
     empty = runner.digest()
-    runner.load_adapter(_assigned(1, 11, lora_setup.adapter_dirs["attn"]))
+    runner.adapters.load(_assigned(1, 11, lora_setup.adapter_dirs["attn"]))
     one = runner.digest()
-    runner.evict_adapter(AdapterEvicted(1, 10))  # names an older version: no-op
+    runner.adapters.evict(AdapterEvicted(1, 10))  # names an older version: no-op
     assert runner.lora.slot_table() == [[1, 11]] and runner.digest() == one != empty
-    runner.load_adapter(_assigned(1, 12, lora_setup.adapter_dirs["attn"]))  # same weights, new version
+    runner.adapters.load(_assigned(1, 12, lora_setup.adapter_dirs["attn"]))  # same weights, new version
     assert runner.digest() not in (one, empty)
-    runner.evict_adapter(AdapterEvicted(1, 12))
+    runner.adapters.evict(AdapterEvicted(1, 12))
     assert runner.digest() == empty
 
 
 def test_lora_disabled_refuses_loads_and_slots(lora_setup: LoraSetup) -> None:
     runner = ModelRunner(lora_config(lora_setup.base_dir, enable_lora=False))
-    failed = runner.load_adapter(_assigned(0, 1, lora_setup.adapter_dirs["mlp"]))
+    failed = runner.adapters.load(_assigned(0, 1, lora_setup.adapter_dirs["mlp"]))
     assert isinstance(failed, AdapterLoadFailed) and "not enabled" in failed.message
     prompt = lora_setup.prompts["base"]
     req = NewReq("r", prompt, len(prompt), GREEDY, list(range(4)), 0, len(prompt), 0)
@@ -122,5 +122,5 @@ def test_lora_disabled_refuses_loads_and_slots(lora_setup: LoraSetup) -> None:
 @pytest.mark.parametrize("slot", [-2, 6])
 def test_evict_out_of_range_is_ignored(lora_setup: LoraSetup, slot: int) -> None:
     runner = ModelRunner(lora_config(lora_setup.base_dir))
-    runner.evict_adapter(AdapterEvicted(slot, 1))
+    runner.adapters.evict(AdapterEvicted(slot, 1))
     assert runner.lora.slot_table() == []

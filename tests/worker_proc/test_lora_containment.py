@@ -47,13 +47,13 @@ def test_links_out_of_the_root_are_refused_inside_followed(setup, tmp_path: Path
     os.replace(escaping / WEIGHTS_FILE, outside / WEIGHTS_FILE)
     (escaping / WEIGHTS_FILE).symlink_to(outside / WEIGHTS_FILE)
     runner = _runner(base_dir, root)
-    refused = runner.load_adapter(AdapterSlotAssigned(0, 1, str(escaping)))
+    refused = runner.adapters.load(AdapterSlotAssigned(0, 1, str(escaping)))
     assert isinstance(refused, AdapterLoadFailed) and "leaves --lora-allowed-dir" in refused.message
 
     linked = Path(shutil.copytree(good, root / "linked"))
     os.replace(linked / WEIGHTS_FILE, root / "blob.safetensors")
     (linked / WEIGHTS_FILE).symlink_to(root / "blob.safetensors")
-    assert isinstance(runner.load_adapter(AdapterSlotAssigned(1, 2, str(linked))), AdapterLoadCompleted)
+    assert isinstance(runner.adapters.load(AdapterSlotAssigned(1, 2, str(linked))), AdapterLoadCompleted)
     reference = load_file(str(good / WEIGHTS_FILE))
     a = reference["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]  # [rank, in]
     b = reference["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]  # [out, rank]
@@ -76,13 +76,13 @@ def test_a_reread_refuses_a_directory_swapped_out_of_the_roots(setup, tmp_path: 
         base_dir, max_lora_rank=16, lora_allowed_dirs=(str(root),), lora_modules=(("t", str(trusted)),)
     )
     runner = ModelRunner(config)
-    assert isinstance(runner.load_adapter(AdapterSlotAssigned(0, 1, str(adapter))), AdapterLoadCompleted)
-    runner.evict_adapter(AdapterEvicted(0, 1))
-    runner.drop_cpu_copy(AdapterCpuEvicted(1))
+    assert isinstance(runner.adapters.load(AdapterSlotAssigned(0, 1, str(adapter))), AdapterLoadCompleted)
+    runner.adapters.evict(AdapterEvicted(0, 1))
+    runner.adapters.drop_cpu(AdapterCpuEvicted(1))
     os.replace(moved, outside / moved.name)
     moved.symlink_to(outside / moved.name, target_is_directory=True)
-    refused = runner.load_adapter(AdapterSlotAssigned(0, 1, str(adapter)))
+    refused = runner.adapters.load(AdapterSlotAssigned(0, 1, str(adapter)))
     assert isinstance(refused, AdapterLoadFailed), refused
     assert "no longer lies inside any --lora-allowed-dir" in refused.message and str(outside) not in refused.message
     assert 0 not in runner.lora.slots
-    assert isinstance(runner.load_adapter(AdapterSlotAssigned(1, 2, str(trusted))), AdapterLoadCompleted)
+    assert isinstance(runner.adapters.load(AdapterSlotAssigned(1, 2, str(trusted))), AdapterLoadCompleted)

@@ -64,7 +64,7 @@ def test_warm_up_leaves_nothing_behind(lora_setup: LoraSetup) -> None:
         mp.setattr(layout, "choose", choose)
         runner.warm_up()
     assert calls and min(calls) == 32
-    assert not runner.reqs and runner.prev_sampled.token_ids is None and not runner.lora.slots
+    assert not runner.requests.reqs and runner.prev_token_ids is None and not runner.lora.slots
     assert all(max(w.rank_table[0]) == 0 and not w.b[0].any() for w in runner.lora.weights.values())
     _run_mixed(runner, lora_setup)  # FakeScheduler hands out block 0 first: the warm-up's blocks
 
@@ -81,9 +81,9 @@ def test_evict_and_reload_slot_with_another_adapter(lora_setup: LoraSetup) -> No
     runner = ModelRunner(lora_config(lora_setup.base_dir))
     slots = load_all(runner, lora_setup)
     slot = slots["head"]  # held an adapter with an lm_head delta; the new one has none
-    runner.evict_adapter(AdapterEvicted(slot, 100 + slot))
+    runner.adapters.evict(AdapterEvicted(slot, 100 + slot))
     assert slot not in runner.lora.slots
-    done = runner.load_adapter(AdapterSlotAssigned(slot, 200, lora_setup.adapter_dirs["attn"]))
+    done = runner.adapters.load(AdapterSlotAssigned(slot, 200, lora_setup.adapter_dirs["attn"]))
     assert isinstance(done, AdapterLoadCompleted) and (done.slot, done.version_id) == (slot, 200)
     sched = FakeScheduler(BLOCK_SIZE, NUM_BLOCKS)
     sched.add("attn", lora_setup.prompts["attn"], GREEDY, chunk=8, lora_slot=slot)

@@ -46,7 +46,7 @@ def _runner(setup: LoraSetup, **kw) -> ModelRunner:
 
 
 def _assign(runner: ModelRunner, slot: int, version_id: int, path: str, digest: str = "") -> list:
-    return runner.adapter_command(AdapterSlotAssigned(slot, version_id, path, content_sha256=digest), time.monotonic())
+    return runner.adapters.command(AdapterSlotAssigned(slot, version_id, path, content_sha256=digest), time.monotonic())
 
 
 def _for(replies: list, slot: int) -> list:
@@ -82,7 +82,7 @@ def test_loads_run_on_loader_threads_and_end_out_of_command_order(lora_setup: Lo
 def test_steps_run_beside_a_load_and_a_step_on_the_loading_slot_waits(lora_setup: LoraSetup, gate: ReadGate) -> None:
     runner = _runner(lora_setup)
     assert isinstance(
-        runner.load_adapter(AdapterSlotAssigned(1, 2, lora_setup.adapter_dirs["mlp"])), AdapterLoadCompleted
+        runner.adapters.load(AdapterSlotAssigned(1, 2, lora_setup.adapter_dirs["mlp"])), AdapterLoadCompleted
     )
     held = gate.hold(lora_setup.adapter_dirs["all"])
     _assign(runner, 0, 1, lora_setup.adapter_dirs["all"])
@@ -99,7 +99,7 @@ def test_an_evict_during_a_load_clears_the_slot_and_reports_nothing(lora_setup: 
     head, attn = lora_setup.adapter_dirs["head"], lora_setup.adapter_dirs["attn"]
     gate.hold(head)
     _assign(runner, 2, 5, head)
-    runner.evict_adapter(AdapterEvicted(2, 5))
+    runner.adapters.evict(AdapterEvicted(2, 5))
     assert runner.lora.digest_table() == []
     _assign(runner, 2, 6, attn)  # the slot is reused while the first read is still held
     assert [(r.slot, r.version_id) for r in poll_until(runner, lambda r: bool(r))] == [(2, 6)]
@@ -107,10 +107,10 @@ def test_an_evict_during_a_load_clears_the_slot_and_reports_nothing(lora_setup: 
     assert settle(runner) == []  # the evicted load ends unreported and never writes the slot
     assert runner.lora.slot_table() == [[2, 6]] and runner.lora.digest_table() == [[2, 6, ""]]
     _generate(runner, lora_setup, {"attn": 2})
-    runner.evict_adapter(AdapterEvicted(2, 6))
+    runner.adapters.evict(AdapterEvicted(2, 6))
     assert all(not w.ranks[2].any() and not any(w.rank_table[2]) for w in runner.lora.weights.values())
     for version_id in (5, 6):  # both images reached the CPU tier; dropping them frees every page
-        runner.drop_cpu_copy(AdapterCpuEvicted(version_id))
+        runner.adapters.drop_cpu(AdapterCpuEvicted(version_id))
     assert settle(runner) == [] and runner.lora.pool.num_used_pages == 0
 
 
@@ -119,14 +119,14 @@ def test_a_cpu_evict_during_a_load_waits_for_it(lora_setup: LoraSetup, gate: Rea
     mlp = lora_setup.adapter_dirs["mlp"]
     gate.hold(mlp)
     _assign(runner, 3, 8, mlp)
-    runner.drop_cpu_copy(AdapterCpuEvicted(8))
+    runner.adapters.drop_cpu(AdapterCpuEvicted(8))
     gate.release(mlp)
     done = _for(settle(runner), 3)
     assert [(type(r).__name__, r.source_tier) for r in done] == [("AdapterLoadCompleted", "disk")]
     assert runner.lora.pool.num_used_pages == 0  # the image left once its copy had ended
     _generate(runner, lora_setup, {"mlp": 3})
-    runner.evict_adapter(AdapterEvicted(3, 8))
-    again = runner.load_adapter(AdapterSlotAssigned(3, 8, mlp))
+    runner.adapters.evict(AdapterEvicted(3, 8))
+    again = runner.adapters.load(AdapterSlotAssigned(3, 8, mlp))
     assert isinstance(again, AdapterLoadCompleted) and again.source_tier == "disk"  # no longer in the tier
 
 
@@ -142,7 +142,7 @@ def test_a_version_changed_on_disk_fails_alone(lora_setup: LoraSetup, tmp_path) 
         f.write(data)
     _assign(runner, 0, 1, str(path), registered)
     _assign(runner, 1, 2, other, _digest(other))
-    runner.adapter_command(AdapterPrefetched(3, str(path), content_sha256=registered), time.monotonic())
+    runner.adapters.command(AdapterPrefetched(3, str(path), content_sha256=registered), time.monotonic())
     replies = settle(runner)
     failed = [r for r in replies if isinstance(r, AdapterLoadFailed)]
     assert sorted(r.slot for r in failed) == [-1, 0]
@@ -180,7 +180,7 @@ def test_a_broken_file_fails_only_its_load(lora_setup: LoraSetup, tmp_path, dama
     }[damage] in failed.message
     assert isinstance(_for(replies, 1)[0], AdapterLoadCompleted)
     assert runner.lora.slot_table() == [[1, 2]] and runner.lora.pool.num_used_pages > 0
-    runner.drop_cpu_copy(AdapterCpuEvicted(2))
+    runner.adapters.drop_cpu(AdapterCpuEvicted(2))
     assert runner.lora.pool.num_used_pages == 0  # the failed read left nothing behind
 
 
@@ -203,7 +203,7 @@ def test_a_hundred_loads_at_once_and_every_page_comes_back(lora_setup: LoraSetup
     dirs = list(lora_setup.adapter_dirs.values()) + [str(tmp_path / "missing")]
     now = time.monotonic()
     for version_id in range(100):  # versions 0..99 staged into the CPU tier, every fifth one missing
-        runner.adapter_command(AdapterPrefetched(version_id, dirs[version_id % 5]), now)
+        runner.adapters.command(AdapterPrefetched(version_id, dirs[version_id % 5]), now)
     for slot in range(6):  # and slot loads of fresh versions among them
         _assign(runner, slot, 200 + slot, dirs[slot % 4])
     replies = settle(runner)
@@ -216,19 +216,19 @@ def test_a_hundred_loads_at_once_and_every_page_comes_back(lora_setup: LoraSetup
     pool = runner.lora.pool
     assert len(pool.blocks) <= pool.max_blocks
     for slot in range(6):
-        runner.evict_adapter(AdapterEvicted(slot, 200 + slot))
+        runner.adapters.evict(AdapterEvicted(slot, 200 + slot))
     for version_id in [*range(100), *range(200, 206)]:
-        runner.drop_cpu_copy(AdapterCpuEvicted(version_id))
+        runner.adapters.drop_cpu(AdapterCpuEvicted(version_id))
     assert settle(runner) == [] and pool.num_used_pages == 0 and not runner.lora.loader.cpu.entries
 
 
 def test_a_prefetched_version_loads_from_the_cpu_tier(lora_setup: LoraSetup) -> None:
     runner = _runner(lora_setup)
     path = lora_setup.adapter_dirs["head"]
-    runner.adapter_command(AdapterPrefetched(9, path), time.monotonic())
+    runner.adapters.command(AdapterPrefetched(9, path), time.monotonic())
     staged = settle(runner)
     assert [(r.slot, r.version_id, r.source_tier) for r in staged] == [(-1, 9, "disk")]
-    assert runner.adapter_command(AdapterPrefetched(9, path), time.monotonic()) == []
+    assert runner.adapters.command(AdapterPrefetched(9, path), time.monotonic()) == []
     assert [(r.slot, r.source_tier) for r in settle(runner)] == [(-1, "cpu")]
     _assign(runner, 4, 9, path)
     done = settle(runner)

@@ -58,7 +58,7 @@ def test_chunked_prefill_and_decode_match_transformers(tiny_checkpoint: str) -> 
     for req in done.values():
         assert len(req.outputs) == 16
         _check_greedy_against_reference(ref, req.prompt, req.outputs, req.logprobs)
-    assert runner.reqs == {}
+    assert runner.requests.reqs == {}
 
 
 def test_prefix_cached_blocks_are_reused(tiny_checkpoint: str) -> None:
@@ -117,7 +117,7 @@ def test_digest_ranks_and_isolated_failures(tiny_checkpoint: str) -> None:
     _, digest_after = rank0.execute(nxt)
     assert digest_after.digest != digest0.digest
     _, digest_empty = rank0.execute(StepPlan(2, finished_req_ids=["good"]))
-    assert rank0.reqs == {} and digest_empty.digest != digest_after.digest
+    assert rank0.requests.reqs == {} and digest_empty.digest != digest_after.digest
 
 
 def test_cached_update_with_a_block_out_of_range_fails_alone(tiny_checkpoint: str) -> None:
@@ -130,7 +130,7 @@ def test_cached_update_with_a_block_out_of_range_fails_alone(tiny_checkpoint: st
     done, _ = runner.execute(StepPlan(1, cached_reqs=cached))
     assert [s.req_id for s in done.sampled] == ["a"]
     assert [f.req_id for f in done.failed] == ["b"] and "out of range" in done.failed[0].message
-    assert sorted(runner.reqs) == ["a"]
+    assert sorted(runner.requests.reqs) == ["a"]
 
 
 def test_fault_switch_fails_only_the_request_holding_the_token(tiny_checkpoint: str, monkeypatch) -> None:
@@ -142,7 +142,7 @@ def test_fault_switch_fails_only_the_request_holding_the_token(tiny_checkpoint: 
     done, _ = faulty.execute(plan)
     expected, _ = clean.execute(StepPlan(0, [good]))
     assert [f.req_id for f in done.failed] == ["bad"] and "test fault" in done.failed[0].message
-    assert done.sampled == expected.sampled and list(faulty.reqs) == ["good"]
+    assert done.sampled == expected.sampled and list(faulty.requests.reqs) == ["good"]
 
 
 def test_mid_prefill_chunk_samples_nothing(tiny_checkpoint: str) -> None:

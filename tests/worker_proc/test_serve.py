@@ -111,7 +111,11 @@ class TraceRunner:
         sampled = [events.SampledToken("r", step.step)] if self.rank == 0 else []
         return events.StepCompleted(step.step, self.rank, sampled), step.digest
 
-    def adapter_command(self, cmd: events.Event, arrival_s: float) -> list[events.Event]:
+    @property
+    def adapters(self) -> TraceRunner:
+        return self
+
+    def command(self, cmd: events.Event, arrival_s: float) -> list[events.Event]:
         if isinstance(cmd, events.AdapterSlotAssigned):
             self.trace.append(f"load {cmd.slot}")
             return [events.AdapterLoadCompleted(self.rank, cmd.slot, cmd.version_id)]
@@ -119,10 +123,10 @@ class TraceRunner:
         self.trace.append(f"evict {cmd.slot}")
         return []
 
-    def poll_adapters(self) -> list[events.Event]:
+    def poll(self) -> list[events.Event]:
         return []
 
-    def adapters_busy(self) -> bool:
+    def busy(self) -> bool:
         return False
 
 
@@ -319,5 +323,5 @@ def test_a_runner_served_one_step_ahead_gives_the_sync_tokens(tiny_checkpoint: s
     ahead = AheadScheduler(sched())
     runner = ModelRunner(tiny_config(tiny_checkpoint))
     assert serve(runner, 0, ahead, ahead, LOG) == 0  # type: ignore[arg-type]
-    assert ahead.max_unanswered == 2 and runner.reqs == {}
+    assert ahead.max_unanswered == 2 and runner.requests.reqs == {}
     assert results(ahead.sched.done) == results(sync)

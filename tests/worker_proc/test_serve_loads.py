@@ -74,9 +74,9 @@ def test_a_load_neither_drains_nor_delays_the_steps_and_is_reported_between_them
     gate.hold(path)
     runner = ModelRunner(lora_config(lora_setup.base_dir, lora_overlap_loading=True))
     calls: list[str] = []
-    for name in ("launch", "complete", "adapter_command"):
-        real = getattr(runner, name)
-        setattr(runner, name, lambda *a, _real=real, _name=name: (calls.append(_name), _real(*a))[1])
+    for owner, name in ((runner, "launch"), (runner, "complete"), (runner.adapters, "command")):
+        real = getattr(owner, name)
+        setattr(owner, name, lambda *a, _real=real, _name=name: (calls.append(_name), _real(*a))[1])
     sched = FakeScheduler(BLOCK_SIZE, NUM_BLOCKS)
     for name, chunk in (("base", 4), ("base-twin", 3)):  # base-model requests: no step uses the loading slot
         sched.add(name, lora_setup.prompts["base"], GREEDY, chunk=chunk)
@@ -94,7 +94,7 @@ def test_a_load_neither_drains_nor_delays_the_steps_and_is_reported_between_them
     num_steps_before = kinds[:reply].count("StepCompleted")
     assert steps.index(5) < num_steps_before < len(steps)  # sent between steps, once released
     assert kinds[ahead.num_sent_at_command : reply].count("StepCompleted") >= 3  # steps ran while it read
-    i = calls.index("adapter_command")  # a step was in flight, and was not drained for the command
+    i = calls.index("command")  # a step was in flight, and was not drained for the command
     assert calls[:i].count("launch") == calls[:i].count("complete") + 1 and calls[i + 1] == "launch"
     assert runner.lora.slot_table() == [[0, 1]]
     assert_greedy_matches(
@@ -133,10 +133,10 @@ def test_loader_threads_progress_while_the_loop_spins_on_a_step(lora_setup: Lora
     runner = ModelRunner(lora_config(lora_setup.base_dir, lora_overlap_loading=True, max_lora_rank=32))
     path = lora_setup.adapter_dirs["all"]
     start = time.monotonic()
-    runner.load_adapter(events.AdapterSlotAssigned(1, 1, path))
+    runner.adapters.load(events.AdapterSlotAssigned(1, 1, path))
     alone_ms = (time.monotonic() - start) * 1000
     outbox = Collect()
-    runner.adapter_command(events.AdapterSlotAssigned(0, 2, path), time.monotonic())
+    runner.adapters.command(events.AdapterSlotAssigned(0, 2, path), time.monotonic())
     host = HostCopy((), BusyUntil(outbox, 50_000_000))  # type: ignore[arg-type]
     step = InFlightStep(
         0, [], PendingSample(torch.zeros(1, dtype=torch.long), host, []), [], events.RankDigest(0, 0, 0)
@@ -162,7 +162,7 @@ def test_a_rank_waiting_out_its_step_lets_loads_end_and_reports_them(lora_setup:
     replies would read the step back (after 5 M queries) with the load still unreported."""
     runner = ModelRunner(lora_config(lora_setup.base_dir, lora_overlap_loading=True, max_lora_rank=32))
     outbox = Collect()
-    runner.adapter_command(events.AdapterSlotAssigned(0, 2, lora_setup.adapter_dirs["all"]), time.monotonic())
+    runner.adapters.command(events.AdapterSlotAssigned(0, 2, lora_setup.adapter_dirs["all"]), time.monotonic())
     steps = StepReplies(runner, 0, outbox, LOG, LoadReplies(runner, outbox), stall_s=600.0)  # type: ignore[arg-type]
     host = HostCopy((torch.zeros(1, dtype=torch.long),), BusyUntilSynced(outbox, 5_000_000))  # type: ignore[arg-type]
     pending = PendingSample(torch.zeros(1, dtype=torch.long), host, [])

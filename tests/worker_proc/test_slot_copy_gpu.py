@@ -38,20 +38,20 @@ def _generate(runner: ModelRunner, setup: LoraSetup, slots: dict[str, int]) -> N
 def test_a_slot_is_never_read_while_its_copy_runs(lora_setup: LoraSetup, monkeypatch: pytest.MonkeyPatch) -> None:
     runner = ModelRunner(lora_config(lora_setup.base_dir, device="cuda", lora_overlap_loading=True))
     assert isinstance(
-        runner.load_adapter(AdapterSlotAssigned(1, 2, lora_setup.adapter_dirs["mlp"])), AdapterLoadCompleted
+        runner.adapters.load(AdapterSlotAssigned(1, 2, lora_setup.adapter_dirs["mlp"])), AdapterLoadCompleted
     )
     real = SlotCopier._copy
     monkeypatch.setattr(SlotCopier, "_copy", lambda self, *a: (torch.cuda._sleep(SLEEP_CYCLES), real(self, *a)))
-    runner.adapter_command(AdapterSlotAssigned(0, 1, lora_setup.adapter_dirs["all"]), time.monotonic())
+    runner.adapters.command(AdapterSlotAssigned(0, 1, lora_setup.adapter_dirs["all"]), time.monotonic())
     while 0 not in runner.lora.slots:  # the copy gets queued behind the sleep
-        runner.poll_adapters()
+        runner.adapters.poll()
     event = runner.lora.events[0]
     pending_at_start = not event.query()
     assert runner.lora.fences.pending(0) is None  # no step read slot 0: its copy waited for none
     _generate(runner, lora_setup, {"mlp": 1, "base": -1})  # never waits for slot 0
     print(f"slot 0's copy pending when the steps on slot 1 began: {pending_at_start}; after: {not event.query()}")
-    runner.evict_adapter(AdapterEvicted(0, 1))
-    runner.adapter_command(AdapterSlotAssigned(0, 3, lora_setup.adapter_dirs["all"]), time.monotonic())
+    runner.adapters.evict(AdapterEvicted(0, 1))
+    runner.adapters.command(AdapterSlotAssigned(0, 3, lora_setup.adapter_dirs["all"]), time.monotonic())
     _generate(runner, lora_setup, {"all": 0, "mlp": 1})  # the first step on slot 0 waits for its copy
     assert [(type(r).__name__, r.slot, r.version_id) for r in settle(runner)] == [("AdapterLoadCompleted", 0, 3)]
 
@@ -66,7 +66,7 @@ def test_the_staging_path_gives_the_cpu_path_bytes(lora_setup: LoraSetup, monkey
     )
     for slot, name in enumerate(["all", "head", "attn"]):
         for runner in (gpu, cpu):
-            runner.load_adapter(AdapterSlotAssigned(slot, slot, lora_setup.adapter_dirs[name]))
+            runner.adapters.load(AdapterSlotAssigned(slot, slot, lora_setup.adapter_dirs[name]))
     assert len(calls) == 6 and max(calls) <= 2  # a handful of host -> device copies per load
     for name, w in gpu.lora.weights.items():
         c = cpu.lora.weights[name]
@@ -81,8 +81,8 @@ def test_graphs_serve_adapters_loaded_after_capture(lora_setup: LoraSetup) -> No
     for round_, names in enumerate((["all", "mlp", "head"], ["attn", "all", "mlp"])):  # the second replaces them
         for slot, name in enumerate(names):
             if round_:
-                runner.evict_adapter(AdapterEvicted(slot, 10 * (round_ - 1) + slot))
-            runner.load_adapter(AdapterSlotAssigned(slot, 10 * round_ + slot, lora_setup.adapter_dirs[name]))
+                runner.adapters.evict(AdapterEvicted(slot, 10 * (round_ - 1) + slot))
+            runner.adapters.load(AdapterSlotAssigned(slot, 10 * round_ + slot, lora_setup.adapter_dirs[name]))
         reqs = _decode_reqs(lora_setup, [0, -1, 1, 2])
         inputs = build_step_inputs(reqs, BLOCK_SIZE, runner.device, runner.staging)
         hidden = runner.model(inputs, runner.kv_cache.layers)

@@ -9,7 +9,7 @@ import torch
 
 from ledgerserve.kernels.lora_types import max_tiles
 from ledgerserve.shared.sampling import SamplingParams
-from ledgerserve.worker_proc.batch import ReqState
+from ledgerserve.worker_proc.requests import ReqState
 from ledgerserve.worker_proc.step_inputs import HostInputs, build_step_inputs, host_inputs, pad_for_graph
 
 BLOCK_SIZE = 4

@@ -24,8 +24,8 @@ from safetensors.torch import save_file
 from ledgerserve.kernels import ops
 from ledgerserve.kernels.lora_types import LoraDelta
 from ledgerserve.shared.events import AdapterLoadCompleted, AdapterSlotAssigned, SampledToken, StepCompleted
-from ledgerserve.worker_proc.batch import ReqState
 from ledgerserve.worker_proc.parallel import TpGroup, clear_packets, init_group
+from ledgerserve.worker_proc.requests import ReqState
 from ledgerserve.worker_proc.runner import ModelRunner
 from ledgerserve.worker_proc.step_inputs import build_step_inputs
 from tests.kernels.lora_delta_data import make_delta
@@ -182,7 +182,7 @@ def main() -> None:
     print(f"rank {rank}: all-reduce checked", file=sys.stderr, flush=True)
     slots = {}
     for slot, (name, path) in enumerate(spec["adapter_dirs"].items()):
-        done = runner.load_adapter(AdapterSlotAssigned(slot, 100 + slot, path))
+        done = runner.adapters.load(AdapterSlotAssigned(slot, 100 + slot, path))
         assert isinstance(done, AdapterLoadCompleted), f"adapter {name} did not load: {done}"
         slots[name] = slot
     logits = teacher_forced_logits(runner, spec, slots)

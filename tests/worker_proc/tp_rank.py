@@ -18,10 +18,10 @@ from safetensors.torch import save_file
 from ledgerserve.kernels.lora_types import Tiles, group_tiles, max_tiles
 from ledgerserve.shared.events import AdapterLoadCompleted, AdapterSlotAssigned
 from ledgerserve.shared.sampling import SamplingParams
-from ledgerserve.worker_proc.batch import ReqState
 from ledgerserve.worker_proc.lora.mapping import LoraMapping
 from ledgerserve.worker_proc.models.layers import RMSNorm
 from ledgerserve.worker_proc.parallel import close_group, init_group, share_cpu_cores
+from ledgerserve.worker_proc.requests import ReqState
 from ledgerserve.worker_proc.runner import ModelRunner
 from ledgerserve.worker_proc.step_inputs import build_step_inputs
 from tests.worker_proc.lora_setup import BLOCK_SIZE, lora_config
@@ -98,7 +98,7 @@ def main() -> None:
     config = lora_config(spec["base_dir"], max_loras=MAX_LORAS, num_kv_blocks=len(REQS) * BLOCKS_PER_REQ)
     runner = ModelRunner(config, rank, group)
     for slot, path in enumerate(spec["adapter_dirs"]):
-        done = runner.load_adapter(AdapterSlotAssigned(slot, 100 + slot, path))
+        done = runner.adapters.load(AdapterSlotAssigned(slot, 100 + slot, path))
         if not isinstance(done, AdapterLoadCompleted):
             raise RuntimeError(f"adapter {path} did not load: {done}")
     logits = run_steps(runner)
