@@ -5,22 +5,22 @@ import pytest
 from ledgerserve.shared import events as ev
 from ledgerserve.shared.env import FAULT_DIGEST_RANK as FAULT_DIGEST_RANK_ENV
 from ledgerserve.shared.env import FAULT_DIGEST_STEP as FAULT_DIGEST_STEP_ENV
-from ledgerserve.worker_proc.main import _maybe_fault
+from ledgerserve.worker_proc.loop import maybe_fault
 from tests.scheduler_proc.driver import Driver
 
 
 def test_fault_switch_off_by_default(monkeypatch):
     monkeypatch.delenv(FAULT_DIGEST_RANK_ENV, raising=False)
     digest = ev.RankDigest(3, 1, 0x1234)
-    assert _maybe_fault(digest) is digest
+    assert maybe_fault(digest) is digest
 
 
 def test_fault_switch_flips_only_its_rank_from_its_step(monkeypatch):
     monkeypatch.setenv(FAULT_DIGEST_RANK_ENV, "1")
     monkeypatch.setenv(FAULT_DIGEST_STEP_ENV, "3")
-    assert _maybe_fault(ev.RankDigest(2, 1, 7)).digest == 7  # before its step
-    assert _maybe_fault(ev.RankDigest(3, 0, 7)).digest == 7  # another rank
-    faulty = _maybe_fault(ev.RankDigest(3, 1, 7))
+    assert maybe_fault(ev.RankDigest(2, 1, 7)).digest == 7  # before its step
+    assert maybe_fault(ev.RankDigest(3, 0, 7)).digest == 7  # another rank
+    faulty = maybe_fault(ev.RankDigest(3, 1, 7))
     assert (faulty.step, faulty.rank) == (3, 1) and faulty.digest != 7
 
 
@@ -32,7 +32,7 @@ def test_core_reports_mismatch_then_fails(monkeypatch, tp, odd):
     out = []
     for rank in range(tp):
         monkeypatch.setenv(FAULT_DIGEST_RANK_ENV, str(rank) if rank in odd else "-1")
-        out += d.send(_maybe_fault(ev.RankDigest(1, rank, 0xC0FFEE)))
+        out += d.send(maybe_fault(ev.RankDigest(1, rank, 0xC0FFEE)))
     mismatch, failed = out
     assert mismatch.step == 1 and mismatch.odd_ranks == odd and len(mismatch.digests) == tp
     assert isinstance(failed, ev.EngineFailed)

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from ledgerserve.shared import codec, events
+from ledgerserve.worker_proc.loop import WorkerLoop
 from ledgerserve.worker_proc.lora import loader
-from ledgerserve.worker_proc.main import LoadReplies, StepReplies, serve, wait_for_command
+from ledgerserve.worker_proc.main import serve
 from ledgerserve.worker_proc.runner import InFlightStep, ModelRunner
 from ledgerserve.worker_proc.sampler import HostCopy, PendingSample
 from tests.reference import assert_greedy_matches
@@ -141,7 +142,7 @@ def test_loader_threads_progress_while_the_loop_spins_on_a_step(lora_setup: Lora
     step = InFlightStep(
         0, [], PendingSample(torch.zeros(1, dtype=torch.long), host, []), [], events.RankDigest(0, 0, 0)
     )
-    assert not wait_for_command(Silent(), step, LoadReplies(runner, outbox))  # type: ignore[arg-type]
+    assert not WorkerLoop(runner, 0, outbox, LOG).wait_for_command(Silent(), step)  # type: ignore[arg-type]
     assert [(type(r).__name__, r.slot) for r in outbox.sent] == [("AdapterLoadCompleted", 0)]
     print(f"load alone {alone_ms:.1f} ms; beside a spinning step {outbox.sent[0].duration_ms:.1f} ms")
 
@@ -163,11 +164,10 @@ def test_a_rank_waiting_out_its_step_lets_loads_end_and_reports_them(lora_setup:
     runner = ModelRunner(lora_config(lora_setup.base_dir, lora_overlap_loading=True, max_lora_rank=32))
     outbox = Collect()
     runner.adapters.command(events.AdapterSlotAssigned(0, 2, lora_setup.adapter_dirs["all"]), time.monotonic())
-    steps = StepReplies(runner, 0, outbox, LOG, LoadReplies(runner, outbox), stall_s=600.0)  # type: ignore[arg-type]
+    steps = WorkerLoop(runner, 0, outbox, LOG, stall_s=600.0)  # type: ignore[arg-type]
     host = HostCopy((torch.zeros(1, dtype=torch.long),), BusyUntilSynced(outbox, 5_000_000))  # type: ignore[arg-type]
     pending = PendingSample(torch.zeros(1, dtype=torch.long), host, [])
-    steps.in_flight = InFlightStep(7, [], pending, [], events.RankDigest(7, 0, 0))
-    steps.in_flight_since_s = time.monotonic()
+    steps.hold(InFlightStep(7, [], pending, [], events.RankDigest(7, 0, 0)), time.monotonic())
     assert steps.flush()
     sent = [(type(r).__name__, getattr(r, "slot", getattr(r, "step", None))) for r in outbox.sent]
     assert sent == [("AdapterLoadCompleted", 0), ("StepCompleted", 7), ("RankDigest", 7)]
