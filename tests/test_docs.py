@@ -43,6 +43,11 @@ CITATION = re.compile(r"([\w./-]+\.py):([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)?)")
 CITED_PATH = re.compile(r"benchmarks/[\w./-]+")
 REPORT_NAME = re.compile(r"^h[0-9]+_\d{4}-\d{2}-\d{2}_[\w.-]+$")  # GPU, date, what
 DECIDER_ROW = re.compile(r"^\|\s*`(\w+)`\s*\|\s*`([\w./]+\.py)`\s*\|", re.MULTILINE)
+PRODUCT = ("ledgerserve", "shared", "tokenizer_proc", "scheduler_proc", "worker_proc", "kernels", "scripts")
+CODE_SPAN = re.compile(r"`([^`\s]+)`")
+CLASS_MEMBER = re.compile(r"([A-Z]\w*\.[A-Za-z_]\w*)(?:\(.*\))?")  # `Core.apply`, `Core.apply(event)`
+CLASS_NAME = re.compile(r"[A-Z][a-z]\w*")  # `RequestRun`, `StepPlan`: not `INPUT_TYPES`
+BARE_FILE = re.compile(r"[\w-]+\.py")  # `plan.py`, named beside the folder it sits in
 
 
 def cited_paths(text: str) -> set[str]:
@@ -152,6 +157,43 @@ def defined_names(source: str) -> set[str]:
     return names
 
 
+def module_names(source: str) -> set[str]:
+    """The names a module binds at its top level by assignment (`ToScheduler = A | B`)."""
+    names: set[str] = set()
+    for node in ast.parse(source).body:
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        names |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return names
+
+
+def product_files() -> list[Path]:
+    return sorted(f for top in PRODUCT for f in (ROOT / top).rglob("*.py"))
+
+
+def product_names(files: list[Path]) -> set[str]:
+    """Every def, class, `Class.method` and top-level assigned name of the product's modules."""
+    names: set[str] = set()
+    for file in files:
+        source = file.read_text(encoding="utf-8")
+        names |= defined_names(source) | module_names(source)
+    return names
+
+
+def stale_bare_names(text: str, names: set[str], file_names: set[str], classes_too: bool) -> list[str]:
+    """Code spans that name code without a path: `Class.method` (and, with `classes_too`, a bare
+    `ClassName`) that no product module defines, and a bare `file.py` that no product folder holds."""
+    stale = []
+    for span in CODE_SPAN.findall(text):
+        member = CLASS_MEMBER.fullmatch(span)
+        if member and member[1] not in names:
+            stale.append(span)
+        elif classes_too and CLASS_NAME.fullmatch(span) and span not in names:
+            stale.append(span)
+        elif BARE_FILE.fullmatch(span) and span not in file_names:
+            stale.append(span)
+    return stale
+
+
 def stale_citations(text: str) -> list[str]:
     """The `path.py:name` citations whose file does not exist or does not define the name."""
     stale = []
@@ -184,6 +226,20 @@ def test_every_code_citation_names_a_def_or_class():
     assert stale == [], f"citations of names their file does not define: {stale}"
 
 
+def test_every_name_cited_without_a_path_exists():
+    """The walk-throughs name methods as `Class.method` and files as `plan.py` beside their folder:
+    each must still be defined somewhere in the product; docs/architecture.md's bare class names too
+    (elsewhere a bare CamelCase word may be a Hugging Face architecture the server reads)."""
+    files = product_files()
+    names, file_names = product_names(files), {f.name for f in files}
+    stale = [
+        f"{page}: {span}"
+        for page, text in manual().items()
+        for span in stale_bare_names(text, names, file_names, classes_too=page == "docs/architecture.md")
+    ]
+    assert stale == [], f"names no product module defines: {stale}"
+
+
 def test_the_citation_checks_catch_what_they_guard():
     assert cited_repo_paths("see `scheduler_proc/gone.py` and [x](../docs/api.md)", "docs/a.md") == {
         "scheduler_proc/gone.py",
@@ -197,3 +253,13 @@ def test_the_citation_checks_catch_what_they_guard():
     assert stale_citations("`scheduler_proc/ledger.py:Ledger.vanish`") == ["scheduler_proc/ledger.py:Ledger.vanish"]
     assert stale_citations("`worker_proc/nowhere.py:run`") == ["worker_proc/nowhere.py:run"]
     assert "Core.apply" in defined_names("class Core:\n    def apply(self):\n        pass\n")
+    assert module_names("ToWorker = A | B\nx: int = 1\nprint(x)\n") == {"ToWorker", "x"}
+    names, file_names = {"Core", "Core.apply", "StepPlan"}, {"plan.py"}
+    text = "`Core.apply(event)` `Core.gone` `StepPlan` `Vanished` `plan.py` `batch.py` `max_loras` `LlamaForCausalLM`"
+    assert stale_bare_names(text, names, file_names, classes_too=False) == ["Core.gone", "batch.py"]
+    assert stale_bare_names(text, names, file_names, classes_too=True) == [
+        "Core.gone",
+        "Vanished",
+        "batch.py",
+        "LlamaForCausalLM",
+    ]
