@@ -196,14 +196,14 @@ class StepInputBuilder:
         if not reqs:
             return None
         if self.graphs is not None and self.staging is not None and self.graphs.fits(reqs):
-            return self._stage_graph(reqs, self.graphs, self.staging, prev_token_ids)
+            return self.stage_graph(reqs, prev_token_ids)
         return build_step_inputs(reqs, self.block_size, self.device, self.staging, prev_token_ids)
 
-    def _stage_graph(
-        self, reqs: list[ReqState], graphs: DecodeGraphs, staging: PinnedStaging, prev_token_ids: torch.Tensor | None
-    ) -> GraphStep:
-        """One device copy of the step's padded inputs into its graph's static row; placeholder ids
-        are written into the row on the device behind it."""
+    def stage_graph(self, reqs: Sequence[ReqState], prev_token_ids: torch.Tensor | None = None) -> GraphStep:
+        """One device copy of a pure decode step's padded inputs into its graph's static row (the
+        graphs must fit `reqs`); placeholder ids are written into the row on the device behind it."""
+        graphs, staging = self.graphs, self.staging
+        assert graphs is not None and staging is not None, "stage_graph needs CUDA graphs and pinned staging"
         g = graphs.pick(reqs)
         host = pad_for_graph(
             host_inputs(reqs, self.block_size, graphs.width), g.batch, graphs.scratch_kv_slot, g.num_tiles

@@ -46,7 +46,7 @@ def test_graph_replay_matches_eager(lora_setup: LoraSetup, slots: list[int]) -> 
     hidden = runner.model(inputs, runner.kv_cache.layers)
     eager = runner.model.compute_logits(hidden[inputs.sample_indices], inputs.sample_lora)
     assert sorted(runner.graphs.sets) == [0, 4, 6]  # no LoRA; slot buckets 4 and max_loras
-    graph = runner.graphs.run(reqs, BLOCK_SIZE, runner.staging).clone()
+    graph = runner.graphs.replay(runner.inputs.stage_graph(reqs)).clone()
     assert runner.graphs.replays == 1 and torch.isfinite(graph).all()
     err = float((graph - eager).norm() / eager.norm())
     assert err < 1e-2, err  # same kernels; only the decode split over the padded block table differs
