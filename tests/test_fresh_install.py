@@ -1,74 +1,65 @@
 """The README's serve command on a new user's machine: its install line, as the README gives it,
 in a fresh venv (no extras, so none of the test-only packages), then `ledgerserve serve` from
-that venv with a fresh HOME (the demo model built from scratch), one completion, a clean stop."""
+that venv with a fresh HOME (the demo model built from scratch), one completion, a clean stop.
+The build there, in another environment without PEFT, must match the session's byte for byte.
+
+The install runs in the background from the end of collection (tests/fresh_venv.py, started by
+tests/conftest.py): it takes a minute or two, and the rest of the suite runs meanwhile."""
 
 from __future__ import annotations
 
-import os
+import hashlib
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from ledgerserve.demo_model import DEMO_MODEL_NAME, recipe_digest
 from scripts.common.server_process import free_port
+from tests import fresh_venv
 from tests.readme import readme_commands
 
-ROOT = Path(__file__).resolve().parent.parent
 INSTALL_TIMEOUT_S = 1200.0
 READY_TIMEOUT_S = 600.0
 
 pytestmark = pytest.mark.slow
 
 
-def _source_copy(target: Path) -> Path:
-    """The checkout's files (tracked, and new ones git does not ignore): installing writes beside them."""
-    listed = subprocess.run(
-        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.splitlines()
-    for path in listed:
-        if (ROOT / path).is_file():
-            (target / path).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / path, target / path)
-    return target
-
-
-def _venv_env(venv: Path, home: Path) -> dict[str, str]:
-    """This environment with the venv first on PATH, no PYTHONPATH (nothing of the checkout leaks in)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
-    path = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
-    return {**env, "PATH": path, "VIRTUAL_ENV": str(venv), "HOME": str(home)}
-
-
-@pytest.mark.timeout(INSTALL_TIMEOUT_S + READY_TIMEOUT_S + 120)
-def test_the_readme_serve_command_works_in_a_fresh_venv(tmp_path: Path) -> None:
+def readme_install_line() -> str:
+    """The README's install line; its command must be exactly `install && ledgerserve serve`."""
     command = readme_commands()[0]
     install, serve = command.split(" && ")
     assert (install, serve) == ("pip install torch==2.13.0 -e .", "ledgerserve serve"), command
-    source, venv, home = _source_copy(tmp_path / "source"), tmp_path / "venv", tmp_path / "home"
-    home.mkdir()
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
-    env = _venv_env(venv, home)
-    started = time.monotonic()
-    done = subprocess.run(
-        ["bash", "-c", install], cwd=source, env=env, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    install_s = time.monotonic() - started
+    return install
+
+
+def _tree(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()
+    }
+
+
+@pytest.mark.timeout(INSTALL_TIMEOUT_S + READY_TIMEOUT_S + 120)
+def test_the_readme_serve_command_works_in_a_fresh_venv(demo_model_dir: str) -> None:
+    install = fresh_venv.started() or fresh_venv.start(readme_install_line())
+    assert install.install == readme_install_line()
+    rc, output, install_s = install.wait(INSTALL_TIMEOUT_S)
+    assert rc == 0, output[-6000:]
+    venv, env = install.venv, install.env()
     no_peft = subprocess.run([str(venv / "bin" / "python"), "-c", "import peft"], env=env, capture_output=True)
     assert no_peft.returncode != 0  # the check means something: the test-only packages are not there
     assert shutil.which("ledgerserve", path=env["PATH"]) == str(venv / "bin" / "ledgerserve")
-    text, out = _serve_once(venv, env, tmp_path / "server.out")
+    text, out = _serve_once(venv, env, install.root / "server.out")
     assert text.strip(), out
     assert "demo model built in" in out and "launcher INFO ready in " in out, out
+    built = install.home / ".cache" / "ledgerserve" / f"demo-{recipe_digest()}" / DEMO_MODEL_NAME
+    session = _tree(Path(demo_model_dir))
+    assert {"adapters/pirate/adapter_model.safetensors", "adapters/poet/adapter_config.json"} <= set(session)
+    assert _tree(built) == session  # deterministic: the same files, byte for byte, built without PEFT
     print(f"fresh venv: install {install_s:.0f} s, then {out.count('demo model')} demo-build lines")
 
 

@@ -1,8 +1,6 @@
 from __future__ import annotations
 
-import hashlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,24 +9,7 @@ from ledgerserve import demo_model
 from ledgerserve.demo_model import demo_adapters, ensure_demo_model
 from ledgerserve.demo_styles import PIRATE_CLOSING, POET_REFRAIN, rewrite
 
-
-def _sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _files(root: Path) -> list[str]:
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
-
-
-def test_build_is_deterministic_and_needs_no_peft(demo_model_dir: str, tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` fails: serving the demo must not need it
-    again = Path(ensure_demo_model(str(tmp_path / "again")))
-    first = Path(demo_model_dir)
-    names = _files(first)
-    assert names == _files(again)
-    assert {"adapters/pirate/adapter_model.safetensors", "adapters/poet/adapter_config.json"} <= set(names)
-    for name in names:
-        assert _sha(first / name) == _sha(again / name), name
+# Determinism (two builds, byte for byte, one without PEFT): tests/test_fresh_install.py.
 
 
 def test_second_call_reuses_cache(demo_model_dir: str) -> None:
