@@ -2,8 +2,8 @@
 
 `EngineClientBase` holds the per-request queues and the dispatch of scheduler events;
 subclasses only send events (`_send`) and feed what they receive to `_dispatch`.
-`EngineClient` does that over ZeroMQ (PUSH to the scheduler, PULL from it); tests use an
-in-process fake built on the same base.
+`EngineClient` (engine_socket.py) does that over ZeroMQ (PUSH to the scheduler, PULL from it);
+tests use an in-process fake built on the same base.
 """
 
 from __future__ import annotations
@@ -13,11 +13,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 
-import msgspec
-import zmq
-import zmq.asyncio
-
-from ledgerserve.shared import codec, ipc
+from ledgerserve.shared import spans
 from ledgerserve.shared.events import (
     AdapterInfo,
     AdapterLoadObserved,
@@ -36,6 +32,7 @@ from ledgerserve.shared.events import (
     TokensEmitted,
 )
 from ledgerserve.tokenizer_proc.live_ids import LiveRequestIds
+from ledgerserve.tokenizer_proc.request_spans import RequestSpans
 from ledgerserve.tokenizer_proc.request_trace import RequestObserver
 
 logger = logging.getLogger(__name__)
@@ -91,6 +88,7 @@ class EngineClientBase(abc.ABC):
         self._live = LiveRequestIds()  # sent, without the core's last word on them yet
         # Called with the core's whole adapter registry after each change of it.
         self.on_adapters: Callable[[list[AdapterInfo]], None] | None = None
+        self.spans: RequestSpans | None = None  # the serving-path profile's, when on
 
     @abc.abstractmethod
     async def _send(self, event: Event) -> None:
@@ -139,7 +137,10 @@ class EngineClientBase(abc.ABC):
             raise RequestRejectedError(f"Request id `{arrived.req_id}` is already in flight.", 400, "X-Request-Id")
         queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._queues[arrived.req_id] = queue
+        span = self.spans.received(arrived) if self.spans is not None else None
         try:
+            if span is not None:
+                span.submitted_ns = spans.now_ns()
             await self._live.send(self._send, arrived)
             while True:
                 item = await queue.get()
@@ -150,11 +151,15 @@ class EngineClientBase(abc.ABC):
                     self._queues.pop(arrived.req_id, None)
                     self._notify_finished(arrived, item)
                 yield item
+                if span is not None and not span.first_chunk_ns and item.new_token_ids:
+                    span.first_chunk_ns = spans.now_ns()  # the consumer is back: it handed the chunk on
                 if item.finish_reason is not None:
                     return
         finally:
             if self._queues.pop(arrived.req_id, None) is not None:
                 self._abort_soon(arrived.req_id, "abort")
+            if span is not None and self.spans is not None:
+                self.spans.done(span)
 
     async def adapter_op(self, op: AdapterLoadRequested | AdapterUnloadRequested) -> AdapterOpReplied:
         """Send an adapter load/unload and wait for the core's reply to its op_id."""
@@ -222,6 +227,8 @@ class EngineClientBase(abc.ABC):
             return
         if isinstance(event, (TokensEmitted, RequestRejected)):
             self._live.note(event)
+            if self.spans is not None and isinstance(event, TokensEmitted) and event.new_token_ids:
+                self.spans.first_output(event.req_id)
             queue = self._queues.get(event.req_id)
             if queue is None:
                 return  # aborted or unknown: drop
@@ -256,41 +263,3 @@ class EngineClientBase(abc.ABC):
         for future in self._ops.values():
             if not future.done():
                 future.set_exception(EngineDeadError(f"engine failed: {message}"))
-
-
-class EngineClient(EngineClientBase):
-    """PUSH to the scheduler's SCHED_IN, PULL from TO_TOKENIZER; both connect."""
-
-    def __init__(self, run_dir: str, context: zmq.asyncio.Context | None = None) -> None:
-        super().__init__()
-        self._ctx = context or zmq.asyncio.Context.instance()
-        self._push = ipc.connect(self._ctx, zmq.PUSH, run_dir, ipc.SCHED_IN)
-        self._pull = ipc.connect(self._ctx, zmq.PULL, run_dir, ipc.TO_TOKENIZER)
-        self._decoder = codec.from_scheduler_decoder()
-        self._reader: asyncio.Task[None] | None = None
-
-    async def start(self) -> None:
-        if self._reader is None:
-            self._reader = asyncio.get_running_loop().create_task(self._read_loop())
-
-    async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
-            self._reader = None
-        self._push.close(linger=0)
-        self._pull.close(linger=0)
-
-    async def _send(self, event: Event) -> None:
-        await self._push.send(codec.encode(event))
-
-    async def _read_loop(self) -> None:
-        while True:
-            frame = await self._pull.recv()
-            try:
-                event = self._decoder.decode(frame)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                self.num_bad_frames += 1
-                logger.warning("dropped an undecodable frame (%d so far)", self.num_bad_frames)
-                continue
-            self._dispatch(event)

@@ -24,7 +24,7 @@ import msgspec
 import uvicorn
 import zmq
 
-from ledgerserve.shared import ipc
+from ledgerserve.shared import ipc, spans
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.proc import PARENT_GONE_EXIT, exit_with_parent
 from ledgerserve.tokenizer_proc.adapter_routes import StartupAdapterError
@@ -35,7 +35,8 @@ from ledgerserve.tokenizer_proc.connections import (
     connection_cap,
     raise_fd_limit,
 )
-from ledgerserve.tokenizer_proc.engine_client import EngineClient
+from ledgerserve.tokenizer_proc.engine_socket import EngineClient
+from ledgerserve.tokenizer_proc.request_spans import RequestSpans
 from ledgerserve.tokenizer_proc.security import StartupRefused
 
 logger = logging.getLogger("tokenizer_proc")
@@ -178,6 +179,8 @@ def uvicorn_config(app: Any, config: EngineConfig) -> uvicorn.Config:
 async def serve(config: EngineConfig, listen_fds: list[int] | None = None) -> None:
     tokenizer = load_tokenizer(config.tokenizer_dir)
     engine = EngineClient(config.run_dir)
+    if (writer := spans.open_writer(config.profile_dir, "http")) is not None:
+        engine.spans = RequestSpans(writer)
     try:
         app = build_app(engine, tokenizer, config)  # its lifespan starts and closes the engine
     except (StartupAdapterError, StartupRefused) as e:
@@ -199,6 +202,8 @@ async def serve(config: EngineConfig, listen_fds: list[int] | None = None) -> No
         for task in helpers:
             task.cancel()
         await asyncio.gather(*helpers, return_exceptions=True)
+        if engine.spans is not None:
+            engine.spans.close()
     if server.launcher_gone:  # nobody waits for this process: skip the interpreter's teardown (a second or more)
         os._exit(PARENT_GONE_EXIT)
     if not server.started:

@@ -10,9 +10,10 @@ import time
 import msgspec
 import zmq
 
-from ledgerserve.shared import codec, env, events
+from ledgerserve.shared import codec, env, events, spans
 from ledgerserve.worker_proc.parallel import CollectiveFailed
 from ledgerserve.worker_proc.runner import InFlightStep, ModelRunner
+from ledgerserve.worker_proc.step_profile import StepProfiler
 
 PEER_GONE_GRACE_S = 5.0  # how long a rank whose collective lost a peer waits for the launcher
 STALL_S = 3600.0  # test-only fault: how long a stalled rank sleeps (the engine stops it long before)
@@ -72,8 +73,11 @@ class WorkerLoop:
         log: logging.Logger,
         overlap_loading: bool = False,
         stall_s: float | None = None,
+        profile: StepProfiler | None = None,
     ) -> None:
         self.runner, self.rank, self.outbox, self.log = runner, rank, outbox, log
+        self.profile = profile  # the serving-path profile's spans, when on
+        self.recv_ns = 0  # when the command in hand was received
         self.overlap_loading, self.stall_s = overlap_loading, stall_s
         self.phase = Phase.IDLE
         self.in_flight: InFlightStep | None = None
@@ -93,7 +97,7 @@ class WorkerLoop:
             if not self._wait_turn(inbox):
                 break
             frame = inbox.recv()
-            arrival_s = time.monotonic()
+            arrival_s, self.recv_ns = time.monotonic(), spans.now_ns()
             try:
                 cmd = decoder.decode(frame)
             except (msgspec.DecodeError, msgspec.ValidationError):
@@ -179,7 +183,11 @@ class WorkerLoop:
             self.log.warning("stalling before step %d (test fault)", plan.step)
             time.sleep(STALL_S)
         try:
+            if self.profile is not None:
+                self.profile.begin(plan, self.recv_ns)
             launched = self.runner.launch(plan)
+            if self.profile is not None:
+                self.profile.launched(plan.step)
         except Exception as e:
             self.fail(f"step {plan.step}", e)
             return False
@@ -206,10 +214,14 @@ class WorkerLoop:
         except Exception as e:
             self.fail(f"step {in_flight.step}", e)
             return False
+        done_ns = spans.now_ns()
         self._move(Phase.IDLE)
         digest = maybe_fault(digest)
-        for reply in [completed, digest] if self.rank == 0 else [digest]:
-            self.outbox.send(codec.encode(reply))
+        frames = [codec.encode(reply) for reply in ([completed, digest] if self.rank == 0 else [digest])]
+        if self.profile is not None:
+            self.profile.sending(in_flight.step, done_ns)
+        for frame in frames:
+            self.outbox.send(frame)
         return True
 
     def _wait_done(self, step: InFlightStep, deadline_s: float | None) -> None:

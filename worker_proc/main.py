@@ -15,12 +15,13 @@ import sys
 
 import zmq
 
-from ledgerserve.shared import codec, events, ipc
+from ledgerserve.shared import codec, events, ipc, spans
 from ledgerserve.shared.proc import child_args, exit_with_parent, load_config, send_ready, setup_logging
 from ledgerserve.shared.progress import ready_line
 from ledgerserve.worker_proc.loop import WorkerLoop
 from ledgerserve.worker_proc.parallel import TpGroup, close_group, init_group, rank_device, share_cpu_cores
 from ledgerserve.worker_proc.runner import ModelRunner
+from ledgerserve.worker_proc.step_profile import StepProfiler
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     send_ready(config.run_dir, f"worker-{args.rank}")
     try:
         stall_s = config.tp_collective_timeout_s if group.size > 1 else None
-        return serve(runner, args.rank, from_scheduler, to_scheduler, log, config.lora_overlap_loading, stall_s)
+        overlap = config.lora_overlap_loading
+        return serve(runner, args.rank, from_scheduler, to_scheduler, log, overlap, stall_s, config.profile_dir)
     finally:
         runner.close()
         close_group(group)
@@ -67,9 +69,17 @@ def serve(
     log: logging.Logger,
     overlap_loading: bool = False,
     stall_s: float | None = None,
+    profile_dir: str = "",
 ) -> int:
-    """Apply the commands in order and send their replies (loop.py: WorkerLoop); the exit code."""
-    return WorkerLoop(runner, rank, outbox, log, overlap_loading, stall_s).run(inbox)
+    """Apply the commands in order and send their replies (loop.py: WorkerLoop); the exit code.
+    `profile_dir`: where the serving-path profile's spans go (none: not profiled)."""
+    writer = spans.open_writer(profile_dir, f"worker-{rank}")
+    profile = StepProfiler(writer, rank, runner.device) if writer is not None else None
+    try:
+        return WorkerLoop(runner, rank, outbox, log, overlap_loading, stall_s, profile).run(inbox)
+    finally:
+        if profile is not None:
+            profile.close()
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ from ledgerserve.shared.events import (
     TokensEmitted,
 )
 from ledgerserve.shared.sampling import SamplingParams
-from ledgerserve.tokenizer_proc.engine_client import EngineClient, EngineDeadError, RequestRejectedError
+from ledgerserve.tokenizer_proc.engine_client import EngineDeadError, RequestRejectedError
+from ledgerserve.tokenizer_proc.engine_socket import EngineClient
 
 pytestmark = pytest.mark.anyio
 
