@@ -61,8 +61,14 @@ class Ledger:
         self.content = content if content is not None else Redactor("tokens")
 
     def apply(self, event: events.Event) -> list[Routed]:
-        """Log the input, apply it, log the decisions, commit; then where each decision goes. A decision
-        sent as logged is encoded once: the same bytes go to the log and to the socket."""
+        """Log the input, apply it, log the decisions and commit them; then where each decision goes. A
+        decision sent as logged is encoded once: the same bytes go to the log and to the socket."""
+        routed = self.write(event)
+        self.commit(routed)
+        return routed
+
+    def write(self, event: events.Event) -> list[Routed]:
+        """`apply` up to the commit: the records are written, not yet flushed or synced."""
         event = self.content.inbound(event)
         self.log.append(event)
         routed: list[Routed] = []
@@ -71,5 +77,8 @@ class Ledger:
             self.log.append(decision, frame)
             sent = self.content.outbound(decision)
             routed.append(Routed(sent, frame if sent is decision else codec.encode(sent), route(decision)))
-        self.log.commit(step_planned=any(isinstance(r.decision, events.StepPlan) for r in routed))
         return routed
+
+    def commit(self, routed: list[Routed]) -> None:
+        """End of one input's records: flush, and fsync as the policy says."""
+        self.log.commit(step_planned=any(isinstance(r.decision, events.StepPlan) for r in routed))

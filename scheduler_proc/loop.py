@@ -13,12 +13,13 @@ import zmq
 
 from ledgerserve.scheduler_proc.core.core import Core, CoreConfig
 from ledgerserve.scheduler_proc.ledger import Ledger, Route
+from ledgerserve.scheduler_proc.outbox import HeldFrames
 from ledgerserve.scheduler_proc.redaction import Redactor
 from ledgerserve.scheduler_proc.stats_log import StatsLog
 from ledgerserve.scheduler_proc.views.adapter_stats import AdapterStats
 from ledgerserve.scheduler_proc.views.engine_stats import engine_stats
 from ledgerserve.scheduler_proc.views.registry_changes import registry_changes
-from ledgerserve.shared import codec, events, ipc
+from ledgerserve.shared import codec, events, ipc, spans
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.eventlog import EventLogWriter, LogWriteError, enforce_retention
 from ledgerserve.shared.proc import send_ready
@@ -49,6 +50,7 @@ class SchedulerShell:
             fsync=config.event_log_fsync,
             max_bytes=config.event_log_max_bytes,
             on_rotate=self._trim_logs,
+            group_commit=True,
         )
         self.ledger = Ledger(Core(CoreConfig.from_engine(config)), writer, Redactor(config.event_log_content))
         self.adapter_stats = AdapterStats(config.tensor_parallel_size, self.core.config.lora_overlap_loading)
@@ -58,6 +60,8 @@ class SchedulerShell:
         self.failure: str | None = None  # the engine failed: why
         self.last_stats: events.EngineStats | None = None
         self.stats_log = StatsLog(config.max_loras if config.enable_lora else 0)
+        self.spans = spans.open_writer(config.profile_dir, "scheduler")  # None unless profiling
+        self.outbox = HeldFrames(lambda frame: self._send(self.to_tokenizer, frame))  # until durable
 
     @property
     def core(self) -> Core:
@@ -81,11 +85,16 @@ class SchedulerShell:
         poller = zmq.Poller()
         poller.register(self.from_tokenizer, zmq.POLLIN)
         poller.register(self.from_workers, zmq.POLLIN)
+        if self.log.wake_fd is not None:
+            poller.register(self.log.wake_fd, zmq.POLLIN)
         log.info("event log: %s (request content: %s)", self.log.path, self.config.event_log_content)
         try:
             while self.stop is None and not self.failed:
                 for sock, _ in poller.poll(POLL_MS):
-                    self._receive(sock)
+                    if sock == self.log.wake_fd:
+                        self._on_synced()
+                    else:
+                        self._receive(sock)
         except Exception as exc:
             self.failure = f"scheduler error: {exc!r}"
             raise
@@ -95,6 +104,7 @@ class SchedulerShell:
 
     def _receive(self, sock: zmq.Socket) -> None:
         frame = sock.recv()
+        recv_ns = spans.now_ns()
         decoder = self.tokenizer_decoder if sock is self.from_tokenizer else self.worker_decoder
         try:
             event = decoder.decode(frame)
@@ -102,25 +112,37 @@ class SchedulerShell:
             self.num_dropped_frames += 1
             log.warning("dropped an undecodable frame (%d so far)", self.num_dropped_frames)
             return
-        self.handle(event)
+        self.handle(event, recv_ns)
 
-    def handle(self, event: events.Event) -> None:
+    def handle(self, event: events.Event, recv_ns: int = 0) -> None:
         if self.failed:
             return
         try:
-            routed = self.ledger.apply(event)
+            routed = self.ledger.write(event)
+            applied_ns = spans.now_ns()
+            self.ledger.commit(routed)
         except LogWriteError as exc:
             self._stop_unlogged(exc)
             return
+        synced_ns = spans.now_ns()
         decisions = [r.decision for r in routed]
         self._send_registry_changes(decisions)
+        plan_sent_ns = 0
         for decision, frame, where in routed:
+            if isinstance(decision, events.StepPlan):
+                plan_sent_ns = spans.now_ns()
             self._send_decision(decision, frame, where)
+        sent_ns = spans.now_ns()
         self._fold_adapter_stats(event, decisions)
         if isinstance(event, events.WorkerReady) and self.core.scheduler.is_ready:
             self._on_engine_ready(event)  # the last rank's WorkerReady made the core ready
         self._send_stats()
         self.stats_log.record(decisions, self.last_stats, time.monotonic())
+        self.outbox.release(self.log.durable_seq)
+        if self.spans is not None:
+            marks = (recv_ns or applied_ns, applied_ns, synced_ns, sent_ns, spans.now_ns())
+            seq = self.log.last_seq - len(routed)
+            self.spans.add(spans.scheduler_input(seq, event, decisions, marks, plan_sent_ns, self.log.last_fsynced))
 
     def _fold_adapter_stats(self, event: events.Event, decisions: list[events.Event]) -> None:
         """Per-adapter figures from what was just logged, in log order; each slot load that
@@ -128,13 +150,13 @@ class SchedulerShell:
         for record in [event, *decisions]:
             for load in self.adapter_stats.fold(record):
                 observed = events.AdapterLoadObserved(load.name, load.version_id, load.source_tier, load.duration_ms)
-                self._send(self.to_tokenizer, codec.encode(observed))
+                self._to_tokenizer(codec.encode(observed))
 
     def _send_registry_changes(self, decisions: list[events.Event]) -> None:
         """What the decisions changed in the adapter registry, before them (derived, so not logged)."""
         change = registry_changes(self.core.adapters, decisions)
         if change is not None:
-            self._send(self.to_tokenizer, codec.encode(change))
+            self._to_tokenizer(codec.encode(change))
 
     def _stop_unlogged(self, exc: LogWriteError) -> None:
         """Never serve what is not logged: fail every request and stop the engine. The
@@ -176,7 +198,7 @@ class SchedulerShell:
         adapters its events touched, however many are registered."""
         stats = engine_stats(self.core, self.adapter_stats.take_changed_rows(), self.adapter_stats.lora_wait_ms)
         if stats != self.last_stats:
-            self._send(self.to_tokenizer, codec.encode(stats))
+            self._to_tokenizer(codec.encode(stats))
             self.last_stats = stats
 
     def _send_decision(self, decision: events.Event, frame: bytes, where: Route) -> None:
@@ -184,10 +206,26 @@ class SchedulerShell:
             for sock in self.to_workers:
                 self._send(sock, frame)
         elif where is Route.TOKENIZER:
-            self._send(self.to_tokenizer, frame)
+            self._to_tokenizer(frame)
         if isinstance(decision, events.EngineFailed):
             log.error("engine failed: %s", decision.message)
             self.failure = decision.message
+
+    def _to_tokenizer(self, frame: bytes) -> None:
+        """To the HTTP process once the records written so far are durable (outbox.py)."""
+        self.outbox.put(self.log.last_seq, frame)
+
+    def _on_synced(self) -> None:
+        """A group-commit fsync ended: release what it made durable (or stop: it failed)."""
+        try:
+            synced = self.log.check_synced()
+        except LogWriteError as exc:
+            self._stop_unlogged(exc)
+            return
+        released_ns, num_frames = spans.now_ns(), self.outbox.release(self.log.durable_seq)
+        if self.spans is not None:
+            for seq, start_ns, end_ns in synced:
+                self.spans.add(spans.LogSync(seq, start_ns, end_ns, released_ns, num_frames))
 
     def _send(self, sock: zmq.Socket, frame: bytes) -> None:
         """Send, waiting while the peer's queue is full, but never past a stop request: a
@@ -208,7 +246,7 @@ class SchedulerShell:
         ranks = [self.core.ready[rank] for rank in sorted(self.core.ready)]
         facts = "; ".join(f"rank {r.rank}: {ready_line(r)}" for r in ranks)
         log.info("engine ready: %d KV blocks (the smallest pool of the ranks); %s", num_total_blocks, facts)
-        self._send(self.to_tokenizer, codec.encode(events.EngineReady(num_total_blocks, ready.vocab_size)))
+        self._to_tokenizer(codec.encode(events.EngineReady(num_total_blocks, ready.vocab_size)))
         send_ready(self.config.run_dir, "scheduler")
 
     def _close(self) -> None:
@@ -224,12 +262,15 @@ class SchedulerShell:
         try:
             self.log.append(closed)
             self.log.close()
+            self.outbox.release(self.log.durable_seq)  # the close synced every record
         except (LogWriteError, ValueError) as exc:
             log.error("could not close the event log cleanly: %s", exc)
             self.failure = self.failure or str(exc)
         finally:
             self.log.close()  # once more after a write error: closes the file, removes a run with no record
         log.info("closed the event log (%s) after %d dropped frames", closed.reason, self.num_dropped_frames)
+        if self.spans is not None:
+            self.spans.close()
         for sock in (self.from_tokenizer, self.from_workers, self.to_tokenizer, *self.to_workers):
             sock.close(linger=0)
 

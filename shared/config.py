@@ -169,6 +169,12 @@ class EngineConfig:
         choices=EVENT_LOG_CONTENTS,
     )
     tp_layout: str = unflagged("", set_by="the launcher: how the model is split over the ranks (shared/tp_layout.py)")
+    profile_dir: str = setting(
+        "",
+        "write each process's timing spans here, for the serving-path profile (scripts/serving/profile_serving.py); "
+        "off when empty",
+        parse=_real_path,
+    )
 
     @property
     def served_model_names(self) -> tuple[str, ...]:

@@ -22,6 +22,8 @@ FAULT_DIGEST_STEP = "LEDGERSERVE_TEST_FAULT_DIGEST_STEP"  # ... from this step o
 FAULT_TOKEN_ID = "LEDGERSERVE_TEST_FAULT_TOKEN_ID"  # test: a step that feeds this token id fails
 FAULT_TP_STALL_RANK = "LEDGERSERVE_TEST_FAULT_TP_STALL_RANK"  # test: this rank stalls (alive) before ...
 FAULT_TP_STALL_STEP = "LEDGERSERVE_TEST_FAULT_TP_STALL_STEP"  # ... the collectives of this step (default 1)
+FAULT_LOG_LOSS_SEQ = "LEDGERSERVE_TEST_FAULT_LOG_LOSS_SEQ"  # test: the scheduler loses its unsynced records ...
+# ... and dies at the first group-commit fsync that covers this record (shared/eventlog/group_commit.py)
 # Set by the launcher for the workers: gloo and NCCL bind their sockets to loopback only, and the
 # symmetric memory of the one-shot all-reduce (worker_proc/parallel.py) maps peers' buffers without
 # creating an NVLink multicast object (the one-shot path reads peers directly; it never needs one).
@@ -120,6 +122,17 @@ def fault_token_id() -> int | None:
         return int(value)
     except ValueError:
         raise ValueError(f"{FAULT_TOKEN_ID}={value!r} is not an integer") from None
+
+
+def fault_log_loss_seq() -> int | None:
+    """Test switch: the record whose group-commit fsync is replaced by a simulated power cut, or None."""
+    value = os.environ.get(FAULT_LOG_LOSS_SEQ, "")
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{FAULT_LOG_LOSS_SEQ}={value!r} is not an integer") from None
 
 
 HF_HUB_OFFLINE = "HF_HUB_OFFLINE"  # "1": model ids resolve from the Hugging Face cache only

@@ -3,7 +3,10 @@
 fsync policy (`EngineConfig.event_log_fsync`), applied by `commit()`, which the shell calls
 once per handled input, after that input's records:
     never   flush to the OS only
-    step    fsync when the records committed include a StepPlan: at most one per step
+    step    with `group_commit` (the scheduler): flush, and have a thread fsync in the background
+            (group_commit.py), one fsync at a time covering every record flushed before it began;
+            `durable_seq` says how far the records are synced. Without it: fsync when the records
+            committed include a StepPlan, at most one per step
     always  fsync at every commit
 Segments rotate when the next record would take the current one past `max_bytes`;
 `on_rotate` (retention) is called between closing one segment and opening the next.
@@ -29,6 +32,7 @@ from ledgerserve.shared.eventlog.format import (
     encode_record,
     record_hash,
 )
+from ledgerserve.shared.eventlog.group_commit import Syncer
 from ledgerserve.shared.eventlog.names import next_log_name, parse_name, segment_file_name
 from ledgerserve.shared.eventlog.private import make_private_dir, open_private
 
@@ -47,6 +51,7 @@ class EventLogWriter:
         max_bytes: int | None = None,
         opener: Opener = open_private,
         on_rotate: Callable[[], None] | None = None,
+        group_commit: bool = False,
     ) -> None:
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync policy must be one of {FSYNC_POLICIES}, got {fsync!r}")
@@ -64,6 +69,7 @@ class EventLogWriter:
         self._size = self._header_size = 0
         self._broken: LogWriteError | None = None
         self._closed = False
+        self.last_fsynced = False  # whether the last commit synced (the serving-path profile reads it)
         first = next_log_name(directory, run_id)
         name = parse_name(first)
         if name is None:
@@ -71,7 +77,10 @@ class EventLogWriter:
         self._number, self._run_id = name.number, name.run_id
         self.path = os.path.join(directory, first)  # the run's first segment
         self.segment_paths: list[str] = []
+        self._syncer: Syncer | None = None
         self._file: BinaryIO = self._open_segment(1)
+        if group_commit and fsync == "step":
+            self._syncer = Syncer(self._file.fileno(), 0, self._size)
 
     @property
     def last_seq(self) -> int:
@@ -94,9 +103,41 @@ class EventLogWriter:
         return self._seq
 
     def commit(self, step_planned: bool) -> None:
-        """End of one input's records: flush, and fsync as the policy says."""
+        """End of one input's records: flush, and fsync as the policy says (or ask the syncer to)."""
         policy = self.fsync_policy
-        self.flush(fsync=policy == "always" or (policy == "step" and step_planned))
+        if self._syncer is not None:
+            self.last_fsynced = False
+            self.flush()
+            self.check_synced()
+            self._syncer.request(self._seq, self._size)
+            return
+        self.last_fsynced = policy == "always" or (policy == "step" and step_planned)
+        self.flush(fsync=self.last_fsynced)
+
+    @property
+    def durable_seq(self) -> int:
+        """The records up to this seq are as durable as the policy makes them: synced by the group
+        commit; without one, everything committed."""
+        if self._syncer is None or (self._closed and self._broken is None):  # close synced what was left
+            return self._seq
+        return self._syncer.durable_seq
+
+    @property
+    def wake_fd(self) -> int | None:
+        """Readable when a group-commit fsync ended (then call `check_synced`); None without one."""
+        return self._syncer.wake_fd if self._syncer is not None else None
+
+    def check_synced(self) -> list[tuple[int, int, int]]:
+        """The group-commit fsyncs that ended since the last call (seq, start ns, end ns); a failed
+        one breaks the writer (LogWriteError)."""
+        self._check_usable()
+        if self._syncer is None:
+            return []
+        done = self._syncer.take_done()
+        if self._syncer.error is not None:
+            self._broken = LogWriteError(self.current_path, "fsync", self._syncer.error)
+            raise self._broken
+        return done
 
     def flush(self, fsync: bool = False) -> None:
         self._check_usable()
@@ -108,9 +149,13 @@ class EventLogWriter:
         if self._closed:
             return
         try:
+            if self._syncer is not None:
+                self._syncer.pause()
             if self._broken is None:
                 self.flush(fsync=self.fsync_policy != "never")
         finally:
+            if self._syncer is not None:
+                self._syncer.close()
             self._closed = True
             try:
                 self._file.close()
@@ -174,6 +219,8 @@ class EventLogWriter:
 
     def _rotate(self) -> None:
         sync = self.fsync_policy != "never"
+        if self._syncer is not None:
+            self._syncer.pause()
         self.flush(fsync=sync)
         self._guard("close", self._file.close)
         if self._on_rotate is not None:
@@ -183,6 +230,8 @@ class EventLogWriter:
             self._guard("flush", self._file.flush)
             self._guard("fsync", lambda: os.fsync(self._file.fileno()))
             self._guard("fsync of the directory", self._sync_directory)
+        if self._syncer is not None:
+            self._syncer.resume(self._file.fileno(), self._seq, self._size)
 
     def _sync_directory(self) -> None:
         fd = os.open(self.directory, os.O_RDONLY)

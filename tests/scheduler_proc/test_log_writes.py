@@ -5,6 +5,9 @@ import dataclasses
 import errno
 import json
 import os
+import select
+import threading
+import time
 
 import pytest
 import zmq
@@ -12,6 +15,7 @@ import zmq
 from ledgerserve.scheduler_proc.core import Core, CoreConfig
 from ledgerserve.scheduler_proc.ledger import Ledger
 from ledgerserve.scheduler_proc.loop import SchedulerShell
+from ledgerserve.scheduler_proc.outbox import HeldFrames
 from ledgerserve.scheduler_proc.redaction import Redactor
 from ledgerserve.scheduler_proc.replay import main
 from ledgerserve.scheduler_proc.replay import main as replay_main
@@ -73,11 +77,13 @@ class FakeSocket:
         self.closed_linger = linger
 
 
-def make_shell(tmp_path, fsync="step", opener=open, core=None, content=None):
+def make_shell(tmp_path, fsync="step", opener=open, core=None, content=None, group_commit=False):
     """The shell with fake sockets; `core` and `content` (a Redactor) replace ENGINE's."""
     shell = SchedulerShell.__new__(SchedulerShell)  # no sockets: the IO is faked below
     shell.config = dataclasses.replace(ENGINE, run_dir=str(tmp_path))
-    writer = EventLogWriter(str(tmp_path), ENGINE.to_json(), "shell", fsync=fsync, opener=opener)
+    writer = EventLogWriter(
+        str(tmp_path), ENGINE.to_json(), "shell", fsync=fsync, opener=opener, group_commit=group_commit
+    )
     default = CoreConfig.from_engine(ENGINE)
     shell.ledger = Ledger(core or Core(default), writer, content or Redactor(ENGINE.event_log_content))
     shell.adapter_stats = AdapterStats(ENGINE.tensor_parallel_size, default.lora_overlap_loading)
@@ -87,6 +93,8 @@ def make_shell(tmp_path, fsync="step", opener=open, core=None, content=None):
     shell.num_dropped_frames = 0
     shell.stop, shell.failure, shell.last_stats = None, None, None
     shell.stats_log = StatsLog(0)
+    shell.spans = None
+    shell.outbox = HeldFrames(lambda frame: shell._send(shell.to_tokenizer, frame))
     return shell
 
 
@@ -258,3 +266,53 @@ def test_a_plain_stop_closes_the_log_naming_no_process(tmp_path):
     shell.request_stop("later", "launcher")  # the first ask wins
     shell._close()
     assert _closed_record(shell) == ev.LogClosed("stopped by SIGTERM")
+
+
+def test_group_commit_holds_output_until_its_records_are_synced(tmp_path, monkeypatch):
+    """The fsync runs on its own thread: plans go to the workers while it runs, but no frame reaches
+    the HTTP process before the fsync covering its records ended; then all of them go, in order."""
+    gate, entered, real = threading.Event(), threading.Event(), os.fsync
+
+    def slow_fsync(fd):
+        entered.set()
+        assert gate.wait(10)
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", slow_fsync)
+    shell = make_shell(tmp_path, fsync="step", group_commit=True)
+    shell.handle(ev.WorkerReady(0, 32, 1000, [2], "cpu", "float32"))
+    shell.handle(ev.RequestArrived("r0", [5, 6, 7], SamplingParams(max_tokens=4)))
+    assert entered.wait(10)
+    plan = shell.to_workers[0].sent[-1]
+    shell.handle(ev.StepCompleted(plan.step, 0, [ev.SampledToken("r0", 7)]))
+    assert len(shell.to_workers[0].sent) == 2  # the next plan went at once
+    assert shell.to_tokenizer.sent == [] and len(shell.outbox) > 0  # EngineReady, stats, the token: held
+    assert shell.log.durable_seq < shell.log.last_seq
+    gate.set()
+    deadline = time.monotonic() + 10
+    while len(shell.outbox) and time.monotonic() < deadline:
+        select.select([shell.log.wake_fd], [], [], 0.1)
+        shell._on_synced()
+    assert len(shell.outbox) == 0 and shell.log.durable_seq == shell.log.last_seq
+    sent = shell.to_tokenizer.sent
+    assert isinstance(sent[0], ev.EngineReady)
+    assert [t.new_token_ids for t in sent if isinstance(t, ev.TokensEmitted)] == [[7]]
+    shell.log.close()
+
+
+def test_a_failed_group_fsync_releases_nothing_and_stops_the_engine(tmp_path, monkeypatch):
+    def failing_fsync(fd):
+        raise OSError(errno.EIO, "I/O error")
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    shell = make_shell(tmp_path, fsync="step", group_commit=True)
+    shell.handle(ev.WorkerReady(0, 32, 1000, [2], "cpu", "float32"))
+    shell.handle(ev.RequestArrived("r0", [5, 6, 7], SamplingParams(max_tokens=4)))
+    plan = shell.to_workers[0].sent[-1]
+    shell.handle(ev.StepCompleted(plan.step, 0, [ev.SampledToken("r0", 7)]))
+    select.select([shell.log.wake_fd], [], [], 10)
+    shell._on_synced()
+    assert shell.failed and "fsync" in shell.failure
+    sent = shell.to_tokenizer.sent
+    assert [type(e) for e in sent] == [ev.EngineFailed]  # told why; no token, no ready
+    shell.log.close()
