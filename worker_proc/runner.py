@@ -32,7 +32,7 @@ from ledgerserve.worker_proc.parallel import TpGroup, use_rank_device, with_one_
 from ledgerserve.worker_proc.requests import Requests
 from ledgerserve.worker_proc.sampler import PendingSample, Sampler
 from ledgerserve.worker_proc.step_inputs import PinnedStaging, StepInputBuilder, build_step_inputs
-from ledgerserve.worker_proc.warm_up import warm_up_batches
+from ledgerserve.worker_proc.warm_up import serving_batches, warm_up_batches
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -118,16 +118,12 @@ class ModelRunner:
 
     def warm_up(self) -> None:
         """Run worker_proc/warm_up.py's batches through the forward pass and the sampler, and drop
-        them: the Triton kernels of prefill, mixed batches and sampling are compiled before the
-        first request, not during it."""
+        them: the Triton kernels of prefill, mixed batches and sampling are compiled, and the GEMMs
+        and allocator of serving-sized steps warmed, before the first request, not during it."""
         lora_slot = 0 if self.lora is not None else -1
-        batches = warm_up_batches(
-            self.config.block_size,
-            self.kv_cache.num_blocks,
-            self.config.max_model_len,
-            self.model_cfg.vocab_size,
-            lora_slot,
-        )
+        shape = (self.config.block_size, self.kv_cache.num_blocks, self.config.max_model_len, self.model_cfg.vocab_size)
+        batches = warm_up_batches(*shape, lora_slot)
+        batches += serving_batches(*shape, lora_slot, self.config.max_num_batched_tokens)
         with self.lora.zero_adapter(lora_slot) if self.lora is not None else contextlib.nullcontext():
             for reqs in batches:  # eager: the graphs compiled theirs
                 inputs = build_step_inputs(reqs, self.config.block_size, self.device, self.staging)

@@ -52,3 +52,49 @@ def warm_up_batches(
         if next_block <= num_blocks and all(len(r.token_ids) <= max_model_len for r in reqs):
             batches.append(reqs)
     return batches
+
+
+PROMPT_TOKENS = 256  # the prompt each serving-sized batch is cut into (capped by max_model_len)
+NUM_DECODE_ROWS = 2  # decode rows mixed into each serving-sized batch
+
+
+def serving_batches(
+    block_size: int, num_blocks: int, max_model_len: int, vocab_size: int, lora_slot: int, max_batched_tokens: int
+) -> list[list[ReqState]]:
+    """Batches the size serving steps reach: for each power of two from 64 tokens up to the step's
+    token budget, prompts of up to PROMPT_TOKENS tokens filling it (every other one on `lora_slot`)
+    beside NUM_DECODE_ROWS decode rows. What a first pass would otherwise pay at these sizes (the
+    GEMM kernels of each row count loaded and chosen, the allocator grown, the LoRA and attention
+    kernels at long segments) is paid here, once with a base prompt first and once with an adapter's
+    (when LoRA is on). Batches that don't fit the pool are left out."""
+    sizes, size = [], 64
+    while size < max_batched_tokens:
+        sizes.append(size)
+        size *= 2
+    sizes.append(max_batched_tokens)
+    prompt_len = max(1, min(PROMPT_TOKENS, max_model_len - 1))
+    batches = []
+    for total, first_slot in [(total, slot) for total in sizes for slot in (-1, lora_slot)]:
+        prompts = [prompt_len] * ((total - NUM_DECODE_ROWS) // prompt_len)
+        prompts += [(total - NUM_DECODE_ROWS) % prompt_len] if (total - NUM_DECODE_ROWS) % prompt_len else []
+        slots = [first_slot if i % 2 == 0 else (lora_slot if first_slot == -1 else -1) for i in range(len(prompts))]
+        shape = [(0, n, slot) for n, slot in zip(prompts, slots)]
+        shape += [(block_size, block_size + 1, lora_slot if i % 2 else -1) for i in range(NUM_DECODE_ROWS)]
+        batch = _batch(shape, block_size, vocab_size)
+        if sum(len(r.block_ids) for r in batch) <= num_blocks:
+            batches.append(batch)
+    return batches if lora_slot >= 0 else batches[::2]  # without LoRA both orders are one batch
+
+
+def _batch(shape: list[tuple[int, int, int]], block_size: int, vocab_size: int) -> list[ReqState]:
+    """(num_computed, num_tokens, lora_slot) rows on consecutive blocks from block 0, greedy."""
+    reqs, next_block = [], 0
+    for i, (num_computed, num_tokens, lora_slot) in enumerate(shape):
+        num_req_blocks = -(-num_tokens // block_size)
+        token_ids = [(7 * i + t) % vocab_size for t in range(num_tokens)]
+        block_ids = list(range(next_block, next_block + num_req_blocks))
+        prompt = min(num_tokens, max(block_size, num_tokens - 1)) if num_computed else num_tokens
+        num_new = num_tokens - num_computed
+        reqs.append(ReqState(f"warm-up-{i}", token_ids, prompt, GREEDY, block_ids, num_computed, num_new, lora_slot))
+        next_block += num_req_blocks
+    return reqs
