@@ -119,7 +119,8 @@ def _add_setting(parser: argparse.ArgumentParser, f: dataclasses.Field, hint: An
     flag: Flag = f.metadata["flag"]
     options: dict[str, Any] = {"dest": f.name, "default": None, "help": _help(f)}
     if _value_type(hint) is bool:
-        options["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
+        on_somewhere = f.default or flag.on_cuda  # on by default somewhere: --no-X turns it off
+        options["action"] = argparse.BooleanOptionalAction if on_somewhere else "store_true"
     else:
         choices = _choices(f) or None  # shown as the metavar when there are choices
         metavar = None if choices else flag_of(f)[2:].upper().replace("-", "_")

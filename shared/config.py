@@ -122,7 +122,12 @@ class EngineConfig:
     admin_api_key_required: bool = unflagged(False, set_by="--admin-api-key or LEDGERSERVE_ADMIN_API_KEY")
     event_log_fsync: str = setting("step", "step: one fsync per step", choices=("never", "step", "always"))
     event_log_max_bytes: int = setting(256 * MiB, "rotate log segments past this size")
-    async_scheduling: bool = setting(False, "plan step s + 1 while step s runs, so the GPU never waits on the host")
+    async_scheduling: bool = setting(
+        False,
+        "plan step s + 1 while step s runs, so the GPU never waits on the host (on the CPU the forward runs inside "
+        "the launch: nothing to overlap)",
+        on_cuda=True,
+    )
     event_log_max_total_bytes: int = setting(4 * GiB, "bound of the event-log directory (0: unlimited)")
     lora_overlap_loading: bool = setting(True, "load adapters beside the running steps, ahead of use")
     lora_max_wait_steps: int = setting(16, "steps an adapter request may be passed before a slot is drained for it")

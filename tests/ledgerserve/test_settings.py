@@ -140,6 +140,7 @@ def test_bare_serve_resolves_to_the_dataclass_defaults(model_dir, monkeypatch, o
         "event_log_dir",
         "max_cpu_loras",
         "tokenizer",
+        "async_scheduling",
     }
     for name, f in FIELDS.items():
         if name not in auto | {"model_dir", "run_dir", "is_demo_model", "enable_lora", "lora_modules"}:
@@ -147,12 +148,13 @@ def test_bare_serve_resolves_to_the_dataclass_defaults(model_dir, monkeypatch, o
     # the demo model comes with its demo adapters, registered as --lora-modules would
     assert cfg.enable_lora and cfg.lora_modules == tuple(demo_adapters(model_dir))
     # on the CPU the auto settings the dataclass has a default for resolve to it
-    assert (cfg.device, cfg.dtype, cfg.max_num_seqs, cfg.max_cpu_loras, cfg.num_kv_blocks) == (
+    assert (cfg.device, cfg.dtype, cfg.max_num_seqs, cfg.max_cpu_loras, cfg.num_kv_blocks, cfg.async_scheduling) == (
         "cpu",
         "float32",
         64,
         32,
         None,
+        False,
     )
     assert (cfg.model_dir, cfg.is_demo_model, cfg.run_dir, cfg.max_model_len) == (model_dir, True, str(tmp_path), 4096)
     assert cfg.served_model_name == os.path.basename(model_dir)
@@ -168,9 +170,10 @@ def test_bare_serve_resolves_to_the_dataclass_defaults(model_dir, monkeypatch, o
 def test_cuda_defaults_apply_only_where_no_flag_gave_a_value(model_dir, on_device, tmp_path):
     on_device("cuda")
     cfg = resolve_config(_args(model_dir), str(tmp_path))
-    assert (cfg.device, cfg.dtype, cfg.max_num_seqs) == ("cuda", "bfloat16", 256)
-    cfg = resolve_config(_args(model_dir, "--dtype", "float16", "--max-num-seqs", "8"), str(tmp_path))
-    assert (cfg.device, cfg.dtype, cfg.max_num_seqs) == ("cuda", "float16", 8)
+    assert (cfg.device, cfg.dtype, cfg.max_num_seqs, cfg.async_scheduling) == ("cuda", "bfloat16", 256, True)
+    args = _args(model_dir, "--dtype", "float16", "--max-num-seqs", "8", "--no-async-scheduling")
+    cfg = resolve_config(args, str(tmp_path))
+    assert (cfg.device, cfg.dtype, cfg.max_num_seqs, cfg.async_scheduling) == ("cuda", "float16", 8, False)
     on_device("cpu")
     cfg = resolve_config(_args(model_dir, "--dtype", "auto", "--device", "auto"), str(tmp_path))
     assert (cfg.device, cfg.dtype) == ("cpu", "float32")  # `auto` given is as if not given
