@@ -200,13 +200,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     modules = [f"{spec.name}={spec.path}" for spec in adapters]
     server_args = [*shlex.split(flags), *shlex.split(LORA_FLAGS), "--max-lora-rank", str(rank)]
     server_args += ["--profile-dir", args.profile_dir, *shlex.split(args.server_args), "--lora-modules", *modules]
+    started = time.perf_counter()
     server = Server(args.model_dir, args.log_dir, server_args, start_timeout_s=900).start()
+    start_s = round(time.perf_counter() - started, 1)  # to a healthy /health: start-up, warm-up, staging
     try:
         rows = asyncio.run(serve_passes(server, args, adapters))
     finally:
         server.stop(signal.SIGTERM, timeout_s=120)
     found = analyse(args, rows)
-    report = {"server_args": server_args[: -len(modules)], "log": found["log"], "rows": rows}
+    report = {"server_args": server_args[: -len(modules)], "start_s": start_s, "log": found["log"], "rows": rows}
     report["replay_verified"] = found["replay_verified"]
     if args.out:
         write_json(args.out, report, indent=1)
@@ -239,7 +241,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
             f"device idle {device.get('idle_share')}, TTFT p50 {row['ttft_ms']['p50']} ms "
             f"(server {ttft['ttft']['p50']} ms), cpu {row['cpu_share']}"
         )
-    print(f"replay --verify: {'ok' if report['replay_verified'] else 'DIVERGED'} ({report['log']})")
+    print(f"started in {report['start_s']} s; replay --verify: {'ok' if report['replay_verified'] else 'DIVERGED'}")
     return 0 if report["replay_verified"] else 1
 
 
