@@ -43,7 +43,8 @@ def timeline(sp: Spans, window_ns: list[int], path: str, title: str) -> None:
     ax = fig.subplots()
     for lane, kind, a, b in bars(sp, start_ns, start_ns + WIDTH_NS):
         y = LANES.index(lane)
-        ax.broken_barh([((a - start_ns) / MS, max(b - a, 1000) / MS)], (y - 0.35, 0.7), color=COLORS[kind])
+        extent = [((a - start_ns) / MS, max(b - a, 1000) / MS)]
+        ax.broken_barh(extent, (y - 0.35, 0.7), color=COLORS[kind], edgecolor="white", linewidth=0.6)  # steps apart
     ax.set_yticks(range(len(LANES)), LANES)
     ax.set_xlim(0, WIDTH_NS / MS)
     ax.set_xlabel("ms")
