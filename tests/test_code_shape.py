@@ -84,12 +84,19 @@ def test_only_one_module_reads_the_environment():
 # stays a statement about the package, not a ceiling nobody reads.
 PACKAGE_BUDGETS = {
     "ledgerserve/": (2800, "CLI, launcher and process group, the demo model's builder, the in-process engine, sim/"),
-    "shared/": (4200, "every event of every channel, the codec, config and flags, the event-log format"),
+    "shared/": (
+        4600,
+        "every event of every channel, the codec, config and flags, the event-log format and its group commit, "
+        "the serving-path profile's spans",
+    ),
     "tokenizer_proc/": (5200, "the OpenAI/vLLM HTTP surface: routes, schemas, limits, auth, templates, metrics"),
     "scheduler_proc/": (5700, "the sans-IO core with adapter placement, its views, the ledger, shell and replay"),
-    "worker_proc/": (5000, "models, KV cache, LoRA slots and tiers, sampling, CUDA graphs, tensor parallelism"),
+    "worker_proc/": (
+        5300,
+        "models, KV cache, LoRA slots and tiers, sampling, CUDA graphs, tensor parallelism, warm-up, step timing",
+    ),
     "kernels/": (3000, "Triton kernels, each beside its torch reference"),
-    "scripts/": (5900, "benchmarks and operating tools on six shelves (scripts/README.md)"),
+    "scripts/": (6500, "benchmarks (the serving-path profile among them) and operating tools on six shelves"),
 }
 MAX_BUDGET_HEADROOM = 0.08  # a budget more than 8% above its package's lines must come down
 
