@@ -150,28 +150,7 @@ async def load_startup_adapters(
             )
         logger.info("adapter '%s' loaded from %s (version %d)", name, manifest.path, reply.version_id)
     if config.lora_overlap_loading:  # the core stages each registered version while the CPU tier has room
-        await wait_staged(engine, [name for name, _ in checked], config.max_cpu_loras)
-
-
-STAGE_WAIT_S = 120.0  # the most start-up waits for the CPU tier; past it the server starts all the same
-STAGE_POLL_S = 0.05
-
-
-async def wait_staged(engine: EngineClientBase, names: list[str], max_cpu_loras: int) -> None:
-    """Wait until the core has staged the start-up adapters into the workers' CPU tier (as many as it
-    holds): staging reads and checks every file, which a first pass would otherwise pay beside its
-    steps. The rows come with the scheduler's gauges (EngineStats)."""
-    want = min(len(names), max_cpu_loras)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + STAGE_WAIT_S
-    while want and loop.time() < deadline:
-        staged = sum(1 for name in names if (row := engine.adapter_rows.get(name)) is not None and row.tier != "disk")
-        if staged >= want:
-            logger.info("%d start-up adapters staged in the CPU tier", staged)
-            return
-        await asyncio.sleep(STAGE_POLL_S)
-    if want:
-        logger.warning("start-up adapters not all in the CPU tier after %.0f s: serving all the same", STAGE_WAIT_S)
+        await engine.wait_staged([name for name, _ in checked], config.max_cpu_loras)
 
 
 def load_event(

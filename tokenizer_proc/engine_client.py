@@ -100,6 +100,10 @@ class EngineClientBase(abc.ABC):
     async def close(self) -> None:  # noqa: B027 - a hook, as start
         """Stop background work and release sockets."""
 
+    async def wait_staged(self, names: list[str], max_cpu_loras: int) -> None:  # noqa: B027 - a hook, as start
+        """Wait until the engine staged the start-up adapters `names` (as many as its CPU tier holds).
+        An engine that sends no gauges (an in-process one) has nothing to wait for."""
+
     @property
     def num_in_flight(self) -> int:
         return len(self._queues)

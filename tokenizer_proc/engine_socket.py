@@ -12,6 +12,7 @@ import zmq.asyncio
 
 from ledgerserve.shared import codec, ipc, spans
 from ledgerserve.shared.events import Event, TokensEmitted
+from ledgerserve.tokenizer_proc import staging
 from ledgerserve.tokenizer_proc.engine_client import EngineClientBase
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,9 @@ class EngineClient(EngineClientBase):
             self._reader = None
         self._push.close(linger=0)
         self._pull.close(linger=0)
+
+    async def wait_staged(self, names: list[str], max_cpu_loras: int) -> None:
+        await staging.wait_staged(self.adapter_rows, names, max_cpu_loras)
 
     async def _send(self, event: Event) -> None:
         await self._push.send(codec.encode(event))
