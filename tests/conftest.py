@@ -6,22 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import fresh_venv
 from tests.model_factory import ARCHS, make_tiny_checkpoint
-
-FRESH_INSTALL_TEST = "tests/test_fresh_install.py::"
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the fresh-venv install in the background when its test is to run (tests/fresh_venv.py)."""
-    if any(item.nodeid.startswith(FRESH_INSTALL_TEST) for item in session.items):
-        from tests.test_fresh_install import readme_install_line
-
-        fresh_venv.start(readme_install_line())
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    fresh_venv.stop()
 
 
 @pytest.fixture(scope="session", params=ARCHS)

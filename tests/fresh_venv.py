@@ -1,15 +1,12 @@
-"""The fresh venv of tests/test_fresh_install.py, installed in the background: the README's install
-line takes a minute or two (torch and triton), so tests/conftest.py starts it as soon as the session
-has collected that test, and the test waits for it when its turn comes. Nothing else uses it."""
+"""The fresh venv of tests/test_fresh_install.py: a copy of the checkout, `python -m venv`, then the
+README's install line run in it, in a fresh HOME."""
 
 from __future__ import annotations
 
 import os
-import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,13 +39,10 @@ def venv_env(venv: Path, home: Path) -> dict[str, str]:
 
 @dataclass
 class Install:
-    """`python -m venv` then `install` (a shell line) run in a copy of the checkout, in the background."""
+    """The venv under `root` and `install` (a shell line) run in a copy of the checkout."""
 
     install: str
     root: Path
-    proc: subprocess.Popen | None = None
-    started_s: float = 0.0
-    ended_s: float = 0.0
 
     @property
     def source(self) -> Path:
@@ -62,53 +56,21 @@ class Install:
     def home(self) -> Path:
         return self.root / "home"
 
-    @property
-    def log(self) -> Path:
-        return self.root / "install.out"
-
     def env(self) -> dict[str, str]:
         return venv_env(self.venv, self.home)
 
-    def start(self) -> Install:
+    def run(self, timeout_s: float) -> tuple[subprocess.CompletedProcess, float]:
+        """(the install line's run, seconds it took)."""
         source_copy(self.source)
         self.home.mkdir()
-        script = f"{shlex.quote(sys.executable)} -m venv {shlex.quote(str(self.venv))} && {self.install}"
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(
-                ["bash", "-c", script], cwd=self.source, env=self.env(), stdout=out, stderr=subprocess.STDOUT
-            )
-        self.started_s = time.monotonic()
-        return self
-
-    def wait(self, timeout_s: float) -> tuple[int, str, float]:
-        """(exit code, its output, seconds it ran)."""
-        assert self.proc is not None
-        rc = self.proc.wait(timeout=timeout_s)
-        self.ended_s = self.ended_s or time.monotonic()
-        return rc, self.log.read_text(errors="replace"), self.ended_s - self.started_s
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        shutil.rmtree(self.root, ignore_errors=True)
-
-
-_started: Install | None = None
-
-
-def start(install: str) -> Install:
-    """Begin the install (once per session)."""
-    global _started
-    if _started is None:
-        _started = Install(install, Path(tempfile.mkdtemp(prefix="ledgerserve-fresh-venv-"))).start()
-    return _started
-
-
-def started() -> Install | None:
-    return _started
-
-
-def stop() -> None:
-    if _started is not None:
-        _started.stop()
+        subprocess.run([sys.executable, "-m", "venv", str(self.venv)], check=True, timeout=300)
+        started = time.monotonic()
+        done = subprocess.run(
+            ["bash", "-c", self.install],
+            cwd=self.source,
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+        return done, time.monotonic() - started

@@ -1,10 +1,8 @@
 """The README's serve command on a new user's machine: its install line, as the README gives it,
-in a fresh venv (no extras, so none of the test-only packages), then `ledgerserve serve` from
-that venv with a fresh HOME (the demo model built from scratch), one completion, a clean stop.
-The build there, in another environment without PEFT, must match the session's byte for byte.
-
-The install runs in the background from the end of collection (tests/fresh_venv.py, started by
-tests/conftest.py): it takes a minute or two, and the rest of the suite runs meanwhile."""
+in a fresh venv (no extras, so none of the test-only packages; tests/fresh_venv.py), then
+`ledgerserve serve` from that venv with a fresh HOME (the demo model built from scratch), one
+completion, a clean stop. The build there, in another environment without PEFT, must match the
+session's byte for byte."""
 
 from __future__ import annotations
 
@@ -44,11 +42,10 @@ def _tree(root: Path) -> dict[str, str]:
 
 
 @pytest.mark.timeout(INSTALL_TIMEOUT_S + READY_TIMEOUT_S + 120)
-def test_the_readme_serve_command_works_in_a_fresh_venv(demo_model_dir: str) -> None:
-    install = fresh_venv.started() or fresh_venv.start(readme_install_line())
-    assert install.install == readme_install_line()
-    rc, output, install_s = install.wait(INSTALL_TIMEOUT_S)
-    assert rc == 0, output[-6000:]
+def test_the_readme_serve_command_works_in_a_fresh_venv(demo_model_dir: str, tmp_path: Path) -> None:
+    install = fresh_venv.Install(readme_install_line(), tmp_path)
+    done, install_s = install.run(INSTALL_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     venv, env = install.venv, install.env()
     no_peft = subprocess.run([str(venv / "bin" / "python"), "-c", "import peft"], env=env, capture_output=True)
     assert no_peft.returncode != 0  # the check means something: the test-only packages are not there
