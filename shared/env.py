@@ -115,24 +115,23 @@ def fault_tp_stall(rank: int, step: int) -> bool:
 
 def fault_token_id() -> int | None:
     """Test switch: the token id whose step fails, or None."""
-    value = os.environ.get(FAULT_TOKEN_ID, "")
-    if not value:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"{FAULT_TOKEN_ID}={value!r} is not an integer") from None
+    return _int_or_none(FAULT_TOKEN_ID)
 
 
 def fault_log_loss_seq() -> int | None:
     """Test switch: the record whose group-commit fsync is replaced by a simulated power cut, or None."""
-    value = os.environ.get(FAULT_LOG_LOSS_SEQ, "")
+    return _int_or_none(FAULT_LOG_LOSS_SEQ)
+
+
+def _int_or_none(name: str) -> int | None:
+    """Variable `name` as an integer; None when unset or empty."""
+    value = os.environ.get(name, "")
     if not value:
         return None
     try:
         return int(value)
     except ValueError:
-        raise ValueError(f"{FAULT_LOG_LOSS_SEQ}={value!r} is not an integer") from None
+        raise ValueError(f"{name}={value!r} is not an integer") from None
 
 
 HF_HUB_OFFLINE = "HF_HUB_OFFLINE"  # "1": model ids resolve from the Hugging Face cache only

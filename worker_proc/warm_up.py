@@ -29,29 +29,8 @@ def warm_up_batches(
         [(block_size, 3 * block_size, -1, GREEDY), (block_size, 2 * block_size, lora_slot, GREEDY)],
         [(block_size, block_size + 1, lora_slot, GREEDY)],
     ]
-    batches = []
-    for shape in shapes:
-        reqs, next_block = [], 0
-        for i, (num_computed, num_tokens, lora_slot, sampling) in enumerate(shape):
-            num_req_blocks = -(-num_tokens // block_size)
-            token_ids = [(7 * i + t) % vocab_size for t in range(num_tokens)]
-            block_ids = list(range(next_block, next_block + num_req_blocks))
-            reqs.append(
-                ReqState(
-                    f"warm-up-{i}",
-                    token_ids,
-                    min(num_tokens, block_size),
-                    sampling,
-                    block_ids,
-                    num_computed,
-                    num_tokens - num_computed,
-                    lora_slot,
-                )
-            )
-            next_block += num_req_blocks
-        if next_block <= num_blocks and all(len(r.token_ids) <= max_model_len for r in reqs):
-            batches.append(reqs)
-    return batches
+    batches = [_batch(shape, block_size, vocab_size) for shape in shapes]
+    return [batch for batch in batches if _fits(batch, num_blocks, max_model_len)]
 
 
 PROMPT_TOKENS = 256  # the prompt each serving-sized batch is cut into (capped by max_model_len)
@@ -74,27 +53,34 @@ def serving_batches(
     sizes.append(max_batched_tokens)
     prompt_len = max(1, min(PROMPT_TOKENS, max_model_len - 1))
     batches = []
-    for total, first_slot in [(total, slot) for total in sizes for slot in (-1, lora_slot)]:
+    orders = (-1, lora_slot) if lora_slot >= 0 else (-1,)  # the first prompt's slot; without LoRA, one order
+    for total, first_slot in [(total, slot) for total in sizes for slot in orders]:
         prompts = [prompt_len] * ((total - NUM_DECODE_ROWS) // prompt_len)
         prompts += [(total - NUM_DECODE_ROWS) % prompt_len] if (total - NUM_DECODE_ROWS) % prompt_len else []
         slots = [first_slot if i % 2 == 0 else (lora_slot if first_slot == -1 else -1) for i in range(len(prompts))]
-        shape = [(0, n, slot) for n, slot in zip(prompts, slots)]
-        shape += [(block_size, block_size + 1, lora_slot if i % 2 else -1) for i in range(NUM_DECODE_ROWS)]
+        shape = [(0, n, slot, GREEDY) for n, slot in zip(prompts, slots)]
+        shape += [(block_size, block_size + 1, lora_slot if i % 2 else -1, GREEDY) for i in range(NUM_DECODE_ROWS)]
         batch = _batch(shape, block_size, vocab_size)
-        if sum(len(r.block_ids) for r in batch) <= num_blocks:
+        if _fits(batch, num_blocks, max_model_len):
             batches.append(batch)
-    return batches if lora_slot >= 0 else batches[::2]  # without LoRA both orders are one batch
+    return batches
 
 
-def _batch(shape: list[tuple[int, int, int]], block_size: int, vocab_size: int) -> list[ReqState]:
-    """(num_computed, num_tokens, lora_slot) rows on consecutive blocks from block 0, greedy."""
+def _batch(shape: list[tuple[int, int, int, SamplingParams]], block_size: int, vocab_size: int) -> list[ReqState]:
+    """(num_computed, num_tokens, lora_slot, sampling) rows on consecutive blocks from block 0; each
+    row's prompt is its first block (or all of it, if shorter)."""
     reqs, next_block = [], 0
-    for i, (num_computed, num_tokens, lora_slot) in enumerate(shape):
+    for i, (num_computed, num_tokens, lora_slot, sampling) in enumerate(shape):
         num_req_blocks = -(-num_tokens // block_size)
         token_ids = [(7 * i + t) % vocab_size for t in range(num_tokens)]
         block_ids = list(range(next_block, next_block + num_req_blocks))
-        prompt = min(num_tokens, max(block_size, num_tokens - 1)) if num_computed else num_tokens
-        num_new = num_tokens - num_computed
-        reqs.append(ReqState(f"warm-up-{i}", token_ids, prompt, GREEDY, block_ids, num_computed, num_new, lora_slot))
+        num_prompt, num_new = min(num_tokens, block_size), num_tokens - num_computed
+        row = (num_prompt, sampling, block_ids, num_computed, num_new, lora_slot)
+        reqs.append(ReqState(f"warm-up-{i}", token_ids, *row))
         next_block += num_req_blocks
     return reqs
+
+
+def _fits(batch: list[ReqState], num_blocks: int, max_model_len: int) -> bool:
+    """Whether the batch's blocks fit the pool and each request max_model_len."""
+    return sum(len(r.block_ids) for r in batch) <= num_blocks and all(len(r.token_ids) <= max_model_len for r in batch)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ledgerserve.shared import events, spans
+from scripts.serving.serving_report import percentile
 
 MS = 1e6  # ns per ms
 
@@ -28,6 +29,7 @@ class Spans:
     inputs: list[spans.SchedulerInput]  # in seq order
     outputs: list[spans.HttpOutput]
     requests: list[spans.HttpRequest]
+    syncs: list[spans.LogSync]  # group-commit fsyncs, in order
 
     @staticmethod
     def of(records: Iterable[spans.Span]) -> Spans:
@@ -36,7 +38,8 @@ class Spans:
         inputs = sorted((r for r in records if isinstance(r, spans.SchedulerInput)), key=lambda r: r.seq)
         outputs = sorted((r for r in records if isinstance(r, spans.HttpOutput)), key=lambda r: r.recv_ns)
         requests = [r for r in records if isinstance(r, spans.HttpRequest)]
-        return Spans(steps, inputs, outputs, requests)
+        syncs = sorted((r for r in records if isinstance(r, spans.LogSync)), key=lambda r: r.start_ns)
+        return Spans(steps, inputs, outputs, requests, syncs)
 
 
 @dataclass
@@ -63,18 +66,10 @@ class LogFacts:
 
 
 def percentiles(values: Sequence[float]) -> dict[str, float | None]:
-    ordered = sorted(values)
-
-    def pick(q: float) -> float | None:
-        if not ordered:
-            return None
-        pos = q * (len(ordered) - 1)
-        lo = int(pos)
-        hi = min(lo + 1, len(ordered) - 1)
-        return round(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo), 3)
-
-    mean = round(sum(ordered) / len(ordered), 3) if ordered else None
-    return {"mean": mean, "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
+    """Mean, p50, p90 and p99 (serving_report's interpolation), rounded to µs of ms."""
+    mean = sum(values) / len(values) if values else None
+    figures = {"mean": mean, **{f"p{q}": percentile(values, q) for q in (50, 90, 99)}}
+    return {k: None if v is None else round(v, 3) for k, v in figures.items()}
 
 
 def in_window(steps: Sequence[spans.WorkerStep], start_ns: int, end_ns: int) -> list[spans.WorkerStep]:
@@ -110,7 +105,8 @@ def host_time(sp: Spans, steps: Sequence[spans.WorkerStep], start_ns: int, end_n
     inputs = [i for i in sp.inputs if start_ns <= i.recv_ns < end_ns]
     outputs = [o for o in sp.outputs if start_ns <= o.recv_ns < end_ns]
     num_steps = max(1, len(steps))
-    fsyncs = [(i.synced_ns - i.applied_ns) / MS for i in inputs if i.fsynced]
+    fsyncs = [(i.synced_ns - i.applied_ns) / MS for i in inputs if i.fsynced]  # inline (--event-log-fsync always)
+    fsyncs += [(s.end_ns - s.start_ns) / MS for s in sp.syncs if start_ns <= s.start_ns < end_ns]  # group commit
     return {
         "worker_launch_ms": percentiles([(s.launched_ns - s.recv_ns) / MS for s in steps]),
         "worker_reply_ms": percentiles([(s.sent_ns - s.done_ns) / MS for s in steps]),

@@ -21,6 +21,13 @@ pytestmark = pytest.mark.slow
 SLACK_MS = 0.05  # clock reads of one clock in different processes: a hop may come out this far below 0
 
 
+def assert_parts_add_up(row: dict[str, float], parts: tuple[str, ...], total: str) -> None:
+    """Each part runs forward in time (within SLACK_MS) and together they make `total` (1 %)."""
+    values = [row[p] for p in parts]
+    assert min(values) >= -SLACK_MS, row
+    assert sum(values) == pytest.approx(row[total], rel=0.01, abs=SLACK_MS), row
+
+
 def stream_gaps(base_url: str, prompt: list[int], num_tokens: int) -> list[float]:
     """One streaming completion; the gaps (ms) between its token chunks."""
     body = {"model": "demo", "prompt": prompt, "max_tokens": num_tokens, "min_tokens": num_tokens}
@@ -68,9 +75,7 @@ def test_hops_run_forward_and_add_up_to_the_cycle(profiled):
     chains = profile_report.step_chains(sp, sp.steps)
     assert len(chains) >= 0.8 * len(sp.steps)  # one step in flight: nearly every step is planned on the last
     for chain in chains:
-        hops = [chain[h] for h in profile_report.CHAIN_HOPS]
-        assert min(hops) >= -SLACK_MS, chain
-        assert sum(hops) == pytest.approx(chain["cycle"], rel=0.01, abs=SLACK_MS), chain
+        assert_parts_add_up(chain, profile_report.CHAIN_HOPS, "cycle")
 
 
 def test_ttft_parts_add_up(profiled):
@@ -79,9 +84,7 @@ def test_ttft_parts_add_up(profiled):
     rows = profile_report.ttft_parts(sp, facts, 0, 2**63)
     assert len(rows) == len(sp.requests) == 4
     for row in rows:
-        parts = [row[p] for p in profile_report.TTFT_PARTS]
-        assert min(parts) >= -SLACK_MS, row
-        assert sum(parts) == pytest.approx(row["ttft"], rel=0.01, abs=SLACK_MS), row
+        assert_parts_add_up(row, profile_report.TTFT_PARTS, "ttft")
 
 
 def test_step_cycle_is_the_gap_between_tokens(profiled):
