@@ -72,6 +72,7 @@ def paged_prefill_attention_ref(
     seq_lens: torch.Tensor,  # [num_reqs] int32, cached + new tokens
     scale: float,
     max_query_len: int | None = None,  # unused here; the Triton kernel sizes its grid by it
+    tiles: tuple[torch.Tensor, torch.Tensor] | None = None,  # unused here: the Triton kernel's grid
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Each request's new queries attend causally over its cached + new keys."""
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)

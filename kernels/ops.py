@@ -90,9 +90,10 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,  # [num_reqs] int32
     scale: float,
     max_query_len: int | None = None,
+    tiles: tuple[torch.Tensor, torch.Tensor] | None = None,  # kernels/attention_tiles.py's table, on the device
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     fn = _prefill.paged_prefill_attention if use_triton(q) else paged_prefill_attention_ref
-    return fn(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len)
+    return fn(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len, tiles)
 
 
 GEMV_MAX_N = 65536  # lm_head-sized GEMVs stay on cuBLAS, which streams them at full bandwidth

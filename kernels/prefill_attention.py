@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M = 64  # queries per program
+from ledgerserve.kernels.attention_tiles import BLOCK_M
+
 BLOCK_N = 64  # keys per tile
 NUM_WARPS = 4
 NUM_STAGES = 3  # 64x64 tiles, 4 warps, 3 stages: the best of 8 configs swept on H200
@@ -53,20 +54,26 @@ def _attend_tile(
 @triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+    tile_reqs_ptr, tile_starts_ptr,
     scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_bt,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILED: tl.constexpr,
 ):  # fmt: skip
-    tile = tl.program_id(0)
     head = tl.program_id(1)
-    req = tl.program_id(2).to(tl.int64)
+    if TILED:  # program 0 axis: a row of the tile table (request, first query); request -1 is padding
+        req = tl.load(tile_reqs_ptr + tl.program_id(0)).to(tl.int64)
+        if req < 0:
+            return
+        m0 = tl.load(tile_starts_ptr + tl.program_id(0)).to(tl.int32)
+    else:  # program (tile, head, request)
+        req = tl.program_id(2).to(tl.int64)
+        m0 = tl.program_id(0) * BLOCK_M
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    m0 = tile * BLOCK_M
     if m0 >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + req)
@@ -118,26 +125,35 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,  # [num_reqs] int32, cached + new tokens
     scale: float,
     max_query_len: int | None = None,  # longest q_len in the batch; computed (a host sync) if None
+    tiles: tuple[torch.Tensor, torch.Tensor] | None = None,  # request, first query row: [num_tiles] int64 each
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """With `tiles` (attention_tiles' table, padded with request -1), the grid is the table's
+    rows by the heads, whatever the batch: a CUDA graph captures it once for every batch that fits.
+    Rows of q outside every request are left zero."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert num_heads % num_kv_heads == 0 and q.stride(-1) == 1
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and block_tables.stride(-1) == 1
     num_reqs = seq_lens.shape[0]
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-    if max_query_len is None:
-        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if num_reqs else 0
-    if num_tokens == 0 or max_query_len == 0:
+    if tiles is not None:
+        grid: tuple[int, ...] = (tiles[0].shape[0], num_heads)
+    else:
+        if max_query_len is None:
+            max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if num_reqs else 0
+        grid = (triton.cdiv(max_query_len, BLOCK_M), num_heads, num_reqs)
+    if num_tokens == 0 or 0 in grid:
         return out
-    grid = (triton.cdiv(max_query_len, BLOCK_M), num_heads, num_reqs)
+    tile_reqs, tile_starts = tiles if tiles is not None else (seq_lens, seq_lens)  # unread without tiles
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
+        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, tile_reqs, tile_starts,
         scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)), GROUP=num_heads // num_kv_heads,
-        BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, TILED=tiles is not None,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
     return out
