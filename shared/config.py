@@ -114,7 +114,7 @@ class EngineConfig:
     lora_allowed_dirs: tuple[str, ...] = setting(
         (), "a root run-time adapter loads must lie in (repeatable)", name="--lora-allowed-dir", parse=os.path.realpath
     )
-    enforce_eager: bool = setting(False, "no CUDA graphs: run every decode step eagerly")
+    enforce_eager: bool = setting(False, "no CUDA graphs: run every step eagerly")
     max_request_bytes: int = setting(8 * MiB, "largest HTTP request body; larger ones get 413")
     max_n: int = setting(16, "most choices (n) per request")
     max_waiting_requests: int = setting(1024, "queue bound; past it, 503 with Retry-After")

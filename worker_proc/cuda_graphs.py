@@ -16,9 +16,10 @@ slot -1 and write their K/V into a scratch block past the scheduler's blocks.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -94,13 +95,9 @@ class DecodeGraphs:
                 with gemm_tuning.recording() as gemms:
                     g.forward(self.model, self.kv_layers, num_slots)  # eager warm-up
                 _log_tuning(b, num_slots, gemm_tuning.tune(gemms))  # nothing recorded when tuning is off
-                torch.cuda.synchronize()
-                with torch.cuda.graph(g.graph, pool=self.pool):
-                    g.logits = g.forward(self.model, self.kv_layers, num_slots)
-                moved = pdl.launch_after_block_start(g.graph.raw_cuda_graph())
-                log.debug("decode graph batch %d, slots %d: %d edges launch at block start", b, num_slots, moved)
-                g.graph.instantiate()
-                self.pool = g.graph.pool()
+                g.logits, self.pool = capture(
+                    g.graph, functools.partial(g.forward, self.model, self.kv_layers, num_slots), self.pool
+                )
                 graphs[b] = g
         torch.cuda.synchronize()
 
@@ -126,6 +123,18 @@ class DecodeGraphs:
         self.replays += 1
         assert step.graph.logits is not None
         return step.graph.logits[: step.num_reqs]
+
+
+def capture(graph: torch.cuda.CUDAGraph, forward: Callable[[], torch.Tensor], pool: tuple | None) -> tuple:
+    """Capture `forward` (already run once eagerly: Triton compiled) into `graph`, in `pool` (None:
+    a new one), with its kernels' PDL edges moved to block start; (its static output, the pool)."""
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph, pool=pool):
+        out = forward()
+    moved = pdl.launch_after_block_start(graph.raw_cuda_graph())
+    log.debug("graph captured: %d edges launch at block start", moved)
+    graph.instantiate()
+    return out, graph.pool()
 
 
 def _log_tuning(batch: int, num_slots: int, timings: dict) -> None:

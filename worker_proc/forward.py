@@ -1,4 +1,5 @@
-"""A step's forward pass over its inputs: a CUDA graph's replay for a pure decode step, else the
+"""A step's forward pass over its inputs: a CUDA graph's replay for a pure decode step (logits
+included) or for another step within the mixed graphs' buckets (hidden states), else the
 model eagerly, then the logits of the rows that sample and (rank 0, or every rank of a TP group for
 lm_head's gather) the prompt logprobs asked for. The LoRA slots the step reads are fenced around it:
 the compute stream first waits for their copies, and a later write into them waits for the step."""
@@ -14,6 +15,7 @@ from ledgerserve.worker_proc import prompt_logprobs
 from ledgerserve.worker_proc.cuda_graphs import DecodeGraphs
 from ledgerserve.worker_proc.kv_cache import KVCache
 from ledgerserve.worker_proc.lora.manager import LoraManager
+from ledgerserve.worker_proc.mixed_graphs import MixedGraphs, MixedStep
 from ledgerserve.worker_proc.requests import ReqState, StepBatch
 from ledgerserve.worker_proc.step_inputs import GraphStep, StepInputs
 
@@ -31,16 +33,17 @@ class Forward:
         self,
         model: torch.nn.Module,
         kv_cache: KVCache,
-        graphs: DecodeGraphs | None,
+        graphs: tuple[DecodeGraphs | None, MixedGraphs | None],
         lora: LoraManager | None,
         rank: int,
         group_size: int,
         vocab_size: int,
     ) -> None:
-        self.model, self.kv_cache, self.graphs, self.lora = model, kv_cache, graphs, lora
+        self.model, self.kv_cache, self.lora = model, kv_cache, lora
+        self.graphs, self.mixed = graphs
         self.rank, self.group_size, self.vocab_size = rank, group_size, vocab_size
 
-    def run(self, batch: StepBatch, inputs: StepInputs | GraphStep | None) -> Forwarded:
+    def run(self, batch: StepBatch, inputs: StepInputs | GraphStep | MixedStep | None) -> Forwarded:
         """Queue the step's forward pass (`inputs` None: the step computes nothing); nothing waits on the device."""
         if self.lora is not None:  # the compute stream waits for the copies of the slots it reads
             self.lora.prepare(batch.lora_slots)
@@ -50,13 +53,17 @@ class Forward:
             self.lora.note_step(batch.lora_slots)
         return Forwarded(logits, prompt)
 
-    def logits(self, inputs: StepInputs | GraphStep) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def logits(self, inputs: StepInputs | GraphStep | MixedStep) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The logits [num_sampling, vocab] float32 of the rows that sample (None if none does), and the
-        final hidden states [num_tokens, hidden] (None from a CUDA graph: a pure decode step has no prompt rows)."""
+        final hidden states [num_tokens, hidden] (None from a decode graph: a pure decode step has no prompt rows)."""
         if isinstance(inputs, GraphStep):
             assert self.graphs is not None
             return self.graphs.replay(inputs), None
-        hidden = self.model(inputs, self.kv_cache.layers)  # [num_tokens, hidden]
+        if isinstance(inputs, MixedStep):
+            assert self.mixed is not None
+            hidden = self.mixed.replay(inputs)  # [num_tokens, hidden]
+        else:
+            hidden = self.model(inputs, self.kv_cache.layers)  # [num_tokens, hidden]
         if not inputs.sample_indices.numel():
             return None, hidden
         return self.model.compute_logits(hidden[inputs.sample_indices], inputs.sample_lora), hidden

@@ -27,11 +27,13 @@ from ledgerserve.worker_proc.cuda_graphs import DecodeGraphs
 from ledgerserve.worker_proc.forward import Forward
 from ledgerserve.worker_proc.kv_cache import KVCache, num_kv_blocks
 from ledgerserve.worker_proc.lora.manager import LoraManager
+from ledgerserve.worker_proc.mixed_graphs import MixedGraphs
 from ledgerserve.worker_proc.models import build_model, load_eos_token_ids, load_model_config
 from ledgerserve.worker_proc.parallel import TpGroup, use_rank_device, with_one_shot
+from ledgerserve.worker_proc.pinned_staging import PinnedStaging
 from ledgerserve.worker_proc.requests import Requests
 from ledgerserve.worker_proc.sampler import PendingSample, Sampler
-from ledgerserve.worker_proc.step_inputs import PinnedStaging, StepInputBuilder, build_step_inputs
+from ledgerserve.worker_proc.step_inputs import StepInputBuilder, build_step_inputs
 from ledgerserve.worker_proc.warm_up import serving_batches, warm_up_batches
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -88,28 +90,37 @@ class ModelRunner:
         self.requests = Requests(config, num_blocks, self.lora, self.fault_token_id)
         self.prev_token_ids: torch.Tensor | None = None  # [num_sampling] int64: the last launched step's, on the device
         self.staging = PinnedStaging(self.device) if self.device.type == "cuda" else None
-        self.graphs = self._build_graphs(num_blocks) if use_graphs else None
-        self.inputs = StepInputBuilder(config.block_size, self.device, self.staging, self.graphs)
+        self.graphs, self.mixed = self._build_graphs(num_blocks) if use_graphs else (None, None)
+        self.inputs = StepInputBuilder(config.block_size, self.device, self.staging, self.graphs, self.mixed)
         vocab_size = self.model_cfg.vocab_size
-        self.forward = Forward(self.model, self.kv_cache, self.graphs, self.lora, rank, self.group.size, vocab_size)
+        graphs = (self.graphs, self.mixed)
+        self.forward = Forward(self.model, self.kv_cache, graphs, self.lora, rank, self.group.size, vocab_size)
         if self.device.type == "cuda":
             self.warm_up()
 
-    def _build_graphs(self, num_blocks: int) -> DecodeGraphs:
-        """Capture the decode CUDA graphs (worker_proc/cuda_graphs.py) over this rank's KV cache."""
-        width = -(-self.config.max_model_len // self.config.block_size)
+    def _build_graphs(self, num_blocks: int) -> tuple[DecodeGraphs, MixedGraphs | None]:
+        """Capture the decode CUDA graphs (worker_proc/cuda_graphs.py) over this rank's KV cache, and
+        on one rank the mixed-step graphs (worker_proc/mixed_graphs.py) in the same memory pool.
+        Not under tensor parallelism: its all-reduces in a mixed step are not captured yet."""
+        cfg = self.config
+        width, scratch_kv_slot = -(-cfg.max_model_len // cfg.block_size), num_blocks * cfg.block_size
         graphs = DecodeGraphs(
             self.model,
             self.kv_cache.layers,
-            num_blocks * self.config.block_size,
+            scratch_kv_slot,
             width,
-            self.config.max_num_seqs,
-            self.config.enable_lora,
+            cfg.max_num_seqs,
+            cfg.enable_lora,
             self.device,
-            self.config.max_loras,
+            cfg.max_loras,
         )
         graphs.capture()
-        return graphs
+        if self.group.size > 1:
+            return graphs, None
+        limits, max_loras = (cfg.max_num_batched_tokens, cfg.max_num_seqs), cfg.max_loras if cfg.enable_lora else 0
+        mixed = MixedGraphs(self.model, self.kv_cache.layers, scratch_kv_slot, width, limits, max_loras, self.device)
+        graphs.pool = mixed.capture(graphs.pool)
+        return graphs, mixed
 
     def _build_lora(self) -> LoraManager:
         with open(os.path.join(self.config.model_dir, "config.json"), encoding="utf-8") as f:
@@ -119,11 +130,14 @@ class ModelRunner:
     def warm_up(self) -> None:
         """Run worker_proc/warm_up.py's batches through the forward pass and the sampler, and drop
         them: the Triton kernels of prefill, mixed batches and sampling are compiled, and the GEMMs
-        and allocator of serving-sized steps warmed, before the first request, not during it."""
+        and allocator of serving-sized steps that run eagerly (no mixed graph holds them) warmed,
+        before the first request, not during it."""
         lora_slot = 0 if self.lora is not None else -1
         shape = (self.config.block_size, self.kv_cache.num_blocks, self.config.max_model_len, self.model_cfg.vocab_size)
         batches = warm_up_batches(*shape, lora_slot)
-        batches += serving_batches(*shape, lora_slot, self.config.max_num_batched_tokens)
+        max_tokens = self.config.max_num_batched_tokens
+        if self.mixed is None or max_tokens > self.mixed.token_buckets[-1]:
+            batches += serving_batches(*shape, lora_slot, max_tokens)
         with self.lora.zero_adapter(lora_slot) if self.lora is not None else contextlib.nullcontext():
             for reqs in batches:  # eager: the graphs compiled theirs
                 inputs = build_step_inputs(reqs, self.config.block_size, self.device, self.staging)

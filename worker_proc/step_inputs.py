@@ -3,16 +3,14 @@ a CUDA graph (`pad_for_graph`), and put on the device by field name (`build_step
 graph's static row) as one `StepInputs`, the struct every forward pass reads.
 
 On CUDA every int list goes up in one non-blocking copy out of a reusable pinned buffer
-(`PinnedStaging`); on the CPU the same struct holds plain CPU tensors. Nothing here waits
+(worker_proc/pinned_staging.py); on the CPU the same struct holds plain CPU tensors. Nothing here waits
 on the GPU, except that the pinned buffer is not rewritten before the previous step's copy
 out of it finished.
 """
 
 from __future__ import annotations
 
-import ctypes
 import itertools
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
@@ -21,14 +19,12 @@ import torch
 
 from ledgerserve.kernels.lora_types import group_tiles
 from ledgerserve.worker_proc.lora.mapping import LoraMapping, runs
+from ledgerserve.worker_proc.pinned_staging import PinnedStaging
 from ledgerserve.worker_proc.requests import ReqState, StepBatch
 
 if TYPE_CHECKING:
     from ledgerserve.worker_proc.cuda_graphs import DecodeGraph, DecodeGraphs
-
-# int64 elements per 16 bytes: every view handed out starts 16-byte aligned, as Triton compiles a
-# kernel apart for pointers that are and aren't, so a batch's layout never costs a new compile
-ALIGN = 2
+    from ledgerserve.worker_proc.mixed_graphs import MixedGraphs, MixedStep
 
 
 @dataclass(frozen=True)
@@ -46,10 +42,11 @@ class StepInputs:
     max_query_len: int
     lora: LoraMapping | None  # of every token; None when no token uses an adapter
     sample_lora: LoraMapping | None  # of the sampled tokens
+    attn_tiles: tuple[torch.Tensor, torch.Tensor] | None = None  # mixed-step graphs: the attention's tile table
 
     @property
     def is_decode(self) -> bool:
-        return self.max_query_len == 1
+        return self.attn_tiles is None and self.max_query_len == 1
 
 
 @dataclass
@@ -68,6 +65,8 @@ class HostInputs:
     order: list[int] = field(default_factory=list)  # the grouped LoRA layout (CUDA graphs)
     tile_starts: list[int] = field(default_factory=list)
     tile_slots: list[int] = field(default_factory=list)
+    attn_tile_reqs: list[int] = field(default_factory=list)  # the attention's tile table (mixed-step graphs)
+    attn_tile_starts: list[int] = field(default_factory=list)
     block_tables: list[int] = field(default_factory=list)  # [num_reqs * width], rows padded with 0
     width: int = 1  # blocks per row of block_tables
 
@@ -169,6 +168,7 @@ def assemble(
         host.max_query_len,
         lora,
         sample_lora,
+        (tensors["attn_tile_reqs"], tensors["attn_tile_starts"]) if host.attn_tile_reqs else None,
     )
 
 
@@ -181,15 +181,21 @@ class GraphStep:
 
 
 class StepInputBuilder:
-    """Builds each step's tensors: into a CUDA graph's static row when `graphs` has one that fits the
-    step (a pure decode step), else as eager StepInputs; None for a step that computes nothing."""
+    """Builds each step's tensors: into a CUDA graph's static row when `graphs` (a pure decode step)
+    or `mixed` (any other step within its buckets) has one that fits the step, else as eager
+    StepInputs; None for a step that computes nothing."""
 
     def __init__(
-        self, block_size: int, device: torch.device, staging: PinnedStaging | None, graphs: DecodeGraphs | None
+        self,
+        block_size: int,
+        device: torch.device,
+        staging: PinnedStaging | None,
+        graphs: DecodeGraphs | None,
+        mixed: MixedGraphs | None = None,
     ) -> None:
-        self.block_size, self.device, self.staging, self.graphs = block_size, device, staging, graphs
+        self.block_size, self.device, self.staging, self.graphs, self.mixed = block_size, device, staging, graphs, mixed
 
-    def build(self, batch: StepBatch, prev_token_ids: torch.Tensor | None) -> StepInputs | GraphStep | None:
+    def build(self, batch: StepBatch, prev_token_ids: torch.Tensor | None) -> StepInputs | GraphStep | MixedStep | None:
         """`prev_token_ids` [num_prev_sampling] int64: the previous step's sampled tokens, on the
         device, whose rows the batch's placeholders name."""
         reqs = batch.scheduled
@@ -197,6 +203,8 @@ class StepInputBuilder:
             return None
         if self.graphs is not None and self.staging is not None and self.graphs.fits(reqs):
             return self.stage_graph(reqs, prev_token_ids)
+        if self.mixed is not None and self.staging is not None and self.mixed.fits(reqs):
+            return self.mixed.stage(reqs, self.block_size, self.staging, prev_token_ids)
         return build_step_inputs(reqs, self.block_size, self.device, self.staging, prev_token_ids)
 
     def stage_graph(self, reqs: Sequence[ReqState], prev_token_ids: torch.Tensor | None = None) -> GraphStep:
@@ -233,65 +241,6 @@ def fill_placeholders(
     if prev_token_ids is None:
         raise ValueError("placeholder tokens, but the previous step sampled nothing")
     input_ids.index_copy_(0, dst, prev_token_ids.index_select(0, src))
-
-
-class PinnedStaging:
-    """A growable pinned int64 buffer reused every step."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.host = torch.empty(0, dtype=torch.long)
-        self.host_bytes = _writable_bytes(self.host)  # the same memory, for struct.pack_into
-        self.copied = torch.cuda.Event()  # recorded after each copy out of `host`
-
-    def _pack(self, parts: list[list[int]]) -> torch.Tensor:
-        """`parts` concatenated into the pinned buffer, once the last copy out of it finished: [total]."""
-        flat: list[int] = []
-        for part in parts:
-            flat += part
-        total = len(flat)
-        self.copied.synchronize()  # the last step's copy out of `host` is done (it always is by now)
-        if self.host.numel() < total:
-            self.host = torch.empty(max(total, 2 * self.host.numel()), dtype=torch.long, pin_memory=True)
-            self.host_bytes = _writable_bytes(self.host)
-        struct.pack_into(f"={total}q", self.host_bytes, 0, *flat)  # no torch op, no per-int objects in torch
-        return self.host[:total]
-
-    def upload(self, parts: list[list[int]]) -> list[torch.Tensor]:
-        """Device int64 views, one per list in `parts`, from a single H2D copy; each starts 16-byte aligned."""
-        dev = self._pack([_padded(p) for p in parts]).to(self.device, non_blocking=True)  # [total]
-        self.copied.record()
-        return _views(dev, parts)
-
-    def upload_into(
-        self, dst: torch.Tensor, parts: list[list[int]], extra: list[list[int]] | None = None
-    ) -> list[torch.Tensor]:
-        """One H2D copy of `parts`, concatenated, into the device int64 tensor `dst` (as many elements);
-        the lists in `extra`, if any, follow from the same pinned buffer in a second copy, as device views."""
-        extra = extra or []
-        num_parts = sum(len(p) for p in parts)
-        first = num_parts + -num_parts % ALIGN  # the extras start aligned
-        host = self._pack(parts + [[0] * (first - num_parts)] + [_padded(p) for p in extra])
-        assert dst.dtype == torch.long and dst.is_contiguous() and dst.numel() == num_parts
-        dst.copy_(host[:num_parts], non_blocking=True)
-        views = _views(host[first:].to(self.device, non_blocking=True), extra) if extra else []
-        self.copied.record()
-        return views
-
-
-def _padded(part: list[int]) -> list[int]:
-    """`part` padded with zeros to a whole number of ALIGN elements."""
-    return part + [0] * (-len(part) % ALIGN)
-
-
-def _views(dev: torch.Tensor, parts: list[list[int]]) -> list[torch.Tensor]:
-    """`dev` [sum of padded lengths] split back into one view per part, padding dropped."""
-    return [view[: len(p)] for view, p in zip(dev.split([len(_padded(p)) for p in parts]), parts)]
-
-
-def _writable_bytes(t: torch.Tensor) -> ctypes.Array:
-    """A writable byte buffer over a contiguous CPU tensor's memory (kept alive by the caller's tensor)."""
-    return (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
 
 
 def padded_tables(tables: list[list[int]], width: int = 1) -> tuple[list[int], int]:

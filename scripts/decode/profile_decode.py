@@ -27,10 +27,11 @@ from torch.profiler import ProfilerActivity, profile
 from ledgerserve.shared.adapter_format import BaseShapes
 from ledgerserve.shared.config import EngineConfig
 from ledgerserve.shared.events import AdapterSlotAssigned
+from ledgerserve.worker_proc.pinned_staging import PinnedStaging
 from ledgerserve.worker_proc.requests import Requests
 from ledgerserve.worker_proc.runner import ModelRunner
 from ledgerserve.worker_proc.sampler import Sampler
-from ledgerserve.worker_proc.step_inputs import PinnedStaging, StepInputBuilder
+from ledgerserve.worker_proc.step_inputs import StepInputBuilder
 from scripts.common.bench_fixtures import LLAMA3_8B, write_adapter, write_model_dir
 from scripts.common.report_files import write_json
 from scripts.decode.decode_bench import BLOCK, Bench

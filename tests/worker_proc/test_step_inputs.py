@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ledgerserve.worker_proc.step_inputs import PinnedStaging
+from ledgerserve.worker_proc.pinned_staging import PinnedStaging
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -82,17 +82,10 @@ class Attention(nn.Module):
         ops.rope_and_write_kv(q, k, v, inputs.positions, cos_sin_cache, k_cache, v_cache, inputs.kv_slots)  # in place
         if inputs.is_decode:
             out = ops.paged_decode_attention(q, k_cache, v_cache, inputs.block_tables, inputs.seq_lens, self.scale)
-        else:
-            out = ops.paged_prefill_attention(
-                q,
-                k_cache,
-                v_cache,
-                inputs.block_tables,
-                inputs.query_start_loc,
-                inputs.seq_lens,
-                self.scale,
-                inputs.max_query_len,
-            )  # [num_tokens, num_heads, head_dim]
+        else:  # a mixed-step graph's grid is its tile table's (inputs.attn_tiles)
+            meta = (inputs.block_tables, inputs.query_start_loc, inputs.seq_lens, self.scale, inputs.max_query_len)
+            out = ops.paged_prefill_attention(q, k_cache, v_cache, *meta, inputs.attn_tiles)
+        # out: [num_tokens, num_heads, head_dim]
         return self.o_proj.forward_deferred(out.reshape(num_tokens, -1), inputs.lora, AFTER_ATTENTION)
 
 
