@@ -182,13 +182,11 @@ class BlockManager:
         num_full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
         block_ids: list[int] = []
         hashes: list[int] = []
-        token_ids = req.token_ids
         for k in range(len(path), num_full):
             parent = path[-1] if path else None
             block_id = req.block_ids[k]
-            node = self.cache.insert(
-                req.namespace, parent, token_ids[k * self.block_size : (k + 1) * self.block_size], block_id, step
-            )
+            tokens = req.token_ids_between(k * self.block_size, (k + 1) * self.block_size)
+            node = self.cache.insert(req.namespace, parent, tokens, block_id, step)
             if node is None:
                 break
             self.pool.disown(block_id, req.req_id)

@@ -40,7 +40,7 @@ def new_req(req: Request, num_tokens: int) -> NewReq:
 def cached_req(req: Request, num_tokens: int) -> CachedReq:
     return CachedReq(
         req_id=req.req_id,
-        new_token_ids=req.token_ids[req.num_tokens_on_worker :],
+        new_token_ids=req.token_ids_between(req.num_tokens_on_worker, req.num_tokens),
         new_block_ids=req.block_ids[req.num_blocks_on_worker :],
         num_computed_tokens=req.num_planned_tokens,
         num_scheduled_tokens=num_tokens,

@@ -113,6 +113,16 @@ class Request:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """token_ids[start:end] (0 <= start <= end), without building the whole list: the per-step
+        deltas and cached blocks of a long request stay O(end - start)."""
+        num_prompt = len(self.prompt_token_ids)
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
     @property
     def num_planned_tokens(self) -> int:
         """Tokens whose KV the workers hold or will hold once the steps in flight complete."""

@@ -114,3 +114,11 @@ def test_snapshot_and_integrity_helpers():
     d.core.scheduler.block_manager.pool.free_block_ids.append(0)  # corrupt: block 0 twice
     with pytest.raises(RuntimeError, match="block 0"):
         d.core.check_integrity()
+
+
+def test_token_ids_between_is_a_slice_of_token_ids() -> None:
+    req = Request("r", [1, 2, 3], SamplingParams(), arrival_order=1)
+    req.output_token_ids += [4, 5]
+    for start in range(6):
+        for end in range(start, 6):
+            assert req.token_ids_between(start, end) == req.token_ids[start:end], (start, end)
