@@ -21,12 +21,12 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ledgerserve.kernels.attention_tiles import attention_tiles, max_attention_tiles
-from ledgerserve.kernels.lora_types import Tiles, group_tiles, max_tiles
+from ledgerserve.kernels.lora_types import Tiles, max_tiles
 from ledgerserve.worker_proc.cuda_graphs import capture
 from ledgerserve.worker_proc.lora.mapping import LoraMapping
 from ledgerserve.worker_proc.pinned_staging import PinnedStaging
@@ -38,6 +38,7 @@ from ledgerserve.worker_proc.step_inputs import (
     assemble,
     fill_placeholders,
     host_inputs,
+    pad_rows,
     placeholder_pairs,
 )
 
@@ -60,29 +61,12 @@ def pad_for_mixed(host: HostInputs, bucket: Bucket, scratch_kv_slot: int) -> Hos
     """A step's inputs padded to the bucket's tokens and requests (every field to a fixed length:
     the graph's row), with the attention's tile table and (LoRA sets) the grouped layout. The
     sampled rows' indices are padded with row 0; only the first ones are read (the logits are eager)."""
-    pad_tokens = bucket.num_tokens - len(host.input_ids)
-    pad_reqs = bucket.num_reqs - len(host.seq_lens)
-    lora_slots = host.lora_slots + [-1] * pad_tokens
-    num_lora_tiles = bucket.num_lora_tiles
-    order, tile_starts, tile_slots = group_tiles(lora_slots, num_lora_tiles) if num_lora_tiles else ([], [], [])
-    query_start_loc = host.query_start_loc + [host.query_start_loc[-1]] * pad_reqs
-    tile_reqs, tile_firsts = attention_tiles(query_start_loc, max_attention_tiles(bucket.num_tokens, bucket.num_reqs))
-    return HostInputs(
-        input_ids=host.input_ids + [0] * pad_tokens,
-        positions=host.positions + [0] * pad_tokens,
-        kv_slots=host.kv_slots + [scratch_kv_slot] * pad_tokens,
-        lora_slots=lora_slots,
-        seq_lens=host.seq_lens + [0] * pad_reqs,
-        query_start_loc=query_start_loc,
-        sample_indices=host.sample_indices + [0] * (bucket.num_reqs - len(host.sample_indices)),
-        order=order,
-        tile_starts=tile_starts,
-        tile_slots=tile_slots,
-        attn_tile_reqs=tile_reqs,
-        attn_tile_starts=tile_firsts,
-        block_tables=host.block_tables + [0] * (pad_reqs * host.width),
-        width=host.width,
+    padded = pad_rows(host, bucket.num_tokens, bucket.num_reqs, scratch_kv_slot, bucket.num_lora_tiles)
+    tile_reqs, tile_firsts = attention_tiles(
+        padded.query_start_loc, max_attention_tiles(bucket.num_tokens, bucket.num_reqs)
     )
+    sample_indices = host.sample_indices + [0] * (bucket.num_reqs - len(host.sample_indices))
+    return replace(padded, sample_indices=sample_indices, attn_tile_reqs=tile_reqs, attn_tile_starts=tile_firsts)
 
 
 def bucket_inputs(views: dict[str, torch.Tensor], layout: HostInputs, num_slots: int) -> StepInputs:
@@ -165,9 +149,10 @@ class MixedGraphs:
         return pool
 
     def fits(self, reqs: Sequence[ReqState]) -> bool:
-        """A step within the largest bucket whose block tables fit the graphs' width."""
+        """A step within the largest bucket (and max_num_seqs) whose block tables fit the graphs' width."""
         num_tokens = sum(r.num_scheduled_tokens for r in reqs)
-        return 0 < num_tokens <= self.token_buckets[-1] and all(len(r.block_ids) <= self.width for r in reqs)
+        within = 0 < num_tokens <= self.token_buckets[-1] and len(reqs) <= self.max_reqs
+        return within and all(len(r.block_ids) <= self.width for r in reqs)
 
     def pick(self, reqs: Sequence[ReqState], num_tokens: int) -> MixedGraph:
         """The smallest token bucket that holds the step, in the LoRA set if a request uses an adapter."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -100,27 +100,37 @@ def host_inputs(reqs: Sequence[ReqState], block_size: int, width: int = 1) -> Ho
     return host
 
 
-def pad_for_graph(host: HostInputs, bucket: int, scratch_kv_slot: int, num_tiles: int | None) -> HostInputs:
-    """A decode step's inputs (one token per request) padded to `bucket` rows, every row sampled:
-    padding rows read token 0 at position 0, write their K/V into `scratch_kv_slot`, use no adapter
-    and no key (seq_len 0). With `num_tiles` (the LoRA graphs) the grouped layout is filled in."""
-    pad = bucket - len(host.seq_lens)
-    lora_slots = host.lora_slots + [-1] * pad
+def pad_rows(
+    host: HostInputs, num_tokens: int, num_reqs: int, scratch_kv_slot: int, num_tiles: int | None
+) -> HostInputs:
+    """`host` padded to `num_tokens` token rows and `num_reqs` requests: padding tokens read token 0
+    at position 0, write their K/V into `scratch_kv_slot`, use no adapter and belong to no request;
+    padding requests have no queries and no key (seq_len 0). With `num_tiles` (the LoRA graphs) the
+    grouped layout is filled in. Sampled rows and the attention's tiles are left to the caller."""
+    pad_tokens, pad_reqs = num_tokens - len(host.input_ids), num_reqs - len(host.seq_lens)
+    lora_slots = host.lora_slots + [-1] * pad_tokens
     order, tile_starts, tile_slots = group_tiles(lora_slots, num_tiles) if num_tiles is not None else ([], [], [])
     return HostInputs(
-        input_ids=host.input_ids + [0] * pad,
-        positions=host.positions + [0] * pad,
-        kv_slots=host.kv_slots + [scratch_kv_slot] * pad,
+        input_ids=host.input_ids + [0] * pad_tokens,
+        positions=host.positions + [0] * pad_tokens,
+        kv_slots=host.kv_slots + [scratch_kv_slot] * pad_tokens,
         lora_slots=lora_slots,
-        seq_lens=host.seq_lens + [0] * pad,
-        query_start_loc=list(range(bucket + 1)),
-        sample_indices=list(range(bucket)),
+        seq_lens=host.seq_lens + [0] * pad_reqs,
+        query_start_loc=host.query_start_loc + [host.query_start_loc[-1]] * pad_reqs,
+        sample_indices=host.sample_indices,
         order=order,
         tile_starts=tile_starts,
         tile_slots=tile_slots,
-        block_tables=host.block_tables + [0] * (pad * host.width),
+        block_tables=host.block_tables + [0] * (pad_reqs * host.width),
         width=host.width,
     )
+
+
+def pad_for_graph(host: HostInputs, bucket: int, scratch_kv_slot: int, num_tiles: int | None) -> HostInputs:
+    """A decode step's inputs (one token per request) padded to `bucket` rows (`pad_rows`), every
+    row sampled and every padding row a request of its own."""
+    padded = pad_rows(host, bucket, bucket, scratch_kv_slot, num_tiles)
+    return replace(padded, query_start_loc=list(range(bucket + 1)), sample_indices=list(range(bucket)))
 
 
 def build_step_inputs(
