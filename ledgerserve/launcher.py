@@ -4,6 +4,7 @@ handshake, supervise, and stop the whole group on a signal or on any child's dea
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import json
 import logging
@@ -252,6 +253,12 @@ def _demo_model_dir() -> str:
 
 
 def _detected_device() -> str:
+    """cuda when torch sees a GPU, else cpu. Without the NVIDIA driver's library torch cannot see
+    one, so a machine without it answers without importing torch (seconds before any child starts)."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return "cpu"
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"

@@ -11,6 +11,7 @@ import os
 
 from ledgerserve.shared.adapter_format import AdapterError, BaseShapes, read_manifest
 from ledgerserve.shared.config import EngineConfig
+from ledgerserve.worker_proc.models.config import parse_model_config
 
 
 def read_hf_config(model_dir: str) -> dict:
@@ -34,8 +35,6 @@ def read_hf_config(model_dir: str) -> dict:
 def check_model_config(model_dir: str, hf_config: dict) -> BaseShapes:
     """The checkpoint's architecture and shapes as the worker and the adapter checks read them;
     ValueError naming config.json and the field that is missing or wrong."""
-    from ledgerserve.worker_proc.models.config import parse_model_config  # its package loads torch
-
     path = os.path.join(model_dir, "config.json")
     try:
         parse_model_config(hf_config)

@@ -28,7 +28,8 @@ from ledgerserve.worker_proc.forward import Forward
 from ledgerserve.worker_proc.kv_cache import KVCache, num_kv_blocks
 from ledgerserve.worker_proc.lora.manager import LoraManager
 from ledgerserve.worker_proc.mixed_graphs import MixedGraphs
-from ledgerserve.worker_proc.models import build_model, load_eos_token_ids, load_model_config
+from ledgerserve.worker_proc.models.config import load_eos_token_ids, load_model_config
+from ledgerserve.worker_proc.models.loader import build_model
 from ledgerserve.worker_proc.parallel import TpGroup, use_rank_device, with_one_shot
 from ledgerserve.worker_proc.pinned_staging import PinnedStaging
 from ledgerserve.worker_proc.requests import Requests

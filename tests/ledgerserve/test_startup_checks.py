@@ -140,3 +140,19 @@ def test_lora_modules_json_refuses_unknown_keys_and_takes_vllms_base_model_name(
 def test_version_prints_the_distributions_version(flag):
     done = subprocess.run([sys.executable, "-m", "ledgerserve", flag], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout == metadata.version("ledgerserve") + "\n", done
+
+
+def test_the_launcher_resolves_and_checks_without_importing_torch(demo_model_dir: str) -> None:
+    """The launcher's work before its children start stays light: no torch (seconds of import)
+    where no NVIDIA driver is installed, which is every machine this suite runs on."""
+    code = (
+        "import sys\n"
+        "from ledgerserve import cli, launcher, startup_checks\n"
+        f"args = cli.build_parser().parse_args(['serve', {demo_model_dir!r}, '--port', '0'])\n"
+        "config = launcher.resolve_config(args, '/nonexistent-run-dir')\n"
+        "hf = startup_checks.read_hf_config(config.model_dir)\n"
+        "startup_checks.check_startup_adapters(config, startup_checks.check_model_config(config.model_dir, hf))\n"
+        "print(config.device, 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.split() == ["cpu", "False"], done.stdout + done.stderr

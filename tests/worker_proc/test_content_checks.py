@@ -22,7 +22,8 @@ from ledgerserve.shared.adapter_types import CONFIG_FILE, WEIGHTS_FILE
 from ledgerserve.shared.events import AdapterLoadCompleted, AdapterLoadFailed, AdapterSlotAssigned
 from ledgerserve.shared.safetensors_header import read_header
 from ledgerserve.worker_proc.lora.manager import LoraManager
-from ledgerserve.worker_proc.models import build_model, load_model_config
+from ledgerserve.worker_proc.models.config import load_model_config
+from ledgerserve.worker_proc.models.loader import build_model
 from ledgerserve.worker_proc.parallel import TpGroup
 from ledgerserve.worker_proc.runner import ModelRunner
 from tests.reference import assert_greedy_matches

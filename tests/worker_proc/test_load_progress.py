@@ -21,8 +21,9 @@ from ledgerserve.worker_proc.lora.file_image import SlotLayout
 from ledgerserve.worker_proc.lora.pinned_pool import PinnedPool
 from ledgerserve.worker_proc.lora.reader import ReadSpec
 from ledgerserve.worker_proc.lora.slot_copy import SlotCopier, flat_tables, staging_bytes
-from ledgerserve.worker_proc.models import build_model, load_model_config
 from ledgerserve.worker_proc.models import loader as weights_loader
+from ledgerserve.worker_proc.models.config import load_model_config
+from ledgerserve.worker_proc.models.loader import build_model
 from tests.model_factory import make_tiny_checkpoint
 from tests.worker_proc.lora_files import write_adapter
 from tests.worker_proc.lora_setup import ALL_SEVEN

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from ledgerserve.shared.sampling import SamplingParams
-from ledgerserve.worker_proc.models import build_model, load_eos_token_ids, load_model_config
-from ledgerserve.worker_proc.models.config import parse_model_config
+from ledgerserve.worker_proc.models.config import load_eos_token_ids, load_model_config, parse_model_config
+from ledgerserve.worker_proc.models.loader import build_model
 from ledgerserve.worker_proc.requests import ReqState
 from ledgerserve.worker_proc.step_inputs import StepInputs, build_step_inputs
 from tests.model_factory import load_reference

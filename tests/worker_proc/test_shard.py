@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ledgerserve.worker_proc.kv_cache import KVCache, bytes_per_block
-from ledgerserve.worker_proc.models import build_model, load_model_config
+from ledgerserve.worker_proc.models.config import load_model_config
+from ledgerserve.worker_proc.models.loader import build_model
 from ledgerserve.worker_proc.models.shard import down_shard, o_shard, qkv_shard, vocab_shard
 from ledgerserve.worker_proc.parallel import TpGroup
 from tests.model_factory import make_tiny_checkpoint

@@ -27,7 +27,8 @@ from ledgerserve.shared.safetensors_header import read_header
 from ledgerserve.worker_proc.lora import reader
 from ledgerserve.worker_proc.lora.file_image import ImageBytes, ImageLayout, SliceSpec, module_path
 from ledgerserve.worker_proc.lora.manager import LoraManager
-from ledgerserve.worker_proc.models import build_model, load_model_config
+from ledgerserve.worker_proc.models.config import load_model_config
+from ledgerserve.worker_proc.models.loader import build_model
 from ledgerserve.worker_proc.parallel import TpGroup
 from tests.model_factory import make_tiny_checkpoint
 from tests.worker_proc.lora_files import write_adapter
