@@ -301,15 +301,24 @@ def test_group_commit_holds_output_until_its_records_are_synced(tmp_path, monkey
 
 
 def test_a_failed_group_fsync_releases_nothing_and_stops_the_engine(tmp_path, monkeypatch):
+    """The fsync fails once a step has run while it was in flight (it waits for the test's word:
+    failing at once, the fsync thread could beat the loop to the request and no step would run)."""
+    gate, entered = threading.Event(), threading.Event()
+
     def failing_fsync(fd):
+        entered.set()
+        assert gate.wait(10)
         raise OSError(errno.EIO, "I/O error")
 
     monkeypatch.setattr(os, "fsync", failing_fsync)
     shell = make_shell(tmp_path, fsync="step", group_commit=True)
     shell.handle(ev.WorkerReady(0, 32, 1000, [2], "cpu", "float32"))
     shell.handle(ev.RequestArrived("r0", [5, 6, 7], SamplingParams(max_tokens=4)))
+    assert entered.wait(10)
     plan = shell.to_workers[0].sent[-1]
     shell.handle(ev.StepCompleted(plan.step, 0, [ev.SampledToken("r0", 7)]))
+    assert shell.to_tokenizer.sent == [] and len(shell.outbox) > 0  # EngineReady, stats, the token: held
+    gate.set()
     select.select([shell.log.wake_fd], [], [], 10)
     shell._on_synced()
     assert shell.failed and "fsync" in shell.failure
