@@ -5,6 +5,11 @@ released only when it does not end in U+FFFD, so a multi-byte UTF-8 character sp
 across tokens is never emitted half-done. Stop strings are matched on the text; the
 matched stop string and everything after it are excluded from the output. While a
 request runs, a tail that could still grow into a stop string is held back.
+
+Windows are decoded with the tokenizer's `_decode` where it has one: `decode` first walks
+every id through transformers' `to_py_obj` checks, which cost several times the Rust decode
+itself and made detokenization most of the HTTP process's per-token work. `_decode` is the
+same decode and clean-up without that walk (tests hold the two equal).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
     ) -> None:
-        self._tokenizer = tokenizer
+        self._decode_ids = getattr(tokenizer, "_decode", tokenizer.decode)
         self._skip_special = skip_special_tokens
         self._stop = [s for s in stop if s]
         tail = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
@@ -69,7 +74,7 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         if not ids:
             return ""
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+        return self._decode_ids(ids, skip_special_tokens=self._skip_special)
 
     def _check_stop(self) -> bool:
         if not self._stop:

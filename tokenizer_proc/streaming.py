@@ -33,7 +33,10 @@ _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": 
 
 def sse(body: dict[str, Any]) -> str:
     """One event; NonFiniteOutput (an EngineError: the stream ends with an error event) for NaN."""
-    return f"data: {to_json(body).translate(_LINE_BREAKS)}\n\n"
+    text = to_json(body)
+    if "\x85" in text or "\u2028" in text or "\u2029" in text:  # rare: three scans beat a translate
+        text = text.translate(_LINE_BREAKS)
+    return f"data: {text}\n\n"
 
 
 def _worth_sending(delta: Delta, return_token_ids: bool) -> bool:

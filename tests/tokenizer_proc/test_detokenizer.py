@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import random
+
+import pytest
+
 from ledgerserve.tokenizer_proc.detokenizer import IncrementalDetokenizer, held_back_chars
 
 
@@ -72,6 +76,23 @@ def test_special_tokens_skipped(tokenizer) -> None:
     detok = IncrementalDetokenizer(tokenizer, [], ())
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert detok.push(tokenizer.encode("done") + [eos], finished=True) == "done"
+
+
+@pytest.mark.parametrize("skip_special", [True, False])
+@pytest.mark.parametrize("clean_up", [True, False])
+def test_window_decode_is_the_tokenizers_decode(demo_model_dir: str, skip_special: bool, clean_up: bool) -> None:
+    """The detokenizer decodes its windows without tokenizer.decode's per-id walk; the text
+    must be decode's own, special tokens and clean-up included, whatever the window."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_model_dir, clean_up_tokenization_spaces=clean_up)
+    detok = IncrementalDetokenizer(tokenizer, [], (), skip_special_tokens=skip_special)
+    rng = random.Random(7)
+    specials = list(tokenizer.all_special_ids)
+    windows = [tokenizer.encode("Hello , world . It 's a test !") + specials]
+    windows += [[rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 12))] + specials[:1] for _ in range(200)]
+    for ids in windows:
+        assert detok._decode(ids) == tokenizer.decode(ids, skip_special_tokens=skip_special)
 
 
 def test_held_back_chars() -> None:
