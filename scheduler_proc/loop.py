@@ -61,7 +61,7 @@ class SchedulerShell:
         self.last_stats: events.EngineStats | None = None
         self.stats_log = StatsLog(config.max_loras if config.enable_lora else 0)
         self.spans = spans.open_writer(config.profile_dir, "scheduler")  # None unless profiling
-        self.outbox = HeldFrames(lambda frame: self._send(self.to_tokenizer, frame))  # until durable
+        self.outbox = HeldFrames(lambda frames: self._send(self.to_tokenizer, *frames))  # until durable
 
     @property
     def core(self) -> Core:
@@ -227,12 +227,12 @@ class SchedulerShell:
             for seq, start_ns, end_ns in synced:
                 self.spans.add(spans.LogSync(seq, start_ns, end_ns, released_ns, num_frames))
 
-    def _send(self, sock: zmq.Socket, frame: bytes) -> None:
-        """Send, waiting while the peer's queue is full, but never past a stop request: a
-        peer that died leaves no pipe to send on, and the launcher then stops this process."""
+    def _send(self, sock: zmq.Socket, *frames: bytes) -> None:
+        """Send the frames as one message, waiting while the peer's queue is full, but never past a
+        stop request: a peer that died leaves no pipe to send on, and the launcher then stops this process."""
         while True:
             try:
-                sock.send(frame, zmq.NOBLOCK)
+                sock.send_multipart(frames, zmq.NOBLOCK)
                 return
             except zmq.Again:
                 if self.stop is not None:

@@ -1,7 +1,8 @@
 """What the scheduler sends the HTTP process, held until it is durable: each frame waits, in order,
 until the event log has synced the records it follows (group commit, shared/eventlog/group_commit.py),
 so no client ever sees a token whose record a crash could still take back. The workers' frames are not
-held: a step they run whose records are lost reaches no client."""
+held: a step they run whose records are lost reaches no client. The frames one sync releases go
+together, as one multipart message: the HTTP process takes a step's outputs in one wake-up."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from collections.abc import Callable
 
 
 class HeldFrames:
-    def __init__(self, send: Callable[[bytes], None]) -> None:
-        self._send = send
+    def __init__(self, send: Callable[[list[bytes]], None]) -> None:
+        self._send = send  # frames, in order, as one message
         self._held: deque[tuple[int, bytes]] = deque()  # (the last seq written before it, frame), in send order
 
     def __len__(self) -> int:
@@ -23,8 +24,9 @@ class HeldFrames:
 
     def release(self, durable_seq: int) -> int:
         """Send the frames whose records are durable, in order; how many went."""
-        num_sent = 0
+        frames = []
         while self._held and self._held[0][0] <= durable_seq:
-            self._send(self._held.popleft()[1])
-            num_sent += 1
-        return num_sent
+            frames.append(self._held.popleft()[1])
+        if frames:
+            self._send(frames)
+        return len(frames)

@@ -50,14 +50,15 @@ class EngineClient(EngineClientBase):
         await self._push.send(codec.encode(event))
 
     async def _read_loop(self) -> None:
-        """Each wake-up takes every frame already queued (up to MAX_FRAMES_PER_WAKE): a step's outputs
-        for many requests cost one turn of the event loop, not one each."""
+        """Each wake-up takes every message already queued (up to MAX_FRAMES_PER_WAKE frames): a step's
+        outputs for many requests cost one turn of the event loop, not one each. A message is the
+        frames one log sync released (scheduler_proc/outbox.py), so one receive takes them all."""
         while True:
-            frames = [await self._pull.recv()]
+            frames = await self._pull.recv_multipart()
             recv_ns = spans.now_ns()
             while len(frames) < MAX_FRAMES_PER_WAKE:
                 try:
-                    frames.append(await self._pull.recv(zmq.NOBLOCK))
+                    frames += await self._pull.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
             if self.spans is not None:

@@ -42,6 +42,9 @@ class Sink:
     def send(self, frame: bytes, flags: int = 0) -> None:
         self.sent.append(frame)
 
+    def send_multipart(self, frames, flags: int = 0) -> None:
+        self.sent.extend(frames)
+
     def close(self, linger: int | None = None) -> None:
         pass
 

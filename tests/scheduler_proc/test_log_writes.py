@@ -59,6 +59,7 @@ class FakeSocket:
     def __init__(self, decoder=None):
         self.decoder = decoder
         self.sent = []
+        self.messages = []  # frames per message sent
         self.dead = False
         self.closed_linger = None
         self.on_poll = lambda: None  # called by each wait for room to send
@@ -68,6 +69,13 @@ class FakeSocket:
             assert flags & zmq.NOBLOCK, "a blocking send to a dead peer never returns"
             raise zmq.Again()
         self.sent.append(self.decoder.decode(frame))
+
+    def send_multipart(self, frames, flags=0):
+        if self.dead:
+            self.send(frames[0], flags)  # raises as a dead peer's socket does
+        self.messages.append(len(frames))
+        for frame in frames:
+            self.send(frame, flags)
 
     def poll(self, timeout_ms, flags):
         self.on_poll()
@@ -94,7 +102,7 @@ def make_shell(tmp_path, fsync="step", opener=open, core=None, content=None, gro
     shell.stop, shell.failure, shell.last_stats = None, None, None
     shell.stats_log = StatsLog(0)
     shell.spans = None
-    shell.outbox = HeldFrames(lambda frame: shell._send(shell.to_tokenizer, frame))
+    shell.outbox = HeldFrames(lambda frames: shell._send(shell.to_tokenizer, *frames))
     return shell
 
 
@@ -297,6 +305,7 @@ def test_group_commit_holds_output_until_its_records_are_synced(tmp_path, monkey
     sent = shell.to_tokenizer.sent
     assert isinstance(sent[0], ev.EngineReady)
     assert [t.new_token_ids for t in sent if isinstance(t, ev.TokensEmitted)] == [[7]]
+    assert len(shell.to_tokenizer.messages) < len(sent)  # what one sync released went as one message
     shell.log.close()
 
 
