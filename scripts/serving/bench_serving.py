@@ -173,10 +173,12 @@ async def run_plan(
     output_len: int,
     max_concurrency: int | None,
     say: Say = quiet,
+    start_s: float | None = None,
 ) -> list[RequestResult]:
-    """Send each request at its arrival time (at most `max_concurrency` in flight)."""
+    """Send each request at its arrival time after `start_s` (time.perf_counter; default now), at
+    most `max_concurrency` in flight."""
     gate = asyncio.Semaphore(max_concurrency or len(plan))
-    start_s = time.perf_counter()
+    start_s = time.perf_counter() if start_s is None else start_s
     done: list[RequestResult] = []
 
     async def one(planned: PlannedRequest) -> RequestResult:

@@ -1,7 +1,8 @@
 """The serving-path profile: where a request's time goes between the client, the HTTP process, the
 scheduler and the worker. One command starts a server with `--profile-dir` (every process writes
-timing spans, shared/spans.py), runs the workloads twice (the first pass after "ready", then warm),
-stops the server, checks its event log with `replay --verify`, and reports per pass:
+timing spans, shared/spans.py), runs the workloads twice (the first pass after "ready", then warm,
+with fresh prompts), then each burst once more with the warm pass's prompts ("repeat"), stops the
+server, checks its event log with `replay --verify`, and reports per pass:
 
     python -m scripts.serving.profile_serving --out profile.json --plot timeline.png   # one GPU
     python -m scripts.serving.profile_serving --quick                                  # CPU, demo model
@@ -12,9 +13,13 @@ weight files, hard-linked into 64 versions), `--max-loras 8 --max-cpu-loras 128`
 prompt tokens, 128 output tokens (ignore_eos), streaming /v1/completions. Bursts: 384 requests,
 128 in flight; Poisson: 10 req/s, 200 requests. A pass's "first" is the first time this server
 serves that workload (the first workload of the first pass is the first traffic after ready).
+"repeat" sends the prompts the server has just served, so they hit the prefix cache: what
+`vllm bench serve` measures when run twice with its fixed seed on a server with prefix caching.
 
-Per pass: the client's figures (bench_serving's summary: output tok/s, TTFT, TPOT), each process's
-CPU time over the pass (from /proc), and scripts/serving/profile_report.py's figures: device busy
+The client runs in one process per 32 requests in flight (scripts/serving/client_shards.py), so
+the server is what a pass measures. Per pass: the client's figures (bench_serving's summary:
+output tok/s, TTFT, TPOT), each process's CPU time over the pass (from /proc; "client" is one
+client process's mean), and scripts/serving/profile_report.py's figures: device busy
 and idle, host time per step and process, IPC latency, log write and fsync time, prefill and decode
 tokens per step, each step's hops, and where each request's time to first token went.
 """
@@ -41,7 +46,7 @@ from ledgerserve.shared.eventlog import EventLogReader, newest_log
 from scripts.common.report_files import write_json
 from scripts.common.server_process import Server
 from scripts.serving import profile_plot, profile_report
-from scripts.serving.bench_serving import run_plan
+from scripts.serving.client_shards import default_num_shards, run_sharded
 from scripts.serving.serving_report import summarize
 from scripts.serving.serving_workload import AdapterSpec, adapter_specs, parse_config, plan_workload, read_model_config
 
@@ -103,12 +108,12 @@ def child_processes(pid: int) -> dict[str, int]:
 
 
 async def run_pass(
-    server: Server, args: argparse.Namespace, workload: Workload, adapters: list[AdapterSpec], index: int
+    server: Server, args: argparse.Namespace, workload: Workload, adapters: list[AdapterSpec], seed: int
 ) -> dict[str, Any]:
     argv = ["--base-url", server.base_url, "--model-dir", args.model_dir, "--adapter-dir", args.adapter_dir]
     argv += ["--num-adapters", str(max(1, workload.num_adapters)), "--arrival", workload.arrival]
     argv += ["--num-requests", str(workload.num_requests), "--input-len", str(args.input_len)]
-    argv += ["--output-len", str(args.output_len), "--seed", str(1000 + index)]
+    argv += ["--output-len", str(args.output_len), "--seed", str(seed)]
     argv += ["--base-share", "1.0" if workload.num_adapters == 0 else "0.0"]
     if workload.arrival == "poisson":
         argv += ["--rate", str(workload.rate)]
@@ -120,13 +125,18 @@ async def run_pass(
     models = [spec.name for spec in used]
     pids = child_processes(server.proc.pid)
     cpu_before = {role: proc_cpu_s(pid) for role, pid in pids.items()}
-    limits = httpx.Limits(max_connections=workload.num_requests + 8)
-    async with httpx.AsyncClient(base_url=server.base_url, timeout=600.0, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=60.0) as client:
         base = (await client.get("/v1/models")).json()["data"][0]["id"]
-        start_ns, wall_start = spans.now_ns(), time.perf_counter()
-        results = await run_plan(client, plan, models, base, args.output_len, workload.max_concurrency or None)
-        end_ns, wall_s = spans.now_ns(), time.perf_counter() - wall_start
+    num_shards = args.client_processes or default_num_shards(workload.max_concurrency or None)
+    start_ns, wall_start, children_before = spans.now_ns(), time.perf_counter(), os.times()
+    results = await run_sharded(
+        server.base_url, plan, models, base, args.output_len, workload.max_concurrency or None, num_shards
+    )
+    end_ns, wall_s, children = spans.now_ns(), time.perf_counter() - wall_start, os.times()
     cpu = {role: round((proc_cpu_s(pid) - cpu_before[role]) / wall_s, 3) for role, pid in pids.items()}
+    client_cpu_s = children.children_user + children.children_system
+    client_cpu_s -= children_before.children_user + children_before.children_system
+    cpu["client"] = round(client_cpu_s / wall_s / num_shards, 3)  # per client process
     summary = summarize(vars(config), plan, weights, results, used, base)
     return {
         "window_ns": [start_ns, end_ns],
@@ -136,6 +146,7 @@ async def run_pass(
         "ttft_ms": summary["ttft_ms"],
         "tpot_ms": summary["tpot_ms"],
         "cpu_share": cpu,  # CPU seconds per second of the pass, per process
+        "num_client_processes": num_shards,
     }
 
 
@@ -155,17 +166,19 @@ def write_adapters(args: argparse.Namespace, num_files: int, num_versions: int, 
 
 async def serve_passes(server: Server, args: argparse.Namespace, adapters: list[AdapterSpec]) -> list[dict[str, Any]]:
     rows = []
-    for pass_name in ("first", "warm"):
+    for pass_name, seed_base in (("first", 1000), ("warm", 2000)):
         for index, workload in enumerate(args.workloads):
-            row = await run_pass(server, args, workload, adapters, index)
-            rows.append({"workload": workload.name, "pass": pass_name, **row})
-            print(
-                f"{workload.name} ({pass_name}): {row['output_tokens_per_s']} out tok/s, "
-                f"TTFT p50 {row['ttft_ms']['p50']} ms, TPOT p50 {row['tpot_ms']['p50']} ms"
-                + (f", {row['num_errors']} errors: {row['errors']}" if row["num_errors"] else ""),
-                file=sys.stderr,
-            )
-            server.wait_idle(timeout_s=120)
+            names = [pass_name, "repeat"] if pass_name == "warm" and workload.arrival == "burst" else [pass_name]
+            for name in names:  # "repeat": the warm pass's prompts again, now in the prefix cache
+                row = await run_pass(server, args, workload, adapters, seed_base + index)
+                rows.append({"workload": workload.name, "pass": name, **row})
+                print(
+                    f"{workload.name} ({name}): {row['output_tokens_per_s']} out tok/s, "
+                    f"TTFT p50 {row['ttft_ms']['p50']} ms, TPOT p50 {row['tpot_ms']['p50']} ms"
+                    + (f", {row['num_errors']} errors: {row['errors']}" if row["num_errors"] else ""),
+                    file=sys.stderr,
+                )
+                server.wait_idle(timeout_s=120)
     return rows
 
 
@@ -224,6 +237,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--server-args", default="--async-scheduling", help="more serve flags (default: %(default)s)")
     p.add_argument("--input-len", type=int, default=None, help="prompt tokens (default 256; quick 64)")
     p.add_argument("--output-len", type=int, default=None, help="output tokens (default 128; quick 16)")
+    p.add_argument(
+        "--client-processes", type=int, default=0, help="client processes per pass (default: one per 32 in flight)"
+    )
     p.add_argument("--out", default="", help="the JSON report")
     p.add_argument("--plot", default="", help="a PNG timeline of 40 ms of the first workload's warm pass")
     args = p.parse_args(argv)
@@ -237,7 +253,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
     for row in report["rows"]:
         device, ttft = row["profile"]["device"], row["profile"]["ttft_parts_ms"]
         print(
-            f"{row['workload']:>12} {row['pass']:>5}: {row['output_tokens_per_s']} tok/s, "
+            f"{row['workload']:>12} {row['pass']:>6}: {row['output_tokens_per_s']} tok/s, "
             f"device idle {device.get('idle_share')}, TTFT p50 {row['ttft_ms']['p50']} ms "
             f"(server {ttft['ttft']['p50']} ms), cpu {row['cpu_share']}"
         )

@@ -113,3 +113,25 @@ def test_bench_serving_drives_the_server(server, demo_model_dir, adapter_root, t
     assert [m["id"] for m in models] == [report["base_model"]]  # the adapters were unloaded
     assert sorted(os.listdir(adapter_root)) == ["adapter-0", "adapter-1"]
     server.wait_idle(timeout_s=20)
+
+
+def test_sharded_client_sends_every_request_from_one_start(server, demo_model_dir):
+    """The profile's client spread over processes: each request of the plan comes back once, in
+    plan order, with the forced output length, and no shard starts before the shared instant."""
+    import asyncio
+    import time
+
+    from scripts.serving.client_shards import deal, run_sharded, shard_concurrency
+
+    argv = ["--base-url", server.base_url, "--model-dir", demo_model_dir, "--num-adapters", "0", "--base-share", "1"]
+    argv += ["--arrival", "burst", "--num-requests", "7", "--input-len", "12", "--output-len", str(OUTPUT_LEN)]
+    plan, _ = plan_workload(parse_config(argv), read_model_config(demo_model_dir))
+    base = httpx.get(server.base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    before_s = time.perf_counter()
+    results = asyncio.run(run_sharded(server.base_url, plan, [], base, OUTPUT_LEN, 3, num_shards=2))
+    assert [r.index for r in results] == [p.index for p in plan]
+    assert all(r.status == 200 and r.output_tokens == OUTPUT_LEN for r in results), results
+    assert min(r.start_s for r in results) > before_s  # one clock for every process
+    assert [[p.index for p in part] for part in deal(plan, 2)] == [[0, 2, 4, 6], [1, 3, 5]]
+    assert [shard_concurrency(3, 2, i) for i in range(2)] == [2, 1] and shard_concurrency(None, 2, 0) is None
+    server.wait_idle(timeout_s=20)
