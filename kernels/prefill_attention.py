@@ -2,9 +2,11 @@
 
 Variable-length batch: request i's new queries are q[query_start_loc[i]:query_start_loc[i+1]],
 the last of its seq_lens[i] positions. Their K/V are already in the cache (`write_kv`),
-so every key, cached or new, is read through the block table. Each program takes
-BLOCK_M queries of one (request, head) and runs an online softmax over the causal key
-range. Reference: attention_ref.paged_prefill_attention_ref.
+so every key, cached or new, is read through the block table. Each program takes one
+(request, kv head) and BLOCK_Q = BLOCK_M // GROUP of the request's queries for each of the
+GROUP query heads that share the kv head (row r: query r // GROUP, head r % GROUP of the group),
+and runs an online softmax over the causal key range: the group reads each K/V tile once.
+Reference: attention_ref.paged_prefill_attention_ref.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ledgerserve.kernels.attention_tiles import BLOCK_M
+from ledgerserve.kernels.attention_tiles import BLOCK_M, queries_per_tile
 
 BLOCK_N = 64  # keys per tile
 NUM_WARPS = 4
@@ -61,36 +63,37 @@ def _prefill_kernel(
     stride_vb, stride_vs, stride_vh,
     stride_bt,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, TILED: tl.constexpr,
 ):  # fmt: skip
-    head = tl.program_id(1)
+    kv_head = tl.program_id(1)
     if TILED:  # program 0 axis: a row of the tile table (request, first query); request -1 is padding
         req = tl.load(tile_reqs_ptr + tl.program_id(0)).to(tl.int64)
         if req < 0:
             return
         m0 = tl.load(tile_starts_ptr + tl.program_id(0)).to(tl.int32)
-    else:  # program (tile, head, request)
+    else:  # program (tile, kv head, request)
         req = tl.program_id(2).to(tl.int64)
-        m0 = tl.program_id(0) * BLOCK_M
+        m0 = tl.program_id(0) * BLOCK_Q
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
     if m0 >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + req)
-    kv_head = head // GROUP
 
-    offs_m = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M] index among this request's new tokens
+    offs_r = tl.arange(0, BLOCK_M)  # [BLOCK_M] rows: (query, head of the group)
+    offs_m = m0 + offs_r // GROUP  # [BLOCK_M] index among this request's new tokens
+    heads = kv_head * GROUP + offs_r % GROUP  # [BLOCK_M] query head
     offs_d = tl.arange(0, D_PAD)
-    m_mask = offs_m < q_len
+    m_mask = (offs_r < BLOCK_Q * GROUP) & (offs_m < q_len)
     d_mask = offs_d < HEAD_DIM
     rows = (q_start + offs_m).to(tl.int64)
     q = tl.load(
-        q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+        q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
         mask=m_mask[:, None] & d_mask[None, :],
         other=0.0,
     )  # fmt: skip  [BLOCK_M, D_PAD]
     q_pos = seq_len - q_len + offs_m  # [BLOCK_M] absolute positions
-    end = tl.minimum(seq_len, seq_len - q_len + m0 + BLOCK_M)  # keys past the tile's last query are unused
+    end = tl.minimum(seq_len, seq_len - q_len + m0 + BLOCK_Q)  # keys past the tile's last query are unused
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
@@ -112,7 +115,7 @@ def _prefill_kernel(
         )  # fmt: skip
 
     out = acc / l[:, None]
-    o_ptr = out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+    o_ptr = out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
@@ -127,21 +130,22 @@ def paged_prefill_attention(
     max_query_len: int | None = None,  # longest q_len in the batch; computed (a host sync) if None
     tiles: tuple[torch.Tensor, torch.Tensor] | None = None,  # request, first query row: [num_tiles] int64 each
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """With `tiles` (attention_tiles' table, padded with request -1), the grid is the table's
-    rows by the heads, whatever the batch: a CUDA graph captures it once for every batch that fits.
-    Rows of q outside every request are left zero."""
+    """With `tiles` (attention_tiles' table for this GQA group, padded with request -1), the grid
+    is the table's rows by the kv heads, whatever the batch: a CUDA graph captures it once for
+    every batch that fits. Rows of q outside every request are left zero."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert num_heads % num_kv_heads == 0 and q.stride(-1) == 1
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and block_tables.stride(-1) == 1
-    num_reqs = seq_lens.shape[0]
+    num_reqs, group = seq_lens.shape[0], num_heads // num_kv_heads
+    block_q = queries_per_tile(group)
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     if tiles is not None:
-        grid: tuple[int, ...] = (tiles[0].shape[0], num_heads)
+        grid: tuple[int, ...] = (tiles[0].shape[0], num_kv_heads)
     else:
         if max_query_len is None:
             max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if num_reqs else 0
-        grid = (triton.cdiv(max_query_len, BLOCK_M), num_heads, num_reqs)
+        grid = (triton.cdiv(max_query_len, block_q), num_kv_heads, num_reqs)
     if num_tokens == 0 or 0 in grid:
         return out
     tile_reqs, tile_starts = tiles if tiles is not None else (seq_lens, seq_lens)  # unread without tiles
@@ -152,8 +156,8 @@ def paged_prefill_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)), GROUP=num_heads // num_kv_heads,
-        BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, TILED=tiles is not None,
+        HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)), GROUP=group,
+        BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, BLOCK_Q=block_q, BLOCK_N=BLOCK_N, TILED=tiles is not None,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
     return out

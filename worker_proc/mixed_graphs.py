@@ -9,9 +9,9 @@ bucket (`pad_for_mixed`): `num_tokens` token rows (padding tokens sit outside ev
 write their K/V into the scratch block and use no adapter) and `num_reqs` requests (padding
 requests have no queries and seq_len 0). Attention runs on the tile table of
 kernels/attention_tiles.py, so its grid is the bucket's, whatever the mix (a decode row takes a
-tile of its own: running decodes apart, through the decode kernel over every request of the
-bucket, measured slower on an H200 for 256-token prompts beside 16 decodes, 14.6 ms against
-10.9); LoRA runs on the grouped layout, as in the decode graphs. The graph's output
+tile per kv head, its GQA group's heads packed in it: running decodes apart, through the decode
+kernel over every request of the bucket, measured slower on an H200 for 256-token prompts beside
+16 decodes, 14.6 ms against 10.9); LoRA runs on the grouped layout, as in the decode graphs. The graph's output
 is the final hidden states; the logits of the sampled rows (and any prompt logprobs) are
 computed after it, eagerly, as for an eager step, so no bucket holds a vocabulary-wide buffer.
 """
@@ -51,6 +51,7 @@ class Bucket:
     num_tokens: int
     num_reqs: int  # min(num_tokens, max_num_seqs): every request of a step has a token
     num_slots: int  # the slot set: 0 without LoRA, else the stacked GEMM reads the A of slots [0, num_slots)
+    attn_group: int  # query heads per kv head: the attention tile table packs them (kernels/attention_tiles.py)
 
     @property
     def num_lora_tiles(self) -> int | None:
@@ -63,7 +64,9 @@ def pad_for_mixed(host: HostInputs, bucket: Bucket, scratch_kv_slot: int) -> Hos
     sampled rows' indices are padded with row 0; only the first ones are read (the logits are eager)."""
     padded = pad_rows(host, bucket.num_tokens, bucket.num_reqs, scratch_kv_slot, bucket.num_lora_tiles)
     tile_reqs, tile_firsts = attention_tiles(
-        padded.query_start_loc, max_attention_tiles(bucket.num_tokens, bucket.num_reqs)
+        padded.query_start_loc,
+        max_attention_tiles(bucket.num_tokens, bucket.num_reqs, bucket.attn_group),
+        bucket.attn_group,
     )
     sample_indices = host.sample_indices + [0] * (bucket.num_reqs - len(host.sample_indices))
     return replace(padded, sample_indices=sample_indices, attn_tile_reqs=tile_reqs, attn_tile_starts=tile_firsts)
@@ -123,9 +126,11 @@ class MixedGraphs:
         width: int,
         limits: tuple[int, int],  # max_num_batched_tokens, max_num_seqs
         max_loras: int,  # 0: no LoRA
+        attn_group: int,  # query heads per kv head
         device: torch.device,
     ) -> None:
         self.model, self.kv_layers, self.scratch_kv_slot, self.width = model, kv_layers, scratch_kv_slot, width
+        self.attn_group = attn_group
         max_tokens, max_reqs = limits
         self.token_buckets = [n for n in TOKEN_BUCKETS if n < max_tokens] + [min(max_tokens, TOKEN_BUCKETS[-1])]
         self.max_reqs, self.device = max_reqs, device
@@ -140,7 +145,7 @@ class MixedGraphs:
         graphs'; they never run at once); the pool."""
         for num_slots in self.slot_sets:
             for num_tokens in sorted(self.token_buckets, reverse=True):
-                bucket = Bucket(num_tokens, min(num_tokens, self.max_reqs), num_slots)
+                bucket = Bucket(num_tokens, min(num_tokens, self.max_reqs), num_slots, self.attn_group)
                 g = MixedGraph(bucket, self.width, self.scratch_kv_slot, self.device)
                 g.forward(self.model, self.kv_layers)  # eager warm-up
                 g.hidden, pool = capture(g.graph, functools.partial(g.forward, self.model, self.kv_layers), pool)

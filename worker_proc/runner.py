@@ -119,7 +119,10 @@ class ModelRunner:
         if self.group.size > 1:
             return graphs, None
         limits, max_loras = (cfg.max_num_batched_tokens, cfg.max_num_seqs), cfg.max_loras if cfg.enable_lora else 0
-        mixed = MixedGraphs(self.model, self.kv_cache.layers, scratch_kv_slot, width, limits, max_loras, self.device)
+        group = self.model_cfg.num_local_heads // self.model_cfg.num_local_kv_heads
+        mixed = MixedGraphs(
+            self.model, self.kv_cache.layers, scratch_kv_slot, width, limits, max_loras, group, self.device
+        )
         graphs.pool = mixed.capture(graphs.pool)
         return graphs, mixed
 

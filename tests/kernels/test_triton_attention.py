@@ -61,8 +61,9 @@ def test_prefill_with_cached_prefix(dtype: torch.dtype, num_heads: int, num_kv_h
     torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
     torch.testing.assert_close(ref, b.expected, atol=1e-4, rtol=1e-4)
     assert torch.equal(paged_prefill_attention(b.q, b.k_cache, b.v_cache, *args), out)  # max_query_len computed
-    num_tiles = max_attention_tiles(b.q.shape[0], len(q_lens)) + 3  # a graph bucket's table: padded rows
-    table = attention_tiles(b.query_start_loc.tolist(), num_tiles)
+    group = num_heads // num_kv_heads
+    num_tiles = max_attention_tiles(b.q.shape[0], len(q_lens), group) + 3  # a graph bucket's table: padded rows
+    table = attention_tiles(b.query_start_loc.tolist(), num_tiles, group)
     tiles = tuple(torch.tensor(t, dtype=torch.long, device=b.q.device) for t in table)
     assert torch.equal(paged_prefill_attention(b.q, b.k_cache, b.v_cache, *args, tiles=tiles), out)
     if DEVICE == "cuda":

@@ -18,6 +18,7 @@ from tests.worker_proc.lora_setup import BLOCK_SIZE, NUM_BLOCKS, LoraSetup, lora
 PARAMS = SamplingParams(max_tokens=8)
 WIDTH = 32  # max_model_len 128 / block size 4
 SCRATCH_KV_SLOT = (NUM_BLOCKS - 1) * BLOCK_SIZE  # a block no request below uses
+ATTN_GROUP = 2  # the tiny model's query heads per kv head (tests/model_factory.py)
 
 
 def _reqs(setup: LoraSetup, slots: tuple[int, int, int]) -> list[ReqState]:
@@ -32,7 +33,7 @@ def _reqs(setup: LoraSetup, slots: tuple[int, int, int]) -> list[ReqState]:
 
 @pytest.mark.parametrize("num_slots", [0, 4])
 def test_rows_keep_the_captured_layout(lora_setup: LoraSetup, num_slots: int) -> None:
-    bucket = Bucket(64, 16, num_slots)
+    bucket = Bucket(64, 16, num_slots, ATTN_GROUP)
     captured = pad_for_mixed(HostInputs(width=WIDTH), bucket, SCRATCH_KV_SLOT)
     host = host_inputs(_reqs(lora_setup, (0, -1, 1)), BLOCK_SIZE, WIDTH)
     row = pad_for_mixed(host, bucket, SCRATCH_KV_SLOT)
@@ -55,7 +56,7 @@ def test_padded_row_gives_the_eager_hidden_states(lora_setup: LoraSetup, slots: 
     eager = runner.model(build_step_inputs(reqs, BLOCK_SIZE, runner.device), layers)  # [num_tokens, hidden]
     host = host_inputs(reqs, BLOCK_SIZE, WIDTH)
     num_slots = 4 if max(slots) >= 0 else 0
-    row = pad_for_mixed(host, Bucket(64, 16, num_slots), SCRATCH_KV_SLOT)
+    row = pad_for_mixed(host, Bucket(64, 16, num_slots, ATTN_GROUP), SCRATCH_KV_SLOT)
     views = {name: torch.tensor(part, dtype=torch.long) for name, part in zip(STAGED, row.parts())}
     padded = runner.model(bucket_inputs(views, row, num_slots), layers)  # [64, hidden]
     torch.testing.assert_close(padded[: eager.shape[0]], eager, atol=1e-4, rtol=1e-4)
