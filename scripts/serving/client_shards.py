@@ -82,7 +82,11 @@ async def run_sharded(
 
 async def _spawn() -> asyncio.subprocess.Process:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "scripts.serving.client_shards", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+        sys.executable,
+        "-m",
+        "scripts.serving.client_shards",
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
     )
     assert proc.stdout is not None
     if (await proc.stdout.readline()).strip() != b"ready":
