@@ -23,6 +23,7 @@ from ledgerserve.kernels.fused_ref import (
     silu_and_mul_ref,
 )
 from ledgerserve.kernels.lora_types import LoraDelta, LoraLayout, Segments, SlotWeights, Tiles
+from ledgerserve.kernels.moe_ref import fused_moe_ref, route
 from ledgerserve.kernels.peer_buffers import PeerBuffers, RowSend
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "argmax",
     "fused_add_rms_norm",
     "fuses_all_reduce_norm",
+    "fused_moe",
     "linear",
     "lora_expand",
     "lora_expand_stacked",
@@ -225,6 +227,20 @@ def rope_and_write_kv(
     """apply_rope then write_kv of the rotated k and v, one kernel on CUDA."""
     fn = _fused.rope_and_write_kv if use_triton(q) else rope_and_write_kv_ref
     fn(q, k, v, positions, cos_sin_cache, k_cache, v_cache, kv_slots)
+
+
+def fused_moe(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    router_logits: torch.Tensor,  # [num_tokens, num_experts]
+    w13: torch.Tensor,  # [num_experts, 2 * intermediate, hidden]
+    w2: torch.Tensor,  # [num_experts, hidden, intermediate]
+    top_k: int,
+    renormalize: bool,
+) -> torch.Tensor:  # [num_tokens, hidden]
+    """The sparse MLP: the torch reference on every device for now (no Triton MoE kernel yet, so
+    the launcher keeps MoE models off CUDA)."""
+    weights, ids = route(router_logits, top_k, renormalize)
+    return fused_moe_ref(x, w13, w2, weights, ids)
 
 
 def silu_and_mul(x: torch.Tensor, delta: LoraDelta | None = None) -> torch.Tensor:  # [num_tokens, 2 * d] -> [.., d]

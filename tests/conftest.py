@@ -6,15 +6,22 @@ from pathlib import Path
 
 import pytest
 
-from tests.model_factory import ARCHS, make_tiny_checkpoint
+from tests.model_factory import DENSE_ARCHS, MOE_ARCHS, make_tiny_checkpoint
 
 
-@pytest.fixture(scope="session", params=ARCHS)
+@pytest.fixture(scope="session", params=DENSE_ARCHS)
 def tiny_checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """One tiny random checkpoint per architecture, shared by the whole session."""
+    """One tiny random checkpoint per dense architecture, shared by the whole session."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     path: Path = tmp_path_factory.mktemp(f"tiny-{request.param}")
     return make_tiny_checkpoint(request.param, path)
+
+
+@pytest.fixture(scope="session", params=MOE_ARCHS)
+def tiny_moe_checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One tiny random checkpoint per mixture-of-experts architecture, shared by the whole session."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    return make_tiny_checkpoint(request.param, tmp_path_factory.mktemp(f"tiny-{request.param}"))
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,9 @@ from typing import Any
 
 import torch
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+DENSE_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+MOE_ARCHS = ("qwen3_moe", "mixtral")
+ARCHS = DENSE_ARCHS + MOE_ARCHS
 
 _COMMON: dict[str, Any] = dict(
     hidden_size=64,
@@ -42,6 +44,12 @@ def tiny_config(arch: str) -> Any:
         return transformers.Qwen3Config(**_COMMON, head_dim=24, tie_word_embeddings=True)
     if arch == "mistral":
         return transformers.MistralConfig(**_COMMON, sliding_window=None, tie_word_embeddings=False)
+    if arch == "qwen3_moe":  # q/k norm, experts of an odd size (2 x 36 != hidden), a dense layer, top-k renormalised
+        moe = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=36, norm_topk_prob=True)
+        return transformers.Qwen3MoeConfig(**_COMMON, **moe, decoder_sparse_step=1, mlp_only_layers=[1])
+    if arch == "mixtral":  # experts in every layer, 5 of them, top-2
+        mixtral = {**_COMMON, "intermediate_size": 40}
+        return transformers.MixtralConfig(**mixtral, num_local_experts=5, num_experts_per_tok=2, sliding_window=None)
     raise ValueError(f"unknown arch {arch!r}; known: {ARCHS}")
 
 
@@ -79,5 +87,5 @@ def _spread_weights(model: Any, seed: int) -> None:
                 param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
             elif name.endswith(".bias"):
                 param.copy_(0.1 * torch.randn(param.shape, generator=gen))
-            elif param.dim() == 2:
+            elif param.dim() >= 2:  # matrices, and the experts' fused 3-D weights
                 param.copy_(0.08 * torch.randn(param.shape, generator=gen))

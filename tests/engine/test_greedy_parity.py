@@ -25,7 +25,7 @@ def _prompts(vocab_size: int) -> dict[str, list[int]]:
     return {f"req-{i}": torch.randint(3, vocab_size, (n,), generator=gen).tolist() for i, n in enumerate(PROMPT_LENS)}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "mixtral"])
 def test_greedy_parity_with_chunked_prefill_and_preemption(arch, tmp_path):
     model_dir = make_tiny_checkpoint(arch, tmp_path / arch)
     config = EngineConfig(

@@ -17,13 +17,18 @@ from safetensors.torch import load_file
 
 from ledgerserve.worker_proc.models.config import load_model_config
 from tests.adapter_factory import make_peft_adapter
-from tests.model_factory import make_tiny_checkpoint
+from tests.model_factory import MOE_ARCHS, make_tiny_checkpoint
 from tests.worker_proc.lora_setup import ALL_SEVEN
 
 ADAPTERS = [
     dict(r=4, alpha=8, targets=ALL_SEVEN + ["lm_head"], seed=11),
     dict(r=16, alpha=16, targets=["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"], use_rslora=True, seed=12),
     dict(r=32, alpha=48, targets=ALL_SEVEN, rank_pattern={"k_proj": 8}, alpha_pattern={"down_proj": 16}, seed=13),
+]
+# the experts take no adapter yet (PEFT turns MLP targets on a MoE model into target_parameters)
+MOE_ADAPTERS = [
+    dict(r=4, alpha=8, targets=["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"], seed=11),
+    dict(r=16, alpha=16, targets=["q_proj", "v_proj"], use_rslora=True, seed=12),
 ]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -43,11 +48,14 @@ def _run_ranks(size: int, spec_path: str, run_dir: str) -> None:
 
 
 # llama: GQA with 2 KV heads; qwen3: per-head q/k norm, tied embeddings, and a vocabulary of 251 that
-# pads to 252 (rank 1 holds 125 rows of the embedding, lm_head and its adapters' B, and a zero row)
-@pytest.mark.parametrize("arch, vocab_size", [("llama", 256), ("qwen3", 251)])
+# pads to 252 (rank 1 holds 125 rows of the embedding, lm_head and its adapters' B, and a zero row);
+# qwen3_moe: every expert cut along its intermediate size, the router replicated, one dense layer
+# (the adapters' MLP targets), the one all-reduce per layer of a dense MLP
+@pytest.mark.parametrize("arch, vocab_size", [("llama", 256), ("qwen3", 251), ("qwen3_moe", 256)])
 def test_two_ranks_give_the_unsharded_logits(arch: str, vocab_size: int, tmp_path) -> None:
     base_dir = make_tiny_checkpoint(arch, tmp_path / "base", vocab_size=vocab_size)
-    adapter_dirs = [make_peft_adapter(base_dir, tmp_path / f"adapter{i}", **kw) for i, kw in enumerate(ADAPTERS)]
+    adapters = MOE_ADAPTERS if arch in MOE_ARCHS else ADAPTERS
+    adapter_dirs = [make_peft_adapter(base_dir, tmp_path / f"adapter{i}", **kw) for i, kw in enumerate(adapters)]
     spec_path = str(tmp_path / "spec.json")
     with open(spec_path, "w", encoding="utf-8") as f:
         json.dump({"base_dir": base_dir, "adapter_dirs": adapter_dirs, "out_dir": str(tmp_path)}, f)
@@ -62,10 +70,10 @@ def test_two_ranks_give_the_unsharded_logits(arch: str, vocab_size: int, tmp_pat
         assert torch.equal(ranks[0][step], ranks[1][step]), f"{arch} {step}: the ranks' logits differ"
     assert want["decode"].shape[1] == vocab_size
     cfg = load_model_config(base_dir)
-    _check_held_bytes(tmp_path, cfg.num_kv_heads, (vocab_size % 2) * cfg.hidden_size * 4)
+    _check_held_bytes(tmp_path, cfg.num_kv_heads, (vocab_size % 2) * cfg.hidden_size * 4, len(adapters))
 
 
-def _check_held_bytes(out_dir, num_kv_heads: int, padding_bytes: int) -> None:
+def _check_held_bytes(out_dir, num_kv_heads: int, padding_bytes: int, num_adapters: int) -> None:
     """Each rank holds half of every sharded weight (with the padded vocabulary's zero row) and all
     of the replicated norms, and half the KV heads; its CPU tier keeps its shard of each adapter,
     less than the whole, the two shards together at least the whole."""
@@ -80,7 +88,7 @@ def _check_held_bytes(out_dir, num_kv_heads: int, padding_bytes: int) -> None:
         assert held["norm_bytes"] == whole["norm_bytes"] > 0
         assert held["weight_bytes"] == sharded_bytes // 2 + whole["norm_bytes"]
         assert held["num_kv_heads"] == num_kv_heads // 2
-        assert held["num_adapters"] == whole["num_adapters"] == len(ADAPTERS)
+        assert held["num_adapters"] == whole["num_adapters"] == num_adapters
         assert 0 < held["adapter_bytes"] < whole["adapter_bytes"]
         num_shard_bytes += held["adapter_bytes"]
     assert num_shard_bytes >= whole["adapter_bytes"]

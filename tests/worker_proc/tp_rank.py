@@ -20,6 +20,7 @@ from ledgerserve.shared.events import AdapterLoadCompleted, AdapterSlotAssigned
 from ledgerserve.shared.sampling import SamplingParams
 from ledgerserve.worker_proc.lora.mapping import LoraMapping
 from ledgerserve.worker_proc.models.layers import RMSNorm
+from ledgerserve.worker_proc.models.moe import SparseMoeBlock
 from ledgerserve.worker_proc.parallel import close_group, init_group, share_cpu_cores
 from ledgerserve.worker_proc.requests import ReqState
 from ledgerserve.worker_proc.runner import ModelRunner
@@ -77,7 +78,9 @@ def run_steps(runner: ModelRunner) -> dict[str, torch.Tensor]:
 
 def held_bytes(runner: ModelRunner) -> dict[str, int]:
     model = runner.model
+    # replicated on every rank: the norms, and a mixture of experts' router
     norms = [m.weight for m in model.modules() if isinstance(m, RMSNorm)]
+    norms += [m.gate.weight for m in model.modules() if isinstance(m, SparseMoeBlock)]
     k_cache = runner.kv_cache.layers[0][0]  # [num_blocks, block_size, num_kv_heads, head_dim]
     images = [entry.image for entry in runner.lora.loader.cpu.entries.values()]
     return {

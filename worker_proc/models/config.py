@@ -7,7 +7,10 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+from ledgerserve.shared.moe_layers import MOE_ARCHITECTURES, sparse_mlp_layers
+
+DENSE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
@@ -19,6 +22,19 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A sparse MLP: `top_k` of `num_experts` experts per token, each a gated MLP of
+    `intermediate_size`; the router's softmax over every expert, its top-k renormalised to sum
+    to 1 where `renormalize` (Mixtral always, Qwen3-MoE with norm_topk_prob)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    sparse_layers: tuple[int, ...]  # the layers with a sparse MLP; the rest have a dense one
 
 
 @dataclass(frozen=True)
@@ -40,6 +56,7 @@ class ModelConfig:
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
     sliding_window: int | None  # None: full attention
     max_position_embeddings: int
+    moe: MoeConfig | None = None
     tp_rank: int = 0  # which shard of the tensor-parallel group this view describes (shard())
     tp_size: int = 1
 
@@ -58,7 +75,15 @@ class ModelConfig:
             raise ValueError(
                 f"intermediate_size {self.intermediate_size} is not divisible by tensor_parallel_size {size}"
             )
+        if self.moe is not None and self.moe.intermediate_size % size:
+            raise ValueError(
+                f"the experts' intermediate size {self.moe.intermediate_size} is not divisible by "
+                f"tensor_parallel_size {size}"
+            )
         return replace(self, tp_rank=rank, tp_size=size)
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.moe is not None and layer in self.moe.sparse_layers
 
     @property
     def num_local_heads(self) -> int:
@@ -77,6 +102,12 @@ class ModelConfig:
     @property
     def local_intermediate_size(self) -> int:
         return self.intermediate_size // self.tp_size
+
+    @property
+    def local_expert_intermediate_size(self) -> int:
+        """Each expert's MLP columns on this rank: experts are sharded along their intermediate size."""
+        assert self.moe is not None
+        return self.moe.intermediate_size // self.tp_size
 
     @property
     def local_vocab_size(self) -> int:
@@ -123,10 +154,27 @@ def parse_model_config(cfg: dict[str, Any]) -> ModelConfig:
         qkv_bias=is_qwen2 or llama_bias,
         o_bias=llama_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         sliding_window=_sliding_window(cfg, arch),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        moe=parse_moe(cfg, arch),
     )
+
+
+def parse_moe(cfg: dict[str, Any], arch: str) -> MoeConfig | None:
+    """The sparse MLP of a MoE architecture, as transformers reads its config (its layers:
+    shared/moe_layers.py)."""
+    if arch not in MOE_ARCHITECTURES:
+        return None
+    num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    top_k = int(cfg["num_experts_per_tok"])
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok {top_k} is not within the {num_experts} experts")
+    sparse = sparse_mlp_layers(cfg)
+    if arch == "MixtralForCausalLM":
+        return MoeConfig(num_experts, top_k, int(cfg["intermediate_size"]), True, sparse)
+    renormalize = bool(cfg.get("norm_topk_prob", False))
+    return MoeConfig(num_experts, top_k, int(cfg["moe_intermediate_size"]), renormalize, sparse)
 
 
 def parse_rope(cfg: dict[str, Any]) -> RopeConfig:
@@ -167,6 +215,6 @@ def _sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
     window = cfg.get("sliding_window")
     if window is None:
         return None
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and not cfg.get("use_sliding_window"):
         return None
     return int(window)

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) over a paged KV cache.
+"""Llama-family decoder (Llama, Qwen2, Qwen3, Mistral; Qwen3-MoE and Mixtral, whose sparse
+layers' MLP is models/moe.SparseMoeBlock) over a paged KV cache.
 
 One forward takes a flat batch of tokens from many requests, described by one `StepInputs`
 (worker_proc/step_inputs.py): attention finds each request's keys through its block table.
@@ -28,6 +29,7 @@ from ledgerserve.worker_proc.models.layers import (
     VocabEmbedding,
     reduce_add_rms_norm,
 )
+from ledgerserve.worker_proc.models.moe import SparseMoeBlock
 from ledgerserve.worker_proc.models.rope import RotaryEmbedding
 from ledgerserve.worker_proc.models.shard import o_shard, qkv_shard, vocab_shard
 from ledgerserve.worker_proc.parallel import TpGroup
@@ -90,13 +92,14 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, group: TpGroup) -> None:
+    def __init__(self, cfg: ModelConfig, group: TpGroup, index: int) -> None:
         super().__init__()
         self.group = group
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, group)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg, group)
+        self.mlp: GatedMLP | SparseMoeBlock
+        self.mlp = SparseMoeBlock(cfg, group) if cfg.is_sparse(index) else GatedMLP(cfg, group)
 
     def forward(
         self,
@@ -118,7 +121,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, group: TpGroup) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg, group)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, group) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, group, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
 

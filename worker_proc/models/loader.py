@@ -15,6 +15,7 @@ from safetensors import safe_open
 from torch import nn
 
 from ledgerserve.shared.progress import Progress, format_bytes, format_seconds, weights_end_line
+from ledgerserve.worker_proc.models import moe
 from ledgerserve.worker_proc.models.config import ModelConfig
 from ledgerserve.worker_proc.models.layers import RMSNorm, SlotLinear, VocabEmbedding
 from ledgerserve.worker_proc.models.llama import LlamaForCausalLM
@@ -33,7 +34,7 @@ _ITEMSIZE = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16":
 _ITEMSIZE |= {"F8_E4M3": 1, "F8_E5M2": 1}  # of safetensors dtype names, for the load's progress
 logger = logging.getLogger(__name__)
 
-WeightKey = tuple[str, str, int]  # (module name, 'weight' | 'bias', shard)
+WeightKey = tuple[str, str, int]  # (module name, 'weight' | 'bias' | 'expert', shard | expert * 3 + part)
 
 
 def build_model(
@@ -76,6 +77,9 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.weight.data.fill_(1.0)
+        elif isinstance(module, (moe.Experts, moe.SparseMoeBlock)):  # the router, or every expert's weights
+            for param in module.parameters(recurse=False) if isinstance(module, moe.Experts) else [module.gate.weight]:
+                param.data.copy_(torch.randn(param.shape, generator=gen, device=device) * 0.02)
         elif isinstance(module, (SlotLinear, VocabEmbedding)):
             if isinstance(module, SlotLinear) and module.bias is not None:
                 module.bias.data.zero_()
@@ -106,9 +110,7 @@ def load_safetensors(model: LlamaForCausalLM, model_dir: str, rank: int = 0) -> 
         for path in files:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():
-                    key = _load_one(model, modules, name, f)
-                    if key is not None:
-                        loaded.add(key)
+                    loaded.update(_load_one(model, modules, name, f))
                     progress.advance(_num_bytes(f.get_slice(name)))
     finally:
         elapsed_s = progress.close()
@@ -134,13 +136,17 @@ def _num_bytes(view: Any) -> int:
     return math.prod(view.get_shape()) * _ITEMSIZE.get(view.get_dtype(), 4)
 
 
-def _load_one(model: LlamaForCausalLM, modules: dict[str, nn.Module], name: str, f: Any) -> WeightKey | None:
-    """Read this rank's part of checkpoint tensor `name` from the open file `f` into the model."""
+def _load_one(model: LlamaForCausalLM, modules: dict[str, nn.Module], name: str, f: Any) -> list[WeightKey]:
+    """Read this rank's part of checkpoint tensor `name` from the open file `f` into the model;
+    the weight keys it filled."""
     if name.endswith(_IGNORED_SUFFIXES):
-        return None
+        return []
     if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
-        return None  # tied: the embedding is the head
-    module_name, _, attr = name.rpartition(".")
+        return []  # tied: the embedding is the head
+    expert = moe.expert_tensor(moe.checkpoint_name(name))
+    if expert is not None:
+        return _load_expert(modules, name, expert, f)
+    module_name, _, attr = moe.checkpoint_name(name).rpartition(".")
     module_name, shard = _map_module(module_name)
     module = modules.get(module_name)
     if module is None:
@@ -153,13 +159,38 @@ def _load_one(model: LlamaForCausalLM, modules: dict[str, nn.Module], name: str,
         index = module.shard.checkpoint_index(attr, shard)  # None: this rank keeps zeros there
         if index is not None:
             _load_part(module, attr, shard, view[index])
-        return (module_name, attr, shard)
+        return [(module_name, attr, shard)]
     tensor = f.get_tensor(name)
     param = getattr(module, attr, None)
     if not isinstance(param, torch.Tensor) or param.shape != tensor.shape:
         raise ValueError(f"checkpoint tensor {name!r} {tuple(tensor.shape)} does not fit the model")
     param.data.copy_(tensor)
-    return (module_name, attr, 0)
+    return [(module_name, attr, 0)]
+
+
+def _load_expert(
+    modules: dict[str, nn.Module], name: str, found: tuple[str, int | None, int | str], f: Any
+) -> list[WeightKey]:
+    """One expert's gate, up or down tensor, or a fused tensor of every expert's."""
+    path, expert, part = found
+    module = modules.get(path)
+    if not isinstance(module, moe.Experts):
+        raise ValueError(f"unexpected checkpoint tensor {name!r}: layer has no experts")
+    tensor = f.get_tensor(name)
+    if expert is None:  # fused: gate_up_proj or down_proj of every expert
+        assert isinstance(part, str)
+        if tuple(tensor.shape) != module.fused_shape(part):
+            raise ValueError(
+                f"checkpoint tensor {name!r} {tuple(tensor.shape)} does not fit the model's {module.fused_shape(part)}"
+            )
+        module.load_fused(part, tensor)
+        parts = (moe.DOWN,) if part == "down_proj" else (moe.GATE, moe.UP)
+        return [(path, "expert", e * 3 + p) for e in range(module.num_experts) for p in parts]
+    assert isinstance(part, int)
+    if expert >= module.num_experts or tuple(tensor.shape) != module.checkpoint_shape(part):
+        raise ValueError(f"checkpoint tensor {name!r} {tuple(tensor.shape)} does not fit the model's experts")
+    module.load_expert(expert, part, tensor)
+    return [(path, "expert", expert * 3 + part)]
 
 
 def _load_part(module: SlotLinear | VocabEmbedding, attr: str, shard: int, tensor: torch.Tensor) -> None:
@@ -185,6 +216,9 @@ def expected_weight_keys(model: LlamaForCausalLM) -> set[WeightKey]:
     keys: set[WeightKey] = set()
     for module_name, module in model.named_modules():
         if module_name == "lm_head" and model.cfg.tie_word_embeddings:
+            continue
+        if isinstance(module, moe.Experts):
+            keys.update((module_name, "expert", i) for i in range(module.num_experts * 3))
             continue
         for attr, _param in module.named_parameters(recurse=False):
             num_shards = len(module.output_sizes) if isinstance(module, SlotLinear) else 1

@@ -1,0 +1,26 @@
+"""Which decoder layers of a HF config have a sparse (mixture-of-experts) MLP, as transformers
+builds them: Mixtral's every layer; Qwen3-MoE's every `decoder_sparse_step`-th layer that is not
+in `mlp_only_layers`; none for a dense architecture. Read by the model (worker_proc/models/config.py)
+and by the adapter checks (shared/adapter_types.BaseShapes), so both see the same layers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+
+
+def moe_architecture(cfg: dict[str, Any]) -> str | None:
+    return next((a for a in cfg.get("architectures") or [] if a in MOE_ARCHITECTURES), None)
+
+
+def sparse_mlp_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
+    arch = moe_architecture(cfg)
+    num_layers = int(cfg["num_hidden_layers"])
+    if arch is None:
+        return ()
+    if arch == "MixtralForCausalLM":
+        return tuple(range(num_layers))
+    step = int(cfg.get("decoder_sparse_step", 1))
+    dense = set(cfg.get("mlp_only_layers") or [])
+    return tuple(i for i in range(num_layers) if i not in dense and step > 0 and (i + 1) % step == 0)
