@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ledgerserve.shared.moe_layers import sparse_mlp_layers
+
 TARGET_KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 WEIGHTS_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
@@ -30,6 +32,7 @@ class BaseShapes:
     q_size: int  # num_heads * head_dim
     kv_size: int  # num_kv_heads * head_dim
     vocab_size: int
+    sparse_layers: tuple[int, ...] = ()  # layers whose MLP is a mixture of experts: no MLP targets there
 
     @staticmethod
     def from_hf_config(cfg: dict) -> BaseShapes:
@@ -41,6 +44,7 @@ class BaseShapes:
             q_size=cfg["num_attention_heads"] * head_dim,
             kv_size=cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * head_dim,
             vocab_size=cfg["vocab_size"],
+            sparse_layers=sparse_mlp_layers(cfg),
         )
 
     def in_out(self, kind: str) -> tuple[int, int]:
@@ -63,6 +67,8 @@ class BaseShapes:
         for layer in range(self.num_layers):
             for kind in TARGET_KINDS[:4]:
                 names.append((f"model.layers.{layer}.self_attn.{kind}", kind, layer))
+            if layer in self.sparse_layers:
+                continue  # the experts take no adapter (yet): an adapter for them is refused
             for kind in TARGET_KINDS[4:7]:
                 names.append((f"model.layers.{layer}.mlp.{kind}", kind, layer))
         names.append(("lm_head", "lm_head", -1))
