@@ -92,9 +92,9 @@ PACKAGE_BUDGETS = {
     "tokenizer_proc/": (5200, "the OpenAI/vLLM HTTP surface: routes, schemas, limits, auth, templates, metrics"),
     "scheduler_proc/": (5700, "the sans-IO core with adapter placement, its views, the ledger, shell and replay"),
     "worker_proc/": (
-        5500,
-        "models, KV cache, LoRA slots and tiers, sampling, CUDA graphs for decode and mixed steps, "
-        "tensor parallelism, warm-up, step timing",
+        5900,
+        "models (dense and mixture-of-experts), KV cache, LoRA slots and tiers, sampling, CUDA graphs "
+        "for decode and mixed steps, tensor parallelism, warm-up, step timing",
     ),
     "kernels/": (3000, "Triton kernels, each beside its torch reference"),
     "scripts/": (6500, "benchmarks (the serving-path profile among them) and operating tools on six shelves"),
