@@ -6,6 +6,7 @@ import signal
 import sys
 
 from ledgerserve.scheduler_proc.loop import SchedulerShell
+from ledgerserve.shared.gc_tuning import settle_after_start
 from ledgerserve.shared.proc import child_args, exit_with_parent, load_config, setup_logging
 
 
@@ -22,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     exit_with_parent(config.run_dir, launcher_gone)
     signal.signal(signal.SIGTERM, lambda *_: shell.request_stop("stopped by SIGTERM"))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    settle_after_start()
     try:
         return shell.run()
     except Exception:

@@ -16,6 +16,7 @@ import sys
 import zmq
 
 from ledgerserve.shared import codec, events, ipc, spans
+from ledgerserve.shared.gc_tuning import settle_after_start
 from ledgerserve.shared.proc import child_args, exit_with_parent, load_config, send_ready, setup_logging
 from ledgerserve.shared.progress import ready_line
 from ledgerserve.worker_proc.loop import WorkerLoop
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         close_group(group)
         return 1
     log.info("ready: %s, rank %d of %d", ready_line(ready), group.rank, group.size)
+    settle_after_start()
     to_scheduler.send(codec.encode(ready))
     send_ready(config.run_dir, f"worker-{args.rank}")
     try:
