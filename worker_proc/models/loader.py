@@ -77,15 +77,21 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.weight.data.fill_(1.0)
-        elif isinstance(module, (moe.Experts, moe.SparseMoeBlock)):  # the router, or every expert's weights
-            for param in module.parameters(recurse=False) if isinstance(module, moe.Experts) else [module.gate.weight]:
-                param.data.copy_(torch.randn(param.shape, generator=gen, device=device) * 0.02)
+        elif isinstance(module, moe.SparseMoeBlock):  # its router (its experts come next)
+            _draw(module.gate.weight, gen)
+        elif isinstance(module, moe.Experts):
+            _draw(module.w13, gen)
+            _draw(module.w2, gen)
         elif isinstance(module, (SlotLinear, VocabEmbedding)):
             if isinstance(module, SlotLinear) and module.bias is not None:
                 module.bias.data.zero_()
             w = torch.randn(module.weight.shape, generator=gen, device=device) * 0.02
             module.weight.data.copy_(w)
             _zero_padding(module)
+
+
+def _draw(param: torch.Tensor, gen: torch.Generator) -> None:
+    param.data.copy_(torch.randn(param.shape, generator=gen, device=param.device) * 0.02)
 
 
 def _zero_padding(module: SlotLinear | VocabEmbedding) -> None:
@@ -143,10 +149,11 @@ def _load_one(model: LlamaForCausalLM, modules: dict[str, nn.Module], name: str,
         return []
     if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
         return []  # tied: the embedding is the head
-    expert = moe.expert_tensor(moe.checkpoint_name(name))
+    ours = moe.checkpoint_name(name)
+    expert = moe.expert_tensor(ours)
     if expert is not None:
         return _load_expert(modules, name, expert, f)
-    module_name, _, attr = moe.checkpoint_name(name).rpartition(".")
+    module_name, _, attr = ours.rpartition(".")
     module_name, shard = _map_module(module_name)
     module = modules.get(module_name)
     if module is None:
