@@ -53,9 +53,11 @@ try:
     from ledgerserve.kernels import argmax as _argmax
     from ledgerserve.kernels import embedding as _embedding
     from ledgerserve.kernels import fused as _fused
+    from ledgerserve.kernels import fused_moe as _fused_moe
     from ledgerserve.kernels import gemv as _gemv
     from ledgerserve.kernels import lora as _lora
     from ledgerserve.kernels import lora_delta as _lora_delta
+    from ledgerserve.kernels import moe_route as _moe_route
     from ledgerserve.kernels import paged_attention as _decode
     from ledgerserve.kernels import prefill_attention as _prefill
 
@@ -237,8 +239,10 @@ def fused_moe(
     top_k: int,
     renormalize: bool,
 ) -> torch.Tensor:  # [num_tokens, hidden]
-    """The sparse MLP: the torch reference on every device for now (no Triton MoE kernel yet, so
-    the launcher keeps MoE models off CUDA)."""
+    """The sparse MLP: route (softmax, top-k, renormalised where the model does), then the experts."""
+    if use_triton(x):
+        weights, ids = _moe_route.route(router_logits, top_k, renormalize)
+        return _fused_moe.fused_moe(x, w13, w2, weights, ids)
     weights, ids = route(router_logits, top_k, renormalize)
     return fused_moe_ref(x, w13, w2, weights, ids)
 

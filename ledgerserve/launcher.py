@@ -54,7 +54,7 @@ def _serve_in(args: argparse.Namespace, run_dir: str, started: float, sockets: l
         config = resolve_config(args, run_dir)
         config = dataclasses.replace(config, port=sockets[0].getsockname()[1])  # --port 0: the one bound
         hf_config = startup_checks.read_hf_config(config.model_dir)
-        base = startup_checks.check_model_config(config.model_dir, hf_config, config.device)
+        base = startup_checks.check_model_config(config.model_dir, hf_config)
         startup_checks.check_startup_adapters(config, base)
     except (ValueError, OSError) as e:
         return _refused(e)

@@ -32,18 +32,12 @@ def read_hf_config(model_dir: str) -> dict:
     return value
 
 
-def check_model_config(model_dir: str, hf_config: dict, device: str = "cpu") -> BaseShapes:
+def check_model_config(model_dir: str, hf_config: dict) -> BaseShapes:
     """The checkpoint's architecture and shapes as the worker and the adapter checks read them;
-    ValueError naming config.json and the field that is missing or wrong. A mixture-of-experts
-    model runs on the CPU only: its experts have a torch reference and no CUDA kernel yet."""
+    ValueError naming config.json and the field that is missing or wrong."""
     path = os.path.join(model_dir, "config.json")
     try:
-        model = parse_model_config(hf_config)
-        if model.moe is not None and device != "cpu":
-            raise ValueError(
-                f"{model.architecture} (mixture of experts) runs on --device cpu only for now; "
-                "its CUDA expert kernels are not built yet"
-            )
+        parse_model_config(hf_config)
         return BaseShapes.from_hf_config(hf_config)
     except KeyError as e:
         raise ValueError(f"{path} has no {e.args[0]!r}: a Llama-family config.json gives it") from None

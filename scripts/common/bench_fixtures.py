@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 
 from ledgerserve.shared.adapter_digest import content_sha256
 from ledgerserve.shared.adapter_format import CONFIG_FILE, TARGET_KINDS, WEIGHTS_FILE, BaseShapes
+from ledgerserve.worker_proc.models.moe import SparseMoeBlock
 
 SEVEN = list(TARGET_KINDS[:7])
 LLAMA3_8B = {
@@ -42,11 +43,38 @@ LLAMA3_8B = {
 }
 
 
-def write_model_dir(root: str) -> str:
-    path = os.path.join(root, "llama3-8b-dummy")
+QWEN3_30B_A3B = {  # 48 layers of 128 experts, 8 routed a token, each of intermediate size 768
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+MODEL_SHAPES = {"llama3-8b": LLAMA3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B}
+
+
+def write_model_dir(root: str, hf_config: dict | None = None) -> str:
+    """A checkpoint directory holding only config.json (for --load-format dummy); Llama-3-8B's by default."""
+    hf_config = hf_config or LLAMA3_8B
+    path = os.path.join(root, f"{hf_config['model_type']}-dummy")
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(LLAMA3_8B, f)
+        json.dump(hf_config, f)
     return path
 
 
@@ -118,9 +146,15 @@ def adapter_bytes(base: BaseShapes, rank: int, elem_bytes: int = 2) -> int:
 
 
 def weight_bytes(model: torch.nn.Module, batch: int) -> int:
-    """Parameter bytes a step reads: all but the embedding table, of which only `batch` rows."""
+    """Parameter bytes a step reads: all but the embedding table, of which only `batch` rows; of a
+    sparse MLP's experts, those `batch` tokens are expected to route to (each choosing top_k of E
+    at random: E * (1 - (1 - top_k / E) ** batch) distinct experts)."""
     emb = model.model.embed_tokens.weight
     total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for block in model.modules():
+        if isinstance(block, SparseMoeBlock):
+            experts = sum(p.numel() * p.element_size() for p in block.experts.parameters())
+            total -= round(experts * (1 - block.top_k / block.experts.num_experts) ** batch)
     return total - emb.numel() * emb.element_size() + batch * emb.shape[1] * emb.element_size()
 
 

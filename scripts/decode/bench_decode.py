@@ -36,7 +36,7 @@ from ledgerserve.shared.adapter_format import BaseShapes
 from ledgerserve.shared.events import AdapterSlotAssigned
 from ledgerserve.worker_proc.runner import ModelRunner
 from scripts.common.bench_fixtures import (
-    LLAMA3_8B,
+    MODEL_SHAPES,
     adapter_bytes,
     copy_bandwidth,
     kv_bytes,
@@ -133,9 +133,10 @@ def main() -> None:
         return
     use_gemv_configs(args)
     root = tempfile.mkdtemp(prefix="bench_decode_")
-    base = BaseShapes.from_hf_config(LLAMA3_8B)
+    shapes = MODEL_SHAPES[args.model]
+    base = BaseShapes.from_hf_config(shapes)
     t0 = time.perf_counter()
-    runner = ModelRunner(engine_config(args, write_model_dir(root)))  # captures the decode graphs unless --eager
+    runner = ModelRunner(engine_config(args, write_model_dir(root, shapes)))  # decode graphs unless --eager
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     for i in range(max(args.adapter_counts)):
@@ -159,6 +160,7 @@ def main() -> None:
     results = sweep(bench, base, args, bw, churn)
     report = dict(
         device=torch.cuda.get_device_name(),
+        model=args.model,
         torch=torch.__version__,
         copy_bw_GBps=round(bw / 1e9, 1),
         model_load_s=round(load_s, 1),

@@ -61,6 +61,9 @@ def _add_tp_and_profile_flags(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument("--model-dir", default="", help="a checkpoint's shapes, dummy weights (default: Llama-3-8B's)")
     ap.add_argument(
+        "--model", default="llama3-8b", choices=("llama3-8b", "qwen3-30b-a3b"), help="the shapes of the dummy model"
+    )
+    ap.add_argument(
         "--profile-steps",
         type=int,
         default=0,
