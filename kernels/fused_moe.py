@@ -5,7 +5,7 @@ expert blocks (kernels/moe_align.py), one launch each.
     h   = x[pair // top_k] @ w13[expert]^T           [num_pairs, 2 * intermediate]   (gate rows, up rows)
     act = silu(gate) * up                            [num_pairs, intermediate]       (kernels/fused.py)
     y   = (act @ w2[expert]^T) * routing weight      [num_pairs, hidden]
-    out = y summed over each token's top_k pairs     [num_tokens, hidden]
+    out = y summed over each token's top_k pairs     [num_tokens, hidden]                (in float32)
 
 A program owns BLOCK_M rows of one expert (padding rows and blocks past the last run do nothing)
 and BLOCK_N output features, and streams that expert's weight rows over K, so each expert's
@@ -57,6 +57,16 @@ def _expert_gemm_kernel(
         acc = acc * tl.load(weight_ptr + pairs, mask=valid, other=0.0)[:, None]
     c_ptrs = c_ptr + pairs[:, None].to(tl.int64) * stride_cm + n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _sum_top_k_kernel(y_ptr, out_ptr, N, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    token = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        acc += tl.load(y_ptr + (token * TOP_K + k).to(tl.int64) * N + n, mask=n < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token.to(tl.int64) * N + n, acc.to(out_ptr.dtype.element_ty), mask=n < N)
 
 
 def block_sizes(num_pairs: int, num_experts: int) -> tuple[int, int, int, int]:
@@ -111,4 +121,6 @@ def fused_moe(
     act = silu_and_mul(h)  # [num_pairs, intermediate]
     y = torch.empty((num_pairs, w2.shape[1]), dtype=x.dtype, device=x.device)
     _expert_gemm(act, w2, y, sorted_pairs, top_k, weights.flatten().float().contiguous(), blocks, a_per_token=False)
-    return y.view(num_tokens, top_k, -1).sum(dim=1)
+    out = torch.empty_like(x)  # [num_tokens, hidden]: each token's top_k rows of y summed
+    _sum_top_k_kernel[(num_tokens, triton.cdiv(out.shape[1], 1024))](y, out, out.shape[1], TOP_K=top_k, BLOCK_N=1024)
+    return out

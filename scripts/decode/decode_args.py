@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from ledgerserve.shared.config import EngineConfig
+from scripts.common.bench_fixtures import MODEL_SHAPES
 from scripts.decode.decode_bench import BLOCK
 
 DESCRIPTION = "Offline decode throughput of the worker: ModelRunner driven directly (no IPC)."
@@ -60,9 +61,7 @@ def _add_tp_and_profile_flags(ap: argparse.ArgumentParser) -> None:
         "--device", default="cuda", choices=("cuda", "cpu"), help="cpu: float32 (with --tensor-parallel-size)"
     )
     ap.add_argument("--model-dir", default="", help="a checkpoint's shapes, dummy weights (default: Llama-3-8B's)")
-    ap.add_argument(
-        "--model", default="llama3-8b", choices=("llama3-8b", "qwen3-30b-a3b"), help="the shapes of the dummy model"
-    )
+    ap.add_argument("--model", default="llama3-8b", choices=sorted(MODEL_SHAPES), help="the shapes of the dummy model")
     ap.add_argument(
         "--profile-steps",
         type=int,

@@ -32,7 +32,7 @@ from ledgerserve.worker_proc.requests import Requests
 from ledgerserve.worker_proc.runner import ModelRunner
 from ledgerserve.worker_proc.sampler import Sampler
 from ledgerserve.worker_proc.step_inputs import StepInputBuilder
-from scripts.common.bench_fixtures import LLAMA3_8B, write_adapter, write_model_dir
+from scripts.common.bench_fixtures import MODEL_SHAPES, write_adapter, write_model_dir
 from scripts.common.report_files import write_json
 from scripts.decode.decode_bench import BLOCK, Bench
 
@@ -150,16 +150,17 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--model", default="llama3-8b", choices=sorted(MODEL_SHAPES), help="the dummy model's shapes")
     ap.add_argument("--pdl", action="store_true", help="keep PDL on (kernel times then include waits)")
     ap.add_argument("--out", default="")
     return ap.parse_args()
 
 
 def build_runner(args: argparse.Namespace, root: str, max_batch: int, num_adapters: int) -> ModelRunner:
-    """A runner of the dummy Llama-3-8B with `num_adapters` random adapters in its slots."""
+    """A runner of the dummy model (`--model`'s shapes) with `num_adapters` random adapters in its slots."""
     blocks_per_req = -(-(128 + 8 * args.steps + 2) // BLOCK)  # as Bench sizes them
     config = EngineConfig(
-        model_dir=write_model_dir(root),
+        model_dir=write_model_dir(root, MODEL_SHAPES[args.model]),
         served_model_name="bench",
         max_model_len=128 + 8 * args.steps + 64,
         dtype="bfloat16",
@@ -175,7 +176,7 @@ def build_runner(args: argparse.Namespace, root: str, max_batch: int, num_adapte
         enforce_eager=args.eager,
     )
     runner = ModelRunner(config)
-    base = BaseShapes.from_hf_config(LLAMA3_8B)
+    base = BaseShapes.from_hf_config(MODEL_SHAPES[args.model])
     for i in range(num_adapters):
         runner.adapters.load(AdapterSlotAssigned(i, i, write_adapter(root, i, base, args.rank, "cuda")))
     return runner

@@ -12,7 +12,6 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ledgerserve.kernels import ops
@@ -101,6 +100,6 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor, lora: object | None, part: int | None = None) -> Deferred:
         """[num_tokens, hidden], this rank's partial sum at tensor parallel > 1. `lora` is unused:
         adapters do not target experts (shared/adapter_types.BaseShapes leaves them out)."""
-        router_logits = F.linear(x, self.gate.weight)  # [num_tokens, num_experts]
+        router_logits = ops.linear(x, self.gate.weight)  # [num_tokens, num_experts]
         y = ops.fused_moe(x, router_logits, self.experts.w13, self.experts.w2, self.top_k, self.renormalize)
         return Deferred(y, partial=y if self.group.size > 1 else None)
