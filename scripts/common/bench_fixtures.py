@@ -81,10 +81,10 @@ def write_model_dir(root: str, hf_config: dict | None = None) -> str:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def write_served_model_dir(root: str, tokenizer_dir: str) -> str:
+def write_served_model_dir(root: str, tokenizer_dir: str, hf_config: dict | None = None) -> str:
     """write_model_dir, plus the tokenizer files of `tokenizer_dir` (e.g. the demo model's),
     so that the server can run it with --load-format dummy."""
-    path = write_model_dir(root)
+    path = write_model_dir(root, hf_config)
     for name in TOKENIZER_FILES:
         shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(path, name))
     return path
@@ -98,17 +98,18 @@ def _module_path(kind: str, layer: int) -> str:
 def write_adapter(
     root: str, index: int, base: BaseShapes, rank: int, device: str, targets: list[str] | None = None
 ) -> str:
-    """A random PEFT LoRA adapter (rank `rank`, alpha 2*rank) on `targets` (default: all
-    seven projections; lm_head is not supported here)."""
-    targets = list(SEVEN if targets is None else targets)
+    """A random PEFT LoRA adapter (rank `rank`, alpha 2*rank) on `targets` (default: all seven
+    projections the base has: a mixture-of-experts layer's MLP takes none; lm_head is not supported here)."""
+    kinds = {kind for _, kind, _ in base.module_names()}
+    targets = [k for k in SEVEN if k in kinds] if targets is None else list(targets)
     if not targets or not set(targets) <= set(SEVEN):
         raise ValueError(f"adapter targets must be a non-empty subset of {SEVEN}, got {targets}")
     path = os.path.join(root, f"adapter-{index}")
     os.makedirs(path, exist_ok=True)
     gen = torch.Generator(device=device).manual_seed(1000 + index)
     tensors = {}
-    for layer in range(base.num_layers):
-        for kind in targets:
+    for _, kind, layer in base.module_names():
+        if kind in targets:
             in_f, out_f = base.in_out(kind)
             a = torch.randn(rank, in_f, generator=gen, device=device) * in_f**-0.5
             b = torch.randn(out_f, rank, generator=gen, device=device) * 0.01

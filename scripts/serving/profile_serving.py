@@ -204,11 +204,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.quick:
         args.model_dir, flags, rank, shape = args.demo_dir, QUICK_FLAGS, 8, (2, 8)
     else:
-        from scripts.common.bench_fixtures import write_served_model_dir
+        from scripts.common.bench_fixtures import MODEL_SHAPES, write_served_model_dir
 
-        model_dir = write_served_model_dir(args.work_dir, args.demo_dir)
+        model_dir = write_served_model_dir(args.work_dir, args.demo_dir, MODEL_SHAPES[args.model])
         args.model_dir, flags, rank, shape = model_dir, FULL_FLAGS, 16, (8, 64)
-    args.workloads = QUICK if args.quick else FULL
+    args.workloads = [w for w in (QUICK if args.quick else FULL) if not args.workloads or w.name in args.workloads]
     adapters = write_adapters(args, *shape, rank)
     modules = [f"{spec.name}={spec.path}" for spec in adapters]
     server_args = [*shlex.split(flags), *shlex.split(LORA_FLAGS), "--max-lora-rank", str(rank)]
@@ -240,6 +240,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--client-processes", type=int, default=0, help="client processes per pass (default: one per 32 in flight)"
     )
+    p.add_argument("--model", default="llama3-8b", help="the dummy model's shapes: llama3-8b or qwen3-30b-a3b")
+    p.add_argument("--workloads", type=lambda v: v.split(","), default=[], help="names to run (default: all)")
     p.add_argument("--out", default="", help="the JSON report")
     p.add_argument("--plot", default="", help="a PNG timeline of 40 ms of the first workload's warm pass")
     args = p.parse_args(argv)
