@@ -11,7 +11,6 @@ import torch
 
 from ledgerserve.kernels import ops
 from ledgerserve.kernels.moe_ref import fused_moe_ref, route
-
 from ledgerserve.shared.sampling import SamplingParams
 from ledgerserve.worker_proc.models.config import load_model_config
 from ledgerserve.worker_proc.models.loader import build_model
