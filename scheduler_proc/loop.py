@@ -95,6 +95,7 @@ class SchedulerShell:
                         self._on_synced()
                     else:
                         self._receive(sock)
+                self.stats_log.tick(time.monotonic())
         except Exception as exc:
             self.failure = f"scheduler error: {exc!r}"
             raise
@@ -253,6 +254,7 @@ class SchedulerShell:
         """Never raises or blocks: Shutdown to every worker that takes it, then LogClosed
         appended and synced, then every socket closed without linger."""
         closed = self._closed_record()
+        self.stats_log.flush(time.monotonic())  # the open interval's line, if any
         shutdown = codec.encode(events.Shutdown(closed.reason))
         for rank, sock in enumerate(self.to_workers):
             try:

@@ -4,12 +4,15 @@
     waiting: 12 reqs, KV cache usage: 41.2%, prefix cache hit rate: 35.0%, adapters: 2/8 GPU slots,
     5 in CPU tier, 1 loading
 
-One line every `interval_s` while the engine is busy (requests running or waiting), and one last
-line when it goes idle (covering the time since the line before); nothing while it is idle.
-Throughputs and the hit rate are over the line's interval: a request's prompt tokens count when
-its first token comes out (the whole prompt, cached tokens included, as vLLM counts them), its
-generated tokens as they come out. The shell feeds it after each input with the core's decisions,
-the EngineStats it published and the time on its clock; nothing here reads a clock.
+An interval opens at the first input that finds the engine busy (requests running or waiting) and
+gets its line `interval_s` later, busy or idle by then; the next opens when the engine is next busy.
+So a steady load gets a line every `interval_s`, a light one with idle gaps between its requests
+no more (not a line per request), and the last activity's line comes at most `interval_s` after it
+(or at shutdown); nothing while idle. Throughputs and the hit rate are over the line's interval: a request's prompt
+tokens count when its first token comes out (the whole prompt, cached tokens included, as vLLM
+counts them), its generated tokens as they come out. The shell feeds it after each input with the
+core's decisions, the EngineStats it published and the time on its clock, and `tick`s it while it
+waits for input; nothing here reads a clock.
 """
 
 from __future__ import annotations
@@ -39,27 +42,36 @@ class StatsLog:
         self.max_loras = max_loras  # 0: LoRA off, no adapter figures
         self.interval_s = interval_s
         self.emit = emit
-        self.started_s: float | None = None  # the interval's start; None while idle
+        self.started_s: float | None = None  # the open interval's start; None: none open
+        self.stats: ev.EngineStats | None = None  # the latest the core published
         self.interval = Interval()
         self.emitting: set[str] = set()  # requests whose first token came out and that have not finished
 
     def record(self, decisions: Iterable[ev.Event], stats: ev.EngineStats | None, now_s: float) -> None:
-        """After one input: count its emitted tokens; log a line when the interval is over or the
-        engine went idle."""
+        """After one input: count its emitted tokens; open an interval if the engine is busy, and
+        log the open one's line if it is over."""
         for decision in decisions:
             if isinstance(decision, ev.TokensEmitted):
                 self._count(decision)
         if stats is None:
             return
-        busy = stats.num_running + stats.num_waiting > 0
-        if self.started_s is None:
-            self.started_s = now_s if busy else None
+        self.stats = stats
+        if self.started_s is None and stats.num_running + stats.num_waiting > 0:
+            self.started_s = now_s
+        self.tick(now_s)
+
+    def tick(self, now_s: float) -> None:
+        """Log the open interval's line if `interval_s` have passed since it opened."""
+        if self.started_s is not None and now_s - self.started_s >= self.interval_s:
+            self.flush(now_s)
+
+    def flush(self, now_s: float) -> None:
+        """Log the open interval's line now, if one is open (the tick that found it due, or shutdown)."""
+        if self.started_s is None or self.stats is None:
             return
-        elapsed_s = now_s - self.started_s
-        if busy and elapsed_s < self.interval_s:
-            return
-        self.emit(stats_line(stats, self.interval, elapsed_s, self.max_loras))
+        self.emit(stats_line(self.stats, self.interval, now_s - self.started_s, self.max_loras))
         self.interval = Interval()
+        busy = self.stats.num_running + self.stats.num_waiting > 0
         self.started_s = now_s if busy else None
 
     def _count(self, emitted: ev.TokensEmitted) -> None:
