@@ -36,7 +36,6 @@ _UNSUPPORTED = {
     "exclude_modules": "Adapters with exclude_modules",
     "layer_replication": "Adapters with layer_replication",
     "lora_bias": "LoRA biases (lora_bias)",
-    "target_parameters": "Adapters on parameters (target_parameters)",
     "alora_invocation_tokens": "Activated LoRA adapters (alora_invocation_tokens)",
     "use_qalora": "QA-LoRA adapters (use_qalora)",
 }
@@ -61,6 +60,8 @@ class LoraSpec:
     all_linear: bool
     rank_pattern: tuple[PatternValue, ...]  # most specific (longest key) first
     alpha_pattern: tuple[PatternValue, ...]
+    target_parameters: tuple[str, ...] = ()  # 3-D parameters adapted in place (a MoE layer's experts)
+    peft_version: str | None = None  # the PEFT release that saved it, when recorded
 
 
 def read_config(
@@ -93,7 +94,8 @@ def read_config(
 def parse_config(config: dict[str, Any], max_lora_rank: int, budget: MatchBudget) -> LoraSpec:
     """The checked spec of a decoded config; AdapterError naming the first bad field."""
     _check_kind(config)
-    target_text = _targets(config.get("target_modules"))
+    parameters = _parameters(config.get("target_parameters"))
+    target_text = _targets(config.get("target_modules"), allow_none=bool(parameters))
     all_linear = target_text == "all-linear"
     pattern = None
     if isinstance(target_text, str) and not all_linear:
@@ -108,6 +110,8 @@ def parse_config(config: dict[str, Any], max_lora_rank: int, budget: MatchBudget
         all_linear=all_linear,
         rank_pattern=_patterns(config, "rank_pattern", lambda v, f: _rank(v, f, max_lora_rank), budget),
         alpha_pattern=_patterns(config, "alpha_pattern", _alpha, budget),
+        target_parameters=parameters,
+        peft_version=_version(config.get("peft_version")),
     )
 
 
@@ -129,7 +133,9 @@ def _check_kind(config: dict[str, Any]) -> None:
             raise AdapterError(f"{what} are not supported ({field} = {show(value)}).")
 
 
-def _targets(value: Any) -> str | list[str]:
+def _targets(value: Any, allow_none: bool = False) -> str | list[str]:
+    if not value and allow_none:
+        return []
     if not value:
         raise AdapterError("The adapter config names no target_modules.")
     if isinstance(value, str):
@@ -141,6 +147,25 @@ def _targets(value: Any) -> str | list[str]:
     long = next((t for t in value if len(t) > MAX_MODULE_NAME_CHARS), None)
     if long is not None:
         raise AdapterError(f"target_modules entry {show(long)} is longer than {MAX_MODULE_NAME_CHARS} characters.")
+    return value
+
+
+def _parameters(value: Any) -> tuple[str, ...]:
+    """target_parameters: a list of bounded strings (which of them the base has is checked later)."""
+    if not value:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
+        raise AdapterError(f"target_parameters must be a list of strings, got {show(value)}.")
+    if len(value) > MAX_TARGET_MODULES or any(len(t) > MAX_MODULE_NAME_CHARS for t in value):
+        raise AdapterError(f"target_parameters {show(value)} is too long.")
+    return tuple(value)
+
+
+def _version(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) > 64:
+        raise AdapterError(f"peft_version must be a short string, got {show(value)}.")
     return value
 
 

@@ -20,6 +20,7 @@ import os
 import struct
 from collections.abc import Callable, Sequence
 
+from ledgerserve.shared import expert_adapters
 from ledgerserve.shared.adapter_config import LoraSpec, PatternValue, read_config
 from ledgerserve.shared.adapter_digest import ContentDigest
 from ledgerserve.shared.adapter_files import file_size, is_inside, open_file
@@ -109,21 +110,29 @@ def _read(
         num_bytes = file_size(fd)
         header = read_header(fd, num_bytes, max_tensors(base))
         modules = _resolve_modules(spec, base)
-        _check_tensors(modules, header.tensors, base)
+        experts = _expert_modules(spec, base)
+        for expert in experts:
+            expert_adapters.check_module(expert, header.tensors, base, spec.peft_version)
+        _check_tensors(modules, header.tensors, base, {k for e in experts for k in (e.a_key, e.b_key)})
         if check_weights:
             _scan_weights(fd, header, modules, digest, model_dtype)
         elif read_weights is not None:
             read_weights(fd, num_bytes, header, modules, digest)
     finally:
         os.close(fd)
+    if experts:  # read and checked whole; the engine cannot serve them yet
+        raise AdapterError(
+            f"The adapter's expert LoRA (PEFT target_parameters, {len(experts)} tensors pairs over "
+            f"{len(base.sparse_layers)} layers) is well formed, but expert adapters cannot be served yet."
+        )
     sha256 = digest.value if check_weights or read_weights is not None else ""
     return AdapterManifest(real, tuple(modules), num_bytes, max(m.rank for m in modules), weights_path, sha256)
 
 
 def max_tensors(base: BaseShapes) -> int:
-    """The most tensors an adapter of `base` can hold: A and B of every module, and PEFT's
-    saved copies of the embedding and lm_head."""
-    return 2 * len(base.module_names()) + 2
+    """The most tensors an adapter of `base` can hold: A and B of every module and of each sparse
+    layer's two expert parameters, and PEFT's saved copies of the embedding and lm_head."""
+    return 2 * len(base.module_names()) + 4 * len(base.sparse_layers) + 2
 
 
 def _open_weights(real: str, roots: tuple[str, ...]) -> tuple[int, str]:
@@ -147,7 +156,7 @@ def _resolve_modules(spec: LoraSpec, base: BaseShapes) -> list[LoraModule]:
         modules.append(
             LoraModule(name, kind, layer, rank, float(scaling), f"{prefix}.lora_A.weight", f"{prefix}.lora_B.weight")
         )
-    if not modules:
+    if not modules and not spec.target_parameters:
         raise AdapterError(f"target_modules {show(spec.target_text)} match no module of the base model.")
     unknown = [t for t in spec.target_names if not any(n == t or n.endswith("." + t) for n, _, _ in names)]
     if unknown:
@@ -194,8 +203,18 @@ def _matches(pattern: ModulePattern, name: str, field: str) -> bool:
         raise AdapterError(f"{where} is refused: {e.message}.") from None
 
 
-def _check_tensors(modules: list[LoraModule], tensors: dict[str, TensorEntry], base: BaseShapes) -> None:
-    expected_keys = set()
+def _expert_modules(spec: LoraSpec, base: BaseShapes) -> list[expert_adapters.ExpertModule]:
+    params = expert_adapters.targeted_params(spec.target_parameters)
+    if not params:
+        return []
+    rank, scaling = spec.rank, spec.alpha / math.sqrt(spec.rank) if spec.use_rslora else spec.alpha / spec.rank
+    return expert_adapters.expert_modules(params, base, rank, _scaling(scaling, "mlp.experts"))
+
+
+def _check_tensors(
+    modules: list[LoraModule], tensors: dict[str, TensorEntry], base: BaseShapes, expert_keys: set[str]
+) -> None:
+    expected_keys = set(expert_keys)
     for m in modules:
         in_f, out_f = base.in_out(m.kind)
         for key, shape in ((m.a_key, (m.rank, in_f)), (m.b_key, (out_f, m.rank))):

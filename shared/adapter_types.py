@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ledgerserve.shared.moe_layers import sparse_mlp_layers
+from ledgerserve.shared.moe_layers import expert_shapes, sparse_mlp_layers
 
 TARGET_KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -33,6 +33,8 @@ class BaseShapes:
     kv_size: int  # num_kv_heads * head_dim
     vocab_size: int
     sparse_layers: tuple[int, ...] = ()  # layers whose MLP is a mixture of experts: no MLP targets there
+    num_experts: int = 0  # of each sparse layer
+    expert_intermediate_size: int = 0  # of one expert
 
     @staticmethod
     def from_hf_config(cfg: dict) -> BaseShapes:
@@ -45,6 +47,8 @@ class BaseShapes:
             kv_size=cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * head_dim,
             vocab_size=cfg["vocab_size"],
             sparse_layers=sparse_mlp_layers(cfg),
+            num_experts=expert_shapes(cfg)[0],
+            expert_intermediate_size=expert_shapes(cfg)[1],
         )
 
     def in_out(self, kind: str) -> tuple[int, int]:

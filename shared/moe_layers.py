@@ -24,3 +24,14 @@ def sparse_mlp_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
     step = int(cfg.get("decoder_sparse_step", 1))
     dense = set(cfg.get("mlp_only_layers") or [])
     return tuple(i for i in range(num_layers) if i not in dense and step > 0 and (i + 1) % step == 0)
+
+
+def expert_shapes(cfg: dict[str, Any]) -> tuple[int, int]:
+    """(number of experts, one expert's intermediate size); (0, 0) for a dense architecture."""
+    arch = moe_architecture(cfg)
+    if arch is None:
+        return 0, 0
+    num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if arch == "MixtralForCausalLM":
+        return num_experts, int(cfg["intermediate_size"])
+    return num_experts, int(cfg["moe_intermediate_size"])

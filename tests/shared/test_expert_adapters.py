@@ -1,0 +1,130 @@
+"""Expert LoRA in PEFT's target_parameters form (shared/expert_adapters.py), read by the one bounded
+reader: PEFT's own files pass every check (and are then refused, as the engine cannot serve them
+yet, saying so); PEFT 0.18's transposed form, an ambiguous one without a recorded version, a
+misshapen tensor and a parameter the base lacks are refused with the reason."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ledgerserve.shared.adapter_format import AdapterError, BaseShapes, read_manifest
+
+E, H, INTER, R = 4, 24, 10, 2  # experts, hidden, expert intermediate, rank
+BASE = BaseShapes(2, H, 40, H, 8, 50, sparse_layers=(0, 1), num_experts=E, expert_intermediate_size=INTER)
+SQUARE = BaseShapes(2, H, 40, H, 8, 50, sparse_layers=(1,), num_experts=E, expert_intermediate_size=H // 2)
+NOT_SERVED = "well formed, but expert adapters cannot be served yet"
+
+
+def _write(tmp_path, base: BaseShapes, params: list[str], version: str | None = "0.21.2", swap: bool = False, **kw):
+    """A target_parameters adapter as PEFT saves one (`swap`: in PEFT 0.18's form, in and out swapped)."""
+    tensors = {}
+    for layer in base.sparse_layers:
+        prefix = f"base_model.model.model.layers.{layer}.mlp.experts"
+        for param in params:
+            n_in, n_out = (
+                (H, 2 * base.expert_intermediate_size)
+                if param == "gate_up_proj"
+                else (base.expert_intermediate_size, H)
+            )
+            if swap:
+                n_in, n_out = n_out, n_in
+            stem = f"{prefix}.base_layer" if len(params) == 2 and param == "gate_up_proj" else prefix
+            tensors[f"{stem}.lora_A.weight"] = torch.randn(R * E, n_in)
+            tensors[f"{stem}.lora_B.weight"] = torch.randn(n_out, R * E)
+    tensors.update(kw.pop("extra", {}))
+    path = tmp_path / "adapter"
+    path.mkdir(exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": R, "lora_alpha": 2 * R, "target_modules": [], "bias": "none"}
+    config["target_parameters"] = [f"mlp.experts.{p}" for p in reversed(params)]  # PEFT sorts; order is free
+    if version is not None:
+        config["peft_version"] = version
+    (path / "adapter_config.json").write_text(json.dumps({**config, **kw}))
+    return str(path)
+
+
+@pytest.mark.parametrize("params", [["gate_up_proj", "down_proj"], ["down_proj"], ["gate_up_proj"]])
+def test_peft_files_pass_every_check(tmp_path, params) -> None:
+    with pytest.raises(AdapterError, match=NOT_SERVED):
+        read_manifest(_write(tmp_path, BASE, params), BASE, 16, (str(tmp_path),), check_weights=True)
+
+
+def test_the_nesting_is_gate_up_inside(tmp_path) -> None:
+    path = _write(tmp_path, BASE, ["gate_up_proj", "down_proj"])
+    weights = os.path.join(path, "adapter_model.safetensors")
+    from safetensors.torch import load_file
+
+    tensors = load_file(weights)
+    inner = "base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight"
+    outer = "base_model.model.model.layers.0.mlp.experts.lora_A.weight"
+    tensors[inner], tensors[outer] = tensors[outer], tensors[inner]  # down's A where gate_up's goes
+    save_file(tensors, weights)
+    with pytest.raises(AdapterError, match="layer 0 mlp.experts.gate_up_proj has A"):
+        read_manifest(path, BASE, 16, (str(tmp_path),))
+
+
+def test_peft_0_18_transposed_form_is_refused(tmp_path) -> None:
+    path = _write(tmp_path, BASE, ["gate_up_proj", "down_proj"], version="0.18.1", swap=True)
+    with pytest.raises(AdapterError, match="written by PEFT 0.18 or earlier.*transposed"):
+        read_manifest(path, BASE, 16, (str(tmp_path),))
+
+
+def test_equal_in_and_out_needs_the_recorded_version(tmp_path) -> None:
+    """2I == H: the shapes cannot tell the forms apart."""
+    params = ["gate_up_proj"]
+    with pytest.raises(AdapterError, match="ambiguous.*records none"):
+        read_manifest(_write(tmp_path, SQUARE, params, version=None), SQUARE, 16, (str(tmp_path),))
+    with pytest.raises(AdapterError, match="written by PEFT 0.18"):
+        read_manifest(_write(tmp_path, SQUARE, params, version="0.18.0"), SQUARE, 16, (str(tmp_path),))
+    with pytest.raises(AdapterError, match=NOT_SERVED):
+        read_manifest(_write(tmp_path, SQUARE, params, version="0.19.0"), SQUARE, 16, (str(tmp_path),))
+
+
+def test_current_shapes_with_an_old_version_are_refused(tmp_path) -> None:
+    with pytest.raises(AdapterError, match="records peft_version '0.17.0'"):
+        read_manifest(_write(tmp_path, BASE, ["down_proj"], version="0.17.0"), BASE, 16, (str(tmp_path),))
+
+
+def test_misshapen_missing_and_foreign_tensors(tmp_path) -> None:
+    path = _write(tmp_path, BASE, ["down_proj"])
+    weights = os.path.join(path, "adapter_model.safetensors")
+    from safetensors.torch import load_file
+
+    tensors = load_file(weights)
+    key = "base_model.model.model.layers.1.mlp.experts.lora_B.weight"
+    tensors[key] = tensors[key][:, :-1].contiguous()  # one expert's column short
+    save_file(tensors, weights)
+    with pytest.raises(AdapterError, match=r"layer 1 mlp.experts.down_proj has A \[8, 10\] and B \[24, 7\]"):
+        read_manifest(path, BASE, 16, (str(tmp_path),))
+    del tensors[key]
+    save_file(tensors, weights)
+    with pytest.raises(AdapterError, match="lack tensor"):
+        read_manifest(path, BASE, 16, (str(tmp_path),))
+
+
+def test_parameters_the_base_lacks_are_refused(tmp_path) -> None:
+    path = _write(tmp_path, BASE, ["down_proj"], target_parameters=["mlp.router.weight"])
+    with pytest.raises(AdapterError, match="not an expert parameter"):
+        read_manifest(path, BASE, 16, (str(tmp_path),))
+    dense = BaseShapes(2, H, 40, H, 8, 50)
+    with pytest.raises(AdapterError, match="no experts"):
+        read_manifest(_write(tmp_path, BASE, ["down_proj"]), dense, 16, (str(tmp_path),))
+
+
+def test_an_adapter_peft_saved_passes_every_check(tiny_moe_checkpoint: str, tmp_path) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    from tests.model_factory import load_reference
+
+    with open(os.path.join(tiny_moe_checkpoint, "config.json"), encoding="utf-8") as f:
+        base = BaseShapes.from_hf_config(json.load(f))
+    targets = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    config = LoraConfig(r=3, lora_alpha=9, target_modules=["q_proj"], target_parameters=targets)
+    get_peft_model(load_reference(tiny_moe_checkpoint), config).save_pretrained(str(tmp_path / "saved"))
+    with pytest.raises(AdapterError, match=NOT_SERVED):
+        read_manifest(str(tmp_path / "saved"), base, 16, (str(tmp_path),), check_weights=True)
