@@ -151,7 +151,7 @@ def _resolve_modules(spec: LoraSpec, base: BaseShapes) -> list[LoraModule]:
             continue
         rank = int(_pattern_value(spec.rank_pattern, name, spec.rank))
         alpha = _pattern_value(spec.alpha_pattern, name, spec.alpha)
-        scaling = _scaling(alpha / math.sqrt(rank) if spec.use_rslora else alpha / rank, name)
+        scaling = _scaling(alpha, rank, spec.use_rslora, name)
         prefix = f"base_model.model.{name}"
         modules.append(
             LoraModule(name, kind, layer, rank, float(scaling), f"{prefix}.lora_A.weight", f"{prefix}.lora_B.weight")
@@ -166,8 +166,10 @@ def _resolve_modules(spec: LoraSpec, base: BaseShapes) -> list[LoraModule]:
     return modules
 
 
-def _scaling(scaling: float, name: str) -> float:
-    """A module's scaling, which the workers keep in float32: refused if it is infinite there."""
+def _scaling(alpha: float, rank: int, use_rslora: bool, name: str) -> float:
+    """A module's scaling (alpha / r, or alpha / sqrt(r) with rsLoRA), which the workers keep in
+    float32: refused if it is infinite there."""
+    scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
     try:
         struct.pack("<f", scaling)
     except OverflowError:
@@ -207,8 +209,8 @@ def _expert_modules(spec: LoraSpec, base: BaseShapes) -> list[expert_adapters.Ex
     params = expert_adapters.targeted_params(spec.target_parameters)
     if not params:
         return []
-    rank, scaling = spec.rank, spec.alpha / math.sqrt(spec.rank) if spec.use_rslora else spec.alpha / spec.rank
-    return expert_adapters.expert_modules(params, base, rank, _scaling(scaling, "mlp.experts"))
+    scaling = _scaling(spec.alpha, spec.rank, spec.use_rslora, "mlp.experts")
+    return expert_adapters.expert_modules(params, base, spec.rank, scaling)
 
 
 def _check_tensors(
