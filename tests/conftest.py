@@ -6,7 +6,24 @@ from pathlib import Path
 
 import pytest
 
+from tests import fresh_venv
 from tests.model_factory import DENSE_ARCHS, MOE_ARCHS, make_tiny_checkpoint
+
+FRESH_JOB = pytest.StashKey[fresh_venv.Job]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the fresh-venv job (tests/fresh_venv.py) when its test is collected: it runs beside the
+    tests before it, at the lowest CPU priority."""
+    if any(item.path.name == "test_fresh_install.py" for item in session.items):
+        from tests.test_fresh_install import readme_install_line
+
+        session.config.stash[FRESH_JOB] = fresh_venv.Job.start(readme_install_line())
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if (job := session.config.stash.get(FRESH_JOB, None)) is not None:
+        job.stop()
 
 
 @pytest.fixture(scope="session", params=DENSE_ARCHS)

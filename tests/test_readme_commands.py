@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -245,11 +246,15 @@ def test_every_script_the_readme_names_answers_help() -> None:
     assert shell == sorted(GPU_SCRIPTS), "a shell script the README names is not classified"
     scripts = _scripts_named()
     assert {"serving.bench_serving", "ops.make_demo_model", "serving.load_test", "ops.tp_smoke"} <= set(scripts)
-    for name in scripts:
-        done = subprocess.run(
-            [sys.executable, "-m", f"scripts.{name}", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
-        )
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # each is mostly importing torch: one per core
+        runs = pool.map(_help, scripts)
+    for name, done in zip(scripts, runs):
         assert done.returncode == 0 and "usage" in done.stdout.lower(), (name, done.stderr[-2000:])
+
+
+def _help(name: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", f"scripts.{name}", "--help"]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["replay", "--help"], ["--version"]])

@@ -238,7 +238,8 @@ def test_a_child_failing_at_start_leaves_no_run_directory(demo_model_dir, tmp_pa
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_drains_in_flight_request_then_exits_clean(sig, tmp_path, demo_home):
-    # the demo serves its adapters, so LoRA is on: a 1000-token drain on a busy 2-core CPU can outlast 30 s
+    # 300 tokens: seconds of decoding, far longer than the draining checks need; the demo serves its
+    # adapters, so LoRA is on, and a drain on a busy 2-core CPU can outlast 30 s: a long shutdown timeout
     args = ["--max-model-len", "2048", "--shutdown-timeout", "300"]
     server = Server(None, str(tmp_path), args, env={"HOME": demo_home}).start()  # the demo model, by default
     assert "serving the DEMO model" in server.output()
@@ -247,7 +248,7 @@ def test_signal_drains_in_flight_request_then_exits_clean(sig, tmp_path, demo_ho
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x")
     model = client.models.list().data[0].id
     stream = client.completions.create(
-        model=model, prompt="The river", max_tokens=1000, stream=True, extra_body={"ignore_eos": True}
+        model=model, prompt="The river", max_tokens=300, stream=True, extra_body={"ignore_eos": True}
     )
     first = next(iter(stream))
     server.proc.send_signal(sig)
