@@ -32,6 +32,7 @@ from ledgerserve.shared.events import (
     TokensEmitted,
 )
 from ledgerserve.tokenizer_proc.live_ids import LiveRequestIds
+from ledgerserve.tokenizer_proc.mailbox import Mailbox
 from ledgerserve.tokenizer_proc.request_spans import RequestSpans
 from ledgerserve.tokenizer_proc.request_trace import RequestObserver
 
@@ -65,12 +66,9 @@ class EngineDeadError(EngineError):
     error_type = "ServiceUnavailableError"
 
 
-_Item = TokensEmitted | EngineError
-
-
 class EngineClientBase(abc.ABC):
     def __init__(self) -> None:
-        self._queues: dict[str, asyncio.Queue[_Item]] = {}
+        self._queues: dict[str, Mailbox] = {}  # req id -> its outputs not yet read
         self._pending_aborts: set[asyncio.Task[None]] = set()
         self.is_healthy = True  # False once the engine has failed
         self.is_ready = False  # True once every worker rank is up (EngineReady)
@@ -139,7 +137,7 @@ class EngineClientBase(abc.ABC):
             raise EngineDeadError(reason)
         if self.is_in_flight(arrived.req_id):
             raise RequestRejectedError(f"Request id `{arrived.req_id}` is already in flight.", 400, "X-Request-Id")
-        queue: asyncio.Queue[_Item] = asyncio.Queue()
+        queue = Mailbox()
         self._queues[arrived.req_id] = queue
         span = self.spans.received(arrived) if self.spans is not None else None
         try:
@@ -237,9 +235,9 @@ class EngineClientBase(abc.ABC):
             if queue is None:
                 return  # aborted or unknown: drop
             if isinstance(event, RequestRejected):
-                queue.put_nowait(RequestRejectedError(event.message, event.code, event.param))
+                queue.put(RequestRejectedError(event.message, event.code, event.param))
             else:
-                queue.put_nowait(event)
+                queue.put(event)
             return
         self.num_bad_frames += 1  # decodes, but has no business on this channel
 
@@ -263,7 +261,7 @@ class EngineClientBase(abc.ABC):
         self.failure_message = message
         self._live.clear()
         for queue in self._queues.values():
-            queue.put_nowait(EngineDeadError(f"engine failed: {message}"))
+            queue.put(EngineDeadError(f"engine failed: {message}"))
         for future in self._ops.values():
             if not future.done():
                 future.set_exception(EngineDeadError(f"engine failed: {message}"))
