@@ -7,14 +7,36 @@ from pathlib import Path
 import pytest
 
 from tests import fresh_venv
+from tests.demo_build import DemoBuild
 from tests.model_factory import DENSE_ARCHS, MOE_ARCHS, make_tiny_checkpoint
 
 FRESH_JOB = pytest.StashKey[fresh_venv.Job]()
+DEMO_BUILD = pytest.StashKey[DemoBuild]()
+
+
+def _needs_demo(item: pytest.Item) -> bool:
+    return "demo_model_dir" in getattr(item, "fixturenames", ())
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run order, by module (its module-scoped servers start once): modules that need no demo
+    model first, while the demo model builds in the background, then those that do (and the
+    end-to-end ones, some of which ask for it by name), then the
+    fresh-venv check (its job ran beside them all). Stable: each stage keeps pytest's order."""
+    demo_modules = {item.path for item in items if _needs_demo(item) or "e2e" in item.path.parts}
+
+    def stage(item: pytest.Item) -> int:
+        return 2 if item.path.name == "test_fresh_install.py" else int(item.path in demo_modules)
+
+    items.sort(key=stage)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the fresh-venv job (tests/fresh_venv.py) when its test is collected: it runs beside the
-    tests before it, at the lowest CPU priority."""
+    """Start the background work the collected tests wait for: the demo-model build, and the
+    fresh-venv job (tests/fresh_venv.py, at the lowest CPU priority)."""
+    if any(_needs_demo(item) for item in session.items):
+        session.config.stash[DEMO_BUILD] = DemoBuild.start()
     if any(item.path.name == "test_fresh_install.py" for item in session.items):
         from tests.test_fresh_install import readme_install_line
 
@@ -22,8 +44,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    if (job := session.config.stash.get(FRESH_JOB, None)) is not None:
-        job.stop()
+    for key in (FRESH_JOB, DEMO_BUILD):
+        if (job := session.config.stash.get(key, None)) is not None:
+            job.stop()
 
 
 @pytest.fixture(scope="session", params=DENSE_ARCHS)
@@ -42,8 +65,11 @@ def tiny_moe_checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest
 
 
 @pytest.fixture(scope="session")
-def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The demo model, built once into the session's temp dir (not the user's cache)."""
+def demo_model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The demo model, built once for the session (not into the user's cache): by the background
+    build the session started at collection, or here."""
+    if (build := request.config.stash.get(DEMO_BUILD, None)) is not None:
+        return build.wait()
     from ledgerserve.demo_model import ensure_demo_model
 
     return ensure_demo_model(str(tmp_path_factory.mktemp("demo") / "demo-model"))

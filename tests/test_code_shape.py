@@ -89,7 +89,7 @@ PACKAGE_BUDGETS = {
         "every event of every channel, the codec, config and flags, the event-log format and its group commit, "
         "the serving-path profile's spans, the adapter reader with its expert forms",
     ),
-    "tokenizer_proc/": (5200, "the OpenAI/vLLM HTTP surface: routes, schemas, limits, auth, templates, metrics"),
+    "tokenizer_proc/": (5300, "the OpenAI/vLLM HTTP surface: routes, schemas, auth, templates, metrics, mailboxes"),
     "scheduler_proc/": (5700, "the sans-IO core with adapter placement, its views, the ledger, shell and replay"),
     "worker_proc/": (
         5900,
