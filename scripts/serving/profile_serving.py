@@ -5,7 +5,11 @@ with fresh prompts), then each burst once more with the warm pass's prompts ("re
 server, checks its event log with `replay --verify`, and reports per pass:
 
     python -m scripts.serving.profile_serving --out profile.json --plot timeline.png   # one GPU
+    python -m scripts.serving.profile_serving --no-spans --out plain.json              # no profile
     python -m scripts.serving.profile_serving --quick                                  # CPU, demo model
+
+Writing spans costs every process some time, so the throughput and latency to set beside
+another server's come from a `--no-spans` run (the same passes, no per-step profile).
 
 The GPU workload: Llama-3-8B shapes (`--load-format dummy`, bf16), the demo model's tokenizer,
 64 rank-16 PEFT adapters on all seven projections registered with `--lora-modules` (8 distinct
@@ -183,14 +187,17 @@ async def serve_passes(server: Server, args: argparse.Namespace, adapters: list[
 
 
 def analyse(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each row's profile (None without spans), and `replay --verify` of the event log."""
     from ledgerserve.scheduler_proc.replay.verify import replay
 
-    files = [os.path.join(args.profile_dir, name) for name in sorted(os.listdir(args.profile_dir))]
-    sp = profile_report.Spans.of(record for path in files for record in spans.read_spans(path))
     log_path = newest_log(args.log_dir)
-    facts = profile_report.LogFacts.of(EventLogReader(log_path))
+    sp = None
+    if not args.no_spans:
+        files = [os.path.join(args.profile_dir, name) for name in sorted(os.listdir(args.profile_dir))]
+        sp = profile_report.Spans.of(record for path in files for record in spans.read_spans(path))
+        facts = profile_report.LogFacts.of(EventLogReader(log_path))
     for row in rows:
-        row["profile"] = profile_report.window_report(sp, facts, *row["window_ns"])
+        row["profile"] = None if sp is None else profile_report.window_report(sp, facts, *row["window_ns"])
     verified = replay(log_path)
     return {"log": log_path, "replay_verified": verified.ok, "spans": sp}
 
@@ -212,7 +219,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     adapters = write_adapters(args, *shape, rank)
     modules = [f"{spec.name}={spec.path}" for spec in adapters]
     server_args = [*shlex.split(flags), *shlex.split(LORA_FLAGS), "--max-lora-rank", str(rank)]
-    server_args += ["--profile-dir", args.profile_dir, *shlex.split(args.server_args), "--lora-modules", *modules]
+    server_args += [] if args.no_spans else ["--profile-dir", args.profile_dir]
+    server_args += [*shlex.split(args.server_args), "--lora-modules", *modules]
     started = time.perf_counter()
     server = Server(args.model_dir, args.log_dir, server_args, start_timeout_s=900).start()
     start_s = round(time.perf_counter() - started, 1)  # to a healthy /health: start-up, warm-up, staging
@@ -244,7 +252,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--workloads", type=lambda v: v.split(","), default=[], help="names to run (default: all)")
     p.add_argument("--out", default="", help="the JSON report")
     p.add_argument("--plot", default="", help="a PNG timeline of 40 ms of the first workload's warm pass")
+    p.add_argument(
+        "--no-spans",
+        action="store_true",
+        help="serve without --profile-dir: the figures of a server as users run it (writing spans\n"
+        "costs every process some time), without the per-step profile",
+    )
     args = p.parse_args(argv)
+    if args.no_spans and args.plot:
+        p.error("--plot draws the spans: it cannot go with --no-spans")
     args.input_len = args.input_len or (64 if args.quick else 256)
     args.output_len = args.output_len or (16 if args.quick else 128)
     return args
@@ -253,11 +269,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def cli(argv: Sequence[str] | None = None) -> int:
     report = main(argv)
     for row in report["rows"]:
-        device, ttft = row["profile"]["device"], row["profile"]["ttft_parts_ms"]
+        profiled = ""
+        if row["profile"] is not None:
+            device, ttft = row["profile"]["device"], row["profile"]["ttft_parts_ms"]
+            profiled = f", device idle {device.get('idle_share')}, server TTFT p50 {ttft['ttft']['p50']} ms"
         print(
             f"{row['workload']:>12} {row['pass']:>6}: {row['output_tokens_per_s']} tok/s, "
-            f"device idle {device.get('idle_share')}, TTFT p50 {row['ttft_ms']['p50']} ms "
-            f"(server {ttft['ttft']['p50']} ms), cpu {row['cpu_share']}"
+            f"TTFT p50 {row['ttft_ms']['p50']} ms{profiled}, cpu {row['cpu_share']}"
         )
     print(f"started in {report['start_s']} s; replay --verify: {'ok' if report['replay_verified'] else 'DIVERGED'}")
     return 0 if report["replay_verified"] else 1
