@@ -113,9 +113,11 @@ def _read(
         experts = _expert_modules(spec, base)
         for expert in experts:
             expert_adapters.check_module(expert, header.tensors, base, spec.peft_version)
-        _check_tensors(modules, header.tensors, base, {k for e in experts for k in (e.a_key, e.b_key)})
+        expert_keys = {k for e in experts for k in (e.a_key, e.b_key)}
+        _check_tensors(modules, header.tensors, base, expert_keys)
         if check_weights:
-            _scan_weights(fd, header, modules, digest, model_dtype)
+            keys = {k for m in modules for k in (m.a_key, m.b_key)} | expert_keys
+            _scan_weights(fd, header, keys, digest, model_dtype)
         elif read_weights is not None:
             read_weights(fd, num_bytes, header, modules, digest)
     finally:
@@ -249,10 +251,10 @@ def _is_saved_embedding(key: str, entry: TensorEntry, base: BaseShapes) -> bool:
     return shape == (base.vocab_size, base.hidden_size)
 
 
-def _scan_weights(fd: int, header: Header, modules: list[LoraModule], digest: ContentDigest, model_dtype: str) -> None:
-    """One pass over the weights file: all of it into `digest`, the modules' tensors checked
-    finite in `model_dtype`."""
-    problems = scan(fd, header, digest.update, {key for m in modules for key in (m.a_key, m.b_key)}, model_dtype)
+def _scan_weights(fd: int, header: Header, keys: set[str], digest: ContentDigest, model_dtype: str) -> None:
+    """One pass over the weights file: all of it into `digest`, the tensors of `keys` (every
+    module's A and B, the experts' among them) checked finite in `model_dtype`."""
+    problems = scan(fd, header, digest.update, keys, model_dtype)
     if problems:
         key, problem = next(iter(problems.items()))  # the first in file order
         raise AdapterError(f"Tensor {key} holds {problem}.")

@@ -1,7 +1,7 @@
 """Expert LoRA in PEFT's target_parameters form (shared/expert_adapters.py), read by the one bounded
 reader: PEFT's own files pass every check (and are then refused, as the engine cannot serve them
 yet, saying so); PEFT 0.18's transposed form, an ambiguous one without a recorded version, a
-misshapen tensor and a parameter the base lacks are refused with the reason."""
+misshapen, truncated or non-finite tensor and a parameter the base lacks are refused with the reason."""
 
 from __future__ import annotations
 
@@ -105,6 +105,31 @@ def test_misshapen_missing_and_foreign_tensors(tmp_path) -> None:
     save_file(tensors, weights)
     with pytest.raises(AdapterError, match="lack tensor"):
         read_manifest(path, BASE, 16, (str(tmp_path),))
+
+
+@pytest.mark.parametrize(("bad", "dtype"), [(float("nan"), "float32"), (float("inf"), "float32"), (7e4, "float16")])
+def test_an_expert_tensor_that_is_not_finite_in_the_model_dtype_is_refused(tmp_path, bad, dtype) -> None:
+    """The same value checks as a dense module's: NaN, infinity, and a value past the range of the
+    dtype the workers cast it to (7e4: finite in float32, not in float16)."""
+    path = _write(tmp_path, BASE, ["gate_up_proj", "down_proj"])
+    weights = os.path.join(path, "adapter_model.safetensors")
+    from safetensors.torch import load_file
+
+    tensors = load_file(weights)
+    key = "base_model.model.model.layers.1.mlp.experts.base_layer.lora_B.weight"
+    tensors[key][3, 5] = bad
+    save_file(tensors, weights)
+    with pytest.raises(AdapterError, match=f"Tensor {key} holds"):
+        read_manifest(path, BASE, 16, (str(tmp_path),), check_weights=True, model_dtype=dtype)
+
+
+def test_a_truncated_expert_tensor_is_a_400(tmp_path) -> None:
+    path = _write(tmp_path, BASE, ["gate_up_proj", "down_proj"])
+    weights = os.path.join(path, "adapter_model.safetensors")
+    os.truncate(weights, os.path.getsize(weights) - 5)  # the last tensor's bytes cut short
+    with pytest.raises(AdapterError) as info:
+        read_manifest(path, BASE, 16, (str(tmp_path),), check_weights=True)
+    assert info.value.code == 400 and NOT_SERVED not in info.value.message
 
 
 def test_parameters_the_base_lacks_are_refused(tmp_path) -> None:
