@@ -109,11 +109,16 @@ def _read(
     try:
         num_bytes = file_size(fd)
         header = read_header(fd, num_bytes, max_tensors(base))
-        modules = _resolve_modules(spec, base)
+        modules, per_expert = _resolve_modules(spec, base), _per_expert_modules(spec, base, header.tensors)
         experts = _expert_modules(spec, base)
+        if not modules and not per_expert and not experts:
+            raise AdapterError(f"target_modules {show(spec.target_text)} match no module of the base model.")
         for expert in experts:
             expert_adapters.check_module(expert, header.tensors, base, spec.peft_version)
+        for module in per_expert:
+            expert_adapters.check_per_expert(module, header.tensors, base)
         expert_keys = {k for e in experts for k in (e.a_key, e.b_key)}
+        expert_keys |= {k for m in per_expert for k in (*m.a_keys, *m.b_keys) if k is not None}
         _check_tensors(modules, header.tensors, base, expert_keys)
         if check_weights:
             keys = {k for m in modules for k in (m.a_key, m.b_key)} | expert_keys
@@ -122,19 +127,22 @@ def _read(
             read_weights(fd, num_bytes, header, modules, digest)
     finally:
         os.close(fd)
-    if experts:  # read and checked whole; the engine cannot serve them yet
+    if experts or per_expert:  # read and checked whole; the engine cannot serve them yet
+        form = f"PEFT target_parameters, {len(experts)}" if experts else f"per-expert modules, {len(per_expert)}"
         raise AdapterError(
-            f"The adapter's expert LoRA (PEFT target_parameters, {len(experts)} tensors pairs over "
-            f"{len(base.sparse_layers)} layers) is well formed, but expert adapters cannot be served yet."
+            f"The adapter's expert LoRA ({form} projections over {len(base.sparse_layers)} layers) "
+            "is well formed, but expert adapters cannot be served yet."
         )
     sha256 = digest.value if check_weights or read_weights is not None else ""
     return AdapterManifest(real, tuple(modules), num_bytes, max(m.rank for m in modules), weights_path, sha256)
 
 
 def max_tensors(base: BaseShapes) -> int:
-    """The most tensors an adapter of `base` can hold: A and B of every module and of each sparse
-    layer's two expert parameters, and PEFT's saved copies of the embedding and lm_head."""
-    return 2 * len(base.module_names()) + 4 * len(base.sparse_layers) + 2
+    """The most tensors an adapter of `base` can hold: A and B of every module, of each sparse
+    layer's two expert parameters or of its experts' own modules, and PEFT's saved copies of the
+    embedding and lm_head."""
+    per_expert = 2 * len(expert_adapters.PROJS) * base.num_experts * len(base.sparse_layers)
+    return 2 * len(base.module_names()) + 4 * len(base.sparse_layers) + per_expert + 2
 
 
 def _open_weights(real: str, roots: tuple[str, ...]) -> tuple[int, str]:
@@ -158,9 +166,13 @@ def _resolve_modules(spec: LoraSpec, base: BaseShapes) -> list[LoraModule]:
         modules.append(
             LoraModule(name, kind, layer, rank, float(scaling), f"{prefix}.lora_A.weight", f"{prefix}.lora_B.weight")
         )
-    if not modules and not spec.target_parameters:
-        raise AdapterError(f"target_modules {show(spec.target_text)} match no module of the base model.")
-    unknown = [t for t in spec.target_names if not any(n == t or n.endswith("." + t) for n, _, _ in names)]
+    known = [n for n, _, _ in names] + [
+        n
+        for layer in base.sparse_layers
+        for p in expert_adapters.PROJS
+        for n in expert_adapters.per_expert_module_names(base, layer, p)
+    ]
+    unknown = [t for t in spec.target_names if not any(n == t or n.endswith("." + t) for n in known)]
     if unknown:
         raise AdapterError(
             f"target_modules {show(unknown)} are not modules of the base model (supported: {', '.join(TARGET_KINDS)})."
@@ -205,6 +217,24 @@ def _matches(pattern: ModulePattern, name: str, field: str) -> bool:
     except PatternError as e:  # the step budget ran out
         where = f"{field} key {show(pattern.text)}" if pattern.as_key else f"{field} {show(pattern.text)}"
         raise AdapterError(f"{where} is refused: {e.message}.") from None
+
+
+def _per_expert_modules(
+    spec: LoraSpec, base: BaseShapes, tensors: dict[str, TensorEntry]
+) -> list[expert_adapters.PerExpertModule]:
+    """The per-expert 2-D form: target_modules that name the experts' own modules (as under
+    transformers 4). Under transformers 5 the same names match no expert (its experts are 3-D
+    parameters), so a file holding none of their tensors has none of this form; one holding any
+    must hold all the config targets (check_per_expert): none is dropped silently."""
+
+    def rank_scaling(name: str) -> tuple[int, float]:
+        rank = int(_pattern_value(spec.rank_pattern, name, spec.rank))
+        return rank, _scaling(_pattern_value(spec.alpha_pattern, name, spec.alpha), rank, spec.use_rslora, name)
+
+    modules = expert_adapters.per_expert_modules(base, lambda name: _targets(spec, name), rank_scaling)
+    if not any(key in tensors for m in modules for key in (*m.a_keys, *m.b_keys)):
+        return []
+    return modules
 
 
 def _expert_modules(spec: LoraSpec, base: BaseShapes) -> list[expert_adapters.ExpertModule]:

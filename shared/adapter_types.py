@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ledgerserve.shared.moe_layers import expert_shapes, sparse_mlp_layers
+from ledgerserve.shared.moe_layers import expert_shapes, per_expert_names, sparse_mlp_layers
 
 TARGET_KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -35,6 +35,8 @@ class BaseShapes:
     sparse_layers: tuple[int, ...] = ()  # layers whose MLP is a mixture of experts: no MLP targets there
     num_experts: int = 0  # of each sparse layer
     expert_intermediate_size: int = 0  # of one expert
+    # transformers 4's names of an expert's modules: (sparse block, gate, up, down)
+    per_expert_names: tuple[str, str, str, str] = ("mlp", "gate_proj", "up_proj", "down_proj")
 
     @staticmethod
     def from_hf_config(cfg: dict) -> BaseShapes:
@@ -49,6 +51,7 @@ class BaseShapes:
             sparse_layers=sparse_mlp_layers(cfg),
             num_experts=expert_shapes(cfg)[0],
             expert_intermediate_size=expert_shapes(cfg)[1],
+            per_expert_names=per_expert_names(cfg),
         )
 
     def in_out(self, kind: str) -> tuple[int, int]:

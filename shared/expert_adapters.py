@@ -15,6 +15,7 @@ as ambiguous. A 0.18 adapter is refused with the reason: its deltas would be tra
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ledgerserve.shared.adapter_types import AdapterError, BaseShapes
@@ -112,3 +113,67 @@ def _before_unswapped(peft_version: str | None) -> bool | None:
     if not isinstance(peft_version, str) or (m := _VERSION.match(peft_version)) is None:
         return None
     return (int(m.group(1)), int(m.group(2))) < FIRST_UNSWAPPED
+
+
+PROJS = ("gate", "up", "down")
+
+
+@dataclass(frozen=True)
+class PerExpertModule:
+    """One projection of one sparse layer in the per-expert 2-D form (transformers 4's expert
+    modules, `...experts.{e}.gate_proj` or Mixtral's `w1` / `w3` / `w2`): expert e's A [r, in] and
+    B [out, r] under its own keys; None where the adapter leaves expert e alone (a zero delta)."""
+
+    layer: int
+    proj: str  # gate, up or down
+    rank: int
+    scaling: float
+    a_keys: tuple[str | None, ...]  # one per expert
+    b_keys: tuple[str | None, ...]
+
+
+def per_expert_module_names(base: BaseShapes, layer: int, proj: str) -> list[str]:
+    """The module path of each expert's `proj` in `layer`, as transformers 4 named them."""
+    block, *names = base.per_expert_names
+    return [f"model.layers.{layer}.{block}.experts.{e}.{names[PROJS.index(proj)]}" for e in range(base.num_experts)]
+
+
+def per_expert_modules(
+    base: BaseShapes, targets: Callable[[str], bool], rank_scaling: Callable[[str], tuple[int, float]]
+) -> list[PerExpertModule]:
+    """The per-expert modules the config targets (`targets`, PEFT's rule for a module path), each
+    with its rank and scaling (`rank_scaling`): one per sparse layer and projection, refused where
+    the targeted experts of one differ in either (the engine keeps one of each per projection)."""
+    modules = []
+    for layer in base.sparse_layers:
+        for proj in PROJS:
+            names = [name if targets(name) else None for name in per_expert_module_names(base, layer, proj)]
+            chosen = {rank_scaling(name) for name in names if name is not None}
+            if not chosen:
+                continue
+            if len(chosen) > 1:
+                raise AdapterError(
+                    f"The experts of layer {layer} {proj} differ in rank or lora_alpha (rank_pattern / alpha_pattern); "
+                    "the engine serves one rank and scaling per projection of a layer."
+                )
+            (rank, scaling), keys = chosen.pop(), [f"base_model.model.{n}" if n else None for n in names]
+            a_keys = tuple(k and f"{k}.lora_A.weight" for k in keys)
+            b_keys = tuple(k and f"{k}.lora_B.weight" for k in keys)
+            modules.append(PerExpertModule(layer, proj, rank, scaling, a_keys, b_keys))
+    return modules
+
+
+def check_per_expert(m: PerExpertModule, tensors: dict[str, TensorEntry], base: BaseShapes) -> None:
+    """Each targeted expert's A is [r, in] and its B [out, r]; AdapterError naming the first that is not."""
+    h, i = base.hidden_size, base.expert_intermediate_size
+    n_in, n_out = (i, h) if m.proj == "down" else (h, i)
+    for a_key, b_key in zip(m.a_keys, m.b_keys):
+        if a_key is None or b_key is None:
+            continue
+        for key, shape in ((a_key, (m.rank, n_in)), (b_key, (n_out, m.rank))):
+            if key not in tensors:
+                raise AdapterError(f"The adapter's weights lack tensor {key}.")
+            if tensors[key].shape != shape:
+                raise AdapterError(
+                    f"Tensor {key} has shape {list(tensors[key].shape)}, the base model's expert needs {list(shape)}."
+                )

@@ -8,6 +8,11 @@ from __future__ import annotations
 from typing import Any
 
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+# a transformers-4 checkpoint's expert modules, `model.layers.L.<block>.experts.E.<gate|up|down>`
+PER_EXPERT_NAMES = {
+    "Qwen3MoeForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    "MixtralForCausalLM": ("block_sparse_moe", "w1", "w3", "w2"),
+}
 
 
 def moe_architecture(cfg: dict[str, Any]) -> str | None:
@@ -35,3 +40,9 @@ def expert_shapes(cfg: dict[str, Any]) -> tuple[int, int]:
     if arch == "MixtralForCausalLM":
         return num_experts, int(cfg["intermediate_size"])
     return num_experts, int(cfg["moe_intermediate_size"])
+
+
+def per_expert_names(cfg: dict[str, Any]) -> tuple[str, str, str, str]:
+    """(sparse block, gate, up, down) as transformers 4 named one expert's modules; Qwen3-MoE's
+    names for a dense architecture (which has no experts to name)."""
+    return PER_EXPERT_NAMES.get(moe_architecture(cfg) or "", PER_EXPERT_NAMES["Qwen3MoeForCausalLM"])

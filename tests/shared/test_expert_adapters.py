@@ -153,3 +153,80 @@ def test_an_adapter_peft_saved_passes_every_check(tiny_moe_checkpoint: str, tmp_
     get_peft_model(load_reference(tiny_moe_checkpoint), config).save_pretrained(str(tmp_path / "saved"))
     with pytest.raises(AdapterError, match=NOT_SERVED):
         read_manifest(str(tmp_path / "saved"), base, 16, (str(tmp_path),), check_weights=True)
+
+
+QWEN_NAMES, MIXTRAL_NAMES = ("mlp", "gate_proj", "up_proj", "down_proj"), ("block_sparse_moe", "w1", "w3", "w2")
+
+
+def _write_per_expert(tmp_path, base: BaseShapes, experts=range(E), rank: int = R, **config):
+    """A per-expert 2-D adapter (transformers 4's expert modules) on every expert projection."""
+    block, *names = base.per_expert_names
+    tensors = {}
+    for layer in base.sparse_layers:
+        for e in experts:
+            for name in names:
+                n_in, n_out = (INTER, H) if name == names[2] else (H, INTER)
+                stem = f"base_model.model.model.layers.{layer}.{block}.experts.{e}.{name}"
+                tensors[f"{stem}.lora_A.weight"] = torch.randn(rank, n_in)
+                tensors[f"{stem}.lora_B.weight"] = torch.randn(n_out, rank)
+    path = tmp_path / "per-expert"
+    path.mkdir(exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    body = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": names, **config}
+    (path / "adapter_config.json").write_text(json.dumps(body))
+    return str(path)
+
+
+@pytest.mark.parametrize("names", [QWEN_NAMES, MIXTRAL_NAMES])
+def test_per_expert_files_pass_every_check(tmp_path, names) -> None:
+    base = BaseShapes(2, H, 40, H, 8, 50, (0, 1), E, INTER, per_expert_names=names)
+    with pytest.raises(AdapterError, match=f"per-expert modules, 6 projections over 2 layers.*{NOT_SERVED}"):
+        read_manifest(_write_per_expert(tmp_path, base), base, 16, (str(tmp_path),), check_weights=True)
+
+
+def test_a_per_expert_adapter_missing_one_expert_or_misshapen_is_refused(tmp_path) -> None:
+    path = _write_per_expert(tmp_path, BASE)
+    weights = os.path.join(path, "adapter_model.safetensors")
+    from safetensors.torch import load_file
+
+    tensors = load_file(weights)
+    key = "base_model.model.model.layers.1.mlp.experts.2.up_proj.lora_B.weight"
+    tensors[key] = tensors[key][:-1].contiguous()
+    save_file(tensors, weights)
+    with pytest.raises(AdapterError, match=rf"{key} has shape \[9, 2\], the base model's expert needs \[10, 2\]"):
+        read_manifest(path, BASE, 16, (str(tmp_path),))
+    del tensors[key]  # one expert of many: never read as a zero delta
+    save_file(tensors, weights)
+    with pytest.raises(AdapterError, match=f"lack tensor {key}"):
+        read_manifest(path, BASE, 16, (str(tmp_path),))
+
+
+def test_experts_of_one_projection_share_a_rank(tmp_path) -> None:
+    pattern = {"model.layers.0.mlp.experts.1.gate_proj": 4}
+    path = _write_per_expert(tmp_path, BASE, rank_pattern=pattern)
+    with pytest.raises(AdapterError, match="experts of layer 0 gate differ in rank"):
+        read_manifest(path, BASE, 16, (str(tmp_path),))
+
+
+def test_a_pattern_may_target_some_experts(tmp_path) -> None:
+    """The others are left alone (a zero delta): their tensors are absent, as PEFT saves them."""
+    path = _write_per_expert(tmp_path, BASE, experts=[0, 3], target_modules=r".*\.experts\.(0|3)\.(gate|up|down)_proj")
+    with pytest.raises(AdapterError, match=NOT_SERVED):
+        read_manifest(path, BASE, 16, (str(tmp_path),), check_weights=True)
+
+
+def test_expert_names_matching_no_expert_tensor_leave_a_dense_adapter(tmp_path) -> None:
+    """Under transformers 5 `gate_proj` matches only dense MLP layers (experts are 3-D parameters):
+    such an adapter, without expert tensors, is a dense one."""
+    base = BaseShapes(2, H, 40, H, 8, 50, sparse_layers=(1,), num_experts=E, expert_intermediate_size=INTER)
+    path = tmp_path / "dense"
+    path.mkdir()
+    stem = "base_model.model.model.layers.0.mlp.gate_proj"
+    save_file(
+        {f"{stem}.lora_A.weight": torch.randn(R, H), f"{stem}.lora_B.weight": torch.randn(40, R)},
+        str(path / "adapter_model.safetensors"),
+    )
+    config = {"peft_type": "LORA", "r": R, "lora_alpha": R, "target_modules": ["gate_proj"]}
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    manifest = read_manifest(str(path), base, 16, (str(tmp_path),), check_weights=True)
+    assert [m.name for m in manifest.modules] == ["model.layers.0.mlp.gate_proj"]

@@ -35,3 +35,19 @@ def expert_deltas(a: torch.Tensor, b: torch.Tensor, num_experts: int, scaling: f
     """Every expert's delta, [E, out, in], as its fused parameter is laid out."""
     per_expert_a, per_expert_b = split_experts(a, b, num_experts)
     return scaling * torch.bmm(per_expert_b, per_expert_a)
+
+
+def stack_experts(
+    pairs: list[tuple[torch.Tensor, torch.Tensor] | None],  # per expert: A [r, in], B [out, r]; None: left alone
+    rank: int,
+    num_in: int,
+    num_out: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # A [E, r, in], B [E, out, r]
+    """The per-expert 2-D form (transformers 4's expert modules) in the same layout as
+    `split_experts`: an expert the adapter leaves alone gets zeros, a delta of zero."""
+    per_expert_a = torch.zeros(len(pairs), rank, num_in)
+    per_expert_b = torch.zeros(len(pairs), num_out, rank)
+    for e, pair in enumerate(pairs):
+        if pair is not None:
+            per_expert_a[e], per_expert_b[e] = pair
+    return per_expert_a, per_expert_b
