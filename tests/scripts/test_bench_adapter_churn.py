@@ -95,7 +95,8 @@ def test_load_stats_group_rank_zero_loads_by_target_and_tier(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_quick_run_measures_every_workload(tmp_path) -> None:
+def test_quick_run_measures_every_workload(tmp_path, demo_home, monkeypatch) -> None:
+    monkeypatch.setenv("HOME", demo_home)  # the session's demo build, not a second one in the user's cache
     out, plot = tmp_path / "churn.json", tmp_path / "churn.png"
     report = main(["--quick", "--work-dir", str(tmp_path / "work"), "--out", str(out), "--plot", str(plot)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
