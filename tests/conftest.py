@@ -7,11 +7,12 @@ from pathlib import Path
 import pytest
 
 from tests import fresh_venv
-from tests.demo_build import DemoBuild
+from tests.background_job import BackgroundJob
+from tests.demo_build import built_model_dir, start_demo_build
 from tests.model_factory import DENSE_ARCHS, MOE_ARCHS, make_tiny_checkpoint
 
-FRESH_JOB = pytest.StashKey[fresh_venv.Job]()
-DEMO_BUILD = pytest.StashKey[DemoBuild]()
+FRESH_JOB = pytest.StashKey[BackgroundJob]()
+DEMO_BUILD = pytest.StashKey[BackgroundJob]()
 
 
 def _needs_demo(item: pytest.Item) -> bool:
@@ -36,11 +37,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the background work the collected tests wait for: the demo-model build, and the
     fresh-venv job (tests/fresh_venv.py, at the lowest CPU priority)."""
     if any(_needs_demo(item) for item in session.items):
-        session.config.stash[DEMO_BUILD] = DemoBuild.start()
+        session.config.stash[DEMO_BUILD] = start_demo_build()
     if any(item.path.name == "test_fresh_install.py" for item in session.items):
         from tests.test_fresh_install import readme_install_line
 
-        session.config.stash[FRESH_JOB] = fresh_venv.Job.start(readme_install_line())
+        session.config.stash[FRESH_JOB] = fresh_venv.start_job(readme_install_line())
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -69,7 +70,7 @@ def demo_model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
     """The demo model, built once for the session (not into the user's cache): by the background
     build the session started at collection, or here."""
     if (build := request.config.stash.get(DEMO_BUILD, None)) is not None:
-        return build.wait()
+        return built_model_dir(build)
     from ledgerserve.demo_model import ensure_demo_model
 
     return ensure_demo_model(str(tmp_path_factory.mktemp("demo") / "demo-model"))

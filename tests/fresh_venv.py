@@ -2,7 +2,7 @@
 README's install line run in it, then `ledgerserve serve` from that venv in a fresh HOME (the demo
 model built from scratch), one completion, a clean stop.
 
-That is minutes of mostly single-core work, so it runs as a background job (`Job`), started when
+That is minutes of mostly single-core work, so it runs as a background job (`start_job`), started when
 the session has collected the test and run at the lowest CPU priority: it takes the core the other
 tests leave idle, and the test waits for its facts (`result.json`) and checks them."""
 
@@ -14,14 +14,14 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.background_job import ROOT, BackgroundJob
+
 INSTALL_TIMEOUT_S = 1200.0
 READY_TIMEOUT_S = 600.0
 TAIL_CHARS = 3000
@@ -150,43 +150,21 @@ def _wait_ready(server: subprocess.Popen, port: int) -> bool:
     return False
 
 
-@dataclass
-class Job:
-    """`run_job` in a background process at the lowest CPU priority, in its own session."""
+def start_job(install_line: str) -> BackgroundJob:
+    """`run_job` in the background (tests/background_job.py), at the lowest CPU priority."""
+    return BackgroundJob.run("ls-fresh-", ["nice", "-n", "19", sys.executable, "-m", "tests.fresh_venv", install_line])
 
-    root: Path
-    proc: subprocess.Popen
 
-    @property
-    def install(self) -> Install:
-        return Install("", self.root)
-
-    @classmethod
-    def start(cls, install_line: str) -> Job:
-        root = Path(tempfile.mkdtemp(prefix="ls-fresh-"))
-        command = ["nice", "-n", "19", sys.executable, "-m", "tests.fresh_venv", str(root), install_line]
-        log = open(root / "job.out", "wb")  # noqa: SIM115 - the child holds it; closed when the job ends
-        proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
-        return cls(root, proc)
-
-    def facts(self, timeout_s: float) -> Facts:
-        """Wait for the job; its facts, or AssertionError with its output if it wrote none."""
-        rc = self.proc.wait(timeout=timeout_s)
-        result = self.root / "result.json"
-        assert rc == 0 and result.exists(), (self.root / "job.out").read_text()[-2 * TAIL_CHARS :]
-        return Facts(**json.loads(result.read_text()))
-
-    def stop(self) -> None:
-        """End the job's processes (if still running) and remove its files."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        shutil.rmtree(self.root, ignore_errors=True)
+def job_facts(job: BackgroundJob, timeout_s: float) -> Facts:
+    """Wait for the job; its facts, or AssertionError with its output if it wrote none."""
+    job.wait(timeout_s)
+    result = job.root / "result.json"
+    assert result.exists(), (job.root / "job.out").read_text()[-2 * TAIL_CHARS :]
+    return Facts(**json.loads(result.read_text()))
 
 
 def main() -> None:
-    root, install_line = Path(sys.argv[1]), sys.argv[2]
+    install_line, root = sys.argv[1], Path(sys.argv[2])
     facts = run_job(root, install_line)
     partial = root / "result.json.partial"
     partial.write_text(json.dumps(asdict(facts)))

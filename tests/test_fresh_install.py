@@ -15,6 +15,7 @@ import pytest
 
 from ledgerserve.demo_model import DEMO_MODEL_NAME, recipe_digest
 from tests import fresh_venv
+from tests.background_job import BackgroundJob
 from tests.readme import readme_commands
 
 pytestmark = pytest.mark.slow
@@ -44,17 +45,17 @@ def fresh_job(request: pytest.FixtureRequest):
     if job is not None:
         yield job  # the session stops it
         return
-    job = fresh_venv.Job.start(readme_install_line())
+    job = fresh_venv.start_job(readme_install_line())
     yield job
     job.stop()
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
-def test_the_readme_serve_command_works_in_a_fresh_venv(demo_model_dir: str, fresh_job: fresh_venv.Job) -> None:
+def test_the_readme_serve_command_works_in_a_fresh_venv(demo_model_dir: str, fresh_job: BackgroundJob) -> None:
     readme_install_line()
-    facts = fresh_job.facts(JOB_TIMEOUT_S)
+    facts = fresh_venv.job_facts(fresh_job, JOB_TIMEOUT_S)
     assert facts.install_rc == 0, facts.install_tail
-    install = fresh_job.install
+    install = fresh_venv.Install("", fresh_job.root)  # its paths
     assert facts.peft_import_rc != 0  # the check means something: the test-only packages are not there
     assert facts.ledgerserve_path == str(install.venv / "bin" / "ledgerserve")
     out = facts.server_output
